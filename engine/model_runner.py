@@ -1,0 +1,83 @@
+"""Turns a `SchedulerOutput` into one forward over packed tokens and samples the requests that are due."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridserve.engine.request import Request
+from hybridserve.engine.sampler import sample
+from hybridserve.engine.scheduler import SchedulerOutput
+from hybridserve.models.forward_batch import ForwardBatch
+from hybridserve.models.hybrid_model import HybridLM
+from hybridserve.statepool.state_cache import StateCache
+
+
+def build_forward_batch(
+    chunks: list[tuple[Request, int]], num_decode: int, page_size: int, device: torch.device
+) -> tuple[torch.Tensor, ForwardBatch]:
+    """(request, new token count) pairs, decodes first -> (input ids [N], batch metadata)."""
+    input_ids: list[int] = []
+    slot_mapping: list[int] = []
+    query_lens, context_lens, kv_lens, state_slots = [], [], [], []
+    max_pages = max((len(r.page_ids) for r, _ in chunks), default=0)
+    block_tables = []
+    for request, count in chunks:
+        start = request.num_computed_tokens
+        input_ids.extend(request.all_token_ids[start : start + count])
+        pages = request.page_ids
+        if pages:
+            slot_mapping.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, start + count))
+        else:
+            slot_mapping.extend([-1] * count)
+        query_lens.append(count)
+        context_lens.append(start)
+        kv_lens.append(start + count)
+        state_slots.append(-1 if request.state_slot is None else request.state_slot)
+        block_tables.append(pages + [0] * (max_pages - len(pages)))
+    cu = [0]
+    for n in query_lens:
+        cu.append(cu[-1] + n)
+
+    def as_tensor(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    batch = ForwardBatch(
+        num_decode=num_decode,
+        query_lens=tuple(query_lens),
+        cu_seqlens=as_tensor(cu),
+        context_lens=as_tensor(context_lens),
+        kv_lens=as_tensor(kv_lens),
+        state_slots=as_tensor(state_slots),
+        block_tables=torch.tensor(block_tables, dtype=torch.int64, device=device).reshape(len(chunks), max_pages),
+        slot_mapping=as_tensor(slot_mapping),
+    )
+    return as_tensor(input_ids), batch
+
+
+class ModelRunner:
+    """Owns the model and its state cache on one device."""
+
+    def __init__(self, model: HybridLM, cache: StateCache, page_size: int, device: torch.device) -> None:
+        self.model = model
+        self.cache = cache
+        self.page_size = page_size
+        self.device = device
+
+    def execute(self, work: SchedulerOutput) -> dict[str, int]:
+        """Run the step; returns the sampled token of every request whose pending tokens are now computed."""
+        chunks = work.chunks()
+        input_ids, batch = build_forward_batch(chunks, len(work.decodes), self.page_size, self.device)
+        hidden = self.model(input_ids, batch, self.cache)
+        due = [i for i, (r, n) in enumerate(chunks) if n == r.num_pending_tokens]
+        if not due:
+            return {}
+        rows = batch.cu_seqlens[torch.tensor(due, device=self.device) + 1] - 1
+        logits = self.model.compute_logits(hidden[rows])
+        requests = [chunks[i][0] for i in due]
+        tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        return {r.request_id: t for r, t in zip(requests, tokens)}
+
+    def prompt_logits(self, request: Request) -> torch.Tensor:
+        """Logits at every prompt position [L, vocab] for a request holding its slot and pages (one pass)."""
+        input_ids, batch = build_forward_batch([(request, request.num_tokens)], 0, self.page_size, self.device)
+        return self.model.compute_logits(self.model(input_ids, batch, self.cache))

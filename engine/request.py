@@ -1,0 +1,58 @@
+"""A request as the scheduler tracks it: tokens, progress, and the cache resources it holds."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from hybridserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Tokens [0:num_computed_tokens] have their KV / Mamba state in the cache; the rest still need a forward."""
+
+    def __init__(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int, arrival: int
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.arrival = arrival
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.page_ids: list[int] = []
+        self.state_slot: int | None = None
+        self.finish_reason: str | None = None
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens that still need a forward before the next sample."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """One token to compute on top of existing state: the cheap recurrent path."""
+        return self.num_computed_tokens > 0 and self.num_pending_tokens == 1
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

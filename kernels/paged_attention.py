@@ -1,0 +1,69 @@
+"""Causal GQA attention over a paged KV cache (prefill on top of a cached prefix, decode, verify).
+
+Pages: k_pages / v_pages [num_pages, page_size, Hkv, Dh]. Token t of a sequence lives in page
+block_table[t // page_size] at offset t % page_size. Query i of a sequence with q_len new tokens and
+kv_len tokens in total sits at absolute position kv_len - q_len + i and sees keys 0..that position.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_pages(
+    key: torch.Tensor,  # [N, Hkv, Dh]
+    value: torch.Tensor,  # [N, Hkv, Dh]
+    k_pages: torch.Tensor,  # [num_pages, page_size, Hkv, Dh]
+    v_pages: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [N] page * page_size + offset; -1 = padded token, skipped
+) -> None:
+    """Scatter new keys / values into their page slots (works on strided per-layer views too)."""
+    page_size = k_pages.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    pages, offsets = slots // page_size, slots % page_size
+    k_pages[pages, offsets] = key[valid].to(k_pages.dtype)
+    v_pages[pages, offsets] = value[valid].to(v_pages.dtype)
+
+
+def gather_kv(
+    pages: torch.Tensor, block_table: torch.Tensor, kv_len: int  # block_table: [max_pages]
+) -> torch.Tensor:
+    """The first kv_len tokens of one sequence from its pages: [kv_len, Hkv, Dh]."""
+    page_size = pages.shape[1]
+    num_pages = (kv_len + page_size - 1) // page_size
+    return pages[block_table[:num_pages].long()].reshape(-1, *pages.shape[2:])[:kv_len]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [N, Hq, Dh] packed queries
+    k_pages: torch.Tensor,  # [num_pages, page_size, Hkv, Dh]
+    v_pages: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [S + 1]
+    kv_lens: torch.Tensor,  # [S] tokens in the cache per sequence, the new ones included
+    block_tables: torch.Tensor,  # [S, max_pages]
+    scale: float,
+) -> torch.Tensor:
+    """Reference attention in fp32; returns [N, Hq, Dh] in q's dtype."""
+    num_q_heads = q.shape[1]
+    num_kv_heads = k_pages.shape[2]
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"query heads {num_q_heads} must be a multiple of kv heads {num_kv_heads}")
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    bounds = cu_seqlens_q.tolist()
+    lens = kv_lens.tolist()
+    for seq in range(len(lens)):
+        begin, end = bounds[seq], bounds[seq + 1]
+        q_len, kv_len = end - begin, int(lens[seq])
+        if q_len == 0:
+            continue
+        keys = gather_kv(k_pages, block_tables[seq], kv_len).float()  # [kv_len, Hkv, Dh]
+        values = gather_kv(v_pages, block_tables[seq], kv_len).float()
+        keys = keys.repeat_interleave(num_q_heads // num_kv_heads, dim=1)
+        values = values.repeat_interleave(num_q_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[begin:end].float(), keys) * scale
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+        k_pos = torch.arange(kv_len, device=q.device)[None, :]
+        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        out[begin:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)
+    return out.to(q.dtype)

@@ -1,0 +1,143 @@
+"""SSD (Mamba2 state-space duality) chunked scan over packed variable-length sequences.
+
+The reference walks each sequence in *logical chunks* whose ends land on absolute multiples of
+`chunk_size`: a sequence resumed after a cached prefix of length n starts with a short chunk of
+`chunk_size - n % chunk_size` tokens. So the states at chunk ends are exactly the states a prefix cache
+wants to keep (positions that are multiples of `chunk_size`), whatever the prefix length was.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+DtLimit = tuple[float, float]
+NO_DT_LIMIT: DtLimit = (0.0, math.inf)
+
+
+@dataclass(frozen=True)
+class SSDScanOutput:
+    """What one varlen scan returns."""
+
+    y: torch.Tensor  # [T, H, P] output (before gating), dtype of x
+    final_states: torch.Tensor  # [S, H, P, N] fp32, the state after each sequence's last token
+    chunk_states: torch.Tensor  # [K, H, P, N] fp32, state at every chunk end (absolute multiple of chunk_size)
+    chunk_state_seq: torch.Tensor  # [K] int64, the sequence each chunk state belongs to
+    chunk_state_pos: torch.Tensor  # [K] int64, absolute token count at that chunk end
+
+
+def process_dt(
+    dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool, dt_limit: DtLimit
+) -> torch.Tensor:
+    """dt -> clamp(softplus(dt + dt_bias)) in fp32. dt: [..., H]."""
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if dt_softplus:
+        dt = F.softplus(dt)
+    if dt_limit != NO_DT_LIMIT:
+        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
+    return dt
+
+
+def _expand_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[L, G, N] -> [L, H, N]: head h reads group h // (H // G)."""
+    return t.repeat_interleave(num_heads // t.shape[1], dim=1)
+
+
+def ssd_chunk_ref(
+    x: torch.Tensor,  # [L, H, P] fp32
+    dt: torch.Tensor,  # [L, H] fp32, processed
+    A: torch.Tensor,  # [H] fp32
+    B: torch.Tensor,  # [L, H, N] fp32 (groups expanded)
+    C: torch.Tensor,  # [L, H, N] fp32
+    state: torch.Tensor,  # [H, P, N] fp32, state before the chunk
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of the SSD algorithm in matrix form: returns (y [L, H, P], state after the chunk)."""
+    dA_cumsum = torch.cumsum(dt * A, dim=0)  # [L, H]
+    length = x.shape[0]
+    causal = torch.ones(length, length, dtype=torch.bool, device=x.device).tril()
+    # segment decay exp(cum[i] - cum[j]) for j <= i, 0 above the diagonal: [H, L, L]
+    seg = dA_cumsum.T[:, :, None] - dA_cumsum.T[:, None, :]
+    decay = torch.exp(seg.masked_fill(~causal, -math.inf))
+    scores = torch.einsum("lhn,shn->hls", C, B) * decay  # [H, L, S]
+    y = torch.einsum("hls,sh,shp->lhp", scores, dt, x)
+    # contribution of the incoming state, decayed to each position
+    y = y + torch.einsum("lhn,hpn->lhp", C, state) * torch.exp(dA_cumsum)[:, :, None]
+    decay_to_end = torch.exp(dA_cumsum[-1:] - dA_cumsum)  # [L, H]
+    new_state = state * torch.exp(dA_cumsum[-1])[:, None, None] + torch.einsum(
+        "lh,lhp,lhn->hpn", decay_to_end * dt, x, B
+    )
+    return y, new_state
+
+
+def ssd_scan_varlen_ref(
+    x: torch.Tensor,  # [T, H, P]
+    dt: torch.Tensor,  # [T, H], raw (dt_bias / softplus / limit applied here)
+    A: torch.Tensor,  # [H], negative
+    B: torch.Tensor,  # [T, G, N]
+    C: torch.Tensor,  # [T, G, N]
+    cu_seqlens: torch.Tensor,  # [S + 1]
+    chunk_size: int,
+    D: torch.Tensor | None = None,  # [H]
+    dt_bias: torch.Tensor | None = None,  # [H]
+    dt_softplus: bool = True,
+    dt_limit: DtLimit = NO_DT_LIMIT,
+    initial_states: torch.Tensor | None = None,  # [S, H, P, N]; None means zeros
+    start_positions: torch.Tensor | None = None,  # [S] absolute position of each sequence's first token
+) -> SSDScanOutput:
+    """Reference varlen SSD scan with chunk-aligned intermediate states (fp32 math)."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    num_tokens, num_heads, head_dim = x.shape
+    state_size = B.shape[-1]
+    num_seqs = cu_seqlens.numel() - 1
+    bounds = cu_seqlens.tolist()
+    starts = [0] * num_seqs if start_positions is None else [int(s) for s in start_positions.tolist()]
+    dt_all = process_dt(dt, dt_bias, dt_softplus, dt_limit)
+    A32 = A.float()
+    y = torch.empty(num_tokens, num_heads, head_dim, dtype=torch.float32, device=x.device)
+    final_states = torch.empty(num_seqs, num_heads, head_dim, state_size, dtype=torch.float32, device=x.device)
+    chunk_states: list[torch.Tensor] = []
+    chunk_seq: list[int] = []
+    chunk_pos: list[int] = []
+    for seq in range(num_seqs):
+        begin, end = bounds[seq], bounds[seq + 1]
+        if initial_states is None:
+            state = torch.zeros(num_heads, head_dim, state_size, dtype=torch.float32, device=x.device)
+        else:
+            state = initial_states[seq].float()
+        pos = starts[seq]
+        token = begin
+        while token < end:
+            length = min(chunk_size - pos % chunk_size, end - token)
+            sl = slice(token, token + length)
+            y_chunk, state = ssd_chunk_ref(
+                x[sl].float(),
+                dt_all[sl],
+                A32,
+                _expand_groups(B[sl].float(), num_heads),
+                _expand_groups(C[sl].float(), num_heads),
+                state,
+            )
+            y[sl] = y_chunk
+            token += length
+            pos += length
+            if pos % chunk_size == 0:
+                chunk_states.append(state)
+                chunk_seq.append(seq)
+                chunk_pos.append(pos)
+        final_states[seq] = state
+    if D is not None:
+        y = y + x.float() * D.float()[:, None]
+    empty = torch.empty(0, num_heads, head_dim, state_size, dtype=torch.float32, device=x.device)
+    return SSDScanOutput(
+        y=y.to(x.dtype),
+        final_states=final_states,
+        chunk_states=torch.stack(chunk_states) if chunk_states else empty,
+        chunk_state_seq=torch.tensor(chunk_seq, dtype=torch.int64, device=x.device),
+        chunk_state_pos=torch.tensor(chunk_pos, dtype=torch.int64, device=x.device),
+    )

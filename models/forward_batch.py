@@ -1,0 +1,39 @@
+"""Metadata of one forward pass over packed tokens of many sequences (the model runner builds it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """Sequences [0:num_decode] have exactly one new token each and state from earlier steps; the rest are
+    prefill chunks (fresh, or resumed after `context_lens` cached tokens). All tensors live on the device."""
+
+    num_decode: int
+    query_lens: tuple[int, ...]  # new tokens per sequence (host copy)
+    cu_seqlens: torch.Tensor  # [S + 1] int64 offsets of each sequence's new tokens
+    context_lens: torch.Tensor  # [S] int64 tokens computed before this step
+    kv_lens: torch.Tensor  # [S] int64 context + new tokens
+    state_slots: torch.Tensor  # [S] int64 Mamba state slot of each sequence
+    block_tables: torch.Tensor  # [S, max_pages] int64 KV pages of each sequence
+    slot_mapping: torch.Tensor  # [N] int64 KV slot (page * page_size + offset) of each new token
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decode
+
+    def prefill_cu_seqlens(self) -> torch.Tensor:
+        """Offsets of the prefill sequences' tokens, starting at 0: [S - num_decode + 1]."""
+        cu = self.cu_seqlens[self.num_decode :]
+        return cu - cu[0]

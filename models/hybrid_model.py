@@ -1,0 +1,78 @@
+"""The hybrid causal LM (NemotronH and Mamba2): embeddings, pre-norm residual blocks, final norm, lm_head.
+
+Parameter names follow transformers' checkpoints (without the `model.` / `backbone.` prefix), so a
+checkpoint's state dict loads as it is.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from hybridserve.models.attention import Attention
+from hybridserve.models.config import ModelConfig
+from hybridserve.models.forward_batch import ForwardBatch
+from hybridserve.models.layers import MLP, MoE, RMSNorm
+from hybridserve.models.mamba_mixer import Mamba2Mixer
+
+if TYPE_CHECKING:  # the state cache depends on models.config; avoid the import cycle
+    from hybridserve.statepool.state_cache import StateCache
+
+
+class Block(nn.Module):
+    """norm -> mixer -> residual add."""
+
+    def __init__(self, config: ModelConfig, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        if kind == "mamba":
+            assert config.mamba is not None  # guaranteed by ModelConfig validation
+            self.mixer: nn.Module = Mamba2Mixer(config.hidden_size, config.mamba, config.norm_eps)
+        elif kind == "attention":
+            assert config.attention is not None
+            self.mixer = Attention(config.hidden_size, config.attention)
+        elif kind == "mlp":
+            assert config.mlp_intermediate_size is not None
+            self.mixer = MLP(config.hidden_size, config.mlp_intermediate_size, config.mlp_bias)
+        else:
+            assert config.moe is not None
+            self.mixer = MoE(config.hidden_size, config.moe, config.mlp_bias)
+
+
+class HybridLM(nn.Module):
+    """Forward over packed tokens of many sequences; state lives in a `StateCache`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, kind) for kind in config.layer_types)
+        self.norm_f = RMSNorm(config.hidden_size, config.norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        for p in self.parameters():
+            p.requires_grad_(False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: StateCache) -> torch.Tensor:
+        """input_ids: [N] packed new tokens -> final-normed hidden states [N, hidden]."""
+        hidden = self.embeddings(input_ids)
+        residual_dtype = torch.float32 if self.config.residual_in_fp32 else hidden.dtype
+        for index, block in enumerate(self.layers):
+            residual = hidden.to(residual_dtype)
+            normed = block.norm(hidden.to(block.norm.weight.dtype))
+            if block.kind == "mamba":
+                out = block.mixer(normed, batch, *cache.mamba(index))
+            elif block.kind == "attention":
+                out = block.mixer(normed, batch, *cache.kv(index))
+            else:
+                out = block.mixer(normed)
+            hidden = residual + out
+        return self.norm_f(hidden.to(self.norm_f.weight.dtype))
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[M, hidden] -> fp32 logits [M, vocab]."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,112 @@
+"""Mamba2 mixer over packed tokens: in_proj -> causal conv1d + SiLU -> SSD scan -> gated RMSNorm -> out_proj.
+
+Decode rows (one new token, state from earlier steps) take the recurrent update; prefill rows take the
+chunked scan, starting from the slot's state when the sequence was resumed after a cached prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridserve.kernels import ops
+from hybridserve.models.config import MambaConfig
+from hybridserve.models.forward_batch import ForwardBatch
+
+
+class _Conv1dWeights(nn.Module):
+    """Holds the depthwise conv weights under transformers' names (`conv1d.weight` [D, 1, K], `conv1d.bias`)."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(channels), requires_grad=False) if bias else None
+
+
+class _GatedNormWeights(nn.Module):
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
+
+
+class Mamba2Mixer(nn.Module):
+    """One Mamba2 layer; its conv window and SSM state live in the pools passed to `forward`."""
+
+    def __init__(self, hidden_size: int, config: MambaConfig, norm_eps: float) -> None:
+        super().__init__()
+        self.config = config
+        self.norm_eps = norm_eps
+        self.in_proj = nn.Linear(hidden_size, config.in_proj_size, bias=config.proj_bias)
+        self.conv1d = _Conv1dWeights(config.conv_dim, config.conv_kernel, config.use_conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(config.num_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(config.num_heads), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(config.num_heads), requires_grad=False)
+        self.norm = _GatedNormWeights(config.intermediate_size)
+        self.out_proj = nn.Linear(config.intermediate_size, hidden_size, bias=config.proj_bias)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [N, hidden]
+        batch: ForwardBatch,
+        conv_pool: torch.Tensor,  # [num_slots, conv_dim, W]
+        ssm_pool: torch.Tensor,  # [num_slots, H, P, N_state]
+    ) -> torch.Tensor:
+        cfg = self.config
+        heads, head_dim, state = cfg.num_heads, cfg.head_dim, cfg.state_size
+        groups_state = cfg.n_groups * state
+        projected = self.in_proj(hidden)
+        gate, xBC, dt = projected.split([cfg.intermediate_size, cfg.conv_dim, heads], dim=-1)
+        conv_weight = self.conv1d.weight[:, 0, :]  # [D, K]
+        A = -torch.exp(self.A_log.float())
+        y = torch.empty(hidden.shape[0], heads, head_dim, dtype=hidden.dtype, device=hidden.device)
+        nd = batch.num_decode
+        if nd:
+            slots = batch.state_slots[:nd]
+            conv_out = ops.causal_conv1d_update(xBC[:nd, None], conv_pool, slots, conv_weight, self.conv1d.bias)
+            x, B, C = conv_out[:, 0].split([cfg.intermediate_size, groups_state, groups_state], dim=-1)
+            y[:nd] = ops.selective_state_update(
+                ssm_pool,
+                slots,
+                x.reshape(nd, heads, head_dim),
+                dt[:nd],
+                A,
+                B.reshape(nd, cfg.n_groups, state),
+                C.reshape(nd, cfg.n_groups, state),
+                D=self.D,
+                dt_bias=self.dt_bias,
+                dt_limit=cfg.dt_limit,
+            )
+        if nd < batch.num_seqs:
+            slots = batch.state_slots[nd:]
+            resumed = (batch.context_lens[nd:] > 0)[:, None, None]
+            windows = torch.where(resumed, conv_pool[slots].float(), 0.0)
+            conv_out, final_windows = ops.causal_conv1d_varlen(
+                xBC[nd:], conv_weight, self.conv1d.bias, batch.prefill_cu_seqlens(), windows
+            )
+            conv_pool[slots] = final_windows.to(conv_pool.dtype)
+            tokens = conv_out.shape[0]
+            x, B, C = conv_out.split([cfg.intermediate_size, groups_state, groups_state], dim=-1)
+            scan = ops.ssd_scan_varlen(
+                x.reshape(tokens, heads, head_dim),
+                dt[nd:],
+                A,
+                B.reshape(tokens, cfg.n_groups, state),
+                C.reshape(tokens, cfg.n_groups, state),
+                batch.prefill_cu_seqlens(),
+                cfg.chunk_size,
+                D=self.D,
+                dt_bias=self.dt_bias,
+                dt_limit=cfg.dt_limit,
+                initial_states=torch.where(resumed[..., None], ssm_pool[slots].float(), 0.0),
+                start_positions=batch.context_lens[nd:],
+            )
+            ssm_pool[slots] = scan.final_states.to(ssm_pool.dtype)
+            y[nd:] = scan.y
+        normed = ops.gated_rmsnorm(
+            y.reshape(-1, cfg.intermediate_size),
+            gate,
+            self.norm.weight,
+            group_size=cfg.intermediate_size // cfg.n_groups,
+            eps=self.norm_eps,
+        )
+        return self.out_proj(normed)

@@ -1,0 +1,94 @@
+"""Load a transformers checkpoint directory (safetensors, single file or sharded) into a `HybridLM`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from hybridserve.models.config import ModelConfig
+from hybridserve.models.hybrid_model import HybridLM
+
+logger = logging.getLogger(__name__)
+
+_PREFIXES = ("model.", "backbone.")
+_EXPERT_KEY = re.compile(r"^(layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no `weight_map`")
+        files = sorted({model_dir / name for name in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"{index} names shard files that do not exist: {missing}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise ValueError(f"{model_dir} has no model.safetensors nor model.safetensors.index.json")
+
+
+def _normalize(name: str) -> str:
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name
+
+
+def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint under our parameter names (per-expert tensors stacked)."""
+    tensors: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as handle:
+            for raw_name in handle.keys():
+                name = _normalize(raw_name)
+                match = _EXPERT_KEY.match(name)
+                if match:
+                    experts.setdefault((match[1], match[3]), {})[int(match[2])] = handle.get_tensor(raw_name)
+                else:
+                    tensors[name] = handle.get_tensor(raw_name)
+    for (prefix, proj), per_expert in experts.items():
+        tensors[f"{prefix}.{proj}"] = torch.stack([per_expert[i] for i in sorted(per_expert)])
+    return tensors
+
+
+def load_model(
+    model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> HybridLM:
+    """Build the model on `device` in `dtype` and fill it from the checkpoint; missing or unexpected
+    tensors and shape mismatches raise a ValueError that names them."""
+    model_dir = Path(model_dir)
+    state = read_state_dict(model_dir)
+    if "lm_head.weight" not in state and config.tie_word_embeddings and "embeddings.weight" in state:
+        state["lm_head.weight"] = state["embeddings.weight"]
+    with torch.device("meta"):
+        model = HybridLM(config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks tensors the config needs: {missing[:8]}")
+    if unexpected:
+        raise ValueError(f"checkpoint {model_dir} has tensors the config does not describe: {unexpected[:8]}")
+    for name, ref in expected.items():
+        if tuple(state[name].shape) != tuple(ref.shape):
+            raise ValueError(
+                f"tensor {name} in {model_dir} has shape {tuple(state[name].shape)}, config implies {tuple(ref.shape)}"
+            )
+    model = model.to_empty(device=device)
+    keep_fp32 = {"A_log", "D", "dt_bias", "e_score_correction_bias"}  # SSM constants stay fp32
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        target = torch.float32 if name.rsplit(".", 1)[-1] in keep_fp32 else dtype
+        tensor.data = state[name].to(device=device, dtype=target)
+    logger.info("loaded %s (%s, %d layers, pattern %s)", model_dir, config.architecture, config.num_layers, config.pattern)
+    return model.eval()

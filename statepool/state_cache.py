@@ -1,0 +1,95 @@
+"""Device tensors holding every request's state, and how big they are.
+
+Layout is request-major so one request's state is one contiguous block (cheap to copy, checkpoint and ship):
+  k_pages / v_pages: [num_pages, n_attention_layers, page_size, Hkv, Dh]
+  conv_states:       [num_slots, n_mamba_layers, conv_dim, conv_width]   (conv_width >= conv_kernel-1)
+  ssm_states:        [num_slots, n_mamba_layers, H, P, N]               (dtype `mamba_ssm_cache_dtype`)
+Layers see strided per-layer views.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from hybridserve.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Sizes of the pools; `bytes_per_page` / `bytes_per_slot` drive sizing from a memory budget."""
+
+    num_pages: int
+    page_size: int
+    num_slots: int
+    conv_width: int
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.num_pages < 0 or self.num_slots <= 0:
+            raise ValueError(f"invalid cache layout {self}")
+
+    @staticmethod
+    def bytes_per_page(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
+        attn = config.attention
+        if attn is None:
+            return 0
+        per_token = 2 * attn.num_kv_heads * attn.head_dim * _dtype_size(dtype)
+        return per_token * page_size * len(config.layers_of("attention"))
+
+    @staticmethod
+    def bytes_per_slot(config: ModelConfig, conv_width: int, dtype: torch.dtype, ssm_dtype: torch.dtype) -> int:
+        m = config.mamba
+        if m is None:
+            return 0
+        per_layer = m.conv_dim * conv_width * _dtype_size(dtype)
+        per_layer += m.num_heads * m.head_dim * m.state_size * _dtype_size(ssm_dtype)
+        return per_layer * len(config.layers_of("mamba"))
+
+
+class StateCache:
+    """Allocates the pools and maps a layer index to its per-layer view."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layout: CacheLayout,
+        dtype: torch.dtype,
+        ssm_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self._attention_index = {layer: i for i, layer in enumerate(config.layers_of("attention"))}
+        self._mamba_index = {layer: i for i, layer in enumerate(config.layers_of("mamba"))}
+        attn, mamba = config.attention, config.mamba
+        n_attn, n_mamba = len(self._attention_index), len(self._mamba_index)
+        pages = layout.num_pages if n_attn else 0
+        kv_shape = (pages, n_attn, layout.page_size, attn.num_kv_heads if attn else 0, attn.head_dim if attn else 0)
+        self.k_pages = torch.zeros(kv_shape, dtype=dtype, device=device)
+        self.v_pages = torch.zeros(kv_shape, dtype=dtype, device=device)
+        slots = layout.num_slots if n_mamba else 0
+        conv_dim = mamba.conv_dim if mamba else 0
+        self.conv_states = torch.zeros((slots, n_mamba, conv_dim, layout.conv_width), dtype=dtype, device=device)
+        ssm_shape = (slots, n_mamba, *((mamba.num_heads, mamba.head_dim, mamba.state_size) if mamba else (0, 0, 0)))
+        self.ssm_states = torch.zeros(ssm_shape, dtype=ssm_dtype, device=device)
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-layer page views [num_pages, page_size, Hkv, Dh]."""
+        i = self._attention_index[layer]
+        return self.k_pages[:, i], self.v_pages[:, i]
+
+    def mamba(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-layer slot views: conv [num_slots, conv_dim, W], ssm [num_slots, H, P, N]."""
+        i = self._mamba_index[layer]
+        return self.conv_states[:, i], self.ssm_states[:, i]
+
+    def total_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k_pages, self.v_pages, self.conv_states, self.ssm_states))
