@@ -4,13 +4,14 @@ Each module holds a pure-torch reference (the CPU path and the oracle for every 
 one exists, the Triton kernel with its launcher.
 """
 
-from hybridserve.kernels.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from hybridserve.kernels.causal_conv1d import ConvVarlenOutput, causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from hybridserve.kernels.gated_rmsnorm import gated_rmsnorm_ref, rmsnorm_ref
 from hybridserve.kernels.paged_attention import paged_attention_ref, write_kv_pages
 from hybridserve.kernels.ssd_scan import SSDScanOutput, process_dt, ssd_scan_varlen_ref
 from hybridserve.kernels.state_update import multi_token_state_update_ref, selective_state_update_ref
 
 __all__ = [
+    "ConvVarlenOutput",
     "SSDScanOutput",
     "causal_conv1d_update_ref",
     "causal_conv1d_varlen_ref",

@@ -6,6 +6,8 @@ Keeping W = K-1+K_spec columns lets speculative decoding roll back by reading at
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +32,17 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     raise ValueError(f"unsupported conv activation {activation!r}; expected 'silu' or None")
 
 
+@dataclass(frozen=True)
+class ConvVarlenOutput:
+    """What one varlen prefill conv returns."""
+
+    y: torch.Tensor  # [T, D] activated conv output, dtype of x
+    final_windows: torch.Tensor  # [S, D, W] fp32, the last W inputs of each sequence
+    boundary_windows: torch.Tensor  # [K, D, W] fp32, windows at absolute multiples of state_block
+    boundary_seq: torch.Tensor  # [K] int64, sequence of each boundary window
+    boundary_pos: torch.Tensor  # [K] int64, absolute token count at that boundary
+
+
 def causal_conv1d_varlen_ref(
     x: torch.Tensor,  # [T, D] packed tokens
     weight: torch.Tensor,  # [D, K]
@@ -38,8 +51,10 @@ def causal_conv1d_varlen_ref(
     initial_windows: torch.Tensor | None = None,  # [S, D, W], W >= K-1; None means zeros (fresh sequences)
     activation: str | None = "silu",
     window_width: int | None = None,  # W when initial_windows is None (default K-1)
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prefill conv per sequence; returns (y [T, D] in x's dtype, final windows [S, D, W] fp32)."""
+    start_positions: torch.Tensor | None = None,  # [S] absolute position of each sequence's first token
+    state_block: int | None = None,  # also return the windows at absolute multiples of this
+) -> ConvVarlenOutput:
+    """Prefill conv per sequence (fp32 math)."""
     kernel = weight.shape[1]
     num_seqs = cu_seqlens.numel() - 1
     if initial_windows is not None:
@@ -48,21 +63,42 @@ def causal_conv1d_varlen_ref(
         width = kernel - 1 if window_width is None else window_width
     if width < kernel - 1:
         raise ValueError(f"conv window width {width} is smaller than conv_kernel-1 = {kernel - 1}")
+    if state_block is not None and state_block <= 0:
+        raise ValueError(f"state_block must be positive, got {state_block}")
     bounds = cu_seqlens.tolist()
+    starts = [0] * num_seqs if start_positions is None else [int(p) for p in start_positions.tolist()]
     w32 = weight.float()
     b32 = None if bias is None else bias.float()
     y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     finals = torch.empty(num_seqs, x.shape[1], width, dtype=torch.float32, device=x.device)
+    boundary_windows: list[torch.Tensor] = []
+    boundary_seq: list[int] = []
+    boundary_pos: list[int] = []
     for seq in range(num_seqs):
         begin, end = bounds[seq], bounds[seq + 1]
         if initial_windows is None:
             window = torch.zeros(x.shape[1], width, dtype=torch.float32, device=x.device)
         else:
             window = initial_windows[seq].float()
-        out, full = _conv_with_window(window[:, width - (kernel - 1) :], x[begin:end].float(), w32, b32)
+        out, _ = _conv_with_window(window[:, width - (kernel - 1) :], x[begin:end].float(), w32, b32)
         y[begin:end] = out
-        finals[seq] = torch.cat([window, x[begin:end].float().T], dim=1)[:, -width:] if width else full[:, :0]
-    return _activate(y, activation).to(x.dtype), finals
+        history = torch.cat([window, x[begin:end].float().T], dim=1)  # [D, W + L]
+        finals[seq] = history[:, history.shape[1] - width :]
+        if state_block is not None:
+            first = -(-(starts[seq] + 1) // state_block) * state_block
+            for pos in range(first, starts[seq] + end - begin + 1, state_block):
+                stop = width + pos - starts[seq]  # columns of history up to and including token `pos - 1`
+                boundary_windows.append(history[:, stop - width : stop])
+                boundary_seq.append(seq)
+                boundary_pos.append(pos)
+    empty = torch.empty(0, x.shape[1], width, dtype=torch.float32, device=x.device)
+    return ConvVarlenOutput(
+        y=_activate(y, activation).to(x.dtype),
+        final_windows=finals,
+        boundary_windows=torch.stack(boundary_windows) if boundary_windows else empty,
+        boundary_seq=torch.tensor(boundary_seq, dtype=torch.int64, device=x.device),
+        boundary_pos=torch.tensor(boundary_pos, dtype=torch.int64, device=x.device),
+    )
 
 
 def causal_conv1d_update_ref(

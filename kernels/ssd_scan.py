@@ -24,7 +24,8 @@ class SSDScanOutput:
 
     y: torch.Tensor  # [T, H, P] output (before gating), dtype of x
     final_states: torch.Tensor  # [S, H, P, N] fp32, the state after each sequence's last token
-    chunk_states: torch.Tensor  # [K, H, P, N] fp32, state at every chunk end (absolute multiple of chunk_size)
+    chunk_states: torch.Tensor  # [K, H, P, N] fp32, state at every kept chunk end (absolute multiple of
+    # chunk_size, and of state_block when given), in sequence then position order
     chunk_state_seq: torch.Tensor  # [K] int64, the sequence each chunk state belongs to
     chunk_state_pos: torch.Tensor  # [K] int64, absolute token count at that chunk end
 
@@ -88,10 +89,14 @@ def ssd_scan_varlen_ref(
     dt_limit: DtLimit = NO_DT_LIMIT,
     initial_states: torch.Tensor | None = None,  # [S, H, P, N]; None means zeros
     start_positions: torch.Tensor | None = None,  # [S] absolute position of each sequence's first token
+    state_block: int | None = None,  # keep only chunk-end states at multiples of this (None: every chunk end)
 ) -> SSDScanOutput:
     """Reference varlen SSD scan with chunk-aligned intermediate states (fp32 math)."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    keep_every = chunk_size if state_block is None else state_block
+    if keep_every % chunk_size != 0:
+        raise ValueError(f"state_block ({state_block}) must be a multiple of chunk_size ({chunk_size})")
     num_tokens, num_heads, head_dim = x.shape
     state_size = B.shape[-1]
     num_seqs = cu_seqlens.numel() - 1
@@ -126,7 +131,7 @@ def ssd_scan_varlen_ref(
             y[sl] = y_chunk
             token += length
             pos += length
-            if pos % chunk_size == 0:
+            if pos % keep_every == 0:
                 chunk_states.append(state)
                 chunk_seq.append(seq)
                 chunk_pos.append(pos)

@@ -80,10 +80,11 @@ class Mamba2Mixer(nn.Module):
             slots = batch.state_slots[nd:]
             resumed = (batch.context_lens[nd:] > 0)[:, None, None]
             windows = torch.where(resumed, conv_pool[slots].float(), 0.0)
-            conv_out, final_windows = ops.causal_conv1d_varlen(
+            conv = ops.causal_conv1d_varlen(
                 xBC[nd:], conv_weight, self.conv1d.bias, batch.prefill_cu_seqlens(), windows
             )
-            conv_pool[slots] = final_windows.to(conv_pool.dtype)
+            conv_pool[slots] = conv.final_windows.to(conv_pool.dtype)
+            conv_out = conv.y
             tokens = conv_out.shape[0]
             x, B, C = conv_out.split([cfg.intermediate_size, groups_state, groups_state], dim=-1)
             scan = ops.ssd_scan_varlen(
