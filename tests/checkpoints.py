@@ -1,0 +1,88 @@
+"""Tiny random checkpoints written by transformers' own `save_pretrained`, and transformers' outputs on
+them: the numerical oracle of the test suite."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import Mamba2Config, Mamba2ForCausalLM, NemotronHConfig, NemotronHForCausalLM
+
+BASE_NEMOTRON_H = dict(
+    vocab_size=128,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    mamba_num_heads=4,
+    mamba_head_dim=16,
+    ssm_state_size=8,
+    n_groups=2,
+    conv_kernel=4,
+    chunk_size=8,
+    max_position_embeddings=512,
+    eos_token_id=2,
+    bos_token_id=1,
+    pad_token_id=0,
+)
+
+BASE_MAMBA2 = dict(
+    vocab_size=128,
+    hidden_size=32,
+    num_heads=4,
+    head_dim=16,
+    expand=2,
+    state_size=8,
+    n_groups=2,
+    conv_kernel=4,
+    chunk_size=8,
+    num_hidden_layers=3,
+    eos_token_id=2,
+    bos_token_id=0,
+    pad_token_id=1,
+)
+
+
+def _save(model: torch.nn.Module, seed: int) -> Path:
+    directory = Path(tempfile.mkdtemp(prefix="hybridserve-ckpt-"))
+    model.save_pretrained(str(directory))
+    return directory
+
+
+@functools.lru_cache(maxsize=None)
+def nemotron_h(pattern: str = "M*-M", seed: int = 0, **overrides: object) -> tuple[Path, NemotronHForCausalLM]:
+    """(checkpoint dir, the transformers model it was written from) for a NemotronH layer pattern."""
+    torch.manual_seed(seed)
+    config = NemotronHConfig(**{**BASE_NEMOTRON_H, "hybrid_override_pattern": pattern, **overrides})
+    model = NemotronHForCausalLM(config).eval()
+    return _save(model, seed), model
+
+
+@functools.lru_cache(maxsize=None)
+def mamba2(seed: int = 0, **overrides: object) -> tuple[Path, Mamba2ForCausalLM]:
+    torch.manual_seed(seed)
+    model = Mamba2ForCausalLM(Mamba2Config(**{**BASE_MAMBA2, **overrides})).eval()
+    return _save(model, seed), model
+
+
+@torch.no_grad()
+def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """transformers' full-sequence forward: logits [L, vocab]."""
+    return model(torch.tensor([token_ids])).logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, token_ids: list[int], max_tokens: int) -> list[int]:
+    """Greedy continuation by re-running transformers' full forward on the growing sequence."""
+    tokens = list(token_ids)
+    for _ in range(max_tokens):
+        tokens.append(int(hf_logits(model, tokens)[-1].argmax()))
+    return tokens[len(token_ids) :]
+
+
+def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
