@@ -222,12 +222,22 @@ def _eos_ids(data: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
 
 
+def _json_float(value: Any, field_name: str) -> float:
+    """A float as config.json may spell it: a number, "Infinity", or transformers' {"__float__": "Infinity"}."""
+    if isinstance(value, dict) and "__float__" in value:
+        value = value["__float__"]
+    try:
+        return float(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"config field `{field_name}` holds {value!r}, not a number") from exc
+
+
 def _dt_limit(value: Any) -> tuple[float, float]:
     if value is None:
         return (0.0, math.inf)
     if not isinstance(value, (list, tuple)) or len(value) != 2:
         raise ValueError(f"config field `time_step_limit` must be a pair [min, max], got {value!r}")
-    return (float(value[0]), float(value[1]))
+    return (_json_float(value[0], "time_step_limit"), _json_float(value[1], "time_step_limit"))
 
 
 def _layer_types(data: dict[str, Any]) -> tuple[str, ...]:

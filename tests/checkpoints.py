@@ -46,7 +46,7 @@ BASE_MAMBA2 = dict(
 )
 
 
-def _save(model: torch.nn.Module, seed: int) -> Path:
+def _save(model: torch.nn.Module) -> Path:
     directory = Path(tempfile.mkdtemp(prefix="hybridserve-ckpt-"))
     model.save_pretrained(str(directory))
     return directory
@@ -58,20 +58,20 @@ def nemotron_h(pattern: str = "M*-M", seed: int = 0, **overrides: object) -> tup
     torch.manual_seed(seed)
     config = NemotronHConfig(**{**BASE_NEMOTRON_H, "hybrid_override_pattern": pattern, **overrides})
     model = NemotronHForCausalLM(config).eval()
-    return _save(model, seed), model
+    return _save(model), model
 
 
 @functools.lru_cache(maxsize=None)
 def mamba2(seed: int = 0, **overrides: object) -> tuple[Path, Mamba2ForCausalLM]:
     torch.manual_seed(seed)
     model = Mamba2ForCausalLM(Mamba2Config(**{**BASE_MAMBA2, **overrides})).eval()
-    return _save(model, seed), model
+    return _save(model), model
 
 
 @torch.no_grad()
 def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     """transformers' full-sequence forward: logits [L, vocab]."""
-    return model(torch.tensor([token_ids])).logits[0].float()
+    return model(torch.tensor([token_ids]), use_cache=False).logits[0].float()
 
 
 @torch.no_grad()
