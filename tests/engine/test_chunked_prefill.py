@@ -1,0 +1,51 @@
+"""Chunked prefill at any chunk size, mixed with decodes, gives the tokens of one pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import mamba2, nemotron_h, random_prompts
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.models import ModelConfig
+from hybridserve.statepool import CacheLayout
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _generate(model_dir, prompts, **engine_kwargs):
+    outs = LLM(model_dir, **engine_kwargs).generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("factory", [lambda: nemotron_h("M*-M*"), lambda: mamba2()], ids=["nemotron_h", "mamba2"])
+def test_chunk_sizes_give_one_pass_tokens(factory) -> None:
+    model_dir, _ = factory()
+    prompts = random_prompts([3, 17, 40, 9], vocab=128, seed=5)
+    one_pass = _generate(model_dir, prompts, prefill_chunk_size=512)
+    for chunk in (1, 3, 8, 13):
+        assert _generate(model_dir, prompts, prefill_chunk_size=chunk) == one_pass, f"chunk {chunk}"
+
+
+def test_one_slot_and_small_pages_queue_and_match() -> None:
+    model_dir, _ = nemotron_h("*M-M")
+    prompts = random_prompts([12, 30, 5], vocab=128, seed=6)
+    reference = _generate(model_dir, prompts)
+    assert _generate(model_dir, prompts, max_num_seqs=1, page_size=4, prefill_chunk_size=7) == reference
+
+
+def test_preemption_under_page_pressure_keeps_tokens() -> None:
+    model_dir, _ = nemotron_h("M*")
+    prompts = random_prompts([20, 20, 20, 20], vocab=128, seed=7)
+    reference = _generate(model_dir, prompts)
+    config = ModelConfig.from_dir(model_dir)
+    # a budget of 4 slots and 16 pages of 4 tokens: four requests of 28 tokens cannot all hold their KV
+    budget = 4 * CacheLayout.bytes_per_slot(config, 3, torch.float32, torch.float32)
+    budget += 16 * CacheLayout.bytes_per_page(config, 4, torch.float32)
+    llm = LLM(model_dir, page_size=4, max_num_seqs=4, max_model_len=40, cpu_memory_gb=budget / 2**30)
+    assert llm.engine.cache.layout.num_pages == 16
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.pages.num_free == 16
+    assert llm.engine.scheduler.slots.num_free == 4
