@@ -1,0 +1,48 @@
+"""Shared helpers for the Triton kernels: availability check, dt processing and launch-size choices.
+
+Only imported on the GPU path (or by tests under TRITON_INTERPRET=1), so a CPU install needs no triton.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def interpreting() -> bool:
+    """True when kernels run in Triton's CPU interpreter (tests): launch one small config, no autotune."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (Triton block shapes must be powers of two)."""
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def finite_limits(dt_limit: tuple[float, float]) -> tuple[float, float, bool]:
+    """(lo, hi, has_limit) with inf replaced by a large finite bound so it can be passed as a float arg."""
+    lo, hi = dt_limit
+    has = not (lo == 0.0 and math.isinf(hi))
+    return float(lo), float(min(hi, 3.0e38)), has
+
+
+def check_same_device(*tensors: torch.Tensor | None) -> None:
+    """Raise when the given tensors live on different devices (a kernel would read garbage)."""
+    devices = {t.device for t in tensors if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"tensors on different devices: {sorted(str(d) for d in devices)}")
+
+
+@triton.jit
+def process_dt_tl(dt, bias, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, dt_lo, dt_hi):
+    """dt + bias, softplus (identity above 20, like torch), clamp to [dt_lo, dt_hi]; fp32 in and out."""
+    dt = dt + bias
+    if DT_SOFTPLUS:
+        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(tl.minimum(dt, 20.0))))
+    if HAS_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
+    return dt
