@@ -1,0 +1,70 @@
+"""Sampling controls, stop rules, and per-request determinism independent of the batch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from checkpoints import nemotron_h, random_prompts
+
+from hybridserve import LLM, SamplingParams
+
+
+def _llm(**kwargs) -> LLM:
+    model_dir, _ = nemotron_h("M*-M")
+    return LLM(model_dir, **kwargs)
+
+
+def test_seeded_samples_do_not_depend_on_batch_composition() -> None:
+    llm = _llm()
+    target = random_prompts([9], vocab=128, seed=20)[0]
+    others = random_prompts([3, 17, 25], vocab=128, seed=21)
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=40, seed=1234, ignore_eos=True)
+    alone = llm.generate(prompt_token_ids=[target], sampling_params=params)[0].token_ids
+    mixed = llm.generate(
+        prompt_token_ids=[*others, target],
+        sampling_params=[SamplingParams(max_tokens=5, temperature=1.0, ignore_eos=True)] * 3 + [params],
+    )[-1].token_ids
+    assert alone == mixed
+
+
+def test_engine_seed_makes_unseeded_runs_repeatable() -> None:
+    params = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
+    prompts = random_prompts([4, 6], vocab=128, seed=22)
+    first = [o.token_ids for o in _llm(seed=7).generate(prompt_token_ids=prompts, sampling_params=params)]
+    again = [o.token_ids for o in _llm(seed=7).generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert first == again
+
+
+def test_top_k_one_is_greedy() -> None:
+    llm = _llm()
+    prompt = random_prompts([7], vocab=128, seed=23)
+    greedy = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    top1 = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=8, temperature=1.5, top_k=1, ignore_eos=True))
+    assert greedy[0].token_ids == top1[0].token_ids
+
+
+def test_top_p_keeps_only_the_nucleus() -> None:
+    llm = _llm()
+    prompt = random_prompts([5], vocab=128, seed=24)[0]
+    greedy = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=1, temperature=0.0))[0]
+    tiny_p = SamplingParams(max_tokens=1, temperature=1.0, top_p=1e-6, seed=3)
+    assert llm.generate(prompt_token_ids=[prompt], sampling_params=tiny_p)[0].token_ids == greedy.token_ids
+
+
+def test_stop_token_and_eos() -> None:
+    llm = _llm()
+    prompt = random_prompts([6], vocab=128, seed=25)
+    free = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    stop_at = free.token_ids[2]
+    stopped = llm.generate(
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[stop_at], ignore_eos=True),
+    )[0]
+    assert stopped.token_ids == free.token_ids[: free.token_ids.index(stop_at) + 1]
+    assert stopped.finish_reason == "stop"
+    # an EOS token of the model stops unless ignore_eos
+    eos_llm = _llm()
+    eos_llm.engine.model_config = dataclasses.replace(eos_llm.engine.model_config, eos_token_ids=(stop_at,))
+    eos_out = eos_llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=6, temperature=0.0))[0]
+    assert eos_out.token_ids == stopped.token_ids and eos_out.finish_reason == "stop"
+    assert free.finish_reason == "length" and len(free.token_ids) == 6

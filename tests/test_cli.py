@@ -1,0 +1,44 @@
+"""`hybridserve generate` end to end, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from checkpoints import nemotron_h
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hybridserve", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_help_explains_itself() -> None:
+    out = _cli("--help")
+    assert out.returncode == 0 and "generate" in out.stdout
+    sub = _cli("generate", "--help")
+    assert sub.returncode == 0 and "--prompt-ids" in sub.stdout and "--max-tokens" in sub.stdout
+
+
+def test_generate_on_the_default_model_with_text() -> None:
+    out = _cli("generate", "--prompt", "def fib(n):", "--max-tokens", "6", "--ignore-eos", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(result["token_ids"]) == 6 and result["finish_reason"] == "length"
+    assert isinstance(result["text"], str) and len(result["prompt_token_ids"]) == len("def fib(n):")
+
+
+def test_generate_on_a_transformers_checkpoint_with_ids() -> None:
+    model_dir, _ = nemotron_h("M*-M")
+    out = _cli("generate", "--model", str(model_dir), "--prompt-ids", "5,6,7", "--max-tokens", "4", "--ignore-eos", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["prompt_token_ids"] == [5, 6, 7] and len(result["token_ids"]) == 4
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    model_dir, _ = nemotron_h("M*-M")
+    out = _cli("generate", "--model", str(model_dir), "--prompt-ids", "5,999", "--max-tokens", "4")
+    assert out.returncode == 2 and "[0, 128)" in out.stderr
+    out = _cli("generate", "--prompt-ids", "1,2", "--max-tokens", "0")
+    assert out.returncode == 2 and "max_tokens" in out.stderr
