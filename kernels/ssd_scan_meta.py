@@ -1,0 +1,85 @@
+"""Logical-chunk metadata for the varlen SSD scan: where each chunk starts, how long it is, which sequence
+owns it and whether its end state is kept (an absolute multiple of state_block).
+
+Built on the host from cu_seqlens / start_positions (one sync); callers that launch many layers with the
+same batch build it once and pass it to every scan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChunkMeta:
+    """Device tensors (int32 unless noted) describing the logical chunks of one packed batch."""
+
+    num_seqs: int
+    num_chunks: int
+    num_kept: int
+    chunk_start: torch.Tensor  # [C] first token (packed index) of each chunk
+    chunk_len: torch.Tensor  # [C] tokens in the chunk, 1..chunk_size
+    seq_chunk_ptr: torch.Tensor  # [S + 1] chunks of sequence s are seq_chunk_ptr[s] .. seq_chunk_ptr[s+1]-1
+    keep_idx: torch.Tensor  # [C] row in the kept-states output of the chunk's end state, -1 if not kept
+    kept_seq: torch.Tensor  # [K] int64 sequence of each kept state
+    kept_pos: torch.Tensor  # [K] int64 absolute token count at each kept chunk end
+
+
+def chunk_metadata(
+    cu_seqlens: torch.Tensor,  # [S + 1]
+    start_positions: torch.Tensor | None,  # [S] absolute position of each sequence's first token
+    chunk_size: int,
+    state_block: int | None,
+    device: torch.device,
+) -> ChunkMeta:
+    """Split every sequence at absolute multiples of chunk_size; keep ends at multiples of state_block."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    keep_every = chunk_size if state_block is None else state_block
+    if keep_every % chunk_size != 0:
+        raise ValueError(f"state_block ({state_block}) must be a multiple of chunk_size ({chunk_size})")
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    num_seqs = len(bounds) - 1
+    starts = [0] * num_seqs if start_positions is None else [int(p) for p in start_positions.tolist()]
+    if len(starts) != num_seqs:
+        raise ValueError(f"start_positions has {len(starts)} entries for {num_seqs} sequences")
+    chunk_start: list[int] = []
+    chunk_len: list[int] = []
+    keep_idx: list[int] = []
+    kept_seq: list[int] = []
+    kept_pos: list[int] = []
+    seq_ptr = [0]
+    for seq in range(num_seqs):
+        token, end, pos = bounds[seq], bounds[seq + 1], starts[seq]
+        if end < token:
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+        while token < end:
+            length = min(chunk_size - pos % chunk_size, end - token)
+            chunk_start.append(token)
+            chunk_len.append(length)
+            token += length
+            pos += length
+            if pos % keep_every == 0:
+                keep_idx.append(len(kept_seq))
+                kept_seq.append(seq)
+                kept_pos.append(pos)
+            else:
+                keep_idx.append(-1)
+        seq_ptr.append(len(chunk_start))
+
+    def i32(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values if values else [0], dtype=torch.int32).to(device, non_blocking=True)
+
+    return ChunkMeta(
+        num_seqs=num_seqs,
+        num_chunks=len(chunk_start),
+        num_kept=len(kept_seq),
+        chunk_start=i32(chunk_start),
+        chunk_len=i32(chunk_len),
+        seq_chunk_ptr=i32(seq_ptr),
+        keep_idx=i32(keep_idx),
+        kept_seq=torch.tensor(kept_seq, dtype=torch.int64).to(device),
+        kept_pos=torch.tensor(kept_pos, dtype=torch.int64).to(device),
+    )

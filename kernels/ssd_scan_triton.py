@@ -1,0 +1,271 @@
+"""Triton SSD chunked scan over packed variable-length sequences with chunk-aligned states.
+
+Three kernels over *logical chunks* (no chunk straddles two sequences; a resumed sequence's first chunk is
+short so later chunk ends land on absolute multiples of chunk_size, exactly as the reference walks them):
+  1. chunk state:   local state of each chunk from zero, S_c = sum_t x_t^T (B_t dt_t exp(cum_end - cum_t)),
+                    and the chunk's total log-decay; dt bias/softplus/limit and the cumsum are recomputed
+                    in-kernel from raw dt (a few hundred flops per chunk) instead of a separate pass.
+  2. state passing: one program per (state block, sequence, head) walks that sequence's chunks from its own
+                    initial state, overwrites each local state with the state *entering* the chunk, and
+                    writes the kept chunk-end states and the final state.
+  3. chunk scan:    y = exp(cum) * C S_in^T + (causal, decayed C B^T * dt) x + D x, with C B^T computed on the
+                    fly per head (no [chunks, G, Q, Q] buffer).
+Reference and contract: `hybridserve.kernels.ssd_scan.ssd_scan_varlen_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridserve.kernels.ssd_scan import NO_DT_LIMIT, DtLimit, SSDScanOutput
+from hybridserve.kernels.ssd_scan_meta import ChunkMeta, chunk_metadata
+from hybridserve.kernels.triton_utils import check_same_device, finite_limits, interpreting, next_pow2, process_dt_tl
+
+
+def _configs(space: list[dict], warps: list[int], stages: list[int]) -> list[triton.Config]:
+    """Autotune configs on the GPU; one small config under the interpreter (tests)."""
+    if interpreting():
+        return [triton.Config(space[0], num_warps=4, num_stages=1)]
+    return [triton.Config(kw, num_warps=w, num_stages=s) for kw in space for w in warps for s in stages]
+
+
+@triton.jit
+def _chunk_dA(dt_ptr, dt_t, offs, mask, h, A, bias, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+              dt_lo, dt_hi):
+    """Processed dt and dt*A at token rows `offs` (0 where masked off): two [len(offs)] fp32 vectors."""
+    dt = tl.load(dt_ptr + offs * dt_t, mask=mask, other=0.0).to(tl.float32)
+    dt = process_dt_tl(dt, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
+    dt = tl.where(mask, dt, 0.0)
+    return dt, dt * A
+
+
+@triton.autotune(
+    configs=_configs(
+        [{"BLOCK_P": 32, "BLOCK_K": 64}, {"BLOCK_P": 64, "BLOCK_K": 32}, {"BLOCK_P": 16, "BLOCK_K": 64},
+         {"BLOCK_P": 64, "BLOCK_K": 64}],
+        [4, 8],
+        [2, 3],
+    ),
+    key=["P", "N", "CHUNK"],
+)
+@triton.jit
+def _chunk_state_kernel(
+    x_ptr, dt_ptr, A_ptr, bias_ptr, B_ptr, states_ptr, dA_total_ptr, chunk_start_ptr, chunk_len_ptr,
+    P, N, H, heads_per_group, dt_lo, dt_hi,
+    x_t, x_h, x_p, dt_t, dt_h, B_t, B_g, B_n,
+    CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    c = tl.program_id(1)
+    h = tl.program_id(2)
+    g = h // heads_per_group
+    start = tl.load(chunk_start_ptr + c).to(tl.int64)
+    length = tl.load(chunk_len_ptr + c)
+    A = tl.load(A_ptr + h).to(tl.float32)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + h).to(tl.float32)
+    dt_base = dt_ptr + start * dt_t + h * dt_h
+    offs_q = tl.arange(0, CHUNK)
+    _, dA_all = _chunk_dA(dt_base, dt_t, offs_q, offs_q < length, h, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
+    total = tl.sum(dA_all, axis=0)
+    if pid_p == 0:
+        tl.store(dA_total_ptr + c * H + h, total)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p, mask_n = offs_p < P, offs_n < N
+    x_base = x_ptr + start * x_t + h * x_h
+    B_base = B_ptr + start * B_t + g * B_g
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    prefix = 0.0
+    for k0 in range(0, length, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < length
+        dt_k, dA_k = _chunk_dA(dt_base, dt_t, offs_k, mask_k, h, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
+        cum_k = prefix + tl.cumsum(dA_k, axis=0)
+        prefix += tl.sum(dA_k, axis=0)
+        scale = tl.exp(total - cum_k) * dt_k  # [BLOCK_K]
+        xT = tl.load(x_base + offs_p[:, None] * x_p + offs_k[None, :] * x_t,
+                     mask=mask_p[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_P, BLOCK_K]
+        Bk = tl.load(B_base + offs_k[:, None] * B_t + offs_n[None, :] * B_n,
+                     mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_N]
+        acc += tl.dot(xT, (Bk * scale[:, None]).to(xT.dtype))
+    s_ptrs = states_ptr + (c * H + h) * P * N + offs_p[:, None] * N + offs_n[None, :]
+    tl.store(s_ptrs, acc, mask=mask_p[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _state_passing_kernel(
+    states_ptr, dA_total_ptr, init_ptr, final_ptr, kept_ptr, seq_chunk_ptr, keep_idx_ptr,
+    P, N, H,
+    i_s, i_h, i_p, i_n,
+    BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    h = tl.program_id(2)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < P * N
+    if HAS_INIT:
+        p, n = offs // N, offs % N
+        state = tl.load(init_ptr + s * i_s + h * i_h + p * i_p + n * i_n, mask=mask, other=0.0).to(tl.float32)
+    else:
+        state = tl.zeros([BLOCK], dtype=tl.float32)
+    c0 = tl.load(seq_chunk_ptr + s)
+    c1 = tl.load(seq_chunk_ptr + s + 1)
+    for c in range(c0, c1):
+        ptrs = states_ptr + (tl.cast(c, tl.int64) * H + h) * P * N + offs
+        local = tl.load(ptrs, mask=mask, other=0.0)
+        tl.store(ptrs, state, mask=mask)  # the state entering chunk c, read by the chunk scan
+        state = tl.exp(tl.load(dA_total_ptr + c * H + h)) * state + local
+        k = tl.load(keep_idx_ptr + c)
+        kept = kept_ptr + (tl.maximum(k, 0).to(tl.int64) * H + h) * P * N + offs
+        tl.store(kept, state, mask=mask & (offs * 0 + k >= 0))
+    tl.store(final_ptr + (tl.cast(s, tl.int64) * H + h) * P * N + offs, state, mask=mask)
+
+
+@triton.autotune(
+    configs=_configs(
+        [{"BLOCK_M": 64, "BLOCK_P": 32, "BLOCK_K": 64}, {"BLOCK_M": 64, "BLOCK_P": 64, "BLOCK_K": 32},
+         {"BLOCK_M": 128, "BLOCK_P": 32, "BLOCK_K": 64}, {"BLOCK_M": 64, "BLOCK_P": 16, "BLOCK_K": 64},
+         {"BLOCK_M": 32, "BLOCK_P": 64, "BLOCK_K": 32}],
+        [4, 8],
+        [2, 3],
+    ),
+    key=["P", "N", "CHUNK"],
+)
+@triton.jit
+def _chunk_scan_kernel(
+    x_ptr, dt_ptr, A_ptr, bias_ptr, B_ptr, C_ptr, D_ptr, states_ptr, y_ptr, chunk_start_ptr, chunk_len_ptr,
+    P, N, H, heads_per_group, dt_lo, dt_hi,
+    x_t, x_h, x_p, dt_t, dt_h, B_t, B_g, B_n, C_t, C_g, C_n, y_t, y_h, y_p,
+    CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+):
+    num_p_blocks = tl.cdiv(P, BLOCK_P)
+    pid_m = tl.program_id(0) // num_p_blocks
+    pid_p = tl.program_id(0) % num_p_blocks
+    c = tl.program_id(1)
+    h = tl.program_id(2)
+    g = h // heads_per_group
+    start = tl.load(chunk_start_ptr + c).to(tl.int64)
+    length = tl.load(chunk_len_ptr + c)
+    A = tl.load(A_ptr + h).to(tl.float32)
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + h).to(tl.float32)
+    dt_base = dt_ptr + start * dt_t + h * dt_h
+    m0 = pid_m * BLOCK_M
+    offs_q = tl.arange(0, CHUNK)
+    _, dA_all = _chunk_dA(dt_base, dt_t, offs_q, offs_q < length, h, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
+    prefix_m = tl.sum(tl.where(offs_q < m0, dA_all, 0.0), axis=0)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < length
+    _, dA_m = _chunk_dA(dt_base, dt_t, offs_m, mask_m, h, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
+    cum_m = prefix_m + tl.cumsum(dA_m, axis=0)  # [BLOCK_M]
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p, mask_n = offs_p < P, offs_n < N
+    Cm = tl.load(C_ptr + (start + offs_m[:, None]) * C_t + g * C_g + offs_n[None, :] * C_n,
+                 mask=mask_m[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
+    S_in = tl.load(states_ptr + (tl.cast(c, tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
+                   mask=mask_p[None, :] & mask_n[:, None], other=0.0)  # [BLOCK_N, BLOCK_P] fp32
+    acc = tl.dot(Cm, S_in.to(Cm.dtype)) * tl.exp(cum_m)[:, None]  # [BLOCK_M, BLOCK_P]
+    x_base = x_ptr + start * x_t + h * x_h
+    B_base = B_ptr + start * B_t + g * B_g
+    hi = tl.minimum(m0 + BLOCK_M, length)
+    prefix_k = 0.0
+    for k0 in range(0, hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < length
+        dt_k, dA_k = _chunk_dA(dt_base, dt_t, offs_k, mask_k, h, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
+        cum_k = prefix_k + tl.cumsum(dA_k, axis=0)
+        prefix_k += tl.sum(dA_k, axis=0)
+        BkT = tl.load(B_base + offs_k[None, :] * B_t + offs_n[:, None] * B_n,
+                      mask=mask_k[None, :] & mask_n[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
+        cb = tl.dot(Cm, BkT)  # [BLOCK_M, BLOCK_K] fp32
+        causal = (offs_m[:, None] >= offs_k[None, :]) & mask_k[None, :]
+        decay = tl.exp(tl.where(causal, cum_m[:, None] - cum_k[None, :], -float("inf")))
+        w = cb * decay * dt_k[None, :]
+        xk = tl.load(x_base + offs_k[:, None] * x_t + offs_p[None, :] * x_p,
+                     mask=mask_k[:, None] & mask_p[None, :], other=0.0)  # [BLOCK_K, BLOCK_P]
+        acc += tl.dot(w.to(xk.dtype), xk)
+    if HAS_D:
+        xm = tl.load(x_base + offs_m[:, None] * x_t + offs_p[None, :] * x_p,
+                     mask=mask_m[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+        acc += xm * tl.load(D_ptr + h).to(tl.float32)
+    y_ptrs = y_ptr + (start + offs_m[:, None]) * y_t + h * y_h + offs_p[None, :] * y_p
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_p[None, :])
+
+
+def ssd_scan_varlen_triton(
+    x: torch.Tensor,  # [T, H, P]
+    dt: torch.Tensor,  # [T, H] raw
+    A: torch.Tensor,  # [H]
+    B: torch.Tensor,  # [T, G, N]
+    C: torch.Tensor,  # [T, G, N]
+    cu_seqlens: torch.Tensor,  # [S + 1]
+    chunk_size: int,
+    D: torch.Tensor | None = None,  # [H]
+    dt_bias: torch.Tensor | None = None,  # [H]
+    dt_softplus: bool = True,
+    dt_limit: DtLimit = NO_DT_LIMIT,
+    initial_states: torch.Tensor | None = None,  # [S, H, P, N] any strides / float dtype; None means zeros
+    start_positions: torch.Tensor | None = None,  # [S]
+    state_block: int | None = None,
+    meta: ChunkMeta | None = None,  # precomputed chunk metadata (skips a host sync), from `chunk_metadata`
+) -> SSDScanOutput:
+    """Triton version of `ssd_scan_varlen_ref`: same arguments, same outputs (fp32 states)."""
+    num_tokens, heads, head_dim = x.shape
+    groups, state_size = B.shape[1], B.shape[2]
+    if chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 16 for the Triton scan, got {chunk_size}")
+    if heads % groups != 0:
+        raise ValueError(f"heads {heads} must be a multiple of groups {groups}")
+    check_same_device(x, dt, A, B, C, D, dt_bias, initial_states)
+    if meta is None:
+        meta = chunk_metadata(cu_seqlens, start_positions, chunk_size, state_block, x.device)
+    num_seqs, num_chunks, num_kept = meta.num_seqs, meta.num_chunks, meta.num_kept
+    dev = x.device
+    y = torch.empty_like(x)
+    final = torch.empty(num_seqs, heads, head_dim, state_size, dtype=torch.float32, device=dev)
+    kept = torch.empty(num_kept, heads, head_dim, state_size, dtype=torch.float32, device=dev)
+    states = torch.empty(max(num_chunks, 1), heads, head_dim, state_size, dtype=torch.float32, device=dev)
+    dA_total = torch.empty(max(num_chunks, 1), heads, dtype=torch.float32, device=dev)
+    lo, hi, has_limit = finite_limits(dt_limit)
+    bias = dt_bias if dt_bias is not None else A
+    common = dict(HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit)
+    block_n = next_pow2(state_size)
+    if num_chunks:
+        grid_state = lambda meta_: (triton.cdiv(head_dim, meta_["BLOCK_P"]), num_chunks, heads)  # noqa: E731
+        _chunk_state_kernel[grid_state](
+            x, dt, A, bias, B, states, dA_total, meta.chunk_start, meta.chunk_len,
+            head_dim, state_size, heads, heads // groups, lo, hi,
+            *x.stride(), *dt.stride(), *B.stride(),
+            CHUNK=chunk_size, BLOCK_N=block_n, **common,
+        )
+    init = initial_states if initial_states is not None else final
+    i_strides = initial_states.stride() if initial_states is not None else (0, 0, 0, 0)
+    block = 1024 if not interpreting() else 256
+    _state_passing_kernel[(triton.cdiv(head_dim * state_size, block), num_seqs, heads)](
+        states, dA_total, init, final, kept if num_kept else final, meta.seq_chunk_ptr, meta.keep_idx,
+        head_dim, state_size, heads, *i_strides,
+        BLOCK=block, HAS_INIT=initial_states is not None, num_warps=4,
+    )
+    if num_chunks:
+        grid_scan = lambda meta_: (  # noqa: E731
+            triton.cdiv(chunk_size, meta_["BLOCK_M"]) * triton.cdiv(head_dim, meta_["BLOCK_P"]), num_chunks, heads
+        )
+        _chunk_scan_kernel[grid_scan](
+            x, dt, A, bias, B, C, D if D is not None else A, states, y, meta.chunk_start, meta.chunk_len,
+            head_dim, state_size, heads, heads // groups, lo, hi,
+            *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
+            CHUNK=chunk_size, BLOCK_N=block_n, HAS_D=D is not None, **common,
+        )
+    return SSDScanOutput(
+        y=y, final_states=final, chunk_states=kept, chunk_state_seq=meta.kept_seq, chunk_state_pos=meta.kept_pos
+    )
