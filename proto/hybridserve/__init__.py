@@ -1,0 +1,1 @@
+"""Namespace of the proto package path `hybridserve.v1`."""

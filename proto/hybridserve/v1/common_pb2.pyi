@@ -1,0 +1,120 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingOptions(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class TokenEvent(_message.Message):
+    __slots__ = ("request_id", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class AbortRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class AbortResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("status", "role", "model_fingerprint", "num_running", "num_waiting", "free_state_slots", "free_kv_pages", "queued_prefill_tokens")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    FREE_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    role: str
+    model_fingerprint: str
+    num_running: int
+    num_waiting: int
+    free_state_slots: int
+    free_kv_pages: int
+    queued_prefill_tokens: int
+    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ...) -> None: ...
+
+class CacheEvent(_message.Message):
+    __slots__ = ("sequence", "kind", "block_hash", "parent_hash", "num_tokens")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        BLOCK_STORED: _ClassVar[CacheEvent.Kind]
+        BLOCK_REMOVED: _ClassVar[CacheEvent.Kind]
+        CHECKPOINT_STORED: _ClassVar[CacheEvent.Kind]
+        CHECKPOINT_REMOVED: _ClassVar[CacheEvent.Kind]
+    BLOCK_STORED: CacheEvent.Kind
+    BLOCK_REMOVED: CacheEvent.Kind
+    CHECKPOINT_STORED: CacheEvent.Kind
+    CHECKPOINT_REMOVED: CacheEvent.Kind
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    kind: CacheEvent.Kind
+    block_hash: str
+    parent_hash: str
+    num_tokens: int
+    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[CacheEvent.Kind, str]] = ..., block_hash: _Optional[str] = ..., parent_hash: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class CacheEventsRequest(_message.Message):
+    __slots__ = ("since_sequence",)
+    SINCE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    since_sequence: int
+    def __init__(self, since_sequence: _Optional[int] = ...) -> None: ...
+
+class CacheEventBatch(_message.Message):
+    __slots__ = ("worker_id", "events", "next_sequence", "gap")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    GAP_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    events: _containers.RepeatedCompositeFieldContainer[CacheEvent]
+    next_sequence: int
+    gap: bool
+    def __init__(self, worker_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., next_sequence: _Optional[int] = ..., gap: _Optional[bool] = ...) -> None: ...
