@@ -1,0 +1,1 @@
+"""The decode service: reservations, state import, continuous batching, token streaming."""

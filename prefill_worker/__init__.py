@@ -1,0 +1,1 @@
+"""The prefill service: chunked prefill with its prefix cache, state export and streaming to decode."""

@@ -1,0 +1,108 @@
+"""PushState encoding and checking: a round trip is exact; damage of any kind is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridserve.decode_worker.state_receiver import TransferError, check_manifest, receive_state
+from hybridserve.prefill_worker.state_sender import StateHeader, encode_state
+from hybridserve.proto import worker_pb2
+from hybridserve.statepool.request_state import StateTensorSpec
+
+HEADER = StateHeader(ticket="t-1", request_id="r-1", model_fingerprint="fp", num_tokens=9, first_token=5, num_cached_tokens=0)
+
+
+def _state() -> tuple[list[StateTensorSpec], dict[str, torch.Tensor]]:
+    tensors = {
+        "kv.k": torch.randn(2, 9, 2, 8).to(torch.bfloat16),
+        "kv.v": torch.randn(2, 9, 2, 8).to(torch.bfloat16),
+        "conv": torch.randn(3, 40, 3).to(torch.bfloat16),
+        "ssm": torch.randn(3, 4, 8, 6),
+        "hidden": torch.randn(32).to(torch.bfloat16),
+    }
+    specs = [StateTensorSpec(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    return specs, tensors
+
+
+def _parts(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    return [layer for t in tensors.values() for layer in (t if t.dim() > 1 else [t])]
+
+
+def _check(specs):
+    return lambda manifest: (check_manifest(manifest, "t-1", "fp", 9, specs), specs)[1]
+
+
+@pytest.mark.parametrize("chunk_bytes", [7, 100, 1 << 20])
+def test_round_trip_is_exact(chunk_bytes: int) -> None:
+    specs, tensors = _state()
+    messages = list(encode_state(HEADER, specs, _parts(tensors), chunk_bytes))
+    assert messages[0].WhichOneof("body") == "manifest" and messages[-1].WhichOneof("body") == "trailer"
+    assert all(len(m.data.payload) <= chunk_bytes for m in messages[1:-1])
+    received = receive_state(iter(messages), _check(specs))
+    for name, tensor in tensors.items():
+        assert torch.equal(received.tensors[name], tensor), name
+    assert received.manifest.first_token == 5
+
+
+def _messages(chunk_bytes: int = 64):
+    specs, tensors = _state()
+    return specs, list(encode_state(HEADER, specs, _parts(tensors), chunk_bytes))
+
+
+def test_corrupted_chunk_is_refused() -> None:
+    specs, messages = _messages()
+    payload = bytearray(messages[3].data.payload)
+    payload[5] ^= 0xFF
+    messages[3].data.payload = bytes(payload)
+    with pytest.raises(TransferError, match="crc32c") as info:
+        receive_state(iter(messages), _check(specs))
+    assert info.value.code == "DATA_LOSS"
+
+
+def test_truncated_stream_is_refused() -> None:
+    specs, messages = _messages()
+    with pytest.raises(TransferError, match="no trailer"):
+        receive_state(iter(messages[:-3]), _check(specs))
+
+
+def test_missing_or_reordered_chunk_is_refused() -> None:
+    specs, messages = _messages()
+    with pytest.raises(TransferError, match="expected chunk 2"):
+        receive_state(iter(messages[:3] + messages[4:]), _check(specs))
+
+
+def test_forged_digest_is_refused() -> None:
+    specs, messages = _messages()
+    messages[-1].trailer.digest ^= 1
+    with pytest.raises(TransferError, match="digest"):
+        receive_state(iter(messages), _check(specs))
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [("model_fingerprint", "other-model", "model"), ("ticket", "t-2", "ticket"), ("num_tokens", 10, "tokens")],
+)
+def test_manifest_from_elsewhere_is_refused(field: str, value, match: str) -> None:
+    specs, messages = _messages()
+    setattr(messages[0].manifest, field, value)
+    with pytest.raises(TransferError, match=match):
+        receive_state(iter(messages), _check(specs))
+
+
+def test_shape_mismatch_is_refused() -> None:
+    specs, messages = _messages()
+    wrong = [StateTensorSpec(s.name, s.dtype, (s.shape[0] + 1, *s.shape[1:])) if s.name == "ssm" else s for s in specs]
+    with pytest.raises(TransferError, match="do not match"):
+        receive_state(iter(messages), _check(wrong))
+
+
+def test_stream_must_start_with_manifest() -> None:
+    specs, messages = _messages()
+    with pytest.raises(TransferError, match="start with its manifest"):
+        receive_state(iter(messages[1:]), _check(specs))
+    with pytest.raises(TransferError, match="start with its manifest"):
+        receive_state(iter([]), _check(specs))
+    extra = messages + [worker_pb2.StateChunk(trailer=worker_pb2.StateTrailer())]
+    with pytest.raises(TransferError, match="after the trailer"):
+        receive_state(iter(extra), _check(specs))
