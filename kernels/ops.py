@@ -1,10 +1,19 @@
 """The ops the model calls. Each picks the implementation for the tensors' device: the Triton kernel on
-CUDA where one exists, the pure-torch reference otherwise (CPU, and the oracle in tests).
+CUDA where one exists (and triton imports), the pure-torch reference otherwise (CPU, and the oracle in tests).
 
 Model code imports from here only, so a new kernel is wired in by changing one function in this file.
+Triton modules are imported on first CUDA use, so a CPU-only install never needs triton.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
 
 from hybridserve.kernels.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from hybridserve.kernels.gated_rmsnorm import gated_rmsnorm_ref, rmsnorm_ref
@@ -12,15 +21,48 @@ from hybridserve.kernels.paged_attention import paged_attention_ref, write_kv_pa
 from hybridserve.kernels.ssd_scan import ssd_scan_varlen_ref
 from hybridserve.kernels.state_update import multi_token_state_update_ref, selective_state_update_ref
 
-ssd_scan_varlen = ssd_scan_varlen_ref
-causal_conv1d_varlen = causal_conv1d_varlen_ref
-causal_conv1d_update = causal_conv1d_update_ref
-selective_state_update = selective_state_update_ref
-multi_token_state_update = multi_token_state_update_ref
-paged_attention = paged_attention_ref
+# HYBRIDSERVE_KERNELS=reference forces the torch references everywhere (debugging, A/B checks)
+_FORCE_REFERENCE = os.environ.get("HYBRIDSERVE_KERNELS", "") == "reference"
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when triton imports and a CUDA device is usable."""
+    if _FORCE_REFERENCE or not torch.cuda.is_available():
+        return False
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def _dispatch(reference: Callable[..., Any], module: str, name: str) -> Callable[..., Any]:
+    """An op that calls `module.name` (Triton) for CUDA tensors and `reference` otherwise."""
+
+    @functools.wraps(reference)
+    def op(first: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if first.is_cuda and triton_available():
+            fn = getattr(importlib.import_module(f"hybridserve.kernels.{module}"), name)
+            return fn(first, *args, **kwargs)
+        return reference(first, *args, **kwargs)
+
+    return op
+
+
+ssd_scan_varlen = _dispatch(ssd_scan_varlen_ref, "ssd_scan_triton", "ssd_scan_varlen_triton")
+causal_conv1d_varlen = _dispatch(causal_conv1d_varlen_ref, "causal_conv1d_triton", "causal_conv1d_varlen_triton")
+causal_conv1d_update = _dispatch(causal_conv1d_update_ref, "causal_conv1d_triton", "causal_conv1d_update_triton")
+selective_state_update = _dispatch(
+    selective_state_update_ref, "state_update_triton", "selective_state_update_triton"
+)
+multi_token_state_update = _dispatch(
+    multi_token_state_update_ref, "state_update_triton", "multi_token_state_update_triton"
+)
+paged_attention = _dispatch(paged_attention_ref, "paged_attention_triton", "paged_attention_triton")
 write_kv = write_kv_pages
-gated_rmsnorm = gated_rmsnorm_ref
-rmsnorm = rmsnorm_ref
+gated_rmsnorm = _dispatch(gated_rmsnorm_ref, "gated_rmsnorm_triton", "gated_rmsnorm_triton")
+rmsnorm = _dispatch(rmsnorm_ref, "gated_rmsnorm_triton", "rmsnorm_triton")
 
 __all__ = [
     "causal_conv1d_update",
@@ -31,5 +73,6 @@ __all__ = [
     "rmsnorm",
     "selective_state_update",
     "ssd_scan_varlen",
+    "triton_available",
     "write_kv",
 ]
