@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import google_crc32c
 import torch
 
+from hybridserve.prefill_worker.state_sender import StreamDigest
 from hybridserve.proto import worker_pb2
 from hybridserve.statepool.request_state import StateTensorSpec
 
@@ -67,7 +68,8 @@ def receive_state(chunks: Iterable[worker_pb2.StateChunk], manifest_check: Manif
     specs = manifest_check(manifest)
     buffer = torch.empty(manifest.total_bytes, dtype=torch.uint8)
     view = memoryview(buffer.numpy()).cast("B")
-    offset, expected_index, digest = 0, 0, 0
+    offset, expected_index = 0, 0
+    digest = StreamDigest()
     trailer = None
     for message in iterator:
         kind = message.WhichOneof("body")
@@ -79,13 +81,14 @@ def receive_state(chunks: Iterable[worker_pb2.StateChunk], manifest_check: Manif
         data = message.data
         if data.index != expected_index:
             raise TransferError("DATA_LOSS", f"chunk {data.index} arrived, expected chunk {expected_index}")
-        if google_crc32c.value(data.payload) != data.crc32c:
+        crc = google_crc32c.value(data.payload)
+        if crc != data.crc32c:
             raise TransferError("DATA_LOSS", f"chunk {data.index} fails its crc32c check")
         end = offset + len(data.payload)
         if end > manifest.total_bytes:
             raise TransferError("DATA_LOSS", f"chunks carry more than the manifest's {manifest.total_bytes} bytes")
         view[offset:end] = data.payload
-        digest = google_crc32c.extend(digest, data.payload)
+        digest.add(crc)
         offset, expected_index = end, expected_index + 1
     if trailer is None:
         raise TransferError("DATA_LOSS", f"stream ended after {offset} of {manifest.total_bytes} bytes, no trailer")
@@ -96,7 +99,7 @@ def receive_state(chunks: Iterable[worker_pb2.StateChunk], manifest_check: Manif
             "DATA_LOSS", f"received {offset} bytes in {expected_index} chunks, manifest says "
             f"{manifest.total_bytes} in {manifest.num_chunks}"
         )
-    if trailer.digest != digest:
+    if trailer.digest != digest.value:
         raise TransferError("DATA_LOSS", "the stream digest does not match the payloads")
     tensors: dict[str, torch.Tensor] = {}
     start = 0

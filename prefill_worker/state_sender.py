@@ -63,6 +63,38 @@ def _ready(host: torch.Tensor, event: torch.cuda.Event | None) -> memoryview:
     return _as_bytes(host)
 
 
+class StreamDigest:
+    """crc32c over the chunks' crc32c values (little-endian u32, in order): one pass over the data per side."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def add(self, chunk_crc: int) -> None:
+        self.value = google_crc32c.extend(self.value, chunk_crc.to_bytes(4, "little"))
+
+
+def _chunked(views: Iterable[memoryview], chunk_bytes: int) -> Iterator[bytes]:
+    """Re-cut a stream of byte views into payloads of exactly chunk_bytes (the last may be shorter),
+    copying each byte once."""
+    carry = bytearray()
+    for view in views:
+        offset = 0
+        if carry:
+            take = min(chunk_bytes - len(carry), len(view))
+            carry += view[:take]
+            offset = take
+            if len(carry) < chunk_bytes:
+                continue
+            yield bytes(carry)
+            carry = bytearray()
+        while len(view) - offset >= chunk_bytes:
+            yield view[offset : offset + chunk_bytes].tobytes()
+            offset += chunk_bytes
+        carry += view[offset:]
+    if carry:
+        yield bytes(carry)
+
+
 def encode_state(
     header: StateHeader,
     specs: list[StateTensorSpec],
@@ -87,24 +119,14 @@ def encode_state(
         num_chunks=-(-total // chunk_bytes),
     )
     yield worker_pb2.StateChunk(manifest=manifest)
-    digest = 0
-    index = 0
-    sent = 0
-    pending = bytearray()
-    for view in host_parts(parts):
-        pending += view
-        while len(pending) >= chunk_bytes:
-            payload = bytes(pending[:chunk_bytes])
-            del pending[:chunk_bytes]
-            digest = google_crc32c.extend(digest, payload)
-            yield worker_pb2.StateChunk(data=worker_pb2.StateData(index=index, payload=payload, crc32c=google_crc32c.value(payload)))
-            index += 1
-            sent += len(payload)
-    if pending:
-        payload = bytes(pending)
-        digest = google_crc32c.extend(digest, payload)
-        yield worker_pb2.StateChunk(data=worker_pb2.StateData(index=index, payload=payload, crc32c=google_crc32c.value(payload)))
+    digest = StreamDigest()
+    index = sent = 0
+    for payload in _chunked(host_parts(parts), chunk_bytes):
+        crc = google_crc32c.value(payload)
+        digest.add(crc)
+        yield worker_pb2.StateChunk(data=worker_pb2.StateData(index=index, payload=payload, crc32c=crc))
+        index += 1
         sent += len(payload)
     if sent != total:
         raise ValueError(f"state parts hold {sent} bytes but the specs describe {total}")
-    yield worker_pb2.StateChunk(trailer=worker_pb2.StateTrailer(digest=digest))
+    yield worker_pb2.StateChunk(trailer=worker_pb2.StateTrailer(digest=digest.value))
