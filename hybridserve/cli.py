@@ -1,4 +1,4 @@
-"""The `hybridserve` command line."""
+"""The `hybridserve` command line: generate, worker, serve."""
 
 from __future__ import annotations
 
@@ -15,6 +15,35 @@ def _parse_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--prompt-ids takes comma-separated integers, got {text!r}") from exc
 
 
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--prefill-chunk-size", type=int, default=512, help="prefill tokens per step (default 512)")
+    g.add_argument("--max-num-seqs", type=int, default=32, help="concurrent requests (default 32)")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    g.add_argument("--max-model-len", type=int, default=None, help="default: the model's limit")
+    g.add_argument("--cpu-memory-gb", type=float, default=2.0, help="state-cache budget on CPU")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+
+
+def _engine_config(args: argparse.Namespace):
+    from hybridserve.engine.config import EngineConfig
+
+    return EngineConfig(
+        device=args.device, dtype=args.dtype, prefill_chunk_size=args.prefill_chunk_size,
+        max_num_seqs=args.max_num_seqs, page_size=args.page_size, max_model_len=args.max_model_len,
+        cpu_memory_gb=args.cpu_memory_gb, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+    )
+
+
+def _model_dir(args: argparse.Namespace) -> str:
+    from hybridserve.models.default_model import default_model_dir
+
+    return str(args.model) if args.model else str(default_model_dir())
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
@@ -29,12 +58,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--request-seed", type=int, default=None, help="seed of this request's sampler")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--prefill-chunk-size", type=int, default=512)
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    _add_engine_options(p)
     p.set_defaults(func=_run_generate)
 
 
@@ -43,25 +70,18 @@ def _run_generate(args: argparse.Namespace) -> int:
     from hybridserve.engine.sampling_params import SamplingParams
 
     params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.request_seed, ignore_eos=args.ignore_eos,
     )
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, prefill_chunk_size=args.prefill_chunk_size)
+    llm = LLM(_model_dir(args), **_engine_config(args).__dict__)
     if args.prompt is not None:
         out = llm.generate([args.prompt], params)[0]
     else:
         out = llm.generate(sampling_params=params, prompt_token_ids=[args.prompt_ids])[0]
     if args.json:
         print(json.dumps({
-            "prompt_token_ids": out.prompt_token_ids,
-            "token_ids": out.token_ids,
-            "text": out.text,
-            "finish_reason": out.finish_reason,
-            "num_cached_tokens": out.num_cached_tokens,
+            "prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
+            "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
         }))
     else:
         if out.text is not None:
@@ -70,21 +90,83 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_worker(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "worker",
+        help="run one prefill or decode worker (a gRPC server) in this process",
+        description="Run one worker as a plain process; `serve` and the process launcher start these.",
+    )
+    p.add_argument("--role", required=True, choices=["prefill", "decode"])
+    p.add_argument("--model", default=None, help="checkpoint directory (default: embedded)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--worker-id", default=None)
+    p.add_argument("--ready-file", default=None, help="write {address, pid} here once serving")
+    _add_engine_options(p)
+    p.set_defaults(func=_run_worker)
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from hybridserve.router.launch import WorkerOptions, serve_worker
+
+    options = WorkerOptions(model_dir=_model_dir(args), engine=_engine_config(args), host=args.host)
+    worker_id = args.worker_id or f"{args.role}-{args.port}"
+    return serve_worker(args.role, worker_id, options, args.port, args.ready_file)
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="start prefill and decode workers and the gRPC front door",
+        description="Start a local Ray cluster (or join --address), place prefill / decode worker actors, "
+        "start the front door, and print where to send requests. --no-ray starts plain processes instead.",
+    )
+    p.add_argument("--model", default=None, help="checkpoint directory (default: embedded)")
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1", help="front-door host")
+    p.add_argument("--port", type=int, default=50051, help="front-door gRPC port")
+    p.add_argument("--address", default=None, help="Ray cluster address to join (default: start a local one)")
+    p.add_argument("--no-ray", action="store_true", help="start workers as plain processes")
+    p.add_argument("--num-gpus-per-worker", type=float, default=0.0)
+    p.add_argument("--local-prefill-max-tokens", type=int, default=0,
+                   help="prompts this short are prefilled by the decode worker (default 0: always disaggregate)")
+    _add_engine_options(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from hybridserve.router.serve import ServeOptions, serve
+
+    options = ServeOptions(
+        model_dir=_model_dir(args), engine=_engine_config(args), num_prefill=args.prefill_workers,
+        num_decode=args.decode_workers, host=args.host, port=args.port, ray_address=args.address,
+        use_ray=not args.no_ray, num_gpus_per_worker=args.num_gpus_per_worker,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
+    )
+    return serve(options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hybridserve",
-        description="Serve hybrid Mamba2 + attention models (NemotronH, Mamba2).",
+        description="Serve hybrid Mamba2 + attention models (NemotronH, Mamba2): offline generation, "
+        "disaggregated prefill / decode workers, the front door.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(sub)
+    _add_worker(sub)
+    _add_serve(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         return int(args.func(args))
     except ValueError as exc:

@@ -1,0 +1,233 @@
+"""The decode worker: reservations for remote prefill, state import, continuous batching, token streams.
+
+A plain class with a gRPC server (`DecodeWorker.start()`); Ray actors and the process launcher wrap it.
+A reservation holds pages and a state slot until its state is committed, it is aborted, or it expires;
+a PushState that fails any check frees it and fails the request's token stream — no half-written state
+ever joins the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from hybridserve.decode_worker.state_receiver import TransferError, check_manifest, receive_state
+from hybridserve.engine.config import EngineConfig
+from hybridserve.engine.engine_loop import EngineLoop
+from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.engine.outputs import RequestOutput
+from hybridserve.models.fingerprint import model_fingerprint
+from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from hybridserve.engine.cache_event_feed import CacheEventFeed
+from hybridserve.proto.convert import sampling_from_proto, token_event
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20
+DEFAULT_RESERVATION_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Reservation:
+    ticket: str
+    request_id: str
+    num_tokens: int
+    deadline: float
+    stream: queue.Queue = field(repr=False)
+    committed: bool = False
+
+
+class DecodeWorker:
+    """Engine loop + gRPC server for the decode role."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
+                 worker_id: str | None = None) -> None:
+        self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:8]}"
+        self.engine = LLMEngine(model_dir, config)
+        self.fingerprint = model_fingerprint(model_dir, config.dtype, self.engine.model_config.ssm_state_dtype)
+        self.loop = EngineLoop(self.engine, name=f"{self.worker_id}-loop")
+        self.events = CacheEventFeed(self.worker_id, self.loop)
+        self._reservations: dict[str, Reservation] = {}
+        self._lock = threading.Lock()
+        self._host, self._port = host, port
+        self._server: grpc.Server | None = None
+        self._reaper = threading.Thread(target=self._reap_expired, daemon=True)
+        self._closed = threading.Event()
+
+    @property
+    def address(self) -> str:
+        return f"{self._host}:{self._port}"
+
+    def start(self) -> str:
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=options)
+        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(self), self._server)
+        self._port = self._server.add_insecure_port(f"{self._host}:{self._port}")
+        self._server.start()
+        self._reaper.start()
+        logger.info("decode worker %s serving on %s", self.worker_id, self.address)
+        return self.address
+
+    def stop(self, grace: float = 1.0) -> None:
+        self._closed.set()
+        if self._server is not None:
+            self._server.stop(grace).wait()
+        self.loop.stop()
+
+    # ---- reservations --------------------------------------------------------------------------
+    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling, timeout_s: float) -> Reservation:
+        params = sampling_from_proto(sampling)
+        stream = self.loop.open_stream(request_id)
+        try:
+            self.loop.call(lambda: self.engine.reserve(request_id, prompt_token_ids, params))
+        except BaseException:
+            self.loop.close_stream(request_id)
+            raise
+        reservation = Reservation(uuid.uuid4().hex, request_id, len(prompt_token_ids), time.monotonic() + timeout_s, stream)
+        with self._lock:
+            self._reservations[reservation.ticket] = reservation
+        return reservation
+
+    def take(self, ticket: str) -> Reservation:
+        with self._lock:
+            reservation = self._reservations.get(ticket)
+        if reservation is None:
+            raise TransferError("FAILED_PRECONDITION", f"unknown or expired ticket {ticket!r}")
+        return reservation
+
+    def commit(self, reservation: Reservation, received) -> None:
+        manifest = received.manifest
+
+        def install() -> RequestOutput:
+            return self.engine.commit_reservation(
+                reservation.request_id, received.tensors, manifest.first_token, manifest.num_cached_tokens
+            )
+
+        first = self.loop.call(install)
+        reservation.committed = True
+        reservation.stream.put(first)
+        with self._lock:
+            self._reservations.pop(reservation.ticket, None)
+
+    def cancel(self, reservation: Reservation, error: BaseException) -> None:
+        with self._lock:
+            if self._reservations.pop(reservation.ticket, None) is None:
+                return
+        self.loop.call(lambda: self.engine.abort(reservation.request_id))
+        reservation.stream.put(error)
+
+    def _reap_expired(self) -> None:
+        while not self._closed.wait(0.5):
+            now = time.monotonic()
+            with self._lock:
+                expired = [r for r in self._reservations.values() if r.deadline < now and not r.committed]
+            for reservation in expired:
+                logger.warning("reservation %s for %s expired", reservation.ticket, reservation.request_id)
+                self.cancel(reservation, TimeoutError("no state arrived before the reservation expired"))
+
+    def health(self) -> common_pb2.HealthResponse:
+        def snapshot() -> common_pb2.HealthResponse:
+            stats = self.engine.stats()
+            return common_pb2.HealthResponse(status="ok", role="decode", model_fingerprint=self.fingerprint, **stats)
+
+        return self.loop.call(snapshot, timeout=10)
+
+
+def _abort(context: grpc.ServicerContext, code: str, message: str) -> None:
+    context.abort(getattr(grpc.StatusCode, code), message)
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, worker: DecodeWorker) -> None:
+        self.worker = worker
+
+    def Reserve(self, request, context):  # noqa: N802 - gRPC method names
+        timeout = request.timeout_ms / 1000 if request.timeout_ms else DEFAULT_RESERVATION_TIMEOUT_S
+        try:
+            reservation = self.worker.reserve(request.request_id, list(request.prompt_token_ids), request.sampling, timeout)
+        except ValueError as exc:
+            _abort(context, "INVALID_ARGUMENT", str(exc))
+        except MemoryError as exc:
+            _abort(context, "RESOURCE_EXHAUSTED", str(exc))
+        return worker_pb2.ReserveResponse(ticket=reservation.ticket, model_fingerprint=self.worker.fingerprint)
+
+    def PushState(self, request_iterator, context):  # noqa: N802
+        reservation: Reservation | None = None
+        engine = self.worker.engine
+
+        def expect(manifest):
+            nonlocal reservation
+            reservation = self.worker.take(manifest.ticket)
+            specs = self.worker.loop.call(lambda: engine.state_specs(reservation.num_tokens))
+            check_manifest(manifest, reservation.ticket, self.worker.fingerprint, reservation.num_tokens, specs)
+            if manifest.request_id != reservation.request_id:
+                raise TransferError("FAILED_PRECONDITION", "manifest request_id does not match the ticket")
+            return specs
+
+        try:
+            received = receive_state(request_iterator, expect)
+            self.worker.commit(reservation, received)
+        except TransferError as exc:
+            if reservation is not None:
+                self.worker.cancel(reservation, exc)
+            _abort(context, exc.code, str(exc))
+        except grpc.RpcError as exc:  # the sender went away mid-stream
+            if reservation is not None:
+                self.worker.cancel(reservation, ConnectionError(f"state stream broke: {exc}"))
+            raise
+        except Exception as exc:
+            if reservation is not None:
+                self.worker.cancel(reservation, exc)
+            _abort(context, "INTERNAL", f"commit failed: {exc}")
+        return worker_pb2.PushStateResponse(committed=True, bytes_received=received.num_bytes)
+
+    def StreamTokens(self, request, context):  # noqa: N802
+        try:
+            reservation = self.worker.take(request.ticket)
+        except TransferError as exc:
+            _abort(context, exc.code, str(exc))
+        if reservation.request_id != request.request_id:
+            _abort(context, "INVALID_ARGUMENT", "ticket and request_id do not match")
+        yield from _events(self.worker, reservation.request_id, reservation.stream, context)
+
+    def GenerateLocal(self, request, context):  # noqa: N802
+        try:
+            params = sampling_from_proto(request.sampling)
+            stream = self.worker.loop.open_stream(request.request_id)
+            self.worker.loop.call(
+                lambda: self.worker.engine.add_request(list(request.prompt_token_ids), params, request.request_id)
+            )
+        except ValueError as exc:
+            self.worker.loop.close_stream(request.request_id)
+            _abort(context, "INVALID_ARGUMENT", str(exc))
+        yield from _events(self.worker, request.request_id, stream, context)
+
+    def Abort(self, request, context):  # noqa: N802
+        found = self.worker.loop.call(lambda: self.worker.engine.abort(request.request_id))
+        return common_pb2.AbortResponse(found=bool(found))
+
+    def Health(self, request, context):  # noqa: N802
+        return self.worker.health()
+
+    def CacheEvents(self, request, context):  # noqa: N802
+        yield from self.worker.events.stream(request.since_sequence, context)
+
+
+def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context: grpc.ServicerContext):
+    """TokenEvents from a request's output stream; a client that goes away aborts the request."""
+    sent = 0
+    try:
+        for out in worker.loop.iterate(request_id, stream):
+            yield token_event(out, out.token_ids[sent:])
+            sent = len(out.token_ids)
+    except (TransferError, TimeoutError, ConnectionError, RuntimeError) as exc:
+        yield common_pb2.TokenEvent(request_id=request_id, finish_reason="error", error=str(exc))

@@ -1,0 +1,81 @@
+"""Fan-out of a worker's prefix-cache events to any number of gRPC subscribers.
+
+One poller drains the engine's event log (on the engine loop) into a bounded replay buffer; each
+subscriber streams from the sequence number it asks for. A subscriber that asks for events already
+dropped from the buffer gets `gap=True` and resynchronises.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import grpc
+
+from hybridserve.engine.engine_loop import EngineLoop
+from hybridserve.proto import common_pb2
+
+_KINDS = {
+    "block_stored": common_pb2.CacheEvent.BLOCK_STORED,
+    "block_removed": common_pb2.CacheEvent.BLOCK_REMOVED,
+    "checkpoint_stored": common_pb2.CacheEvent.CHECKPOINT_STORED,
+    "checkpoint_removed": common_pb2.CacheEvent.CHECKPOINT_REMOVED,
+}
+
+
+class CacheEventFeed:
+    def __init__(self, worker_id: str, loop: EngineLoop, capacity: int = 65536, poll_s: float = 0.05) -> None:
+        self.worker_id = worker_id
+        self._loop = loop
+        self._buffer: deque[common_pb2.CacheEvent] = deque(maxlen=capacity)
+        self._next_sequence = 0
+        self._changed = threading.Condition()
+        self._poll_s = poll_s
+        self._poller: threading.Thread | None = None
+
+    def _ensure_poller(self) -> None:
+        with self._changed:
+            if self._poller is None:
+                self._poller = threading.Thread(target=self._poll, name=f"{self.worker_id}-events", daemon=True)
+                self._poller.start()
+
+    def _poll(self) -> None:
+        while True:
+            try:
+                events = self._loop.call(self._loop.engine.drain_cache_events, timeout=30)
+            except Exception:  # the loop is stopping
+                return
+            if events:
+                with self._changed:
+                    for event in events:
+                        self._buffer.append(
+                            common_pb2.CacheEvent(
+                                sequence=event.sequence,
+                                kind=_KINDS[event.kind.value],
+                                block_hash=event.block_hash,
+                                parent_hash=event.parent_hash or "",
+                                num_tokens=event.num_tokens,
+                            )
+                        )
+                        self._next_sequence = event.sequence + 1
+                    self._changed.notify_all()
+            threading.Event().wait(self._poll_s)
+
+    def stream(self, since: int, context: grpc.ServicerContext):
+        """Batches of events with sequence >= since, until the client goes away."""
+        self._ensure_poller()
+        position = since
+        while context.is_active():
+            with self._changed:
+                self._changed.wait_for(lambda: self._next_sequence > position, timeout=1.0)
+                events = [e for e in self._buffer if e.sequence >= position]
+                next_sequence = self._next_sequence
+            if not events and next_sequence <= position:
+                continue
+            yield common_pb2.CacheEventBatch(
+                worker_id=self.worker_id,
+                events=events,
+                next_sequence=next_sequence,
+                gap=position < (events[0].sequence if events else next_sequence),
+            )
+            position = next_sequence

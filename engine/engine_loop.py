@@ -1,0 +1,120 @@
+"""Runs an `LLMEngine` on its own thread so that servers can talk to it from many threads.
+
+The engine is single-threaded by design; every touch of it happens on the loop thread. Other threads
+`call()` a function on the loop (run between two steps) and read each request's outputs from its own queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.engine.outputs import RequestOutput
+from hybridserve.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_IDLE_WAIT_S = 0.05
+
+
+class EngineLoop:
+    """`step()`s the engine while it has work; runs submitted calls between steps."""
+
+    def __init__(self, engine: LLMEngine, name: str = "engine-loop") -> None:
+        self.engine = engine
+        self._calls: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._streams: dict[str, queue.Queue[RequestOutput | BaseException]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    # ---- called from any thread ----------------------------------------------------------------
+    def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
+        """Run fn on the loop thread between steps and return its result (or raise its exception)."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        future: Future = Future()
+        self._calls.put((fn, future))
+        return future.result(timeout=timeout)
+
+    def open_stream(self, request_id: str) -> queue.Queue[RequestOutput | BaseException]:
+        """The queue the loop puts this request's outputs on (create before the request can produce)."""
+        stream: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        self.call(lambda: self._streams.__setitem__(request_id, stream))
+        return stream
+
+    def close_stream(self, request_id: str) -> None:
+        self.call(lambda: self._streams.pop(request_id, None))
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> Iterator[RequestOutput]:
+        """Add a request and yield its outputs until it finishes."""
+        stream = self.open_stream(request_id)
+        try:
+            self.call(lambda: self.engine.add_request(prompt_token_ids, params, request_id))
+        except BaseException:
+            self.close_stream(request_id)
+            raise
+        yield from self.iterate(request_id, stream)
+
+    def iterate(self, request_id: str, stream: queue.Queue[RequestOutput | BaseException]) -> Iterator[RequestOutput]:
+        """Outputs from a stream until the finished one; closes the stream (and aborts the request if the
+        consumer stops early)."""
+        finished = False
+        try:
+            while True:
+                item = stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self.close_stream(request_id)
+            if not finished:
+                self.call(lambda: self.engine.abort(request_id))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    # ---- the loop thread -----------------------------------------------------------------------
+    def _run_calls(self, block: bool) -> None:
+        try:
+            fn, future = self._calls.get(timeout=_IDLE_WAIT_S) if block else self._calls.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # handed to the caller
+                    future.set_exception(exc)
+            try:
+                fn, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._run_calls(block=not self.engine.has_unfinished())
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a failed step fails the requests in it, not the worker
+                logger.exception("engine step failed")
+                for request_id, stream in list(self._streams.items()):
+                    stream.put(RuntimeError(f"engine step failed: {exc}"))
+                    self.engine.abort(request_id)
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)

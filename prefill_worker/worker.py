@@ -1,0 +1,148 @@
+"""The prefill worker: chunked prefill with its own prefix cache, then the state streamed to a decode worker.
+
+A plain class with a gRPC server; Ray actors and the process launcher wrap it. For each Prefill call the
+engine computes the prompt (reusing cached aligned checkpoints), samples the first token, and holds the
+request's pages and slot until the state is gathered; then PushState streams it to the decode worker that
+holds the reservation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from hybridserve.engine.cache_event_feed import CacheEventFeed
+from hybridserve.engine.config import EngineConfig
+from hybridserve.engine.engine_loop import EngineLoop
+from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.models.fingerprint import model_fingerprint
+from hybridserve.prefill_worker.state_sender import DEFAULT_CHUNK_BYTES, StateHeader, encode_state
+from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from hybridserve.proto.convert import sampling_from_proto
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20
+PUSH_TIMEOUT_S = 120.0
+
+
+class PrefillWorker:
+    """Engine loop + gRPC server for the prefill role."""
+
+    def __init__(self, model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
+                 worker_id: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+        self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
+        self.engine = LLMEngine(model_dir, config)
+        self.fingerprint = model_fingerprint(model_dir, config.dtype, self.engine.model_config.ssm_state_dtype)
+        self.loop = EngineLoop(self.engine, name=f"{self.worker_id}-loop")
+        self.events = CacheEventFeed(self.worker_id, self.loop)
+        self.chunk_bytes = chunk_bytes
+        self._channels: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
+        self._lock = threading.Lock()
+        self._host, self._port = host, port
+        self._server: grpc.Server | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self._host}:{self._port}"
+
+    def start(self) -> str:
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=options)
+        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self), self._server)
+        self._port = self._server.add_insecure_port(f"{self._host}:{self._port}")
+        self._server.start()
+        logger.info("prefill worker %s serving on %s", self.worker_id, self.address)
+        return self.address
+
+    def stop(self, grace: float = 1.0) -> None:
+        if self._server is not None:
+            self._server.stop(grace).wait()
+        self.loop.stop()
+
+    def decode_stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
+        with self._lock:
+            if address not in self._channels:
+                options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                           ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+                self._channels[address] = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(address, options=options))
+            return self._channels[address]
+
+    def prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
+        """Compute the prompt, sample the first token, stream the state; raises on any failure."""
+        params = dataclasses.replace(sampling_from_proto(request.sampling), max_tokens=1)
+        prompt = list(request.prompt_token_ids)
+        request_id = request.request_id
+        first = None
+        stream = self.loop.open_stream(request_id)
+        try:
+            self.loop.call(lambda: self.engine.add_request(prompt, params, request_id, hold_state=True))
+        except BaseException:
+            self.loop.close_stream(request_id)
+            raise
+        for out in self.loop.iterate(request_id, stream):
+            first = out
+        if first is None or first.finish_reason == "abort":
+            raise RuntimeError(f"prefill of {request_id} was aborted")
+        exported = self.loop.call(lambda: self.engine.export_state(request_id))
+        header = StateHeader(
+            ticket=request.ticket,
+            request_id=request_id,
+            model_fingerprint=self.fingerprint,
+            num_tokens=len(prompt),
+            first_token=first.token_ids[0],
+            num_cached_tokens=first.num_cached_tokens,
+        )
+        start = time.perf_counter()
+        reply = self.decode_stub(request.decode_address).PushState(
+            encode_state(header, exported.specs, exported.parts, self.chunk_bytes), timeout=PUSH_TIMEOUT_S
+        )
+        elapsed = time.perf_counter() - start
+        return worker_pb2.PrefillResponse(
+            first_token=header.first_token,
+            num_cached_tokens=header.num_cached_tokens,
+            bytes_sent=reply.bytes_received,
+            transfer_seconds=elapsed,
+        )
+
+    def health(self) -> common_pb2.HealthResponse:
+        def snapshot() -> common_pb2.HealthResponse:
+            return common_pb2.HealthResponse(
+                status="ok", role="prefill", model_fingerprint=self.fingerprint, **self.engine.stats()
+            )
+
+        return self.loop.call(snapshot, timeout=10)
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker = worker
+
+    def Prefill(self, request, context):  # noqa: N802 - gRPC method names
+        try:
+            return self.worker.prefill(request)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except grpc.RpcError as exc:  # the decode side refused or went away
+            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNAVAILABLE
+            context.abort(code, f"state push to {request.decode_address} failed: {exc.details() if hasattr(exc, 'details') else exc}")
+        except RuntimeError as exc:
+            context.abort(grpc.StatusCode.ABORTED, str(exc))
+
+    def Abort(self, request, context):  # noqa: N802
+        found = self.worker.loop.call(lambda: self.worker.engine.abort(request.request_id))
+        return common_pb2.AbortResponse(found=bool(found))
+
+    def Health(self, request, context):  # noqa: N802
+        return self.worker.health()
+
+    def CacheEvents(self, request, context):  # noqa: N802
+        yield from self.worker.events.stream(request.since_sequence, context)

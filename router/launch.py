@@ -1,0 +1,102 @@
+"""Start workers as plain processes (no Ray): what the GPU machine and the tests use.
+
+Each worker is `python -m hybridserve worker --role ... --ready-file F`; it writes its gRPC address to F
+once it serves, and the launcher waits for that file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridserve.engine.config import EngineConfig
+
+READY_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """What every worker of a deployment shares."""
+
+    model_dir: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+
+    def argv(self) -> list[str]:
+        e = self.engine
+        args = [
+            "--model", self.model_dir, "--host", self.host, "--device", e.device, "--dtype", e.dtype,
+            "--prefill-chunk-size", str(e.prefill_chunk_size), "--max-num-seqs", str(e.max_num_seqs),
+            "--page-size", str(e.page_size), "--cpu-memory-gb", str(e.cpu_memory_gb),
+            "--gpu-memory-utilization", str(e.gpu_memory_utilization), "--seed", str(e.seed),
+        ]
+        if e.max_model_len is not None:
+            args += ["--max-model-len", str(e.max_model_len)]
+        return args
+
+
+@dataclass
+class WorkerProcess:
+    role: str
+    worker_id: str
+    process: subprocess.Popen
+    address: str
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.process.kill()
+            self.process.wait(timeout=30)
+
+
+def start_worker_process(role: str, worker_id: str, options: WorkerOptions, port: int = 0) -> WorkerProcess:
+    """Spawn one worker and wait until it serves; raises RuntimeError with its log tail if it dies."""
+    ready = Path(tempfile.mkdtemp(prefix="hybridserve-ready-")) / f"{worker_id}.json"
+    log = tempfile.NamedTemporaryFile(prefix=f"hybridserve-{worker_id}-", suffix=".log", delete=False)
+    argv = [sys.executable, "-m", "hybridserve", "worker", "--role", role, "--worker-id", worker_id,
+            "--port", str(port), "--ready-file", str(ready), *options.argv()]
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if ready.is_file():
+            address = json.loads(ready.read_text())["address"]
+            return WorkerProcess(role, worker_id, process, address)
+        if process.poll() is not None:
+            tail = Path(log.name).read_text()[-3000:]
+            raise RuntimeError(f"{role} worker {worker_id} exited with {process.returncode}:\n{tail}")
+        time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"{role} worker {worker_id} did not become ready in {READY_TIMEOUT_S:.0f} s (log: {log.name})")
+
+
+def serve_worker(role: str, worker_id: str, options: WorkerOptions, port: int, ready_file: str | None) -> int:
+    """Run one worker in this process until SIGTERM / SIGINT (the `hybridserve worker` command)."""
+    from hybridserve.decode_worker.worker import DecodeWorker
+    from hybridserve.prefill_worker.worker import PrefillWorker
+
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+    cls = PrefillWorker if role == "prefill" else DecodeWorker
+    worker = cls(options.model_dir, options.engine, host=options.host, port=port, worker_id=worker_id)
+    address = worker.start()
+    if ready_file:
+        tmp = Path(ready_file).with_suffix(".tmp")
+        tmp.write_text(json.dumps({"address": address, "role": role, "worker_id": worker_id, "pid": os.getpid()}))
+        tmp.rename(ready_file)
+    print(f"{role} worker {worker_id} serving on {address}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    worker.stop()
+    return 0

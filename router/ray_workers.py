@@ -1,0 +1,80 @@
+"""Ray actors around the workers: placement by custom resources (`prefill` / `decode`), restarts, discovery.
+
+An actor's constructor starts the worker's gRPC server; after a restart (`max_restarts`) the new instance
+serves on a new port, so callers re-read `address()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from hybridserve.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerActor:
+    """Wrapped by `ray.remote` in `start_ray_workers`; kept a plain class so it is importable without Ray."""
+
+    def __init__(self, role: str, model_dir: str, engine: EngineConfig, worker_id: str) -> None:
+        import ray
+
+        from hybridserve.decode_worker.worker import DecodeWorker
+        from hybridserve.prefill_worker.worker import PrefillWorker
+
+        cls = PrefillWorker if role == "prefill" else DecodeWorker
+        node_ip = ray.util.get_node_ip_address()
+        self.worker = cls(model_dir, engine, host="0.0.0.0", port=0, worker_id=worker_id)
+        bound = self.worker.start().rsplit(":", 1)[1]
+        self._address = f"{node_ip}:{bound}"
+        self.role = role
+
+    def address(self) -> str:
+        return self._address
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+
+@dataclass(frozen=True)
+class RayPlacement:
+    """How actors are placed: GPUs each, the custom resource they need, restarts allowed."""
+
+    num_gpus: float = 0.0
+    use_custom_resources: bool = True  # require {"prefill": 1} / {"decode": 1} on the node
+    max_restarts: int = 3
+    namespace: str = "hybridserve"
+
+
+def start_ray_workers(
+    model_dir: str, engine: EngineConfig, num_prefill: int, num_decode: int, placement: RayPlacement
+) -> dict[str, list]:
+    """Named, detached-free actors `hybridserve-<role>-<i>`; returns {"prefill": [...], "decode": [...]}."""
+    import ray
+
+    remote_cls = ray.remote(WorkerActor)
+    actors: dict[str, list] = {"prefill": [], "decode": []}
+    for role, count in (("prefill", num_prefill), ("decode", num_decode)):
+        for i in range(count):
+            name = f"hybridserve-{role}-{i}"
+            options = dict(
+                name=name, num_gpus=placement.num_gpus, num_cpus=1, max_restarts=placement.max_restarts,
+                max_task_retries=0, get_if_exists=True,
+            )
+            if placement.use_custom_resources:
+                options["resources"] = {role: 1}
+            actors[role].append(remote_cls.options(**options).remote(role, model_dir, engine, name))
+    return actors
+
+
+def actor_addresses(actors: list, timeout: float = 300.0) -> list[str]:
+    import ray
+
+    return ray.get([a.address.remote() for a in actors], timeout=timeout)

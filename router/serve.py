@@ -1,0 +1,114 @@
+"""`hybridserve serve`: workers (Ray actors or plain processes) plus the gRPC front door, until interrupted."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from dataclasses import dataclass, field
+
+from hybridserve.engine.config import EngineConfig
+from hybridserve.models.config import ModelConfig
+from hybridserve.router.grpc_server import start_router_server
+from hybridserve.router.launch import WorkerOptions, start_worker_process
+from hybridserve.router.orchestrator import Orchestrator, OrchestratorConfig
+
+logger = logging.getLogger(__name__)
+
+ADDRESS_REFRESH_S = 2.0
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model_dir: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 50051
+    ray_address: str | None = None
+    use_ray: bool = True
+    num_gpus_per_worker: float = 0.0
+    local_prefill_max_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ValueError("serve needs --decode-workers >= 1 and --prefill-workers >= 0")
+
+
+class Deployment:
+    """Running workers and a way to re-read their addresses (Ray restarts move them)."""
+
+    def __init__(self, options: ServeOptions) -> None:
+        self.options = options
+        self._processes = []
+        self._actors: dict[str, list] = {}
+        if options.use_ray:
+            self._start_ray()
+        else:
+            worker_options = WorkerOptions(options.model_dir, options.engine)
+            for role, count in (("prefill", options.num_prefill), ("decode", options.num_decode)):
+                self._processes += [start_worker_process(role, f"{role}-{i}", worker_options) for i in range(count)]
+
+    def _start_ray(self) -> None:
+        import ray
+
+        from hybridserve.router.ray_workers import RayPlacement, start_ray_workers
+
+        o = self.options
+        if not ray.is_initialized():
+            if o.ray_address:
+                ray.init(address=o.ray_address, namespace="hybridserve", log_to_driver=False)
+            else:  # a local cluster that offers the custom resources the actors ask for
+                ray.init(namespace="hybridserve", include_dashboard=False, log_to_driver=False,
+                         resources={"prefill": o.num_prefill, "decode": o.num_decode})
+        self._actors = start_ray_workers(
+            o.model_dir, o.engine, o.num_prefill, o.num_decode, RayPlacement(num_gpus=o.num_gpus_per_worker)
+        )
+
+    def addresses(self) -> tuple[list[str], list[str]]:
+        if self._actors:
+            from hybridserve.router.ray_workers import actor_addresses
+
+            return actor_addresses(self._actors["prefill"]), actor_addresses(self._actors["decode"])
+        return (
+            [p.address for p in self._processes if p.role == "prefill"],
+            [p.address for p in self._processes if p.role == "decode"],
+        )
+
+    def stop(self) -> None:
+        for process in self._processes:
+            process.process.terminate()
+        for process in self._processes:
+            try:
+                process.process.wait(timeout=30)
+            except Exception:
+                process.kill()
+        if self._actors:
+            import ray
+
+            for actor in self._actors["prefill"] + self._actors["decode"]:
+                ray.kill(actor, no_restart=True)
+
+
+def serve(options: ServeOptions, stop: threading.Event | None = None) -> int:
+    """Start everything, print the endpoint, serve until SIGINT / SIGTERM (or `stop` is set)."""
+    vocab_size = ModelConfig.from_dir(options.model_dir).vocab_size
+    deployment = Deployment(options)
+    prefill, decode = deployment.addresses()
+    orchestrator = Orchestrator(prefill, decode, OrchestratorConfig(local_prefill_max_tokens=options.local_prefill_max_tokens))
+    server, address = start_router_server(orchestrator, options.model_dir, vocab_size, options.host, options.port)
+    print(f"hybridserve: {len(prefill)} prefill and {len(decode)} decode workers ready", flush=True)
+    print(f"hybridserve: send requests to grpc://{address} (hybridserve.v1.Router/Generate)", flush=True)
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(ADDRESS_REFRESH_S):
+        try:
+            orchestrator.update_workers(*deployment.addresses())
+        except Exception as exc:  # a worker restarting: keep the old addresses until it is back
+            logger.warning("could not refresh worker addresses: %s", exc)
+    server.stop(2).wait()
+    deployment.stop()
+    return 0
