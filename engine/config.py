@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,15 @@ class EngineConfig:
     cpu_memory_gb: float = 2.0  # state-cache budget on CPU
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + state cache
     seed: int = 0  # seeds requests that bring no seed of their own
+    enable_prefix_caching: bool = True  # radix cache of KV blocks + aligned Mamba checkpoints
+    # Tokens between cached Mamba checkpoints; a multiple of the model's SSD chunk_size (and of page_size
+    # for models with attention). None: 4 x chunk_size (rounded up to a page multiple). Each checkpoint is a
+    # whole state (137 MiB for Nemotron-Nano-9B-v2 in fp32, ~8.8K tokens of its KV), so every chunk would
+    # cost too much memory; 4 chunks keep a 2K prefix at 4 states while a hit recomputes < 4 chunks.
+    state_block: int | None = None
+    num_kv_pages: int | None = None  # override budget sizing of the KV pool
+    num_checkpoint_slots: int | None = None  # override budget sizing of the checkpoint pool
+    max_cache_events: int = 65536  # cache events kept until drained
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -36,12 +46,38 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        for name in ("state_block", "num_kv_pages"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+        slots = self.num_checkpoint_slots
+        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 0):
+            raise ValueError(f"num_checkpoint_slots must be a non-negative integer or None, got {slots!r}")
+        if not isinstance(self.max_cache_events, int) or self.max_cache_events <= 0:
+            raise ValueError(f"max_cache_events must be a positive integer, got {self.max_cache_events!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if not self.cpu_memory_gb > 0:
             raise ValueError(f"cpu_memory_gb must be > 0, got {self.cpu_memory_gb}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    def resolve_state_block(self, chunk_size: int, page_size: int | None) -> int:
+        """The checkpoint interval for a model with this SSD chunk_size (page_size None: no attention)."""
+        if self.state_block is None:
+            block = 4 * chunk_size
+            if page_size is not None and block % page_size:
+                block = block * page_size // math.gcd(block, page_size)
+            return block
+        if self.state_block % chunk_size:
+            raise ValueError(
+                f"state_block={self.state_block} must be a multiple of the model's SSD chunk_size={chunk_size}"
+            )
+        if page_size is not None and self.state_block % page_size:
+            raise ValueError(f"state_block={self.state_block} must be a multiple of page_size={page_size}")
+        return self.state_block
 
     @property
     def torch_dtype(self) -> torch.dtype:

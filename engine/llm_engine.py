@@ -17,8 +17,9 @@ from hybridserve.engine.scheduler import Scheduler
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.tokenizer import load_tokenizer
 from hybridserve.models.weights import load_model
-from hybridserve.statepool.allocators import PageAllocator, SlotAllocator
-from hybridserve.statepool.sizing import memory_budget_bytes, plan_cache_layout
+from hybridserve.statepool.events import CacheEvent
+from hybridserve.statepool.pool import NO_HIT, StatePool
+from hybridserve.statepool.sizing import PoolRequest, memory_budget_bytes, plan_cache_layout
 from hybridserve.statepool.state_cache import StateCache
 
 logger = logging.getLogger(__name__)
@@ -43,28 +44,32 @@ class LLMEngine:
             config.max_model_len or self.model_config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
         )
         ssm_dtype = DTYPES[self.model_config.ssm_state_dtype]
-        conv_width = self.model_config.mamba.conv_kernel - 1 if self.model_config.mamba else 1
+        mamba = self.model_config.mamba
+        conv_width = mamba.conv_kernel - 1 if mamba else 1
+        has_attention = bool(self.model_config.layers_of("attention"))
+        self.state_block = config.resolve_state_block(
+            mamba.chunk_size if mamba else config.page_size, config.page_size if has_attention else None
+        )
         layout = plan_cache_layout(
             self.model_config,
             memory_budget_bytes(device, config.cpu_memory_gb, config.gpu_memory_utilization),
-            config.max_num_seqs,
-            self.max_model_len,
-            config.page_size,
-            config.torch_dtype,
-            ssm_dtype,
-            conv_width,
+            PoolRequest(
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                page_size=config.page_size,
+                conv_width=conv_width,
+                dtype=config.torch_dtype,
+                ssm_dtype=ssm_dtype,
+                prefix_caching=config.enable_prefix_caching,
+                state_block=self.state_block,
+                num_kv_pages=config.num_kv_pages,
+                num_checkpoint_slots=config.num_checkpoint_slots,
+            ),
         )
         self.cache = StateCache(self.model_config, layout, config.torch_dtype, ssm_dtype, device)
-        has_attention = bool(self.model_config.layers_of("attention"))
-        has_mamba = bool(self.model_config.layers_of("mamba"))
-        self.scheduler = Scheduler(
-            PageAllocator(layout.num_pages) if has_attention else None,
-            SlotAllocator(layout.num_slots) if has_mamba else None,
-            config.page_size,
-            config.prefill_chunk_size,
-            layout.num_slots,
-        )
-        self.runner = ModelRunner(self.model, self.cache, config.page_size, device)
+        self.pool = StatePool(self.cache, self.state_block, config.enable_prefix_caching, config.max_cache_events)
+        self.scheduler = Scheduler(self.pool, config.prefill_chunk_size, layout.num_slots)
+        self.runner = ModelRunner(self.model, self.cache, config.page_size, device, self.state_block)
         self._requests: dict[str, Request] = {}
         self._counter = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
@@ -96,6 +101,13 @@ class LLMEngine:
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
         tokens = self.validate_prompt(prompt_token_ids)
+        needed = min(len(tokens) + params.max_tokens, self.max_model_len)
+        if not self.pool.fits_ever(needed):
+            raise ValueError(
+                f"the request needs KV for {needed} tokens (prompt {len(tokens)} + max_tokens {params.max_tokens}), "
+                f"the KV pool holds {self.pool.num_pages * self.pool.page_size} tokens in all: lower max_tokens, "
+                "shorten the prompt, or give the cache more memory"
+            )
         request_id = request_id if request_id is not None else f"req-{next(self._counter)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -119,10 +131,18 @@ class LLMEngine:
         work = self.scheduler.schedule()
         if work.is_empty:
             return []
-        sampled = self.runner.execute(work)
-        updated: list[RequestOutput] = []
-        for request, count in work.chunks():
+        checkpoint_slots = self.pool.plan_checkpoints([(c.request, c.num_tokens) for c in work.prefills])
+        try:
+            sampled = self.runner.execute(work, checkpoint_slots)
+        except BaseException:
+            self.pool.cancel_plan()
+            raise
+        chunks = work.chunks()
+        for request, count in chunks:
             request.num_computed_tokens += count
+        self.pool.commit([r for r, _ in chunks], work.decodes)
+        updated: list[RequestOutput] = []
+        for request, _ in chunks:
             token = sampled.get(request.request_id)
             if token is None:
                 continue
@@ -161,15 +181,18 @@ class LLMEngine:
         """Logits at every prompt position [L, vocab] in one pass (scoring; no generation)."""
         tokens = self.validate_prompt(prompt_token_ids)
         request = Request("score", tokens, SamplingParams(max_tokens=1), seed=0, arrival=-1)
-        scheduler = self.scheduler
-        if scheduler.slots is not None:
-            request.state_slot = scheduler.slots.allocate(1)[0]
+        if not self.pool.admit(request, NO_HIT, len(tokens)):
+            raise ValueError(f"no free state slot or not enough free KV pages to score {len(tokens)} tokens now")
         try:
-            if not scheduler.reserve_pages(request, len(tokens)):
-                raise ValueError(f"not enough free KV pages to score {len(tokens)} tokens now")
             return self.runner.prompt_logits(request)
         finally:
-            if scheduler.pages is not None and request.page_ids:
-                scheduler.pages.free(request.page_ids)
-            if scheduler.slots is not None and request.state_slot is not None:
-                scheduler.slots.free([request.state_slot])
+            self.pool.release(request)
+
+    # ---- prefix cache ---------------------------------------------------------------------------
+    def drain_cache_events(self) -> list[CacheEvent]:
+        """Stored / removed block hashes and checkpoints since the last call, in sequence order."""
+        return self.pool.drain_events()
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix that no running request holds."""
+        self.pool.clear_cache()

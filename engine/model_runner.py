@@ -13,9 +13,16 @@ from hybridserve.statepool.state_cache import StateCache
 
 
 def build_forward_batch(
-    chunks: list[tuple[Request, int]], num_decode: int, page_size: int, device: torch.device
+    chunks: list[tuple[Request, int]],
+    num_decode: int,
+    page_size: int,
+    device: torch.device,
+    state_block: int | None = None,
+    checkpoint_slots: list[int] | None = None,
 ) -> tuple[torch.Tensor, ForwardBatch]:
-    """(request, new token count) pairs, decodes first -> (input ids [N], batch metadata)."""
+    """(request, new token count) pairs, decodes first -> (input ids [N], batch metadata).
+    `checkpoint_slots`: one slot (or -1) per state_block boundary the prefill chunks cross, in chunk then
+    position order; the Mamba layers write their state at those boundaries there."""
     input_ids: list[int] = []
     slot_mapping: list[int] = []
     query_lens, context_lens, kv_lens, state_slots = [], [], [], []
@@ -50,6 +57,8 @@ def build_forward_batch(
         state_slots=as_tensor(state_slots),
         block_tables=torch.tensor(block_tables, dtype=torch.int64, device=device).reshape(len(chunks), max_pages),
         slot_mapping=as_tensor(slot_mapping),
+        state_block=state_block if checkpoint_slots else None,
+        checkpoint_slots=as_tensor(checkpoint_slots) if checkpoint_slots else None,
     )
     return as_tensor(input_ids), batch
 
@@ -57,16 +66,22 @@ def build_forward_batch(
 class ModelRunner:
     """Owns the model and its state cache on one device."""
 
-    def __init__(self, model: HybridLM, cache: StateCache, page_size: int, device: torch.device) -> None:
+    def __init__(
+        self, model: HybridLM, cache: StateCache, page_size: int, device: torch.device, state_block: int | None = None
+    ) -> None:
         self.model = model
         self.cache = cache
         self.page_size = page_size
         self.device = device
+        self.state_block = state_block
 
-    def execute(self, work: SchedulerOutput) -> dict[str, int]:
-        """Run the step; returns the sampled token of every request whose pending tokens are now computed."""
+    def execute(self, work: SchedulerOutput, checkpoint_slots: list[int] | None = None) -> dict[str, int]:
+        """Run the step; returns the sampled token of every request whose pending tokens are now computed.
+        `checkpoint_slots`: from `StatePool.plan_checkpoints` for this step's prefill chunks."""
         chunks = work.chunks()
-        input_ids, batch = build_forward_batch(chunks, len(work.decodes), self.page_size, self.device)
+        input_ids, batch = build_forward_batch(
+            chunks, len(work.decodes), self.page_size, self.device, self.state_block, checkpoint_slots
+        )
         hidden = self.model(input_ids, batch, self.cache)
         due = [i for i, (r, n) in enumerate(chunks) if n == r.num_pending_tokens]
         if not due:

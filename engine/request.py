@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import enum
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.statepool.block_hash import BlockHash
+
+if TYPE_CHECKING:
+    from hybridserve.statepool.radix_cache import Node
 
 
 class RequestStatus(enum.Enum):
@@ -28,9 +34,12 @@ class Request:
         self.arrival = arrival
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.num_cached_tokens = 0
-        self.page_ids: list[int] = []
+        self.num_cached_tokens = 0  # prefix reused from the cache at first admission
+        self.admitted = False
+        self.page_ids: list[int] = []  # KV pages; the first len(cache_nodes) may be shared cache blocks
         self.state_slot: int | None = None
+        self.cache_nodes: list[Node] = []  # radix-cache blocks this request holds a reference on
+        self.block_hashes: list[BlockHash] = []  # chained hashes of its full token blocks (grows with outputs)
         self.finish_reason: str | None = None
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)

@@ -1,10 +1,11 @@
-"""Continuous batching with chunked prefill.
+"""Continuous batching with chunked prefill over the state pool.
 
 Each step: every running request in the decode phase gets one token (oldest first; when KV pages run out
 the newest running request is preempted and recomputed later), then prefill chunks share a budget of
 `prefill_chunk_size` tokens: running prefills continue first, then waiting requests are admitted FCFS while
-a state slot and pages are free. A request that cannot fit now waits; one that can never fit is refused
-when it is added.
+a state slot and pages are free. An admitted request starts after its longest cached prefix (a checkpoint
+copied into its own slot), so cached tokens cost no budget. A request that cannot fit now waits; one that
+can never fit is refused when it is added.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.statepool.allocators import PageAllocator, SlotAllocator
+from hybridserve.statepool.pool import StatePool
 
 
 @dataclass(frozen=True)
@@ -43,25 +45,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        pages: PageAllocator | None,  # None when the model has no attention layers
-        slots: SlotAllocator | None,  # None when the model has no Mamba layers
-        page_size: int,
-        prefill_chunk_size: int,
-        max_num_seqs: int,
-    ) -> None:
-        self.pages = pages
-        self.slots = slots
-        self.page_size = page_size
+    def __init__(self, pool: StatePool, prefill_chunk_size: int, max_num_seqs: int) -> None:
+        self.pool = pool
         self.prefill_chunk_size = prefill_chunk_size
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
 
-    def pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size) if self.pages is not None else 0
+    @property
+    def pages(self) -> PageAllocator | None:
+        return self.pool.pages
+
+    @property
+    def slots(self) -> SlotAllocator | None:
+        return self.pool.slots
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -91,39 +89,28 @@ class Scheduler:
             if request.is_decoding:
                 continue
             count = min(request.num_pending_tokens, budget)
-            if self.reserve_pages(request, request.num_computed_tokens + count):
+            if self.pool.reserve(request, request.num_computed_tokens + count):
                 prefills.append(ScheduledChunk(request, count))
                 budget -= count
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if self.slots is not None and not self.slots.can_allocate(1):
-                break
-            count = min(request.num_pending_tokens, budget)
-            if not self.reserve_pages(request, request.num_computed_tokens + count):
+            hit = self.pool.match(request)
+            count = min(request.num_tokens - hit.num_tokens, budget)
+            if not self.pool.admit(request, hit, hit.num_tokens + count):
                 break
             self.waiting.popleft()
-            if self.slots is not None:
-                request.state_slot = self.slots.allocate(1)[0]
+            if not request.admitted:
+                request.num_cached_tokens = hit.num_tokens
+                request.admitted = True
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             prefills.append(ScheduledChunk(request, count))
             budget -= count
         return SchedulerOutput(decodes=decodes, prefills=prefills)
 
-    def reserve_pages(self, request: Request, num_tokens: int) -> bool:
-        """Make sure the request holds pages for `num_tokens` tokens; False if the pool is short."""
-        needed = self.pages_for(num_tokens) - len(request.page_ids)
-        if needed <= 0:
-            return True
-        assert self.pages is not None
-        if not self.pages.can_allocate(needed):
-            return False
-        request.page_ids.extend(self.pages.allocate(needed))
-        return True
-
     def _make_room(self, request: Request, num_tokens: int) -> bool:
         """Reserve pages, preempting newer running requests; False if `request` itself was preempted."""
-        while not self.reserve_pages(request, num_tokens):
+        while not self.pool.reserve(request, num_tokens):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is request:
@@ -131,7 +118,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        """Drop the request's state; it goes back to the front of the queue and is recomputed."""
+        """Drop the request's state; it goes back to the front of the queue and restarts from the cache."""
         self._release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
@@ -140,15 +127,10 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.running.remove(request)
-        if self.pages is not None and request.page_ids:
-            self.pages.free(request.page_ids)
-        request.page_ids = []
-        if self.slots is not None and request.state_slot is not None:
-            self.slots.free([request.state_slot])
-        request.state_slot = None
+        self.pool.release(request)
 
     def finish(self, request: Request, reason: str) -> None:
-        """Mark finished and return its pages and slot."""
+        """Mark finished and return its pages and slot (its full blocks stay cached)."""
         if request.status is RequestStatus.RUNNING:
             self._release(request)
         elif request in self.waiting:

@@ -20,6 +20,10 @@ class ForwardBatch:
     state_slots: torch.Tensor  # [S] int64 Mamba state slot of each sequence
     block_tables: torch.Tensor  # [S, max_pages] int64 KV pages of each sequence
     slot_mapping: torch.Tensor  # [N] int64 KV slot (page * page_size + offset) of each new token
+    # Prefix-cache checkpoints: for every multiple of state_block in (context, context + new] of each prefill
+    # sequence (sequence then position order), the state row the Mamba layers write it to (-1: skip).
+    state_block: int | None = None
+    checkpoint_slots: torch.Tensor | None = None  # [K] int64
 
     @property
     def num_seqs(self) -> int:

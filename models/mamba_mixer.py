@@ -1,7 +1,9 @@
 """Mamba2 mixer over packed tokens: in_proj -> causal conv1d + SiLU -> SSD scan -> gated RMSNorm -> out_proj.
 
 Decode rows (one new token, state from earlier steps) take the recurrent update; prefill rows take the
-chunked scan, starting from the slot's state when the sequence was resumed after a cached prefix.
+chunked scan, starting from the slot's state when the sequence was resumed after a cached prefix. When the
+batch asks for checkpoints, the conv windows and scan states at state_block boundaries (the scan's chunk
+ends land on absolute multiples of chunk_size) are written to the checkpoint rows of the same pools.
 """
 
 from __future__ import annotations
@@ -78,10 +80,13 @@ class Mamba2Mixer(nn.Module):
             )
         if nd < batch.num_seqs:
             slots = batch.state_slots[nd:]
-            resumed = (batch.context_lens[nd:] > 0)[:, None, None]
+            starts = batch.context_lens[nd:]
+            resumed = (starts > 0)[:, None, None]
             windows = torch.where(resumed, conv_pool[slots].float(), 0.0)
+            block = batch.state_block if batch.checkpoint_slots is not None else None
             conv = ops.causal_conv1d_varlen(
-                xBC[nd:], conv_weight, self.conv1d.bias, batch.prefill_cu_seqlens(), windows
+                xBC[nd:], conv_weight, self.conv1d.bias, batch.prefill_cu_seqlens(), windows,
+                start_positions=starts, state_block=block,
             )
             conv_pool[slots] = conv.final_windows.to(conv_pool.dtype)
             conv_out = conv.y
@@ -99,9 +104,12 @@ class Mamba2Mixer(nn.Module):
                 dt_bias=self.dt_bias,
                 dt_limit=cfg.dt_limit,
                 initial_states=torch.where(resumed[..., None], ssm_pool[slots].float(), 0.0),
-                start_positions=batch.context_lens[nd:],
+                start_positions=starts,
+                state_block=block,
             )
             ssm_pool[slots] = scan.final_states.to(ssm_pool.dtype)
+            if batch.checkpoint_slots is not None:
+                _write_checkpoints(batch.checkpoint_slots, conv.boundary_windows, scan.chunk_states, conv_pool, ssm_pool)
             y[nd:] = scan.y
         normed = ops.gated_rmsnorm(
             y.reshape(-1, cfg.intermediate_size),
@@ -111,3 +119,22 @@ class Mamba2Mixer(nn.Module):
             eps=self.norm_eps,
         )
         return self.out_proj(normed)
+
+
+def _write_checkpoints(
+    targets: torch.Tensor,  # [K] int64 state rows, -1 = not kept
+    windows: torch.Tensor,  # [K, conv_dim, W] conv windows at the boundaries
+    states: torch.Tensor,  # [K, H, P, N] SSM states at the same boundaries
+    conv_pool: torch.Tensor,  # [rows, conv_dim, W]
+    ssm_pool: torch.Tensor,  # [rows, H, P, N]
+) -> None:
+    """Store the boundary states the engine asked for (one target per boundary, same order as the ops)."""
+    if windows.shape[0] != targets.numel() or states.shape[0] != targets.numel():
+        raise RuntimeError(
+            f"{targets.numel()} checkpoint targets for {windows.shape[0]} conv windows and {states.shape[0]} "
+            "scan states: the engine and the kernels disagree on the state_block boundaries"
+        )
+    keep = torch.nonzero(targets >= 0).squeeze(1)
+    rows = targets[keep]
+    conv_pool.index_copy_(0, rows, windows[keep].to(conv_pool.dtype))
+    ssm_pool.index_copy_(0, rows, states[keep].to(ssm_pool.dtype))

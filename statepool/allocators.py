@@ -4,15 +4,17 @@ from __future__ import annotations
 
 
 class _FreeList:
-    """Hands out integer ids 0..capacity-1; freeing an id that is not in use is an error."""
+    """Hands out integer ids first_id..first_id+capacity-1; freeing an id that is not in use is an error."""
 
     kind = "id"
+    allow_empty = False
 
-    def __init__(self, capacity: int) -> None:
-        if capacity <= 0:
+    def __init__(self, capacity: int, first_id: int = 0) -> None:
+        if capacity < 0 or (capacity == 0 and not self.allow_empty):
             raise ValueError(f"{self.kind} capacity must be positive, got {capacity}")
         self.capacity = capacity
-        self._free: list[int] = list(range(capacity - 1, -1, -1))
+        self.first_id = first_id
+        self._free: list[int] = list(range(first_id + capacity - 1, first_id - 1, -1))
         self._used: set[int] = set()
 
     @property
@@ -29,9 +31,12 @@ class _FreeList:
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
             raise RuntimeError(f"out of {self.kind}s: asked for {count}, {len(self._free)} free")
-        ids = [self._free.pop() for _ in range(count)]
+        ids = [self._free.pop() for _ in range(count)]  # lowest ids first
         self._used.update(ids)
         return ids
+
+    def used_ids(self) -> set[int]:
+        return set(self._used)
 
     def free(self, ids: list[int]) -> None:
         for i in ids:
@@ -51,3 +56,11 @@ class SlotAllocator(_FreeList):
     """Mamba state slots (conv window + SSM state of every Mamba layer)."""
 
     kind = "state slot"
+
+
+class CheckpointAllocator(_FreeList):
+    """Checkpoint slots for cached Mamba states; they live after the running slots in the same tensors,
+    so a checkpoint id is a row of `conv_states` / `ssm_states`. Zero capacity turns checkpoints off."""
+
+    kind = "checkpoint slot"
+    allow_empty = True

@@ -2,8 +2,10 @@
 
 Layout is request-major so one request's state is one contiguous block (cheap to copy, checkpoint and ship):
   k_pages / v_pages: [num_pages, n_attention_layers, page_size, Hkv, Dh]
-  conv_states:       [num_slots, n_mamba_layers, conv_dim, conv_width]   (conv_width >= conv_kernel-1)
-  ssm_states:        [num_slots, n_mamba_layers, H, P, N]               (dtype `mamba_ssm_cache_dtype`)
+  conv_states:       [num_slots + num_checkpoints, n_mamba_layers, conv_dim, conv_width]  (W >= conv_kernel-1)
+  ssm_states:        [num_slots + num_checkpoints, n_mamba_layers, H, P, N]   (dtype `mamba_ssm_cache_dtype`)
+Rows [0, num_slots) are running requests' slots, the rest checkpoint slots of the prefix cache: one index
+space, so prefill writes checkpoints through the same per-layer views and a hit is one row copy.
 Layers see strided per-layer views.
 """
 
@@ -31,9 +33,10 @@ class CacheLayout:
     page_size: int
     num_slots: int
     conv_width: int
+    num_checkpoints: int = 0
 
     def __post_init__(self) -> None:
-        if self.page_size <= 0 or self.num_pages < 0 or self.num_slots <= 0:
+        if self.page_size <= 0 or self.num_pages < 0 or self.num_slots <= 0 or self.num_checkpoints < 0:
             raise ValueError(f"invalid cache layout {self}")
 
     @staticmethod
@@ -75,7 +78,7 @@ class StateCache:
         kv_shape = (pages, n_attn, layout.page_size, attn.num_kv_heads if attn else 0, attn.head_dim if attn else 0)
         self.k_pages = torch.zeros(kv_shape, dtype=dtype, device=device)
         self.v_pages = torch.zeros(kv_shape, dtype=dtype, device=device)
-        slots = layout.num_slots if n_mamba else 0
+        slots = layout.num_slots + layout.num_checkpoints if n_mamba else 0
         conv_dim = mamba.conv_dim if mamba else 0
         self.conv_states = torch.zeros((slots, n_mamba, conv_dim, layout.conv_width), dtype=dtype, device=device)
         ssm_shape = (slots, n_mamba, *((mamba.num_heads, mamba.head_dim, mamba.state_size) if mamba else (0, 0, 0)))
@@ -87,9 +90,14 @@ class StateCache:
         return self.k_pages[:, i], self.v_pages[:, i]
 
     def mamba(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-layer slot views: conv [num_slots, conv_dim, W], ssm [num_slots, H, P, N]."""
+        """Per-layer slot views: conv [rows, conv_dim, W], ssm [rows, H, P, N] (rows: slots + checkpoints)."""
         i = self._mamba_index[layer]
         return self.conv_states[:, i], self.ssm_states[:, i]
+
+    def copy_state(self, source: int, target: int) -> None:
+        """Copy one slot's conv window and SSM state (every Mamba layer) into another slot."""
+        self.conv_states[target].copy_(self.conv_states[source])
+        self.ssm_states[target].copy_(self.ssm_states[source])
 
     def total_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k_pages, self.v_pages, self.conv_states, self.ssm_states))

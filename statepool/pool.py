@@ -1,0 +1,292 @@
+"""The state pool: who holds which KV page, Mamba slot and checkpoint slot, and the prefix cache over them.
+
+A running sequence holds one state slot, and KV pages: the first `len(cache_nodes)` full blocks are nodes
+of the radix cache (shared, refcounted, never written again), the rest are private. Shared blocks are always
+full and lie before `num_computed_tokens`, so the partially filled last page is never shared: no
+copy-on-write is needed for KV. A cached Mamba state is never written in place: a hit copies it into the
+sequence's own slot.
+
+Per step: `plan_checkpoints` assigns checkpoint slots to the state_block boundaries that prefill chunks
+cross (the mixer writes them from the scan's chunk-end states), `commit` files the newly computed full
+blocks and those checkpoints into the cache, and copies a decoding sequence's slot into a checkpoint when
+it lands on a boundary, so a follow-up turn hits the whole previous turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from hybridserve.statepool.allocators import CheckpointAllocator, PageAllocator, SlotAllocator
+from hybridserve.statepool.block_hash import BlockHash, block_hashes
+from hybridserve.statepool.events import CacheEvent, EventLog
+from hybridserve.statepool.radix_cache import Node, RadixCache
+from hybridserve.statepool.state_cache import StateCache
+
+
+class PooledSequence(Protocol):
+    """What the pool reads and writes on a sequence (the engine's `Request`)."""
+
+    page_ids: list[int]
+    state_slot: int | None
+    cache_nodes: list[Node]
+    block_hashes: list[BlockHash]
+    num_computed_tokens: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+
+class PoolIntegrityError(RuntimeError):
+    """`StatePool.check()` found a page or slot that is not exactly one of free, cached or owned once."""
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    nodes: list[Node]  # root-first path to the deepest usable checkpoint
+    num_tokens: int  # cached prefix length (a multiple of state_block, < the sequence's length)
+
+
+NO_HIT = CacheHit([], 0)
+
+
+@dataclass(frozen=True)
+class PlannedCheckpoint:
+    sequence: PooledSequence
+    num_tokens: int  # boundary position
+    slot: int  # checkpoint slot the forward writes, or -1 (not kept)
+
+
+class StatePool:
+    """Allocators for pages, running slots and checkpoint slots, plus the radix cache (when enabled)."""
+
+    def __init__(
+        self, cache: StateCache, state_block: int, enable_prefix_caching: bool, max_events: int = 65536
+    ) -> None:
+        layout = cache.layout
+        self.cache = cache
+        self.has_kv = bool(cache.config.layers_of("attention"))
+        self.has_state = bool(cache.config.layers_of("mamba"))
+        self.page_size = layout.page_size
+        self.state_block = state_block
+        self.pages = PageAllocator(layout.num_pages) if self.has_kv else None
+        self.slots = SlotAllocator(layout.num_slots) if self.has_state else None
+        num_checkpoints = layout.num_checkpoints if self.has_state and enable_prefix_caching else 0
+        self.checkpoints = CheckpointAllocator(num_checkpoints, first_id=layout.num_slots)
+        self.block_size = self.page_size if self.has_kv else state_block
+        self.events = EventLog(max_events)
+        self.radix: RadixCache | None = None
+        if enable_prefix_caching and num_checkpoints > 0:
+            self.radix = RadixCache(self.block_size, state_block, self.pages, self.checkpoints, self.events)
+        self._holders: dict[int, PooledSequence] = {}
+        self._planned: list[PlannedCheckpoint] = []
+        self.num_queries = 0
+        self.num_hits = 0
+
+    # ---- sizes ---------------------------------------------------------------------------------
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size) if self.has_kv else 0
+
+    @property
+    def num_pages(self) -> int:
+        return self.pages.capacity if self.pages is not None else 0
+
+    def fits_ever(self, num_tokens: int) -> bool:
+        """Whether one sequence of `num_tokens` tokens fits an otherwise empty pool."""
+        return self.pages_for(num_tokens) <= self.num_pages
+
+    # ---- admission and release -----------------------------------------------------------------
+    def match(self, seq: PooledSequence) -> CacheHit:
+        """The longest cached prefix with a checkpoint, leaving at least one token to compute (the sampler
+        needs its logits): a prompt that ends exactly on a checkpoint backs off to the previous one."""
+        if self.radix is None:
+            return NO_HIT
+        self.num_queries += 1
+        nodes = self.radix.match(self._hashes(seq, seq.num_tokens // self.block_size), seq.num_tokens - 1)
+        if nodes:
+            self.num_hits += 1
+        return CacheHit(nodes, len(nodes) * self.block_size)
+
+    def admit(self, seq: PooledSequence, hit: CacheHit, num_tokens: int) -> bool:
+        """Give the sequence a state slot (holding the hit's checkpoint) and pages for its first `num_tokens`
+        tokens, sharing the hit's blocks; False, holding nothing, when the pool cannot do it now."""
+        if self.slots is not None and not self.slots.can_allocate(1):
+            return False
+        if self.radix is not None:
+            self.radix.lock(hit.nodes)
+        seq.cache_nodes = list(hit.nodes)
+        seq.page_ids = [n.page for n in hit.nodes] if self.has_kv else []  # type: ignore[misc]
+        self._holders[id(seq)] = seq
+        if not self.reserve(seq, num_tokens):
+            self.release(seq)
+            return False
+        if self.slots is not None:
+            seq.state_slot = self.slots.allocate(1)[0]
+            if hit.nodes:
+                source = hit.nodes[-1].checkpoint
+                if source is None:
+                    raise RuntimeError("a matched checkpoint was evicted before it was copied")
+                self.cache.copy_state(source, seq.state_slot)
+        seq.num_computed_tokens = hit.num_tokens
+        return True
+
+    def reserve(self, seq: PooledSequence, num_tokens: int) -> bool:
+        """Make sure the sequence holds pages for `num_tokens` tokens, evicting cold cached blocks if needed."""
+        needed = self.pages_for(num_tokens) - len(seq.page_ids)
+        if needed <= 0 or self.pages is None:
+            return True
+        if self.pages.num_free < needed and self.radix is not None:
+            self.radix.evict_pages(needed - self.pages.num_free)
+        if not self.pages.can_allocate(needed):
+            return False
+        seq.page_ids.extend(self.pages.allocate(needed))
+        return True
+
+    def release(self, seq: PooledSequence) -> None:
+        """Return the sequence's private pages and slot; its cached blocks stay in the cache, unreferenced."""
+        if self.pages is not None:
+            private = self._private_pages(seq)
+            if private:
+                self.pages.free(private)
+        if self.radix is not None and seq.cache_nodes:
+            self.radix.unlock(seq.cache_nodes)
+        if self.slots is not None and seq.state_slot is not None:
+            self.slots.free([seq.state_slot])
+        seq.page_ids, seq.cache_nodes, seq.state_slot = [], [], None
+        self._holders.pop(id(seq), None)
+
+    # ---- per step ------------------------------------------------------------------------------
+    def plan_checkpoints(self, prefills: Sequence[tuple[PooledSequence, int]]) -> list[int]:
+        """Checkpoint slot for every state_block boundary in (computed, computed + count] of each prefill
+        chunk, in chunk then position order (the order the scan returns chunk states); -1 = not kept."""
+        self._planned = []
+        if self.radix is None:
+            return []
+        out: list[int] = []
+        for seq, count in prefills:
+            start = seq.num_computed_tokens
+            first = (start // self.state_block + 1) * self.state_block
+            for pos in range(first, start + count + 1, self.state_block):
+                slot = -1 if self._cached_checkpoint(seq, pos) else self.radix.allocate_checkpoint()
+                slot = -1 if slot is None else slot
+                self._planned.append(PlannedCheckpoint(seq, pos, slot))
+                out.append(slot)
+        return out
+
+    def commit(self, scheduled: Sequence[PooledSequence], decodes: Sequence[PooledSequence]) -> None:
+        """After a forward (num_computed_tokens already advanced): cache the new full blocks, attach the
+        planned prefill checkpoints, and checkpoint decodes that landed on a boundary."""
+        planned, self._planned = self._planned, []
+        if self.radix is None:
+            return
+        for seq in scheduled:
+            self._insert_blocks(seq)
+        for p in planned:
+            if p.slot < 0:
+                continue
+            node = p.sequence.cache_nodes[p.num_tokens // self.block_size - 1]
+            if not self.radix.attach_checkpoint(node, p.slot):
+                self.checkpoints.free([p.slot])
+        for seq in decodes:
+            pos = seq.num_computed_tokens
+            if not self.radix.is_checkpoint_position(pos) or seq.state_slot is None:
+                continue
+            node = seq.cache_nodes[pos // self.block_size - 1]
+            if node.checkpoint is not None:
+                continue
+            slot = self.radix.allocate_checkpoint()
+            if slot is not None:
+                self.cache.copy_state(seq.state_slot, slot)
+                self.radix.attach_checkpoint(node, slot)
+
+    def cancel_plan(self) -> None:
+        """Return planned checkpoint slots after a forward that did not complete."""
+        slots = [p.slot for p in self._planned if p.slot >= 0]
+        self._planned = []
+        if slots:
+            self.checkpoints.free(slots)
+
+    def drain_events(self) -> list[CacheEvent]:
+        return self.events.drain()
+
+    def clear_cache(self) -> None:
+        """Drop every cached block and checkpoint that no running sequence holds."""
+        if self.radix is not None:
+            self.radix.clear()
+
+    # ---- integrity -----------------------------------------------------------------------------
+    def check(self) -> None:
+        """Every page and slot is free, cached, or owned by exactly one sequence; refs match holders."""
+        nodes = self.radix.nodes() if self.radix is not None else []
+        owner: dict[int, str] = {}
+
+        def claim(page: int, who: str) -> None:
+            if page in owner:
+                raise PoolIntegrityError(f"KV page {page} is held by both {owner[page]} and {who}")
+            owner[page] = who
+
+        refs: dict[int, int] = {}
+        for seq in self._holders.values():
+            for i, node in enumerate(seq.cache_nodes):
+                if node.depth != i + 1 or (i and node.parent is not seq.cache_nodes[i - 1]):
+                    raise PoolIntegrityError(f"a sequence's cached blocks are not a chain from the root at {i}")
+                refs[id(node)] = refs.get(id(node), 0) + 1
+            for page in self._private_pages(seq):
+                claim(page, f"sequence {id(seq):#x}")
+        for node in nodes:
+            if node.page is not None:
+                claim(node.page, f"cached block at depth {node.depth}")
+            if node.ref != refs.get(id(node), 0):
+                raise PoolIntegrityError(f"node at depth {node.depth} has ref {node.ref}, {refs.get(id(node), 0)} holders")
+            if node.ref == 0 and not node.children and node.checkpoint is None:
+                raise PoolIntegrityError(f"dead leaf at depth {node.depth} was not pruned")
+        if self.pages is not None and set(owner) != self.pages.used_ids():
+            raise PoolIntegrityError(
+                f"pages in use {sorted(self.pages.used_ids() ^ set(owner))[:8]} are neither cached nor owned"
+            )
+        if self.slots is not None:
+            held = [s.state_slot for s in self._holders.values() if s.state_slot is not None]
+            if len(held) != len(set(held)) or set(held) != self.slots.used_ids():
+                raise PoolIntegrityError(f"state slots {sorted(held)} vs in use {sorted(self.slots.used_ids())}")
+        cached = [n.checkpoint for n in nodes if n.checkpoint is not None]
+        if len(cached) != len(set(cached)) or set(cached) != self.checkpoints.used_ids():
+            raise PoolIntegrityError(
+                f"checkpoint slots {sorted(cached)} vs in use {sorted(self.checkpoints.used_ids())}"
+            )
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _hashes(self, seq: PooledSequence, num_blocks: int) -> list[BlockHash]:
+        if len(seq.block_hashes) < num_blocks:
+            tokens = seq.all_token_ids[: num_blocks * self.block_size]
+            seq.block_hashes = block_hashes(tokens, self.block_size, seq.block_hashes)
+        return seq.block_hashes
+
+    def _private_pages(self, seq: PooledSequence) -> list[int]:
+        nodes = seq.cache_nodes
+        return [p for i, p in enumerate(seq.page_ids) if i >= len(nodes) or nodes[i].page != p]
+
+    def _insert_blocks(self, seq: PooledSequence) -> None:
+        assert self.radix is not None
+        full = seq.num_computed_tokens // self.block_size
+        hashes = self._hashes(seq, full)
+        while len(seq.cache_nodes) < full:
+            i = len(seq.cache_nodes)
+            parent = seq.cache_nodes[-1] if seq.cache_nodes else None
+            node, _ = self.radix.insert(parent, hashes[i], seq.page_ids[i] if self.has_kv else None)
+            self.radix.lock([node])
+            seq.cache_nodes.append(node)
+
+    def _cached_checkpoint(self, seq: PooledSequence, pos: int) -> bool:
+        """Whether the cache already holds a checkpoint at `pos` on this sequence's path."""
+        assert self.radix is not None
+        hashes = self._hashes(seq, pos // self.block_size)
+        node: Node | None = seq.cache_nodes[-1] if seq.cache_nodes else None
+        for i in range(len(seq.cache_nodes), pos // self.block_size):
+            node = self.radix.child(node, hashes[i])
+            if node is None:
+                return False
+        return node is not None and node.checkpoint is not None
