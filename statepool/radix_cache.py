@@ -135,8 +135,8 @@ class RadixCache:
             parent = node.parent
             before = self.pages.num_free
             self._remove(node)
-            freed += self.pages.num_free - before
             self._settle(parent)  # type: ignore[arg-type]
+            freed += self.pages.num_free - before
         return freed
 
     def evict_checkpoint(self) -> bool:
