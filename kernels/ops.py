@@ -37,14 +37,18 @@ def triton_available() -> bool:
     return True
 
 
+@functools.cache
+def _triton_fn(module: str, name: str) -> Callable[..., Any]:
+    return getattr(importlib.import_module(f"hybridserve.kernels.{module}"), name)
+
+
 def _dispatch(reference: Callable[..., Any], module: str, name: str) -> Callable[..., Any]:
     """An op that calls `module.name` (Triton) for CUDA tensors and `reference` otherwise."""
 
     @functools.wraps(reference)
     def op(first: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if first.is_cuda and triton_available():
-            fn = getattr(importlib.import_module(f"hybridserve.kernels.{module}"), name)
-            return fn(first, *args, **kwargs)
+            return _triton_fn(module, name)(first, *args, **kwargs)
         return reference(first, *args, **kwargs)
 
     return op
@@ -60,7 +64,7 @@ multi_token_state_update = _dispatch(
     multi_token_state_update_ref, "state_update_triton", "multi_token_state_update_triton"
 )
 paged_attention = _dispatch(paged_attention_ref, "paged_attention_triton", "paged_attention_triton")
-write_kv = write_kv_pages
+write_kv = _dispatch(write_kv_pages, "paged_attention_triton", "write_kv_pages_triton")
 gated_rmsnorm = _dispatch(gated_rmsnorm_ref, "gated_rmsnorm_triton", "gated_rmsnorm_triton")
 rmsnorm = _dispatch(rmsnorm_ref, "gated_rmsnorm_triton", "rmsnorm_triton")
 

@@ -43,6 +43,7 @@ def paged_attention_ref(
     kv_lens: torch.Tensor,  # [S] tokens in the cache per sequence, the new ones included
     block_tables: torch.Tensor,  # [S, max_pages]
     scale: float,
+    max_query_len: int | None = None,  # launch hint for the Triton kernel; the reference needs none
 ) -> torch.Tensor:
     """Reference attention in fp32; returns [N, Hq, Dh] in q's dtype."""
     num_q_heads = q.shape[1]

@@ -75,29 +75,79 @@ def paged_attention_triton(
     kv_lens: torch.Tensor,  # [S]
     block_tables: torch.Tensor,  # [S, max_pages]
     scale: float,
+    max_query_len: int | None = None,  # host-known bound on new tokens per sequence; <= 16 skips a host sync
 ) -> torch.Tensor:
-    """Triton version of `paged_attention_ref`; returns [N, Hq, Dh] in q's dtype."""
+    """Triton version of `paged_attention_ref`; returns [N, Hq, Dh] in q's dtype.
+
+    With `max_query_len` <= 16 (decode, verify) every sequence is one query block and nothing is read back
+    to the host, so the call can be captured in a CUDA graph."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_pages.shape[2]
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"query heads {num_q_heads} must be a multiple of kv heads {num_kv_heads}")
     check_same_device(q, k_pages, v_pages, cu_seqlens_q, kv_lens, block_tables)
     out = torch.empty_like(q)
-    bounds = cu_seqlens_q.tolist()
-    max_q = max((bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)), default=0)
-    block_m = 16 if max_q <= 16 else 64
-    block_seq, block_row = [], []
-    for seq in range(len(bounds) - 1):
-        for row in range(0, bounds[seq + 1] - bounds[seq], block_m):
-            block_seq.append(seq)
-            block_row.append(row)
-    if not block_seq:
+    num_seqs = kv_lens.shape[0]
+    if max_query_len is not None and max_query_len <= 16:
+        block_m = 16
+        block_seq_t = torch.arange(num_seqs, dtype=torch.int32, device=q.device)
+        block_row_t = torch.zeros(num_seqs, dtype=torch.int32, device=q.device)
+    else:
+        bounds = cu_seqlens_q.tolist()
+        max_q = max((bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)), default=0)
+        block_m = 16 if max_q <= 16 else 64
+        block_seq, block_row = [], []
+        for seq in range(len(bounds) - 1):
+            for row in range(0, bounds[seq + 1] - bounds[seq], block_m):
+                block_seq.append(seq)
+                block_row.append(row)
+        block_seq_t = torch.tensor(block_seq, dtype=torch.int32).to(q.device)
+        block_row_t = torch.tensor(block_row, dtype=torch.int32).to(q.device)
+    if block_seq_t.numel() == 0 or q.shape[0] == 0:
         return out
-    _paged_attention_kernel[(len(block_seq), num_q_heads)](
-        q, k_pages, v_pages, out, cu_seqlens_q, kv_lens, block_tables,
-        torch.tensor(block_seq, dtype=torch.int32).to(q.device), torch.tensor(block_row, dtype=torch.int32).to(q.device),
+    _paged_attention_kernel[(block_seq_t.numel(), num_q_heads)](
+        q, k_pages, v_pages, out, cu_seqlens_q, kv_lens, block_tables, block_seq_t, block_row_t,
         scale, k_pages.shape[1], num_q_heads // num_kv_heads, head_dim,
         *q.stride(), *k_pages.stride(), *v_pages.stride(), *out.stride(), *block_tables.stride(),
         BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=max(16, next_pow2(head_dim)), num_warps=4, num_stages=2,
     )
     return out
+
+
+@triton.jit
+def _write_kv_kernel(
+    k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ptr, page_size, Hkv, Dh,
+    k_n, k_h, k_d, v_n, v_h, v_d, kp_p, kp_o, kp_h, kp_d, vp_p, vp_o, vp_h, vp_d,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    n = tl.program_id(0)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < Hkv) & (offs_d[None, :] < Dh) & ((offs_h * 0 + slot) >= 0)[:, None]
+    page = tl.maximum(slot, 0) // page_size
+    within = tl.maximum(slot, 0) % page_size
+    k = tl.load(k_ptr + n * k_n + offs_h[:, None] * k_h + offs_d[None, :] * k_d, mask=mask)
+    v = tl.load(v_ptr + n * v_n + offs_h[:, None] * v_h + offs_d[None, :] * v_d, mask=mask)
+    tl.store(kp_ptr + page * kp_p + within * kp_o + offs_h[:, None] * kp_h + offs_d[None, :] * kp_d,
+             k.to(kp_ptr.dtype.element_ty), mask=mask)
+    tl.store(vp_ptr + page * vp_p + within * vp_o + offs_h[:, None] * vp_h + offs_d[None, :] * vp_d,
+             v.to(vp_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_pages_triton(
+    key: torch.Tensor,  # [N, Hkv, Dh]
+    value: torch.Tensor,  # [N, Hkv, Dh]
+    k_pages: torch.Tensor,  # [num_pages, page_size, Hkv, Dh] (any strides)
+    v_pages: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [N], -1 = padded token, skipped
+) -> None:
+    """Triton version of `write_kv_pages`: one program per token, no host sync (graph-capturable)."""
+    check_same_device(key, value, k_pages, v_pages, slot_mapping)
+    if key.shape[0] == 0:
+        return
+    _write_kv_kernel[(key.shape[0],)](
+        key, value, k_pages, v_pages, slot_mapping, k_pages.shape[1], key.shape[1], key.shape[2],
+        *key.stride(), *value.stride(), *k_pages.stride(), *v_pages.stride(),
+        BLOCK_H=next_pow2(key.shape[1]), BLOCK_D=next_pow2(key.shape[2]), num_warps=2,
+    )

@@ -36,6 +36,7 @@ class Attention(nn.Module):
         v = self.v_proj(hidden).view(tokens, cfg.num_kv_heads, cfg.head_dim)
         ops.write_kv(k, v, k_pages, v_pages, batch.slot_mapping)
         out = ops.paged_attention(
-            q, k_pages, v_pages, batch.cu_seqlens, batch.kv_lens, batch.block_tables, self.scale
+            q, k_pages, v_pages, batch.cu_seqlens, batch.kv_lens, batch.block_tables, self.scale,
+            max_query_len=max(batch.query_lens, default=0),
         )
         return self.o_proj(out.reshape(tokens, -1))

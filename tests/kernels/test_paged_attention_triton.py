@@ -37,3 +37,40 @@ def test_paged_attention_interpreter():
                                             ([1000, 77], [1000, 4000])])
 def test_paged_attention_gpu(q_lens, kv_lens):
     _check(q_lens, kv_lens, 40, 8, 128, 16, torch.bfloat16, "cuda", torch.Generator().manual_seed(4), 2e-2)
+
+
+def _write_kv(device, gen):
+    from hybridserve.kernels.paged_attention import write_kv_pages
+    from hybridserve.kernels.paged_attention_triton import write_kv_pages_triton
+
+    cache = torch.randn(6, 2, 4, 2, 8, generator=gen).to(device)
+    k = torch.randn(5, 2, 8, generator=gen).to(device)
+    v = torch.randn(5, 2, 8, generator=gen).to(device)
+    slots = torch.tensor([3, -1, 7, 21, 0], device=device)
+    ref_k, ref_v = cache[:, 0].clone(), cache[:, 1].clone()
+    write_kv_pages(k, v, ref_k, ref_v, slots)
+    write_kv_pages_triton(k, v, cache[:, 0], cache[:, 1], slots)
+    assert torch.equal(cache[:, 0], ref_k) and torch.equal(cache[:, 1], ref_v)
+
+
+@ku.interp_only
+def test_write_kv_interpreter():
+    _write_kv("cpu", torch.Generator().manual_seed(5))
+
+
+@ku.interp_only
+def test_paged_attention_decode_hint_interpreter():
+    gen = torch.Generator().manual_seed(6)
+    q_lens, kv_lens, page = [1, 3, 2], [5, 9, 2], 4
+    cache = torch.randn(12, page, 2, 8, generator=gen)
+    tables = torch.randperm(12, generator=gen)[:9].reshape(3, 3)
+    q = torch.randn(sum(q_lens), 4, 8, generator=gen)
+    cu = torch.tensor([0, 1, 4, 6])
+    args = (q, cache, cache.flip(0), cu, torch.tensor(kv_lens), tables, 0.3)
+    ku.assert_close(paged_attention_triton(*args, max_query_len=3), paged_attention_ref(*args), 2e-3, "attention")
+
+
+@ku.gpu
+@ku.cuda_only
+def test_write_kv_gpu():
+    _write_kv("cuda", torch.Generator().manual_seed(5))
