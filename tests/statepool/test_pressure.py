@@ -1,0 +1,69 @@
+"""Small pools: requests queue instead of being capped, eviction and preemption keep the tokens of cold
+runs, and a request that can never fit is refused when it is added."""
+
+from __future__ import annotations
+
+import pytest
+from checkpoints import random_prompts
+from prefix_cases import cold_tokens, greedy, warm_llm
+
+from hybridserve import SamplingParams
+
+
+@pytest.mark.parametrize("kind", ["nemotron_h", "mamba2"])
+def test_more_requests_than_slots_queue_and_finish(kind: str) -> None:
+    llm = warm_llm(kind, max_num_seqs=2, num_checkpoint_slots=2)
+    system, *tails = random_prompts([20, 5, 13, 2, 30, 8, 17, 1], vocab=128, seed=21)
+    prompts = [system + t for t in tails]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy(5))
+    assert [o.token_ids for o in outs] == [cold_tokens(kind, tuple(p), 5) for p in prompts]
+    assert all(o.finished for o in outs)
+    pool = llm.engine.pool
+    pool.check()
+    assert pool.slots.num_free == 2 and pool.checkpoints.num_used <= 2
+
+
+def test_page_pressure_evicts_cache_and_preempts_without_changing_tokens() -> None:
+    # 9 pages of 8 tokens: two 52-token requests that share 3 pages do not fit together
+    llm = warm_llm("nemotron_h", num_kv_pages=9, num_checkpoint_slots=3, prefill_chunk_size=32)
+    system, *tails = random_prompts([24, 16, 16, 16, 9], vocab=128, seed=22)
+    prompts = [system + t for t in tails]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy(12))
+    assert [o.token_ids for o in outs] == [cold_tokens("nemotron_h", tuple(p), 12) for p in prompts]
+    assert llm.engine.scheduler.num_preemptions > 0
+    pool = llm.engine.pool
+    pool.check()
+    llm.engine.reset_prefix_cache()
+    assert pool.pages.num_free == 9 and pool.checkpoints.num_free == 3
+
+
+def test_request_larger_than_the_pool_is_refused_at_add_time() -> None:
+    llm = warm_llm("nemotron_h", num_kv_pages=4)  # 32 tokens of KV in all
+    prompt = random_prompts([30], vocab=128, seed=23)[0]
+    with pytest.raises(ValueError, match="KV pool holds 32 tokens"):
+        llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(6))
+    assert not llm.engine.has_unfinished()
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=greedy(2))[0]
+    assert out.token_ids == cold_tokens("nemotron_h", tuple(prompt), 2)
+    llm.engine.pool.check()
+
+
+def test_budget_sizing_logs_what_fits(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("INFO", logger="hybridserve.statepool.sizing"):
+        llm = warm_llm("nemotron_h", cpu_memory_gb=0.01)
+    layout = llm.engine.cache.layout
+    assert layout.num_checkpoints > 0 and layout.num_pages >= 160 // 8
+    message = caplog.records[-1].getMessage()
+    assert "concurrent requests fit" in message and "checkpoint slots (every 16 tokens" in message
+    assert llm.engine.cache.total_bytes() <= 0.01 * 2**30
+
+
+def test_caching_off_keeps_no_state_after_requests() -> None:
+    llm = warm_llm("nemotron_h", enable_prefix_caching=False)
+    prompt = random_prompts([50], vocab=128, seed=24)[0]
+    for _ in range(2):
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=3, temperature=0.0))[0]
+        assert out.num_cached_tokens == 0
+    pool = llm.engine.pool
+    pool.check()
+    assert pool.pages.num_free == pool.num_pages and pool.radix is None
