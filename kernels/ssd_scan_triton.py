@@ -222,8 +222,8 @@ def ssd_scan_varlen_triton(
     """Triton version of `ssd_scan_varlen_ref`: same arguments, same outputs (fp32 states)."""
     num_tokens, heads, head_dim = x.shape
     groups, state_size = B.shape[1], B.shape[2]
-    if chunk_size < 16 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two >= 16 for the Triton scan, got {chunk_size}")
+    if chunk_size <= 0 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two for the Triton scan, got {chunk_size}")
     if heads % groups != 0:
         raise ValueError(f"heads {heads} must be a multiple of groups {groups}")
     check_same_device(x, dt, A, B, C, D, dt_bias, initial_states)
@@ -239,7 +239,7 @@ def ssd_scan_varlen_triton(
     lo, hi, has_limit = finite_limits(dt_limit)
     bias = dt_bias if dt_bias is not None else A
     common = dict(HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit)
-    block_n = next_pow2(state_size)
+    block_n = max(16, next_pow2(state_size))  # tl.dot needs every dimension >= 16
     if num_chunks:
         grid_state = lambda meta_: (triton.cdiv(head_dim, meta_["BLOCK_P"]), num_chunks, heads)  # noqa: E731
         _chunk_state_kernel[grid_state](

@@ -46,6 +46,8 @@ def test_ssd_scan_interpreter():
     # a fresh sequence, two resumed mid-chunk, an empty one; chunk 16, kept states every 32 tokens
     _check([5, 40, 0, 23], [0, 7, 3, 33], 4, 12, 2, 16, 16, 32, torch.float32, "cpu", gen, 2e-3)
     _check([20, 33], [0, 0], 2, 16, 1, 16, 16, None, torch.float32, "cpu", gen, 2e-3, with_init=False)
+    # the tiny test checkpoints' shapes: chunk 8, state 8 (blocks padded to the 16 tl.dot needs)
+    _check([11, 6], [0, 5], 4, 16, 2, 8, 8, 8, torch.float32, "cpu", gen, 2e-3)
 
 
 @ku.gpu
