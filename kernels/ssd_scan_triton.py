@@ -1,16 +1,15 @@
 """Triton SSD chunked scan over packed variable-length sequences with chunk-aligned states.
 
-Three kernels over *logical chunks* (no chunk straddles two sequences; a resumed sequence's first chunk is
+Two kernels over *logical chunks* (no chunk straddles two sequences; a resumed sequence's first chunk is
 short so later chunk ends land on absolute multiples of chunk_size, exactly as the reference walks them):
-  1. chunk state:   local state of each chunk from zero, S_c = sum_t x_t^T (B_t dt_t exp(cum_end - cum_t)),
-                    and the chunk's total log-decay; dt bias/softplus/limit and the cumsum are recomputed
-                    in-kernel from raw dt (a few hundred flops per chunk) instead of a separate pass.
-  2. state passing: one program per (state block, sequence, head) walks that sequence's chunks from its own
-                    initial state, overwrites each local state with the state *entering* the chunk, and
-                    writes the kept chunk-end states and the final state.
-  3. chunk scan:    y = exp(cum) * C S_in^T + (causal, decayed C B^T * dt) x + D x, with C B^T computed on the
-                    fly per head (no [chunks, G, Q, Q] buffer).
-Reference and contract: `hybridserve.kernels.ssd_scan.ssd_scan_varlen_ref`.
+  1. chunk states: one program per (head_dim block, sequence, head) walks the sequence's chunks in order
+     from its initial state, S <- exp(sum dA) S + sum_t x_t^T (B_t dt_t exp(cum_end - cum_t)) (one tl.dot
+     per tile), and stores the state entering every chunk, the kept chunk-end states and the final state.
+     The running state never leaves registers, so per-chunk local states cost no memory traffic.
+  2. chunk scan: y = exp(cum) * C S_in^T + (causal, decayed C B^T * dt) x + D x, with C B^T computed on the
+     fly per head (no [chunks, G, Q, Q] buffer); one block spans the whole head_dim so it is computed once.
+dt bias / softplus / limit and the in-chunk cumsum are recomputed from raw dt in both kernels (a few hundred
+flops per chunk) instead of a separate pass. Reference and contract: `ssd_scan.ssd_scan_varlen_ref`.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ def _configs(space: list[dict], warps: list[int], stages: list[int]) -> list[tri
 
 
 @triton.jit
-def _chunk_dA(dt_ptr, dt_t, offs, mask, h, A, bias, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+def _chunk_dA(dt_ptr, dt_t, offs, mask, A, bias, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
               dt_lo, dt_hi):
     """Processed dt and dt*A at token rows `offs` (0 where masked off): two [len(offs)] fp32 vectors."""
     dt = tl.load(dt_ptr + offs * dt_t, mask=mask, other=0.0).to(tl.float32)
@@ -43,95 +42,82 @@ def _chunk_dA(dt_ptr, dt_t, offs, mask, h, A, bias, DT_SOFTPLUS: tl.constexpr, H
 
 @triton.autotune(
     configs=_configs(
-        [{"BLOCK_P": 32, "BLOCK_K": 64}, {"BLOCK_P": 64, "BLOCK_K": 32}, {"BLOCK_P": 16, "BLOCK_K": 64},
-         {"BLOCK_P": 64, "BLOCK_K": 64}],
+        [{"BLOCK_P": 16, "BLOCK_K": 64}, {"BLOCK_P": 16, "BLOCK_K": 32}, {"BLOCK_P": 32, "BLOCK_K": 32},
+         {"BLOCK_P": 32, "BLOCK_K": 64}],
         [4, 8],
-        [2, 3],
+        [1, 2, 3],
     ),
     key=["P", "N", "CHUNK"],
 )
 @triton.jit
-def _chunk_state_kernel(
-    x_ptr, dt_ptr, A_ptr, bias_ptr, B_ptr, states_ptr, dA_total_ptr, chunk_start_ptr, chunk_len_ptr,
+def _chunk_states_kernel(
+    x_ptr, dt_ptr, A_ptr, bias_ptr, B_ptr, init_ptr, states_ptr, final_ptr, kept_ptr,
+    chunk_start_ptr, chunk_len_ptr, seq_chunk_ptr, keep_idx_ptr,
     P, N, H, heads_per_group, dt_lo, dt_hi,
-    x_t, x_h, x_p, dt_t, dt_h, B_t, B_g, B_n,
+    x_t, x_h, x_p, dt_t, dt_h, B_t, B_g, B_n, i_s, i_h, i_p, i_n,
     CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
+    """Per (head_dim block, sequence, head): walk the sequence's chunks in order from its initial state;
+    store the state entering each chunk (x's dtype, for the scan), the kept chunk-end states and the final
+    state (fp32). The running state stays in registers, so no per-chunk local states go through memory."""
     pid_p = tl.program_id(0)
-    c = tl.program_id(1)
+    s = tl.program_id(1)
     h = tl.program_id(2)
     g = h // heads_per_group
-    start = tl.load(chunk_start_ptr + c).to(tl.int64)
-    length = tl.load(chunk_len_ptr + c)
     A = tl.load(A_ptr + h).to(tl.float32)
     bias = 0.0
     if HAS_BIAS:
         bias = tl.load(bias_ptr + h).to(tl.float32)
-    dt_base = dt_ptr + start * dt_t + h * dt_h
-    offs_q = tl.arange(0, CHUNK)
-    _, dA_all = _chunk_dA(dt_base, dt_t, offs_q, offs_q < length, h, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
-    total = tl.sum(dA_all, axis=0)
-    if pid_p == 0:
-        tl.store(dA_total_ptr + c * H + h, total)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
-    mask_p, mask_n = offs_p < P, offs_n < N
-    x_base = x_ptr + start * x_t + h * x_h
-    B_base = B_ptr + start * B_t + g * B_g
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    prefix = 0.0
-    for k0 in range(0, length, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < length
-        dt_k, dA_k = _chunk_dA(dt_base, dt_t, offs_k, mask_k, h, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
-        cum_k = prefix + tl.cumsum(dA_k, axis=0)
-        prefix += tl.sum(dA_k, axis=0)
-        scale = tl.exp(total - cum_k) * dt_k  # [BLOCK_K]
-        xT = tl.load(x_base + offs_p[:, None] * x_p + offs_k[None, :] * x_t,
-                     mask=mask_p[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_P, BLOCK_K]
-        Bk = tl.load(B_base + offs_k[:, None] * B_t + offs_n[None, :] * B_n,
-                     mask=mask_k[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_N]
-        acc += tl.dot(xT, (Bk * scale[:, None]).to(xT.dtype))
-    s_ptrs = states_ptr + (c * H + h) * P * N + offs_p[:, None] * N + offs_n[None, :]
-    tl.store(s_ptrs, acc, mask=mask_p[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _state_passing_kernel(
-    states_ptr, dA_total_ptr, init_ptr, final_ptr, kept_ptr, seq_chunk_ptr, keep_idx_ptr,
-    P, N, H,
-    i_s, i_h, i_p, i_n,
-    BLOCK: tl.constexpr, HAS_INIT: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    s = tl.program_id(1)
-    h = tl.program_id(2)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < P * N
+    mask_pn = (offs_p < P)[:, None] & (offs_n < N)[None, :]
+    tile = offs_p[:, None] * N + offs_n[None, :]  # [BLOCK_P, BLOCK_N] offsets in a contiguous [P, N] state
     if HAS_INIT:
-        p, n = offs // N, offs % N
-        state = tl.load(init_ptr + s * i_s + h * i_h + p * i_p + n * i_n, mask=mask, other=0.0).to(tl.float32)
+        state = tl.load(init_ptr + tl.cast(s, tl.int64) * i_s + h * i_h + offs_p[:, None] * i_p
+                        + offs_n[None, :] * i_n, mask=mask_pn, other=0.0).to(tl.float32)
     else:
-        state = tl.zeros([BLOCK], dtype=tl.float32)
+        state = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    offs_q = tl.arange(0, CHUNK)
     c0 = tl.load(seq_chunk_ptr + s)
     c1 = tl.load(seq_chunk_ptr + s + 1)
     for c in range(c0, c1):
-        ptrs = states_ptr + (tl.cast(c, tl.int64) * H + h) * P * N + offs
-        local = tl.load(ptrs, mask=mask, other=0.0)
-        tl.store(ptrs, state, mask=mask)  # the state entering chunk c, read by the chunk scan
-        state = tl.exp(tl.load(dA_total_ptr + c * H + h)) * state + local
+        start = tl.load(chunk_start_ptr + c).to(tl.int64)
+        length = tl.load(chunk_len_ptr + c)
+        tl.store(states_ptr + (tl.cast(c, tl.int64) * H + h) * P * N + tile,
+                 state.to(states_ptr.dtype.element_ty), mask=mask_pn)
+        dt_base = dt_ptr + start * dt_t + h * dt_h
+        _, dA_all = _chunk_dA(dt_base, dt_t, offs_q, offs_q < length, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo,
+                              dt_hi)
+        total = tl.sum(dA_all, axis=0)
+        x_base = x_ptr + start * x_t + h * x_h
+        B_base = B_ptr + start * B_t + g * B_g
+        local = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+        prefix = 0.0
+        for k0 in range(0, length, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < length
+            dt_k, dA_k = _chunk_dA(dt_base, dt_t, offs_k, mask_k, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
+            cum_k = prefix + tl.cumsum(dA_k, axis=0)
+            prefix += tl.sum(dA_k, axis=0)
+            scale = tl.exp(total - cum_k) * dt_k  # [BLOCK_K] decay to the chunk end, times dt
+            xT = tl.load(x_base + offs_p[:, None] * x_p + offs_k[None, :] * x_t,
+                         mask=(offs_p < P)[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_P, BLOCK_K]
+            Bk = tl.load(B_base + offs_k[:, None] * B_t + offs_n[None, :] * B_n,
+                         mask=mask_k[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
+            local += tl.dot(xT, (Bk * scale[:, None]).to(xT.dtype))
+        state = tl.exp(total) * state + local
         k = tl.load(keep_idx_ptr + c)
-        kept = kept_ptr + (tl.maximum(k, 0).to(tl.int64) * H + h) * P * N + offs
-        tl.store(kept, state, mask=mask & (offs * 0 + k >= 0))
-    tl.store(final_ptr + (tl.cast(s, tl.int64) * H + h) * P * N + offs, state, mask=mask)
+        tl.store(kept_ptr + (tl.maximum(k, 0).to(tl.int64) * H + h) * P * N + tile, state,
+                 mask=mask_pn & (offs_p * 0 + k >= 0)[:, None])
+    tl.store(final_ptr + (tl.cast(s, tl.int64) * H + h) * P * N + tile, state, mask=mask_pn)
 
 
 @triton.autotune(
     configs=_configs(
-        [{"BLOCK_M": 64, "BLOCK_P": 32, "BLOCK_K": 64}, {"BLOCK_M": 64, "BLOCK_P": 64, "BLOCK_K": 32},
-         {"BLOCK_M": 128, "BLOCK_P": 32, "BLOCK_K": 64}, {"BLOCK_M": 64, "BLOCK_P": 16, "BLOCK_K": 64},
-         {"BLOCK_M": 32, "BLOCK_P": 64, "BLOCK_K": 32}],
+        [{"BLOCK_M": 64, "BLOCK_P": 32, "BLOCK_K": 64}, {"BLOCK_M": 64, "BLOCK_P": 128, "BLOCK_K": 32},
+         {"BLOCK_M": 64, "BLOCK_P": 128, "BLOCK_K": 64}, {"BLOCK_M": 128, "BLOCK_P": 128, "BLOCK_K": 32},
+         {"BLOCK_M": 64, "BLOCK_P": 64, "BLOCK_K": 64}, {"BLOCK_M": 32, "BLOCK_P": 128, "BLOCK_K": 32}],
         [4, 8],
         [2, 3],
     ),
@@ -161,11 +147,11 @@ def _chunk_scan_kernel(
     dt_base = dt_ptr + start * dt_t + h * dt_h
     m0 = pid_m * BLOCK_M
     offs_q = tl.arange(0, CHUNK)
-    _, dA_all = _chunk_dA(dt_base, dt_t, offs_q, offs_q < length, h, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
+    _, dA_all = _chunk_dA(dt_base, dt_t, offs_q, offs_q < length, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
     prefix_m = tl.sum(tl.where(offs_q < m0, dA_all, 0.0), axis=0)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     mask_m = offs_m < length
-    _, dA_m = _chunk_dA(dt_base, dt_t, offs_m, mask_m, h, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
+    _, dA_m = _chunk_dA(dt_base, dt_t, offs_m, mask_m, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
     cum_m = prefix_m + tl.cumsum(dA_m, axis=0)  # [BLOCK_M]
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
@@ -182,7 +168,7 @@ def _chunk_scan_kernel(
     for k0 in range(0, hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < length
-        dt_k, dA_k = _chunk_dA(dt_base, dt_t, offs_k, mask_k, h, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
+        dt_k, dA_k = _chunk_dA(dt_base, dt_t, offs_k, mask_k, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
         cum_k = prefix_k + tl.cumsum(dA_k, axis=0)
         prefix_k += tl.sum(dA_k, axis=0)
         BkT = tl.load(B_base + offs_k[None, :] * B_t + offs_n[:, None] * B_n,
@@ -233,29 +219,23 @@ def ssd_scan_varlen_triton(
     dev = x.device
     y = torch.empty_like(x)
     final = torch.empty(num_seqs, heads, head_dim, state_size, dtype=torch.float32, device=dev)
-    kept = torch.empty(num_kept, heads, head_dim, state_size, dtype=torch.float32, device=dev)
-    states = torch.empty(max(num_chunks, 1), heads, head_dim, state_size, dtype=torch.float32, device=dev)
-    dA_total = torch.empty(max(num_chunks, 1), heads, dtype=torch.float32, device=dev)
+    kept = torch.empty(max(num_kept, 1), heads, head_dim, state_size, dtype=torch.float32, device=dev)
+    # states entering each chunk, in x's dtype: the scan feeds them to tl.dot in that dtype anyway
+    states = torch.empty(max(num_chunks, 1), heads, head_dim, state_size, dtype=x.dtype, device=dev)
     lo, hi, has_limit = finite_limits(dt_limit)
     bias = dt_bias if dt_bias is not None else A
     common = dict(HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit)
     block_n = max(16, next_pow2(state_size))  # tl.dot needs every dimension >= 16
-    if num_chunks:
-        grid_state = lambda meta_: (triton.cdiv(head_dim, meta_["BLOCK_P"]), num_chunks, heads)  # noqa: E731
-        _chunk_state_kernel[grid_state](
-            x, dt, A, bias, B, states, dA_total, meta.chunk_start, meta.chunk_len,
-            head_dim, state_size, heads, heads // groups, lo, hi,
-            *x.stride(), *dt.stride(), *B.stride(),
-            CHUNK=chunk_size, BLOCK_N=block_n, **common,
-        )
     init = initial_states if initial_states is not None else final
     i_strides = initial_states.stride() if initial_states is not None else (0, 0, 0, 0)
-    block = 1024 if not interpreting() else 256
-    _state_passing_kernel[(triton.cdiv(head_dim * state_size, block), num_seqs, heads)](
-        states, dA_total, init, final, kept if num_kept else final, meta.seq_chunk_ptr, meta.keep_idx,
-        head_dim, state_size, heads, *i_strides,
-        BLOCK=block, HAS_INIT=initial_states is not None, num_warps=4,
-    )
+    if num_seqs:
+        grid_state = lambda meta_: (triton.cdiv(head_dim, meta_["BLOCK_P"]), num_seqs, heads)  # noqa: E731
+        _chunk_states_kernel[grid_state](
+            x, dt, A, bias, B, init, states, final, kept, meta.chunk_start, meta.chunk_len, meta.seq_chunk_ptr,
+            meta.keep_idx, head_dim, state_size, heads, heads // groups, lo, hi,
+            *x.stride(), *dt.stride(), *B.stride(), *i_strides,
+            CHUNK=chunk_size, BLOCK_N=block_n, HAS_INIT=initial_states is not None, **common,
+        )
     if num_chunks:
         grid_scan = lambda meta_: (  # noqa: E731
             triton.cdiv(chunk_size, meta_["BLOCK_M"]) * triton.cdiv(head_dim, meta_["BLOCK_P"]), num_chunks, heads
@@ -267,5 +247,5 @@ def ssd_scan_varlen_triton(
             CHUNK=chunk_size, BLOCK_N=block_n, HAS_D=D is not None, **common,
         )
     return SSDScanOutput(
-        y=y, final_states=final, chunk_states=kept, chunk_state_seq=meta.kept_seq, chunk_state_pos=meta.kept_pos
+        y=y, final_states=final, chunk_states=kept[:num_kept], chunk_state_seq=meta.kept_seq, chunk_state_pos=meta.kept_pos
     )
