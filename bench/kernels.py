@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_step import bench_decode_step  # noqa: E402
 from peer import load_peer  # noqa: E402
 
+from hybridserve.kernels.replay_state_update import ReplayCache, replay_state_update_triton  # noqa: E402
 from hybridserve.kernels.ssd_scan_meta import chunk_metadata  # noqa: E402
 from hybridserve.kernels.ssd_scan_triton import ssd_scan_varlen_triton  # noqa: E402
 from hybridserve.kernels.state_update_triton import (  # noqa: E402
@@ -157,10 +158,6 @@ def bench_state_update(peer: dict | None, ceil: dict, quick: bool) -> list[dict]
 
 def bench_verify(peer: dict | None, ceil: dict, quick: bool, tokens: int = 4) -> list[dict]:
     """T-token verify: intermediate method vs replay (when built) vs T single-token calls of mamba_ssm."""
-    try:
-        from hybridserve.kernels import replay_state_update as replay
-    except ImportError:
-        replay = None
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(2)
     for batch in (1, 8, 32, 128, 256):
@@ -173,8 +170,15 @@ def bench_verify(peer: dict | None, ceil: dict, quick: bool, tokens: int = 4) ->
         row = {"batch": batch, "T": tokens, "intermediate_us": ms * 1e3,
                "intermediate_state_bytes_per_seq": (1 + tokens) * one_state,
                "intermediate_floor_us": batch * (1 + tokens) * one_state / ceil["copy_GBps"] / 1e3}
-        if replay is not None:
-            row.update(replay.bench_replay(t, tokens, median_ms, quick, ceil))
+        heads, head_dim, groups, state, _ = CONFIGS["nemotron-nano-9b-v2"]
+        cache = ReplayCache.allocate(batch, tokens, heads, head_dim, groups, state, torch.bfloat16, "cuda")
+        accepted = torch.full((batch,), 2, dtype=torch.int32, device="cuda")  # replay 2 of the last 4 tokens
+        ms = median_ms(lambda: replay_state_update_triton(
+            t["pool"], cache, t["slots"], accepted, t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"],
+            dt_bias=t["bias"], z=t["z"]), quick)
+        row.update(replay_us=ms * 1e3, replay_state_bytes_per_seq=2 * one_state,
+                   replay_floor_us=batch * 2 * one_state / ceil["copy_GBps"] / 1e3,
+                   replay_speedup_vs_intermediate=row["intermediate_us"] / (ms * 1e3))
         if peer is not None:
             steps = [_peer_step(peer, t, k) for k in range(tokens)]
             row["peer_T_calls_us"] = median_ms(lambda: [s() for s in steps], quick) * 1e3

@@ -1,0 +1,228 @@
+"""Replay method for speculative-decoding verify (TensorRT-LLM's design, our kernels): per slot one checkpoint
+state plus the previous step's inputs; no per-token states are materialised.
+
+At the start of a verify step the slot holds the state *before* the previous step's T tokens and a ring of
+those tokens' x, B, processed dt and dA cumsum; `num_accepted` says how many of them were kept. The step
+  1. precompute (grid B x H): processes the new dt, its cumsum, CB = C B^T with one tl.dot, scaled by
+     exp(cum_t - cum_j) dt_j and causally masked; stores dt / cumsum / B for the next step;
+  2. main (grid P-blocks x B x H): replays the accepted tokens into the state with one tl.dot, writes the
+     state once, computes the T outputs with two tl.dots (C S^T decayed, CB_scaled x) and stores x;
+  3. flips each slot's buffer index (B, dt, cumsum are double-buffered because heads share B).
+State traffic per step: one read and (when something was accepted) one write, versus 1 + T for the
+intermediate-state method. The torch oracle is `replay_reference` below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridserve.kernels.ssd_scan import NO_DT_LIMIT, DtLimit
+from hybridserve.kernels.state_update import multi_token_state_update_ref
+from hybridserve.kernels.triton_utils import check_same_device, finite_limits, next_pow2, process_dt_tl
+
+
+@dataclass
+class ReplayCache:
+    """Per-slot replay inputs of one layer; allocate once, zero-initialised (buffer 0 active, nothing to replay)."""
+
+    prev_x: torch.Tensor  # [slots, T, H, P] x of the previous step (x's dtype)
+    prev_B: torch.Tensor  # [slots, 2, T, G, N] B, double-buffered
+    prev_dt: torch.Tensor  # [slots, 2, T, H] fp32 processed dt
+    prev_cum: torch.Tensor  # [slots, 2, T, H] fp32 in-step cumsum of dt * A
+    buf: torch.Tensor  # [slots] int32 active buffer of each slot
+
+    @staticmethod
+    def allocate(num_slots: int, tokens: int, heads: int, head_dim: int, groups: int, state: int,
+                 dtype: torch.dtype, device: torch.device | str) -> ReplayCache:
+        z = dict(device=device)
+        return ReplayCache(
+            prev_x=torch.zeros(num_slots, tokens, heads, head_dim, dtype=dtype, **z),
+            prev_B=torch.zeros(num_slots, 2, tokens, groups, state, dtype=dtype, **z),
+            prev_dt=torch.zeros(num_slots, 2, tokens, heads, dtype=torch.float32, **z),
+            prev_cum=torch.zeros(num_slots, 2, tokens, heads, dtype=torch.float32, **z),
+            buf=torch.zeros(num_slots, dtype=torch.int32, **z),
+        )
+
+
+@triton.jit
+def _replay_precompute_kernel(
+    slots_ptr, dt_ptr, A_ptr, bias_ptr, B_ptr, C_ptr, cbs_ptr, buf_ptr, pB_ptr, pdt_ptr, pcum_ptr,
+    T, H, N, heads_per_group, dt_lo, dt_hi,
+    dt_b, dt_t, dt_h, B_b, B_t, B_g, B_n, C_b, C_t, C_g, C_n,
+    pB_s, pB_i, pB_t, pB_g, pB_n, pdt_s, pdt_i, pdt_t, pdt_h,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    g = h // heads_per_group
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_n = tl.arange(0, BLOCK_N)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    valid_t = (offs_t * 0 + slot) >= 0
+    mask_t = (offs_t < T) & valid_t
+    slot = tl.maximum(slot, 0)
+    wb = 1 - tl.load(buf_ptr + slot)  # write into the inactive buffer
+    bias = 0.0
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + h).to(tl.float32)
+    dt = tl.load(dt_ptr + b * dt_b + offs_t * dt_t + h * dt_h, mask=mask_t, other=0.0).to(tl.float32)
+    dt = tl.where(mask_t, process_dt_tl(dt, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi), 0.0)
+    cum = tl.cumsum(dt * tl.load(A_ptr + h).to(tl.float32), axis=0)  # [BLOCK_T]
+    p_off = slot * pdt_s + wb * pdt_i + offs_t * pdt_t + h * pdt_h
+    tl.store(pdt_ptr + p_off, dt, mask=mask_t)
+    tl.store(pcum_ptr + p_off, cum, mask=mask_t)
+    mask_tn = mask_t[:, None] & (offs_n < N)[None, :]
+    Bm = tl.load(B_ptr + b * B_b + offs_t[:, None] * B_t + g * B_g + offs_n[None, :] * B_n, mask=mask_tn, other=0.0)
+    Cm = tl.load(C_ptr + b * C_b + offs_t[:, None] * C_t + g * C_g + offs_n[None, :] * C_n, mask=mask_tn, other=0.0)
+    cb = tl.dot(Cm.to(tl.float32), tl.trans(Bm.to(tl.float32)))  # [BLOCK_T, BLOCK_T]
+    causal = offs_t[:, None] >= offs_t[None, :]
+    cbs = tl.where(causal, cb * tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)) * dt[None, :], 0.0)
+    base = cbs_ptr + (b * H + h) * BLOCK_T * BLOCK_T
+    tl.store(base + offs_t[:, None] * BLOCK_T + offs_t[None, :], cbs)
+    if h % heads_per_group == 0:  # one head per group keeps B for the next step's replay
+        tl.store(pB_ptr + slot * pB_s + wb * pB_i + offs_t[:, None] * pB_t + g * pB_g + offs_n[None, :] * pB_n,
+                 Bm, mask=mask_tn)
+
+
+@triton.jit
+def _replay_main_kernel(
+    state_ptr, slots_ptr, acc_ptr, x_ptr, z_ptr, C_ptr, D_ptr, y_ptr, cbs_ptr, buf_ptr,
+    px_ptr, pB_ptr, pdt_ptr, pcum_ptr,
+    T, H, P, N, heads_per_group,
+    s_s, s_h, s_p, s_n, x_b, x_t, x_h, x_p, z_b, z_t, z_h, z_p, C_b, C_t, C_g, C_n, y_b, y_t, y_h, y_p,
+    px_s, px_t, px_h, px_p, pB_s, pB_i, pB_t, pB_g, pB_n, pdt_s, pdt_i, pdt_t, pdt_h,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+):
+    pid_p = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    g = h // heads_per_group
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    valid_p = (offs_p * 0 + slot) >= 0
+    slot = tl.maximum(slot, 0)
+    mask_p = (offs_p < P) & valid_p
+    mask_t = offs_t < T
+    mask_n = offs_n < N
+    rb = tl.load(buf_ptr + slot)
+    k = tl.load(acc_ptr + b)  # tokens of the previous step to replay, 0..T
+    s_ptrs = state_ptr + slot * s_s + h * s_h + offs_p[:, None] * s_p + offs_n[None, :] * s_n
+    state = tl.load(s_ptrs, mask=mask_p[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [BP, BN]
+    # 1. replay the k accepted tokens of the previous step: S = exp(cum[k-1]) S + x^T (coef * B)
+    r_off = slot * pdt_s + rb * pdt_i + offs_t * pdt_t + h * pdt_h
+    pcum = tl.load(pcum_ptr + r_off, mask=mask_t, other=0.0)
+    pdt = tl.load(pdt_ptr + r_off, mask=mask_t, other=0.0)
+    keep = offs_t < k
+    cum_last = tl.sum(tl.where(offs_t == k - 1, pcum, 0.0), axis=0)
+    coef = tl.where(keep, tl.exp(tl.where(keep, cum_last - pcum, 0.0)) * pdt, 0.0)  # [BLOCK_T]
+    pxT = tl.load(px_ptr + slot * px_s + offs_t[None, :] * px_t + h * px_h + offs_p[:, None] * px_p,
+                  mask=mask_p[:, None] & keep[None, :], other=0.0).to(tl.float32)  # [BP, BT]
+    pB = tl.load(pB_ptr + slot * pB_s + rb * pB_i + offs_t[:, None] * pB_t + g * pB_g + offs_n[None, :] * pB_n,
+                 mask=keep[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [BT, BN]
+    state = tl.exp(cum_last) * state + tl.dot(pxT, pB * coef[:, None])
+    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask_p[:, None] & (mask_n & (offs_n * 0 + k > 0))[None, :])
+    # 2. outputs of the T new tokens: exp(cum_t) C_t S^T + sum_j CBs[t, j] x_j (+ D x, z gate)
+    w_off = slot * pdt_s + (1 - rb) * pdt_i + offs_t * pdt_t + h * pdt_h
+    cum = tl.load(pcum_ptr + w_off, mask=mask_t, other=0.0)
+    Cm = tl.load(C_ptr + b * C_b + offs_t[:, None] * C_t + g * C_g + offs_n[None, :] * C_n,
+                 mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [BT, BN]
+    x = tl.load(x_ptr + b * x_b + offs_t[:, None] * x_t + h * x_h + offs_p[None, :] * x_p,
+                mask=mask_t[:, None] & mask_p[None, :], other=0.0)  # [BT, BP]
+    cbs = tl.load(cbs_ptr + (b * H + h) * BLOCK_T * BLOCK_T + offs_t[:, None] * BLOCK_T + offs_t[None, :])
+    y = tl.dot(Cm, tl.trans(state)) * tl.exp(cum)[:, None] + tl.dot(cbs, x.to(tl.float32))  # [BT, BP]
+    if HAS_D:
+        y += x.to(tl.float32) * tl.load(D_ptr + h).to(tl.float32)
+    if HAS_Z:
+        z = tl.load(z_ptr + b * z_b + offs_t[:, None] * z_t + h * z_h + offs_p[None, :] * z_p,
+                    mask=mask_t[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+        y = y * z * tl.sigmoid(z)
+    y = tl.where(valid_p[None, :], y, 0.0)
+    tl.store(y_ptr + b * y_b + offs_t[:, None] * y_t + h * y_h + offs_p[None, :] * y_p, y.to(y_ptr.dtype.element_ty),
+             mask=mask_t[:, None] & (offs_p < P)[None, :])
+    # 3. keep this step's x for the next replay (this program read its own tile of the old x above)
+    tl.store(px_ptr + slot * px_s + offs_t[:, None] * px_t + h * px_h + offs_p[None, :] * px_p, x,
+             mask=mask_t[:, None] & mask_p[None, :])
+
+
+@triton.jit
+def _flip_kernel(slots_ptr, buf_ptr):
+    slot = tl.load(slots_ptr + tl.program_id(0)).to(tl.int64)
+    if slot >= 0:
+        tl.store(buf_ptr + slot, 1 - tl.load(buf_ptr + slot))
+
+
+def replay_state_update_triton(
+    state_pool: torch.Tensor,  # [num_slots, H, P, N] checkpoint states (any strides)
+    cache: ReplayCache,
+    slots: torch.Tensor,  # [B] int, -1 = padded row
+    num_accepted: torch.Tensor,  # [B] int, tokens of the previous step to replay (0..T)
+    x: torch.Tensor,  # [B, T, H, P]
+    dt: torch.Tensor,  # [B, T, H] raw
+    A: torch.Tensor,  # [H]
+    B: torch.Tensor,  # [B, T, G, N]
+    C: torch.Tensor,  # [B, T, G, N]
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: DtLimit = NO_DT_LIMIT,
+    z: torch.Tensor | None = None,  # [B, T, H, P]
+) -> torch.Tensor:
+    """One verify step by replay; returns y [B, T, H, P]. Updates state_pool and cache in place."""
+    batch, tokens, heads, head_dim = x.shape
+    groups, state = B.shape[2], B.shape[3]
+    if cache.prev_x.shape[1] != tokens:
+        raise ValueError(f"replay cache holds {cache.prev_x.shape[1]} tokens per step, the step has {tokens}")
+    check_same_device(state_pool, slots, num_accepted, x, dt, A, B, C, D, dt_bias, z, cache.prev_x)
+    y = torch.empty_like(x)
+    if batch == 0:
+        return y
+    block_t, block_n = max(16, next_pow2(tokens)), max(16, next_pow2(state))
+    cbs = torch.empty(batch, heads, block_t, block_t, dtype=torch.float32, device=x.device)
+    lo, hi, has_limit = finite_limits(dt_limit)
+    _replay_precompute_kernel[(batch, heads)](
+        slots, dt, A, dt_bias if dt_bias is not None else A, B, C, cbs, cache.buf, cache.prev_B, cache.prev_dt,
+        cache.prev_cum, tokens, heads, state, heads // groups, lo, hi,
+        *dt.stride(), *B.stride(), *C.stride(), *cache.prev_B.stride(), *cache.prev_dt.stride(),
+        BLOCK_T=block_t, BLOCK_N=block_n, HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
+        HAS_LIMIT=has_limit, num_warps=4,
+    )
+    zz = z if z is not None else x
+    block_p = 16
+    _replay_main_kernel[(triton.cdiv(head_dim, block_p), batch, heads)](
+        state_pool, slots, num_accepted, x, zz, C, D if D is not None else A, y, cbs, cache.buf,
+        cache.prev_x, cache.prev_B, cache.prev_dt, cache.prev_cum,
+        tokens, heads, head_dim, state, heads // groups,
+        *state_pool.stride(), *x.stride(), *zz.stride(), *C.stride(), *y.stride(),
+        *cache.prev_x.stride(), *cache.prev_B.stride(), *cache.prev_dt.stride(),
+        BLOCK_T=block_t, BLOCK_P=block_p, BLOCK_N=block_n, HAS_D=D is not None, HAS_Z=z is not None, num_warps=4,
+    )
+    _flip_kernel[(batch,)](slots, cache.buf)
+    return y
+
+
+def replay_reference(
+    state_pool: torch.Tensor, history: dict, slots: torch.Tensor, num_accepted: torch.Tensor, x: torch.Tensor,
+    dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, **kw: object
+) -> torch.Tensor:
+    """The oracle: advance each slot through its accepted previous tokens (kept in `history`, keyed by slot),
+    then score the new tokens without writing the state; records the new tokens in `history`."""
+    for row, slot in enumerate(slots.tolist()):
+        if slot < 0 or slot not in history or int(num_accepted[row]) == 0:
+            continue
+        k = int(num_accepted[row])
+        hx, hdt, hB, hC, hz = history[slot]
+        sl = torch.tensor([slot], device=x.device)
+        multi_token_state_update_ref(state_pool, sl, hx[None, :k], hdt[None, :k], A, hB[None, :k], hC[None, :k],
+                                     **{**kw, "z": None})
+    y = multi_token_state_update_ref(state_pool, slots, x, dt, A, B, C, write_final_state=False, **kw)
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            history[slot] = (x[row], dt[row], B[row], C[row], None)
+    return y

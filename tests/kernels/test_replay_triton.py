@@ -1,0 +1,54 @@
+"""Replay-method verify (checkpoint state + previous step's inputs) against advancing the reference state
+through the accepted tokens and scoring the new ones, over several steps with varying acceptance."""
+
+from __future__ import annotations
+
+import ktest_utils as ku  # noqa: I001  (sets TRITON_INTERPRET before triton is imported)
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from hybridserve.kernels.replay_state_update import (  # noqa: E402
+    ReplayCache,
+    replay_reference,
+    replay_state_update_triton,
+)
+
+
+def _run(batch, tokens, heads, head_dim, groups, state, state_dtype, dtype, device, gen, tol):
+    num_slots = batch + 2
+    pool = torch.randn(num_slots, 2, heads, head_dim, state, generator=gen).to(device=device, dtype=state_dtype)[:, 0]
+    ref_pool = pool.clone()
+    slots = torch.randperm(num_slots, generator=gen)[:batch].to(device)
+    slots[1] = -1
+    cache = ReplayCache.allocate(num_slots, tokens, heads, head_dim, groups, state, dtype, device)
+    A = -torch.rand(heads, generator=gen).to(device) - 0.5
+    D, bias = torch.randn(heads, generator=gen).to(device), (torch.randn(heads, generator=gen) * 0.5).to(device)
+    history: dict = {}
+    accepted = torch.zeros(batch, dtype=torch.int32, device=device)
+    for step in range(3):
+        def r(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+        x, z, dt = r(batch, tokens, heads, head_dim), r(batch, tokens, heads, head_dim), r(batch, tokens, heads)
+        B, C = r(batch, tokens, groups, state), r(batch, tokens, groups, state)
+        kw = dict(D=D, dt_bias=bias, dt_limit=(0.001, 2.0), z=z)
+        y_ref = replay_reference(ref_pool, history, slots, accepted, x, dt, A, B, C, **kw)
+        y = replay_state_update_triton(pool, cache, slots, accepted, x, dt, A, B, C, **kw)
+        ku.assert_close(y, y_ref, tol, f"y at step {step}")
+        valid = slots >= 0
+        ku.assert_close(pool[slots[valid]].float(), ref_pool[slots[valid]].float(), tol, f"state at step {step}")
+        accepted = torch.randint(0, tokens + 1, (batch,), generator=gen).to(device=device, dtype=torch.int32)
+
+
+@ku.interp_only
+def test_replay_interpreter():
+    _run(3, 3, 4, 12, 2, 8, torch.float32, torch.float32, "cpu", torch.Generator().manual_seed(7), 2e-3)
+
+
+@ku.gpu
+@ku.cuda_only
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_replay_gpu(state_dtype):
+    tol = 2e-2 if state_dtype == torch.bfloat16 else 1e-2
+    _run(24, 4, 128, 80, 8, 128, state_dtype, torch.bfloat16, "cuda", torch.Generator().manual_seed(8), tol)
