@@ -1,4 +1,5 @@
 """Kernel benchmarks on the GPU, side by side with mamba_ssm 2.3.2's Triton kernels and the machine's ceilings.
+Decode-time kernels (state update, verify) are timed as CUDA-graph replays, as the decode step runs them.
 
     python bench/kernels.py [--out bench/results/<device>/kernels.json] [--quick]
 
@@ -43,6 +44,31 @@ STATE_BLOCK = 1024  # kept chunk-end states every 1024 tokens (a multiple of bot
 def median_ms(fn: Callable[[], Any], quick: bool) -> float:
     """Median time of fn in ms (CUDA events, warm-up first)."""
     return float(do_bench(fn, warmup=10 if quick else 50, rep=50 if quick else 300, return_mode="median"))
+
+
+def graph_ms(fn: Callable[[], Any], quick: bool) -> float:
+    """Median time of fn replayed as a CUDA graph (no Python launch overhead, as in the decode step)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(graph.replay, quick)
+
+
+def profile(fn: Callable[[], Any], label: str) -> str:
+    """Per-kernel GPU time of one call of fn (torch.profiler), as a printed table."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=60)
+    print(f"--- profile: {label}\n{table}", flush=True)
+    return table
 
 
 def ceilings(quick: bool) -> dict[str, float]:
@@ -97,6 +123,10 @@ def bench_ssd(peer: dict | None, ceil: dict, quick: bool) -> list[dict]:
                 err = float((out.y.float() - y_peer.reshape(out.y.shape).float()).norm() / y_peer.float().norm())
                 row.update(peer_ms=peer_ms, peer_Mtok_s=tokens / peer_ms / 1e3, speedup=peer_ms / ours_ms,
                            y_rel_diff_vs_peer=err)
+            if name == "nemotron-nano-9b-v2" and num_seqs == 1 and seqlen == 8192:
+                row["profile_ours"] = profile(ours, f"ours {name} 1x8192")
+                if peer is not None:
+                    row["profile_peer"] = profile(theirs, f"mamba_ssm {name} 1x8192")
             rows.append(row)
             print(f"ssd {name:20s} {num_seqs}x{seqlen:<6d} ours {row['ours_Mtok_s']:7.2f} Mtok/s "
                   f"({ours_ms:.3f} ms, floor {floor_ms:.3f} ms)"
@@ -139,20 +169,40 @@ def bench_state_update(peer: dict | None, ceil: dict, quick: bool) -> list[dict]
         for batch in (1, 8, 32, 128, 256):
             t = _ssu_inputs(batch, 1, state_dtype, gen)
             state_bytes = 2 * t["pool"].numel() * t["pool"].element_size()
-            ms = median_ms(lambda: selective_state_update_triton(
+            ms = graph_ms(lambda: selective_state_update_triton(
                 t["pool"], t["slots"], t["x"][:, 0], t["dt"][:, 0], t["A"], t["B"][:, 0], t["C"][:, 0], D=t["D"],
                 dt_bias=t["bias"], z=t["z"][:, 0]), quick)
             row = {"state_dtype": str(state_dtype).replace("torch.", ""), "batch": batch, "ours_us": ms * 1e3,
                    "state_GBps": state_bytes / ms / 1e6, "pct_of_copy": 100 * state_bytes / ms / 1e6 / ceil["copy_GBps"],
                    "floor_us": state_bytes / ceil["copy_GBps"] / 1e3}
             if peer is not None:
-                peer_ms = median_ms(_peer_step(peer, t, 0), quick)
+                peer_ms = graph_ms(_peer_step(peer, t, 0), quick)
                 row.update(peer_us=peer_ms * 1e3, peer_GBps=state_bytes / peer_ms / 1e6)
             rows.append(row)
             print(f"ssu {row['state_dtype']:8s} b={batch:<4d} ours {row['ours_us']:8.1f} us "
                   f"{row['state_GBps']:7.0f} GB/s ({row['pct_of_copy']:.0f}% of copy, floor {row['floor_us']:.1f} us)"
                   + (f"  peer {row['peer_us']:8.1f} us {row['peer_GBps']:7.0f} GB/s" if peer else ""), flush=True)
             del t
+    return rows
+
+
+def sweep_state_update(ceil: dict, quick: bool) -> list[dict]:
+    """Launch-shape sweep of the decode update at batch 128 (picks the defaults; not part of the issue table)."""
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for state_dtype in (torch.float32, torch.bfloat16):
+        t = _ssu_inputs(128, 1, state_dtype, gen)
+        state_bytes = 2 * t["pool"].numel() * t["pool"].element_size()
+        for block_p in (8, 16, 32):
+            for warps in (2, 4, 8):
+                ms = graph_ms(lambda: multi_token_state_update_triton(
+                    t["pool"], t["slots"], t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], dt_bias=t["bias"],
+                    z=t["z"], block_p=block_p, num_warps=warps), quick)
+                rows.append({"state_dtype": str(state_dtype), "block_p": block_p, "warps": warps, "us": ms * 1e3,
+                             "pct_of_copy": 100 * state_bytes / ms / 1e6 / ceil["copy_GBps"]})
+        del t
+    print("ssu sweep: " + "; ".join(f"{r['state_dtype'][6:]} p{r['block_p']} w{r['warps']} {r['pct_of_copy']:.0f}%"
+                                    for r in rows), flush=True)
     return rows
 
 
@@ -164,7 +214,7 @@ def bench_verify(peer: dict | None, ceil: dict, quick: bool, tokens: int = 4) ->
         t = _ssu_inputs(batch, tokens, torch.float32, gen)
         one_state = t["pool"][0].numel() * 4
         inter = torch.empty(batch, tokens, *t["pool"].shape[1:], device="cuda", dtype=torch.float32)
-        ms = median_ms(lambda: multi_token_state_update_triton(
+        ms = graph_ms(lambda: multi_token_state_update_triton(
             t["pool"], t["slots"], t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], dt_bias=t["bias"], z=t["z"],
             intermediate_states=inter, write_final_state=False), quick)
         row = {"batch": batch, "T": tokens, "intermediate_us": ms * 1e3,
@@ -173,7 +223,7 @@ def bench_verify(peer: dict | None, ceil: dict, quick: bool, tokens: int = 4) ->
         heads, head_dim, groups, state, _ = CONFIGS["nemotron-nano-9b-v2"]
         cache = ReplayCache.allocate(batch, tokens, heads, head_dim, groups, state, torch.bfloat16, "cuda")
         accepted = torch.full((batch,), 2, dtype=torch.int32, device="cuda")  # replay 2 of the last 4 tokens
-        ms = median_ms(lambda: replay_state_update_triton(
+        ms = graph_ms(lambda: replay_state_update_triton(
             t["pool"], cache, t["slots"], accepted, t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"],
             dt_bias=t["bias"], z=t["z"]), quick)
         row.update(replay_us=ms * 1e3, replay_state_bytes_per_seq=2 * one_state,
@@ -181,7 +231,7 @@ def bench_verify(peer: dict | None, ceil: dict, quick: bool, tokens: int = 4) ->
                    replay_speedup_vs_intermediate=row["intermediate_us"] / (ms * 1e3))
         if peer is not None:
             steps = [_peer_step(peer, t, k) for k in range(tokens)]
-            row["peer_T_calls_us"] = median_ms(lambda: [s() for s in steps], quick) * 1e3
+            row["peer_T_calls_us"] = graph_ms(lambda: [s() for s in steps], quick) * 1e3
             row["peer_state_bytes_per_seq"] = 2 * tokens * one_state
         rows.append(row)
         print("verify " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
@@ -210,6 +260,7 @@ def main() -> None:
           flush=True)
     sections = {"ssd": lambda: bench_ssd(peer, ceil, args.quick),
                 "ssu": lambda: bench_state_update(peer, ceil, args.quick),
+                "ssu_sweep": lambda: sweep_state_update(ceil, args.quick),
                 "verify": lambda: bench_verify(peer, ceil, args.quick),
                 "decode": lambda: bench_decode_step(ceil, median_ms, args.quick)}
     for name, run in sections.items():

@@ -100,6 +100,8 @@ def multi_token_state_update_triton(
     intermediate_states: torch.Tensor | None = None,  # [B, T, H, P, N] out
     write_final_state: bool = True,
     out: torch.Tensor | None = None,  # [B, T, H, P] optional output buffer
+    block_p: int | None = None,  # rows of state per program (power of two); None: chosen by size
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Triton version of `multi_token_state_update_ref`; returns y [B, T, H, P] in x's dtype."""
     batch, tokens, heads, head_dim = x.shape
@@ -116,7 +118,7 @@ def multi_token_state_update_triton(
     zz = z if z is not None else x
     inter = intermediate_states if intermediate_states is not None else state_pool
     i_strides = intermediate_states.stride() if intermediate_states is not None else (0, 0, 0, 0, 0)
-    block_p = _block_p(head_dim, state_size, batch, heads)
+    block_p = _block_p(head_dim, state_size, batch, heads) if block_p is None else block_p
     grid = (triton.cdiv(head_dim, block_p), batch, heads)
     _state_update_kernel[grid](
         state_pool, slots, x, dt, A, B, C, D if D is not None else A, dt_bias if dt_bias is not None else A,
@@ -128,7 +130,7 @@ def multi_token_state_update_triton(
         HAS_D=D is not None, HAS_BIAS=dt_bias is not None, HAS_Z=z is not None,
         HAS_INTER=intermediate_states is not None, DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
         WRITE_FINAL=write_final_state,
-        num_warps=4 if block_p * state_size >= 2048 else 2,
+        num_warps=num_warps or (4 if block_p * state_size >= 2048 else 2),
     )
     return y
 
