@@ -22,6 +22,7 @@ import grpc
 from hybridserve.decode_worker.state_receiver import TransferError, check_manifest, receive_state
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.engine_loop import EngineLoop
+from hybridserve.engine.handoff import CapacityError
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.models.fingerprint import model_fingerprint
@@ -105,7 +106,11 @@ class DecodeWorker:
         return reservation
 
     def commit(self, reservation: Reservation, received) -> None:
+        """Install the state unless the reservation was cancelled meanwhile (abort, expiry)."""
         manifest = received.manifest
+        with self._lock:
+            if self._reservations.get(reservation.ticket) is not reservation:
+                raise TransferError("FAILED_PRECONDITION", f"reservation for {reservation.request_id} was cancelled")
 
         def install() -> RequestOutput:
             return self.engine.commit_reservation(
@@ -124,6 +129,15 @@ class DecodeWorker:
                 return
         self.loop.call(lambda: self.engine.abort(reservation.request_id))
         reservation.stream.put(error)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request, cancelling its reservation if it has one."""
+        with self._lock:
+            reservation = next((r for r in self._reservations.values() if r.request_id == request_id), None)
+        if reservation is not None:
+            self.cancel(reservation, ConnectionAbortedError("aborted"))
+            return True
+        return bool(self.loop.call(lambda: self.engine.abort(request_id)))
 
     def _reap_expired(self) -> None:
         while not self._closed.wait(0.5):
@@ -156,7 +170,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             reservation = self.worker.reserve(request.request_id, list(request.prompt_token_ids), request.sampling, timeout)
         except ValueError as exc:
             _abort(context, "INVALID_ARGUMENT", str(exc))
-        except MemoryError as exc:
+        except CapacityError as exc:
             _abort(context, "RESOURCE_EXHAUSTED", str(exc))
         return worker_pb2.ReserveResponse(ticket=reservation.ticket, model_fingerprint=self.worker.fingerprint)
 
@@ -212,8 +226,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         yield from _events(self.worker, request.request_id, stream, context)
 
     def Abort(self, request, context):  # noqa: N802
-        found = self.worker.loop.call(lambda: self.worker.engine.abort(request.request_id))
-        return common_pb2.AbortResponse(found=bool(found))
+        return common_pb2.AbortResponse(found=self.worker.abort(request.request_id))
 
     def Health(self, request, context):  # noqa: N802
         return self.worker.health()
@@ -229,5 +242,5 @@ def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context:
         for out in worker.loop.iterate(request_id, stream):
             yield token_event(out, out.token_ids[sent:])
             sent = len(out.token_ids)
-    except (TransferError, TimeoutError, ConnectionError, RuntimeError) as exc:
+    except (TransferError, TimeoutError, ConnectionError, RuntimeError, ValueError) as exc:
         yield common_pb2.TokenEvent(request_id=request_id, finish_reason="error", error=str(exc))

@@ -52,11 +52,13 @@ class EngineLoop:
     def close_stream(self, request_id: str) -> None:
         self.call(lambda: self._streams.pop(request_id, None))
 
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> Iterator[RequestOutput]:
+    def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, hold_state: bool = False
+    ) -> Iterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes."""
         stream = self.open_stream(request_id)
         try:
-            self.call(lambda: self.engine.add_request(prompt_token_ids, params, request_id))
+            self.call(lambda: self.engine.add_request(prompt_token_ids, params, request_id, hold_state))
         except BaseException:
             self.close_stream(request_id)
             raise

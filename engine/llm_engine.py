@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from hybridserve.engine import handoff
 from hybridserve.engine.config import DTYPES, EngineConfig
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.outputs import RequestOutput
@@ -19,6 +20,7 @@ from hybridserve.models.tokenizer import load_tokenizer
 from hybridserve.models.weights import load_model
 from hybridserve.statepool.events import CacheEvent
 from hybridserve.statepool.pool import NO_HIT, StatePool
+from hybridserve.statepool.request_state import StateTensorSpec
 from hybridserve.statepool.sizing import PoolRequest, memory_budget_bytes, plan_cache_layout
 from hybridserve.statepool.state_cache import StateCache
 
@@ -71,7 +73,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, config.prefill_chunk_size, layout.num_slots)
         self.runner = ModelRunner(self.model, self.cache, config.page_size, device, self.state_block)
         self._requests: dict[str, Request] = {}
+        self._held: dict[str, Request] = {}  # finished, state kept for export
+        self._reserved: dict[str, Request] = {}  # pages and slot waiting for a remote prefill's state
         self._counter = itertools.count()
+        self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
 
     # ---- requests -------------------------------------------------------------------------------
@@ -98,8 +103,20 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        hold_state: bool = False,
     ) -> str:
+        """Queue a request; with `hold_state` it keeps its state after finishing until `export_state`."""
+        request = self._new_request(prompt_token_ids, params, request_id)
+        request.hold_state = hold_state
+        self._requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request.request_id
+
+    def _new_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None) -> Request:
         tokens = self.validate_prompt(prompt_token_ids)
         needed = min(len(tokens) + params.max_tokens, self.max_model_len)
         if not self.pool.fits_ever(needed):
@@ -109,18 +126,66 @@ class LLMEngine:
                 "shorten the prompt, or give the cache more memory"
             )
         request_id = request_id if request_id is not None else f"req-{next(self._counter)}"
-        if request_id in self._requests:
+        if request_id in self._requests or request_id in self._held or request_id in self._reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-        request = Request(request_id, tokens, params, seed, arrival=len(self._requests))
-        self._requests[request_id] = request
-        self.scheduler.add(request)
-        return request_id
+        return Request(request_id, tokens, params, seed, arrival=next(self._arrivals))
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is (queued, running, reserved, held); False if it is unknown."""
         request = self._requests.pop(request_id, None)
         if request is not None and not request.finished:
             self.scheduler.finish(request, "abort")
+            return True
+        parked = self._held.pop(request_id, None) or self._reserved.pop(request_id, None)
+        if parked is not None:
+            self.pool.release(parked)
+            return True
+        return request is not None
+
+    # ---- state handoff between a prefill and a decode engine --------------------------------------
+    def state_specs(self, num_tokens: int) -> list[StateTensorSpec]:
+        return handoff.state_specs(self, num_tokens)
+
+    def export_state(self, request_id: str) -> handoff.ExportedState:
+        """Gather a finished `hold_state` request's state (device copies) and release its pages and slot."""
+        request = self._held.pop(request_id, None)
+        if request is None:
+            raise ValueError(f"no held state for request {request_id!r}")
+        return handoff.export_state(self, request)
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Pages and a slot for a request whose prefill runs elsewhere; CapacityError when full now."""
+        request = self._new_request(prompt_token_ids, params, request_id)
+        handoff.reserve(self, request)
+        self._reserved[request.request_id] = request
+
+    def commit_reservation(
+        self, request_id: str, tensors: dict[str, torch.Tensor], first_token: int, num_cached_tokens: int
+    ) -> RequestOutput:
+        """Install the received state; the request joins the running batch (or finishes on its first token)."""
+        request = self._reserved.pop(request_id, None)
+        if request is None:
+            raise ValueError(f"no reservation for request {request_id!r} (aborted or expired)")
+        handoff.commit(self, request, tensors, first_token, num_cached_tokens)
+        self._requests[request_id] = request
+        self.scheduler.running.append(request)
+        reason = self._stop_reason(request, first_token)
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+            self._requests.pop(request_id, None)
+        return self._output(request)
+
+    def stats(self) -> dict[str, int]:
+        """Load figures for health checks and routing."""
+        pages, slots = self.pool.pages, self.pool.slots
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "free_state_slots": slots.num_free if slots is not None else 0,
+            "free_kv_pages": pages.num_free if pages is not None else 0,
+            "queued_prefill_tokens": sum(r.num_pending_tokens for r in self.scheduler.waiting),
+        }
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -148,7 +213,10 @@ class LLMEngine:
                 continue
             request.output_token_ids.append(token)
             reason = self._stop_reason(request, token)
-            if reason is not None:
+            if reason is not None and request.hold_state:
+                self.scheduler.detach(request, reason)
+                self._held[request.request_id] = request
+            elif reason is not None:
                 self.scheduler.finish(request, reason)
             updated.append(self._output(request))
             if request.finished:

@@ -87,8 +87,12 @@ class ModelRunner:
         if not due:
             return {}
         rows = batch.cu_seqlens[torch.tensor(due, device=self.device) + 1] - 1
-        logits = self.model.compute_logits(hidden[rows])
+        last_hidden = hidden[rows]  # [num_due, hidden]
+        logits = self.model.compute_logits(last_hidden)
         requests = [chunks[i][0] for i in due]
+        for row, request in enumerate(requests):
+            if request.hold_state:  # a prefill worker ships it to decode (the MTP drafter needs it)
+                request.last_hidden = last_hidden[row]
         tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests])
         return {r.request_id: t for r, t in zip(requests, tokens)}
 

@@ -41,6 +41,8 @@ class Request:
         self.cache_nodes: list[Node] = []  # radix-cache blocks this request holds a reference on
         self.block_hashes: list[BlockHash] = []  # chained hashes of its full token blocks (grows with outputs)
         self.finish_reason: str | None = None
+        self.hold_state = False  # keep pages and slot after finishing, until the state is exported
+        self.last_hidden: torch.Tensor | None = None  # [hidden] final hidden state of the last computed token
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)
 

@@ -129,6 +129,12 @@ class Scheduler:
         self.running.remove(request)
         self.pool.release(request)
 
+    def detach(self, request: Request, reason: str) -> None:
+        """Mark finished but keep its pages and slot (a prefill worker exports them next)."""
+        self.running.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
     def finish(self, request: Request, reason: str) -> None:
         """Mark finished and return its pages and slot (its full blocks stay cached)."""
         if request.status is RequestStatus.RUNNING:

@@ -82,13 +82,7 @@ class PrefillWorker:
         prompt = list(request.prompt_token_ids)
         request_id = request.request_id
         first = None
-        stream = self.loop.open_stream(request_id)
-        try:
-            self.loop.call(lambda: self.engine.add_request(prompt, params, request_id, hold_state=True))
-        except BaseException:
-            self.loop.close_stream(request_id)
-            raise
-        for out in self.loop.iterate(request_id, stream):
+        for out in self.loop.generate(prompt, params, request_id, hold_state=True):
             first = out
         if first is None or first.finish_reason == "abort":
             raise RuntimeError(f"prefill of {request_id} was aborted")

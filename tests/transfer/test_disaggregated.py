@@ -1,0 +1,202 @@
+"""Disaggregated prefill -> decode over gRPC gives the in-process tokens; transfer faults fail cleanly.
+
+Workers run in this process (threads, real gRPC on loopback) unless a test says otherwise.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from concurrent import futures
+
+import grpc
+import pytest
+from checkpoints import mamba2, nemotron_h, random_prompts
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.decode_worker.worker import DecodeWorker
+from hybridserve.engine.config import EngineConfig
+from hybridserve.prefill_worker.state_sender import StateHeader, encode_state
+from hybridserve.prefill_worker.worker import PrefillWorker
+from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from hybridserve.proto.convert import sampling_to_proto
+from hybridserve.router.orchestrator import Orchestrator, WorkerError
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+CONFIG = EngineConfig(prefill_chunk_size=16, max_num_seqs=8)
+
+
+class Cluster:
+    def __init__(self, model_dir, num_prefill: int = 1, num_decode: int = 1) -> None:
+        self.prefill = [PrefillWorker(model_dir, CONFIG, chunk_bytes=512) for _ in range(num_prefill)]
+        self.decode = [DecodeWorker(model_dir, CONFIG) for _ in range(num_decode)]
+        for w in self.prefill + self.decode:
+            w.start()
+        self.orchestrator = Orchestrator([w.address for w in self.prefill], [w.address for w in self.decode])
+
+    def generate(self, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+        tokens: list[int] = []
+        for event in self.orchestrator.generate(prompt, params):
+            tokens.extend(event.token_ids)
+        return tokens
+
+    def check_pools(self) -> None:
+        for w in self.prefill + self.decode:
+            w.loop.call(w.engine.pool.check)
+
+    def idle(self) -> bool:
+        return all(not w.loop.call(w.engine.has_unfinished) for w in self.prefill + self.decode)
+
+    def stop(self) -> None:
+        for w in self.prefill + self.decode:
+            w.stop(grace=0)
+
+
+@pytest.fixture(scope="module")
+def nemotron_cluster():
+    model_dir, _ = nemotron_h("M*-M*")
+    cluster = Cluster(model_dir, num_prefill=2, num_decode=2)
+    yield model_dir, cluster
+    cluster.stop()
+
+
+def _reference(model_dir, prompts, params=GREEDY):
+    return [o.token_ids for o in LLM(model_dir).generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+def test_disaggregated_equals_in_process_concurrently(nemotron_cluster) -> None:
+    model_dir, cluster = nemotron_cluster
+    prompts = random_prompts([1, 7, 16, 33, 50], vocab=128, seed=40)
+    with futures.ThreadPoolExecutor(max_workers=5) as pool:
+        got = list(pool.map(cluster.generate, prompts))
+    assert got == _reference(model_dir, prompts)
+    # the same prompts again: the prefill side now hits its prefix cache
+    again = [cluster.generate(p) for p in prompts]
+    assert again == got
+    cluster.check_pools()
+
+
+def test_seeded_sampling_survives_the_handoff(nemotron_cluster) -> None:
+    model_dir, cluster = nemotron_cluster
+    params = SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=99, ignore_eos=True)
+    prompt = random_prompts([12], vocab=128, seed=41)[0]
+    # the first token is sampled by the prefill worker, the rest by the decode worker, one generator each;
+    # the in-process run must match only in the first token and in being repeatable
+    first = cluster.generate(prompt, params)
+    assert cluster.generate(prompt, params) == first and len(first) == 6
+
+
+def test_mamba2_disaggregated_equals_in_process() -> None:
+    model_dir, _ = mamba2()
+    cluster = Cluster(model_dir)
+    try:
+        prompts = random_prompts([3, 20], vocab=128, seed=42)
+        assert [cluster.generate(p) for p in prompts] == _reference(model_dir, prompts)
+        cluster.check_pools()
+    finally:
+        cluster.stop()
+
+
+def _reserve(cluster: Cluster, prompt: list[int]) -> tuple[worker_pb2_grpc.DecodeWorkerStub, str, str]:
+    stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(cluster.decode[0].address))
+    request_id = uuid.uuid4().hex
+    ticket = stub.Reserve(
+        worker_pb2.ReserveRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(GREEDY))
+    ).ticket
+    return stub, request_id, ticket
+
+
+def _state_messages(cluster: Cluster, prompt: list[int], request_id: str, ticket: str) -> list[worker_pb2.StateChunk]:
+    """A genuine state stream produced by the prefill worker's engine."""
+    worker = cluster.prefill[0]
+    rid = f"src-{request_id}"
+    outs = list(worker.loop.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0), rid, hold_state=True))
+    exported = worker.loop.call(lambda: worker.engine.export_state(rid))
+    header = StateHeader(ticket, request_id, worker.fingerprint, len(prompt), outs[-1].token_ids[0], 0)
+    return list(encode_state(header, exported.specs, exported.parts, chunk_bytes=256))
+
+
+def _push_fails(stub, messages, code: grpc.StatusCode) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        stub.PushState(iter(messages), timeout=30)
+    assert info.value.code() == code, info.value.details()
+
+
+def _stream_reports_error(stub, request_id: str, ticket: str) -> None:
+    events = list(stub.StreamTokens(worker_pb2.StreamTokensRequest(request_id=request_id, ticket=ticket), timeout=30))
+    assert events and events[-1].finish_reason == "error"
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "truncate", "other-model", "drop-chunk"])
+def test_transfer_faults_fail_cleanly_and_leave_no_state(nemotron_cluster, fault: str) -> None:
+    model_dir, cluster = nemotron_cluster
+    prompt = random_prompts([40], vocab=128, seed=43)[0]
+    stub, request_id, ticket = _reserve(cluster, prompt)
+    tokens = stub.StreamTokens(worker_pb2.StreamTokensRequest(request_id=request_id, ticket=ticket), timeout=30)
+    messages = _state_messages(cluster, prompt, request_id, ticket)
+    if fault == "corrupt":
+        payload = bytearray(messages[2].data.payload)
+        payload[0] ^= 0x01
+        messages[2].data.payload = bytes(payload)
+        _push_fails(stub, messages, grpc.StatusCode.DATA_LOSS)
+    elif fault == "truncate":
+        _push_fails(stub, messages[:-4], grpc.StatusCode.DATA_LOSS)
+    elif fault == "other-model":
+        messages[0].manifest.model_fingerprint = "0" * 32
+        _push_fails(stub, messages, grpc.StatusCode.FAILED_PRECONDITION)
+    else:
+        _push_fails(stub, messages[:2] + messages[3:], grpc.StatusCode.DATA_LOSS)
+    events = list(tokens)
+    assert events[-1].finish_reason == "error"
+    assert cluster.idle()
+    cluster.check_pools()
+    # nothing stale: the next request is exact
+    assert cluster.generate(prompt) == _reference(model_dir, [prompt])[0]
+
+
+def test_sender_dying_mid_stream_frees_the_reservation(nemotron_cluster) -> None:
+    model_dir, cluster = nemotron_cluster
+    prompt = random_prompts([30], vocab=128, seed=44)[0]
+    stub, request_id, ticket = _reserve(cluster, prompt)
+    tokens = stub.StreamTokens(worker_pb2.StreamTokensRequest(request_id=request_id, ticket=ticket), timeout=30)
+    messages = _state_messages(cluster, prompt, request_id, ticket)
+
+    def dying_sender():
+        yield from messages[:3]
+        raise ConnectionError("prefill worker died")
+
+    with pytest.raises(grpc.RpcError):
+        stub.PushState(dying_sender(), timeout=30)
+    assert list(tokens)[-1].finish_reason == "error"
+    assert cluster.idle()
+    cluster.check_pools()
+
+
+def test_decode_abort_mid_stream(nemotron_cluster) -> None:
+    model_dir, cluster = nemotron_cluster
+    prompt = random_prompts([30], vocab=128, seed=45)[0]
+    stub, request_id, ticket = _reserve(cluster, prompt)
+    messages = _state_messages(cluster, prompt, request_id, ticket)
+    release = threading.Event()
+
+    def slow_sender():
+        yield from messages[:3]
+        release.wait(30)
+        yield from messages[3:]
+
+    call = stub.PushState.future(slow_sender(), timeout=60)
+    stub.Abort(common_pb2.AbortRequest(request_id=request_id))
+    release.set()
+    with pytest.raises(grpc.RpcError) as info:
+        call.result()
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert cluster.idle()
+    cluster.check_pools()
+
+
+def test_bad_requests_are_invalid_argument(nemotron_cluster) -> None:
+    _, cluster = nemotron_cluster
+    with pytest.raises(WorkerError) as info:
+        list(cluster.orchestrator.generate([5, 999], GREEDY))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    cluster.check_pools()
