@@ -170,8 +170,9 @@ class StatePool:
         for seq, count in prefills:
             start = seq.num_computed_tokens
             first = (start // self.state_block + 1) * self.state_block
-            for pos in range(first, start + count + 1, self.state_block):
-                slot = -1 if self._cached_checkpoint(seq, pos) else self.radix.allocate_checkpoint()
+            boundaries = range(first, start + count + 1, self.state_block)
+            for pos, cached in zip(boundaries, self._cached_checkpoints(seq, boundaries)):
+                slot = None if cached else self.radix.allocate_checkpoint()
                 slot = -1 if slot is None else slot
                 self._planned.append(PlannedCheckpoint(seq, pos, slot))
                 out.append(slot)
@@ -280,13 +281,19 @@ class StatePool:
             self.radix.lock([node])
             seq.cache_nodes.append(node)
 
-    def _cached_checkpoint(self, seq: PooledSequence, pos: int) -> bool:
-        """Whether the cache already holds a checkpoint at `pos` on this sequence's path."""
+    def _cached_checkpoints(self, seq: PooledSequence, positions: range) -> list[bool]:
+        """For each boundary, whether the cache already holds a checkpoint there on this sequence's path
+        (one walk down the tree from the sequence's last cached block)."""
         assert self.radix is not None
-        hashes = self._hashes(seq, pos // self.block_size)
-        node: Node | None = seq.cache_nodes[-1] if seq.cache_nodes else None
-        for i in range(len(seq.cache_nodes), pos // self.block_size):
-            node = self.radix.child(node, hashes[i])
-            if node is None:
-                return False
-        return node is not None and node.checkpoint is not None
+        if not positions:
+            return []
+        hashes = self._hashes(seq, positions[-1] // self.block_size)
+        node: Node | None = seq.cache_nodes[-1] if seq.cache_nodes else self.radix.root
+        depth = len(seq.cache_nodes)
+        found = []
+        for pos in positions:
+            while node is not None and depth < pos // self.block_size:
+                node = self.radix.child(node, hashes[depth])
+                depth += 1
+            found.append(node is not None and node.checkpoint is not None)
+        return found

@@ -112,3 +112,14 @@ def test_state_block_must_be_a_multiple_of_chunk_and_page() -> None:
     with pytest.raises(ValueError, match="state_block must be a positive integer"):
         warm_llm("mamba2", state_block=0)
     assert warm_llm("nemotron_h", state_block=None, page_size=16).engine.state_block == 32
+
+
+def test_recomputed_boundary_keeps_the_cached_checkpoint() -> None:
+    """A prompt ending on a checkpoint backs off one block and recomputes it: no second copy is stored."""
+    llm = warm_llm("nemotron_h")
+    prompt = random_prompts([32], vocab=128, seed=15)[0]
+    _run(llm, "nemotron_h", prompt, max_tokens=1)
+    llm.engine.drain_cache_events()
+    used = llm.engine.pool.checkpoints.num_used
+    assert _run(llm, "nemotron_h", prompt, max_tokens=1).num_cached_tokens == 16
+    assert llm.engine.drain_cache_events() == [] and llm.engine.pool.checkpoints.num_used == used == 2
