@@ -1,13 +1,13 @@
 """Triton SSD chunked scan over packed variable-length sequences with chunk-aligned states.
 
-Two kernels over *logical chunks* (no chunk straddles two sequences; a resumed sequence's first chunk is
+Three kernels over *logical chunks* (no chunk straddles two sequences; a resumed sequence's first chunk is
 short so later chunk ends land on absolute multiples of chunk_size, exactly as the reference walks them):
   1. chunk states: one program per (head_dim block, sequence, head) walks the sequence's chunks in order
      from its initial state, S <- exp(sum dA) S + sum_t x_t^T (B_t dt_t exp(cum_end - cum_t)) (one tl.dot
      per tile), and stores the state entering every chunk, the kept chunk-end states and the final state.
      The running state never leaves registers, so per-chunk local states cost no memory traffic.
-  2. chunk scan: y = exp(cum) * C S_in^T + (causal, decayed C B^T * dt) x + D x, with C B^T computed on the
-     fly per head (no [chunks, G, Q, Q] buffer); one block spans the whole head_dim so it is computed once.
+  2. chunk C B^T once per (chunk, group) into a [chunks, G, Q, Q] fp32 buffer, shared by the group's heads.
+  3. chunk scan: y = exp(cum) * C S_in^T + (causal, decayed C B^T * dt) x + D x.
 dt bias / softplus / limit and the in-chunk cumsum are recomputed from raw dt in both kernels (a few hundred
 flops per chunk) instead of a separate pass. Reference and contract: `ssd_scan.ssd_scan_varlen_ref`.
 """
@@ -42,8 +42,7 @@ def _chunk_dA(dt_ptr, dt_t, offs, mask, A, bias, DT_SOFTPLUS: tl.constexpr, HAS_
 
 @triton.autotune(
     configs=_configs(
-        [{"BLOCK_P": 16, "BLOCK_K": 64}, {"BLOCK_P": 16, "BLOCK_K": 32}, {"BLOCK_P": 32, "BLOCK_K": 32},
-         {"BLOCK_P": 32, "BLOCK_K": 64}],
+        [{"BLOCK_P": 16}, {"BLOCK_P": 32}],
         [4, 8],
         [1, 2, 3],
     ),
@@ -55,7 +54,7 @@ def _chunk_states_kernel(
     chunk_start_ptr, chunk_len_ptr, seq_chunk_ptr, keep_idx_ptr,
     P, N, H, heads_per_group, dt_lo, dt_hi,
     x_t, x_h, x_p, dt_t, dt_h, B_t, B_g, B_n, i_s, i_h, i_p, i_n,
-    CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+    CHUNK: tl.constexpr, QBLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
     """Per (head_dim block, sequence, head): walk the sequence's chunks in order from its initial state;
@@ -78,39 +77,61 @@ def _chunk_states_kernel(
                         + offs_n[None, :] * i_n, mask=mask_pn, other=0.0).to(tl.float32)
     else:
         state = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    offs_q = tl.arange(0, CHUNK)
+    offs_q = tl.arange(0, QBLOCK)  # CHUNK padded to the 16 tl.dot needs
     c0 = tl.load(seq_chunk_ptr + s)
     c1 = tl.load(seq_chunk_ptr + s + 1)
-    for c in range(c0, c1):
-        start = tl.load(chunk_start_ptr + c).to(tl.int64)
-        length = tl.load(chunk_len_ptr + c)
-        tl.store(states_ptr + (tl.cast(c, tl.int64) * H + h) * P * N + tile,
-                 state.to(states_ptr.dtype.element_ty), mask=mask_pn)
-        dt_base = dt_ptr + start * dt_t + h * dt_h
-        _, dA_all = _chunk_dA(dt_base, dt_t, offs_q, offs_q < length, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo,
-                              dt_hi)
-        total = tl.sum(dA_all, axis=0)
-        x_base = x_ptr + start * x_t + h * x_h
-        B_base = B_ptr + start * B_t + g * B_g
-        local = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-        prefix = 0.0
-        for k0 in range(0, length, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < length
-            dt_k, dA_k = _chunk_dA(dt_base, dt_t, offs_k, mask_k, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
-            cum_k = prefix + tl.cumsum(dA_k, axis=0)
-            prefix += tl.sum(dA_k, axis=0)
-            scale = tl.exp(total - cum_k) * dt_k  # [BLOCK_K] decay to the chunk end, times dt
-            xT = tl.load(x_base + offs_p[:, None] * x_p + offs_k[None, :] * x_t,
-                         mask=(offs_p < P)[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_P, BLOCK_K]
-            Bk = tl.load(B_base + offs_k[:, None] * B_t + offs_n[None, :] * B_n,
-                         mask=mask_k[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)
-            local += tl.dot(xT, (Bk * scale[:, None]).to(xT.dtype))
-        state = tl.exp(total) * state + local
+    # chunks of one sequence are contiguous: the first may be short, the rest are CHUNK long (the last may be
+    # short); computing starts from the loop index keeps the loads independent of earlier loads (pipelinable)
+    begin = tl.load(chunk_start_ptr + c0, mask=c1 > c0, other=0).to(tl.int64)
+    first = tl.load(chunk_len_ptr + c0, mask=c1 > c0, other=0)
+    seq_len = tl.load(chunk_start_ptr + c1 - 1, mask=c1 > c0, other=0).to(tl.int64) - begin + tl.load(
+        chunk_len_ptr + c1 - 1, mask=c1 > c0, other=0)
+    for i in range(0, c1 - c0):
+        offset = tl.where(i == 0, 0, first + (i - 1) * CHUNK).to(tl.int64)
+        length = tl.minimum(tl.where(i == 0, first, CHUNK), seq_len - offset)
+        start = begin + offset
+        c = tl.cast(c0 + i, tl.int64)
+        tl.store(states_ptr + (c * H + h) * P * N + tile, state.to(states_ptr.dtype.element_ty), mask=mask_pn)
+        mask_q = offs_q < length
+        dt_q, dA_q = _chunk_dA(dt_ptr + start * dt_t + h * dt_h, dt_t, offs_q, mask_q, A, bias, DT_SOFTPLUS,
+                               HAS_LIMIT, dt_lo, dt_hi)
+        total = tl.sum(dA_q, axis=0)
+        scale = tl.exp(total - tl.cumsum(dA_q, axis=0)) * dt_q  # [QBLOCK] decay to the chunk end, times dt
+        xT = tl.load(x_ptr + start * x_t + h * x_h + offs_p[:, None] * x_p + offs_q[None, :] * x_t,
+                     mask=(offs_p < P)[:, None] & mask_q[None, :], other=0.0)  # [BLOCK_P, QBLOCK]
+        Bq = tl.load(B_ptr + start * B_t + g * B_g + offs_q[:, None] * B_t + offs_n[None, :] * B_n,
+                     mask=mask_q[:, None] & (offs_n < N)[None, :], other=0.0).to(tl.float32)  # [QBLOCK, BLOCK_N]
+        state = tl.exp(total) * state + tl.dot(xT, (Bq * scale[:, None]).to(xT.dtype))
         k = tl.load(keep_idx_ptr + c)
         tl.store(kept_ptr + (tl.maximum(k, 0).to(tl.int64) * H + h) * P * N + tile, state,
                  mask=mask_pn & (offs_p * 0 + k >= 0)[:, None])
     tl.store(final_ptr + (tl.cast(s, tl.int64) * H + h) * P * N + tile, state, mask=mask_pn)
+
+
+@triton.jit
+def _chunk_cb_kernel(
+    B_ptr, C_ptr, cb_ptr, chunk_start_ptr, chunk_len_ptr, N, G, B_t, B_g, B_n, C_t, C_g, C_n,
+    CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """cb[c, g] = C_chunk B_chunk^T ([CHUNK, CHUNK] fp32, zero outside the chunk), once per group."""
+    blocks = tl.cdiv(CHUNK, BLOCK)
+    bm = tl.program_id(0) // blocks
+    bk = tl.program_id(0) % blocks
+    c = tl.program_id(1)
+    g = tl.program_id(2)
+    start = tl.load(chunk_start_ptr + c).to(tl.int64)
+    length = tl.load(chunk_len_ptr + c)
+    offs_m = bm * BLOCK + tl.arange(0, BLOCK)
+    offs_k = bk * BLOCK + tl.arange(0, BLOCK)
+    offs_n = tl.arange(0, BLOCK_N)
+    Cm = tl.load(C_ptr + (start + offs_m[:, None]) * C_t + g * C_g + offs_n[None, :] * C_n,
+                 mask=(offs_m < length)[:, None] & (offs_n < N)[None, :], other=0.0)
+    BkT = tl.load(B_ptr + (start + offs_k[None, :]) * B_t + g * B_g + offs_n[:, None] * B_n,
+                  mask=(offs_k < length)[None, :] & (offs_n < N)[:, None], other=0.0)
+    cb = tl.dot(Cm, BkT)  # [BLOCK, BLOCK]
+    base = cb_ptr + (tl.cast(c, tl.int64) * G + g) * CHUNK * CHUNK
+    tl.store(base + offs_m[:, None] * CHUNK + offs_k[None, :], cb,
+             mask=(offs_m < CHUNK)[:, None] & (offs_k < CHUNK)[None, :])
 
 
 @triton.autotune(
@@ -125,9 +146,9 @@ def _chunk_states_kernel(
 )
 @triton.jit
 def _chunk_scan_kernel(
-    x_ptr, dt_ptr, A_ptr, bias_ptr, B_ptr, C_ptr, D_ptr, states_ptr, y_ptr, chunk_start_ptr, chunk_len_ptr,
-    P, N, H, heads_per_group, dt_lo, dt_hi,
-    x_t, x_h, x_p, dt_t, dt_h, B_t, B_g, B_n, C_t, C_g, C_n, y_t, y_h, y_p,
+    x_ptr, dt_ptr, A_ptr, bias_ptr, cb_ptr, C_ptr, D_ptr, states_ptr, y_ptr, chunk_start_ptr, chunk_len_ptr,
+    P, N, H, G, heads_per_group, dt_lo, dt_hi,
+    x_t, x_h, x_p, dt_t, dt_h, C_t, C_g, C_n, y_t, y_h, y_p,
     CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_K: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
@@ -162,7 +183,7 @@ def _chunk_scan_kernel(
                    mask=mask_p[None, :] & mask_n[:, None], other=0.0)  # [BLOCK_N, BLOCK_P] fp32
     acc = tl.dot(Cm, S_in.to(Cm.dtype)) * tl.exp(cum_m)[:, None]  # [BLOCK_M, BLOCK_P]
     x_base = x_ptr + start * x_t + h * x_h
-    B_base = B_ptr + start * B_t + g * B_g
+    cb_base = cb_ptr + (tl.cast(c, tl.int64) * G + g) * CHUNK * CHUNK
     hi = tl.minimum(m0 + BLOCK_M, length)
     prefix_k = 0.0
     for k0 in range(0, hi, BLOCK_K):
@@ -171,9 +192,8 @@ def _chunk_scan_kernel(
         dt_k, dA_k = _chunk_dA(dt_base, dt_t, offs_k, mask_k, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
         cum_k = prefix_k + tl.cumsum(dA_k, axis=0)
         prefix_k += tl.sum(dA_k, axis=0)
-        BkT = tl.load(B_base + offs_k[None, :] * B_t + offs_n[:, None] * B_n,
-                      mask=mask_k[None, :] & mask_n[:, None], other=0.0)  # [BLOCK_N, BLOCK_K]
-        cb = tl.dot(Cm, BkT)  # [BLOCK_M, BLOCK_K] fp32
+        cb = tl.load(cb_base + offs_m[:, None] * CHUNK + offs_k[None, :],
+                     mask=(offs_m < CHUNK)[:, None] & (offs_k < CHUNK)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         causal = (offs_m[:, None] >= offs_k[None, :]) & mask_k[None, :]
         decay = tl.exp(tl.where(causal, cum_m[:, None] - cum_k[None, :], -float("inf")))
         w = cb * decay * dt_k[None, :]
@@ -234,16 +254,23 @@ def ssd_scan_varlen_triton(
             x, dt, A, bias, B, init, states, final, kept, meta.chunk_start, meta.chunk_len, meta.seq_chunk_ptr,
             meta.keep_idx, head_dim, state_size, heads, heads // groups, lo, hi,
             *x.stride(), *dt.stride(), *B.stride(), *i_strides,
-            CHUNK=chunk_size, BLOCK_N=block_n, HAS_INIT=initial_states is not None, **common,
+            CHUNK=chunk_size, QBLOCK=max(16, chunk_size), BLOCK_N=block_n, HAS_INIT=initial_states is not None,
+            **common,
         )
     if num_chunks:
+        cb = torch.empty(num_chunks, groups, chunk_size, chunk_size, dtype=torch.float32, device=dev)
+        cb_block = max(16, min(64, chunk_size))  # tl.dot needs >= 16
+        _chunk_cb_kernel[(triton.cdiv(chunk_size, cb_block) ** 2, num_chunks, groups)](
+            B, C, cb, meta.chunk_start, meta.chunk_len, state_size, groups, *B.stride(), *C.stride(),
+            CHUNK=chunk_size, BLOCK_N=block_n, BLOCK=cb_block, num_warps=4,
+        )
         grid_scan = lambda meta_: (  # noqa: E731
             triton.cdiv(chunk_size, meta_["BLOCK_M"]) * triton.cdiv(head_dim, meta_["BLOCK_P"]), num_chunks, heads
         )
         _chunk_scan_kernel[grid_scan](
-            x, dt, A, bias, B, C, D if D is not None else A, states, y, meta.chunk_start, meta.chunk_len,
-            head_dim, state_size, heads, heads // groups, lo, hi,
-            *x.stride(), *dt.stride(), *B.stride(), *C.stride(), *y.stride(),
+            x, dt, A, bias, cb, C, D if D is not None else A, states, y, meta.chunk_start, meta.chunk_len,
+            head_dim, state_size, heads, groups, heads // groups, lo, hi,
+            *x.stride(), *dt.stride(), *C.stride(), *y.stride(),
             CHUNK=chunk_size, BLOCK_N=block_n, HAS_D=D is not None, **common,
         )
     return SSDScanOutput(
