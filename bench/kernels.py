@@ -226,6 +226,17 @@ def bench_verify(peer: dict | None, ceil: dict, quick: bool, tokens: int = 4) ->
         ms = graph_ms(lambda: replay_state_update_triton(
             t["pool"], cache, t["slots"], accepted, t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"],
             dt_bias=t["bias"], z=t["z"]), quick)
+        if batch == 128:  # launch-shape sweep of the replay main kernel (picks its defaults)
+            sweep = {}
+            for block_p in (16, 32):
+                for warps in (2, 4):
+                    for dot in (True, False):
+                        sweep[f"p{block_p}_w{warps}_{'dot' if dot else 'reduce'}"] = 1e3 * graph_ms(
+                            lambda: replay_state_update_triton(
+                                t["pool"], cache, t["slots"], accepted, t["x"], t["dt"], t["A"], t["B"], t["C"],
+                                D=t["D"], dt_bias=t["bias"], z=t["z"], block_p=block_p, num_warps=warps,
+                                dot_outputs=dot), quick)
+            row["replay_sweep_us"] = sweep
         row.update(replay_us=ms * 1e3, replay_state_bytes_per_seq=2 * one_state,
                    replay_floor_us=batch * 2 * one_state / ceil["copy_GBps"] / 1e3,
                    replay_speedup_vs_intermediate=row["intermediate_us"] / (ms * 1e3))

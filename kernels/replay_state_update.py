@@ -97,6 +97,7 @@ def _replay_main_kernel(
     s_s, s_h, s_p, s_n, x_b, x_t, x_h, x_p, z_b, z_t, z_h, z_p, C_b, C_t, C_g, C_n, y_b, y_t, y_h, y_p,
     px_s, px_t, px_h, px_p, pB_s, pB_i, pB_t, pB_g, pB_n, pdt_s, pdt_i, pdt_t, pdt_h,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+    DOT_OUT: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
     b = tl.program_id(1)
@@ -128,27 +129,39 @@ def _replay_main_kernel(
                  mask=keep[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [BT, BN]
     state = tl.exp(cum_last) * state + tl.dot(pxT, pB * coef[:, None])
     tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask_p[:, None] & (mask_n & (offs_n * 0 + k > 0))[None, :])
-    # 2. outputs of the T new tokens: exp(cum_t) C_t S^T + sum_j CBs[t, j] x_j (+ D x, z gate)
+    # 2. outputs of the T new tokens, transposed ([BP, BT]) so the state tile is the dot's natural A operand:
+    #    y_t = exp(cum_t) S C_t + sum_j CBs[t, j] x_j (+ D x_t, z gate)
     w_off = slot * pdt_s + (1 - rb) * pdt_i + offs_t * pdt_t + h * pdt_h
     cum = tl.load(pcum_ptr + w_off, mask=mask_t, other=0.0)
-    Cm = tl.load(C_ptr + b * C_b + offs_t[:, None] * C_t + g * C_g + offs_n[None, :] * C_n,
-                 mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [BT, BN]
-    x = tl.load(x_ptr + b * x_b + offs_t[:, None] * x_t + h * x_h + offs_p[None, :] * x_p,
-                mask=mask_t[:, None] & mask_p[None, :], other=0.0)  # [BT, BP]
-    cbs = tl.load(cbs_ptr + (b * H + h) * BLOCK_T * BLOCK_T + offs_t[:, None] * BLOCK_T + offs_t[None, :])
-    y = tl.dot(Cm, tl.trans(state)) * tl.exp(cum)[:, None] + tl.dot(cbs, x.to(tl.float32))  # [BT, BP]
+    mask_pt = mask_p[:, None] & mask_t[None, :]
+    xT = tl.load(x_ptr + b * x_b + offs_t[None, :] * x_t + h * x_h + offs_p[:, None] * x_p, mask=mask_pt,
+                 other=0.0)  # [BP, BT]
+    x32 = xT.to(tl.float32)
+    cbs_base = cbs_ptr + (b * H + h) * BLOCK_T * BLOCK_T
+    if DOT_OUT:
+        CmT = tl.load(C_ptr + b * C_b + offs_t[None, :] * C_t + g * C_g + offs_n[:, None] * C_n,
+                      mask=mask_n[:, None] & mask_t[None, :], other=0.0).to(tl.float32)  # [BN, BT]
+        cbsT = tl.load(cbs_base + offs_t[None, :] * BLOCK_T + offs_t[:, None])  # [BT(j), BT(t)]
+        yT = tl.dot(state, CmT) * tl.exp(cum)[None, :] + tl.dot(x32, cbsT)  # [BP, BT]
+    else:  # T reductions over the state tile (memory-bound like the single-token update)
+        yT = tl.zeros([BLOCK_P, BLOCK_T], dtype=tl.float32)
+        for t in range(T):
+            Ct = tl.load(C_ptr + b * C_b + t * C_t + g * C_g + offs_n * C_n, mask=mask_n, other=0.0).to(tl.float32)
+            cum_t = tl.sum(tl.where(offs_t == t, cum, 0.0), axis=0)
+            row = tl.load(cbs_base + t * BLOCK_T + offs_t)  # CBs[t, :] [BT]
+            out_t = tl.sum(state * Ct[None, :], axis=1) * tl.exp(cum_t) + tl.sum(x32 * row[None, :], axis=1)
+            yT = tl.where(offs_t[None, :] == t, out_t[:, None], yT)
     if HAS_D:
-        y += x.to(tl.float32) * tl.load(D_ptr + h).to(tl.float32)
+        yT += x32 * tl.load(D_ptr + h).to(tl.float32)
     if HAS_Z:
-        z = tl.load(z_ptr + b * z_b + offs_t[:, None] * z_t + h * z_h + offs_p[None, :] * z_p,
-                    mask=mask_t[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-        y = y * z * tl.sigmoid(z)
-    y = tl.where(valid_p[None, :], y, 0.0)
-    tl.store(y_ptr + b * y_b + offs_t[:, None] * y_t + h * y_h + offs_p[None, :] * y_p, y.to(y_ptr.dtype.element_ty),
-             mask=mask_t[:, None] & (offs_p < P)[None, :])
+        zT = tl.load(z_ptr + b * z_b + offs_t[None, :] * z_t + h * z_h + offs_p[:, None] * z_p, mask=mask_pt,
+                     other=0.0).to(tl.float32)
+        yT = yT * zT * tl.sigmoid(zT)
+    yT = tl.where(valid_p[:, None], yT, 0.0)
+    tl.store(y_ptr + b * y_b + offs_t[None, :] * y_t + h * y_h + offs_p[:, None] * y_p,
+             yT.to(y_ptr.dtype.element_ty), mask=(offs_p < P)[:, None] & mask_t[None, :])
     # 3. keep this step's x for the next replay (this program read its own tile of the old x above)
-    tl.store(px_ptr + slot * px_s + offs_t[:, None] * px_t + h * px_h + offs_p[None, :] * px_p, x,
-             mask=mask_t[:, None] & mask_p[None, :])
+    tl.store(px_ptr + slot * px_s + offs_t[None, :] * px_t + h * px_h + offs_p[:, None] * px_p, xT, mask=mask_pt)
 
 
 @triton.jit
@@ -173,6 +186,9 @@ def replay_state_update_triton(
     dt_softplus: bool = True,
     dt_limit: DtLimit = NO_DT_LIMIT,
     z: torch.Tensor | None = None,  # [B, T, H, P]
+    block_p: int = 16,
+    num_warps: int = 4,
+    dot_outputs: bool = True,  # outputs by tl.dot (True) or by T reductions over the state tile
 ) -> torch.Tensor:
     """One verify step by replay; returns y [B, T, H, P]. Updates state_pool and cache in place."""
     batch, tokens, heads, head_dim = x.shape
@@ -194,14 +210,14 @@ def replay_state_update_triton(
         HAS_LIMIT=has_limit, num_warps=4,
     )
     zz = z if z is not None else x
-    block_p = 16
     _replay_main_kernel[(triton.cdiv(head_dim, block_p), batch, heads)](
         state_pool, slots, num_accepted, x, zz, C, D if D is not None else A, y, cbs, cache.buf,
         cache.prev_x, cache.prev_B, cache.prev_dt, cache.prev_cum,
         tokens, heads, head_dim, state, heads // groups,
         *state_pool.stride(), *x.stride(), *zz.stride(), *C.stride(), *y.stride(),
         *cache.prev_x.stride(), *cache.prev_B.stride(), *cache.prev_dt.stride(),
-        BLOCK_T=block_t, BLOCK_P=block_p, BLOCK_N=block_n, HAS_D=D is not None, HAS_Z=z is not None, num_warps=4,
+        BLOCK_T=block_t, BLOCK_P=block_p, BLOCK_N=block_n, HAS_D=D is not None, HAS_Z=z is not None,
+        DOT_OUT=dot_outputs, num_warps=num_warps,
     )
     _flip_kernel[(batch,)](slots, cache.buf)
     return y

@@ -16,7 +16,7 @@ from hybridserve.kernels.replay_state_update import (  # noqa: E402
 )
 
 
-def _run(batch, tokens, heads, head_dim, groups, state, state_dtype, dtype, device, gen, tol):
+def _run(batch, tokens, heads, head_dim, groups, state, state_dtype, dtype, device, gen, tol, dot_outputs=True):
     num_slots = batch + 2
     pool = torch.randn(num_slots, 2, heads, head_dim, state, generator=gen).to(device=device, dtype=state_dtype)[:, 0]
     ref_pool = pool.clone()
@@ -34,7 +34,7 @@ def _run(batch, tokens, heads, head_dim, groups, state, state_dtype, dtype, devi
         B, C = r(batch, tokens, groups, state), r(batch, tokens, groups, state)
         kw = dict(D=D, dt_bias=bias, dt_limit=(0.001, 2.0), z=z)
         y_ref = replay_reference(ref_pool, history, slots, accepted, x, dt, A, B, C, **kw)
-        y = replay_state_update_triton(pool, cache, slots, accepted, x, dt, A, B, C, **kw)
+        y = replay_state_update_triton(pool, cache, slots, accepted, x, dt, A, B, C, dot_outputs=dot_outputs, **kw)
         ku.assert_close(y, y_ref, tol, f"y at step {step}")
         valid = slots >= 0
         ku.assert_close(pool[slots[valid]].float(), ref_pool[slots[valid]].float(), tol, f"state at step {step}")
@@ -42,13 +42,17 @@ def _run(batch, tokens, heads, head_dim, groups, state, state_dtype, dtype, devi
 
 
 @ku.interp_only
-def test_replay_interpreter():
-    _run(3, 3, 4, 12, 2, 8, torch.float32, torch.float32, "cpu", torch.Generator().manual_seed(7), 2e-3)
+@pytest.mark.parametrize("dot_outputs", [True, False])
+def test_replay_interpreter(dot_outputs):
+    gen = torch.Generator().manual_seed(7)
+    _run(3, 3, 4, 12, 2, 8, torch.float32, torch.float32, "cpu", gen, 2e-3, dot_outputs)
 
 
 @ku.gpu
 @ku.cuda_only
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
-def test_replay_gpu(state_dtype):
+@pytest.mark.parametrize("dot_outputs", [True, False])
+def test_replay_gpu(state_dtype, dot_outputs):
     tol = 2e-2 if state_dtype == torch.bfloat16 else 1e-2
-    _run(24, 4, 128, 80, 8, 128, state_dtype, torch.bfloat16, "cuda", torch.Generator().manual_seed(8), tol)
+    gen = torch.Generator().manual_seed(8)
+    _run(24, 4, 128, 80, 8, 128, state_dtype, torch.bfloat16, "cuda", gen, tol, dot_outputs)
