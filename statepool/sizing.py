@@ -49,9 +49,10 @@ class PoolRequest:
 
 def plan_cache_layout(config: ModelConfig, budget_bytes: int, want: PoolRequest) -> CacheLayout:
     """Slots for `max_num_seqs` requests first; the rest of the budget goes to KV pages and, with prefix
-    caching, checkpoint slots. Without caching, pages stop at every slot filled to max_model_len; with it,
-    the targets double (running + cached) and shrink together, proportionally, when the budget is short,
-    never below one max_model_len request of KV."""
+    caching, checkpoint slots. Without caching, pages stop at every slot filled to max_model_len. With it,
+    the page target doubles (running + cached KV) and checkpoints cover the cached tokens every state_block;
+    when the budget is short both shrink proportionally, but the running KV (the no-cache amount) is kept
+    once the cache has one checkpoint per slot, and never below one max_model_len request of KV."""
     slot_bytes = CacheLayout.bytes_per_slot(config, want.conv_width, want.dtype, want.ssm_dtype)
     page_bytes = CacheLayout.bytes_per_page(config, want.page_size, want.dtype)
     pages_per_seq = -(-want.max_model_len // want.page_size) if page_bytes else 0
@@ -89,8 +90,12 @@ def plan_cache_layout(config: ModelConfig, budget_bytes: int, want: PoolRequest)
         fixed = (0 if flexible_pages else pages * page_bytes) + (0 if flexible_ckpts else ckpts * slot_bytes)
         scale = max(0.0, rest - fixed) / max(1, (pages * page_bytes if flexible_pages else 0)
                                               + (ckpts * slot_bytes if flexible_ckpts else 0))
-        if flexible_pages:
-            pages = max(min_pages, int(pages * scale))
+        if flexible_pages and page_bytes:
+            # KV for the running requests (what the pool would get without the cache) comes before cached
+            # state, once the cache keeps one checkpoint per running slot
+            keep_ckpts = min(ckpt_target, slots) if flexible_ckpts else ckpts
+            running = min(slots * pages_per_seq, max(0, rest - keep_ckpts * slot_bytes) // page_bytes)
+            pages = max(min_pages, running, int(pages * scale))
         if flexible_ckpts:
             ckpts = max(0, (rest - pages * page_bytes) // max(slot_bytes, 1)) if slot_bytes else 0
             ckpts = min(ckpts, ckpt_target)
