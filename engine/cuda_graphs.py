@@ -1,0 +1,129 @@
+"""CUDA graphs for the decode step: the forward of one new token per sequence, captured once per batch-size
+bucket and replayed, so a decode step costs one graph launch instead of hundreds of kernel launches.
+
+Inputs are copied into static buffers; rows past the real batch are padding (state slot -1 and KV slot -1,
+which every kernel skips; kv_len 1 on page 0, whose output is discarded). Only decode-only batches whose
+size fits a bucket and whose block tables fit the captured width take the graph; the rest run eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybridserve.models.forward_batch import ForwardBatch
+from hybridserve.models.hybrid_model import HybridLM
+from hybridserve.statepool.state_cache import StateCache
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class DecodeGraphs:
+    """Captured decode forwards of `model` over `cache`, one per bucket up to `max_batch`."""
+
+    def __init__(
+        self, model: HybridLM, cache: StateCache, max_batch: int, max_pages_per_seq: int,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+    ) -> None:
+        if max_batch <= 0 or max_pages_per_seq <= 0:
+            raise ValueError(f"max_batch ({max_batch}) and max_pages_per_seq ({max_pages_per_seq}) must be positive")
+        self.model = model
+        self.cache = cache
+        self.buckets = tuple(sorted({b for b in buckets if b < max_batch} | {max_batch}))
+        device = next(model.parameters()).device
+        n = self.buckets[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.cu_seqlens = torch.arange(n + 1, dtype=torch.int64, device=device)
+        self.context_lens = torch.zeros(n, dtype=torch.int64, device=device)
+        self.kv_lens = torch.ones(n, dtype=torch.int64, device=device)
+        self.state_slots = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(n, max_pages_per_seq, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool: Any = None
+
+    def _batch(self, size: int) -> ForwardBatch:
+        return ForwardBatch(
+            num_decode=size,
+            query_lens=(1,) * size,
+            cu_seqlens=self.cu_seqlens[: size + 1],
+            context_lens=self.context_lens[:size],
+            kv_lens=self.kv_lens[:size],
+            state_slots=self.state_slots[:size],
+            block_tables=self.block_tables[:size],
+            slot_mapping=self.slot_mapping[:size],
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket, largest first so the smaller ones reuse its memory pool."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for size in reversed(self.buckets):  # warm-up: compiles / autotunes every kernel eagerly
+                self.model(self.input_ids[:size], self._batch(size), self.cache)
+        torch.cuda.current_stream().wait_stream(stream)
+        for size in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = self.model(self.input_ids[:size], self._batch(size), self.cache)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[size] = (graph, hidden)
+
+    def bucket_for(self, batch: ForwardBatch) -> int | None:
+        """The bucket that replays this batch, or None when it must run eagerly."""
+        if not self.graphs or batch.num_decode != batch.num_seqs or batch.checkpoint_slots is not None:
+            return None
+        if batch.block_tables.shape[1] > self.block_tables.shape[1]:
+            return None
+        return next((b for b in self.buckets if b >= batch.num_seqs), None)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None:
+        """Hidden states [num_seqs, hidden] by graph replay, or None (caller runs the model eagerly)."""
+        size = self.bucket_for(batch)
+        if size is None:
+            return None
+        n, pages = batch.num_seqs, batch.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.context_lens[:n].copy_(batch.context_lens)
+        self.kv_lens[:n].copy_(batch.kv_lens)
+        self.kv_lens[n:size].fill_(1)
+        self.state_slots[:n].copy_(batch.state_slots)
+        self.state_slots[n:size].fill_(-1)
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.slot_mapping[n:size].fill_(-1)
+        self.block_tables[:n, :pages].copy_(batch.block_tables)
+        graph, hidden = self.graphs[size]
+        graph.replay()
+        return hidden[:n]
+
+
+class GraphedModel:
+    """Stands in for a HybridLM: decode-only batches replay a captured graph, everything else runs eagerly."""
+
+    def __init__(self, model: HybridLM, graphs: DecodeGraphs) -> None:
+        self.model = model
+        self.graphs = graphs
+
+    def __call__(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: StateCache) -> torch.Tensor:
+        if cache is self.graphs.cache:
+            hidden = self.graphs.run(input_ids, batch)
+            if hidden is not None:
+                return hidden
+        return self.model(input_ids, batch, cache)
+
+    def __getattr__(self, name: str) -> Any:  # compute_logits, config, parameters, ...
+        return getattr(self.model, name)
+
+
+def enable_decode_graphs(runner: Any, max_batch: int, max_pages_per_seq: int) -> DecodeGraphs:
+    """Capture decode graphs for a ModelRunner on CUDA and route its forwards through them."""
+    if runner.device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
+    graphs = DecodeGraphs(runner.model, runner.cache, max_batch, max_pages_per_seq)
+    graphs.capture()
+    runner.model = GraphedModel(runner.model, graphs)
+    return graphs
