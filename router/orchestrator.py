@@ -59,12 +59,12 @@ class Orchestrator:
 
     def __init__(self, prefill_addresses: list[str], decode_addresses: list[str],
                  config: OrchestratorConfig = OrchestratorConfig()) -> None:
-        if not decode_addresses:
-            raise ValueError("at least one decode worker address is needed")
         self.config = config
         self._lock = threading.Lock()
         self._prefill_addresses: list[str] = []
         self._decode_addresses: list[str] = []
+        self._prefill: list[worker_pb2_grpc.PrefillWorkerStub] = []
+        self._decode: list[worker_pb2_grpc.DecodeWorkerStub] = []
         self.update_workers(prefill_addresses, decode_addresses)
         self._next_prefill = itertools.count()
         self._next_decode = itertools.count()

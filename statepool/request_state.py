@@ -61,7 +61,8 @@ def _token_index(page_ids: list[int], num_tokens: int, page_size: int, device: t
 def iter_request_state(
     cache: StateCache, page_ids: list[int], slot: int | None, num_tokens: int, hidden: torch.Tensor
 ) -> Iterator[tuple[str, int, torch.Tensor]]:
-    """(tensor name, layer, contiguous device tensor) parts in transfer order; each gathered when asked for."""
+    """(tensor name, layer, device tensor) parts in transfer order; each a copy that stays valid after the
+    request's pages and slot are released."""
     n_attn = cache.k_pages.shape[1]
     if n_attn and cache.k_pages.shape[0]:
         pages, offsets = _token_index(page_ids, num_tokens, cache.layout.page_size, cache.k_pages.device)
@@ -73,8 +74,8 @@ def iter_request_state(
             raise ValueError("the model has Mamba layers but the request holds no state slot")
         for name, pool in (("conv", cache.conv_states), ("ssm", cache.ssm_states)):
             for layer in range(pool.shape[1]):
-                yield name, layer, pool[slot, layer].contiguous()
-    yield "hidden", 0, hidden.contiguous()
+                yield name, layer, pool[slot, layer].clone()  # a copy: the slot is reused once released
+    yield "hidden", 0, hidden.clone()
 
 
 def write_request_state(

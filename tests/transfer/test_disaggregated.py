@@ -10,6 +10,7 @@ import uuid
 from concurrent import futures
 
 import grpc
+import torch
 import pytest
 from checkpoints import mamba2, nemotron_h, random_prompts
 
@@ -200,3 +201,55 @@ def test_bad_requests_are_invalid_argument(nemotron_cluster) -> None:
         list(cluster.orchestrator.generate([5, 999], GREEDY))
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     cluster.check_pools()
+
+
+def test_reservation_expires_and_frees_its_pages(nemotron_cluster) -> None:
+    _, cluster = nemotron_cluster
+    stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(cluster.decode[0].address))
+    request_id = uuid.uuid4().hex
+    prompt = random_prompts([20], vocab=128, seed=46)[0]
+    ticket = stub.Reserve(
+        worker_pb2.ReserveRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(GREEDY), timeout_ms=300
+        )
+    ).ticket
+    free_before = cluster.decode[0].loop.call(lambda: cluster.decode[0].engine.stats()["free_state_slots"])
+    _stream_reports_error(stub, request_id, ticket)
+    free_after = cluster.decode[0].loop.call(lambda: cluster.decode[0].engine.stats()["free_state_slots"])
+    assert free_after == free_before + 1
+    cluster.check_pools()
+
+
+def test_short_prompts_prefill_on_the_decode_worker() -> None:
+    model_dir, _ = nemotron_h("M*-M*")
+    decode = DecodeWorker(model_dir, CONFIG)
+    decode.start()
+    try:
+        from hybridserve.router.orchestrator import OrchestratorConfig
+
+        # a prefill address that answers nothing: a local prefill must not touch it
+        orchestrator = Orchestrator(["127.0.0.1:9"], [decode.address], OrchestratorConfig(local_prefill_max_tokens=16))
+        prompts = random_prompts([5, 16], vocab=128, seed=47)
+        got = [[t for e in orchestrator.generate(p, GREEDY) for t in e.token_ids] for p in prompts]
+        assert got == _reference(model_dir, prompts)
+        decode.loop.call(decode.engine.pool.check)
+    finally:
+        decode.stop(grace=0)
+
+
+def test_exported_parts_stay_valid_after_the_slot_is_reused() -> None:
+    """Export hands out copies: the sender streams them while the engine reuses the released slot."""
+    from hybridserve.engine.llm_engine import LLMEngine
+
+    model_dir, _ = nemotron_h("M*-M*")
+    engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=1, enable_prefix_caching=False))
+    first, second = random_prompts([20, 20], vocab=128, seed=48)
+    engine.add_request(first, SamplingParams(max_tokens=1, temperature=0.0), "a", hold_state=True)
+    while engine.has_unfinished():
+        engine.step()
+    exported = engine.export_state("a")
+    snapshot = [p.clone() for p in exported.parts]
+    engine.add_request(second, SamplingParams(max_tokens=3, temperature=0.0), "b")  # takes the same slot
+    while engine.has_unfinished():
+        engine.step()
+    assert all(torch.equal(p, s) for p, s in zip(exported.parts, snapshot))
