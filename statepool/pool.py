@@ -253,6 +253,8 @@ class StatePool:
             held = [s.state_slot for s in self._holders.values() if s.state_slot is not None]
             if len(held) != len(set(held)) or set(held) != self.slots.used_ids():
                 raise PoolIntegrityError(f"state slots {sorted(held)} vs in use {sorted(self.slots.used_ids())}")
+        if self.radix is not None and (problems := self.radix.lru_problems()):
+            raise PoolIntegrityError("; ".join(problems[:4]))
         cached = [n.checkpoint for n in nodes if n.checkpoint is not None]
         if len(cached) != len(set(cached)) or set(cached) != self.checkpoints.used_ids():
             raise PoolIntegrityError(

@@ -171,6 +171,19 @@ class RadixCache:
             stack.extend(n.children.values())
         return out
 
+    def lru_problems(self) -> list[str]:
+        """Nodes filed wrongly in the LRU orders (for integrity checks); empty when consistent."""
+        problems = []
+        nodes = self.nodes()
+        for n in nodes:
+            if (n in self._leaf_lru) != (n.ref == 0 and not n.children):
+                problems.append(f"node at depth {n.depth} (ref {n.ref}) misfiled in the leaf LRU")
+            if (n in self._state_lru) != (n.checkpoint is not None):
+                problems.append(f"node at depth {n.depth} misfiled in the checkpoint LRU")
+        if len(self._leaf_lru) > len(nodes) or len(self._state_lru) > len(nodes) or len(nodes) != self.num_nodes:
+            problems.append("the LRU orders or the node count hold removed nodes")
+        return problems
+
     @property
     def num_checkpoints(self) -> int:
         return len(self._state_lru)
