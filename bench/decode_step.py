@@ -101,6 +101,13 @@ def bench_decode_step(ceil: dict, median_ms: Callable[[Callable[[], Any]], float
         except Exception as exc:  # noqa: BLE001 - report why the step could not be captured
             row["graph_error"] = repr(exc)[:500]
         row["eager_over_floor"] = row["eager_ms"] / row["floor_ms"]
+        if batch == 1:  # where the time goes: per-kernel GPU time of one eager step
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=50)
+            row["profile_eager_step"] = table
+            print(table, flush=True)
         rows.append(row)
         print("decode " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               flush=True)

@@ -1,15 +1,15 @@
 """Triton SSD chunked scan over packed variable-length sequences with chunk-aligned states.
 
-Three kernels over *logical chunks* (no chunk straddles two sequences; a resumed sequence's first chunk is
-short so later chunk ends land on absolute multiples of chunk_size, exactly as the reference walks them):
-  1. chunk states: one program per (head_dim block, sequence, head) walks the sequence's chunks in order
-     from its initial state, S <- exp(sum dA) S + sum_t x_t^T (B_t dt_t exp(cum_end - cum_t)) (one tl.dot
-     per tile), and stores the state entering every chunk, the kept chunk-end states and the final state.
-     The running state never leaves registers, so per-chunk local states cost no memory traffic.
-  2. chunk C B^T once per (chunk, group) into a [chunks, G, Q, Q] fp32 buffer, shared by the group's heads.
-  3. chunk scan: y = exp(cum) * C S_in^T + (causal, decayed C B^T * dt) x + D x.
-dt bias / softplus / limit and the in-chunk cumsum are recomputed from raw dt in both kernels (a few hundred
-flops per chunk) instead of a separate pass. Reference and contract: `ssd_scan.ssd_scan_varlen_ref`.
+Kernels over *logical chunks* (no chunk straddles two sequences; a resumed sequence's first chunk is short
+so later chunk ends land on absolute multiples of chunk_size, exactly as the reference walks them):
+  1. chunk cumsum: dt bias / softplus / limit and the in-chunk cumsum of dt * A, per (head, chunk).
+  2. chunk states: one program per (head_dim block, sequence, head) walks the sequence's chunks in order
+     from its initial state, S <- exp(sum dA) S + x^T (B dt exp(cum_end - cum)) (one tl.dot per chunk), and
+     stores the state entering every chunk, the kept chunk-end states and the final state. The running
+     state never leaves registers, so per-chunk local states cost no memory traffic.
+  3. chunk C B^T once per (chunk, group) into a [chunks, G, Q, Q] fp32 buffer, shared by the group's heads.
+  4. chunk scan: y = exp(cum) * C S_in^T + (causal, decayed C B^T * dt) x + D x.
+Reference and contract: `hybridserve.kernels.ssd_scan.ssd_scan_varlen_ref`.
 """
 
 from __future__ import annotations
@@ -31,13 +31,31 @@ def _configs(space: list[dict], warps: list[int], stages: list[int]) -> list[tri
 
 
 @triton.jit
-def _chunk_dA(dt_ptr, dt_t, offs, mask, A, bias, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
-              dt_lo, dt_hi):
-    """Processed dt and dt*A at token rows `offs` (0 where masked off): two [len(offs)] fp32 vectors."""
-    dt = tl.load(dt_ptr + offs * dt_t, mask=mask, other=0.0).to(tl.float32)
-    dt = process_dt_tl(dt, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
-    dt = tl.where(mask, dt, 0.0)
-    return dt, dt * A
+def _chunk_cumsum_kernel(
+    dt_ptr, A_ptr, bias_ptr, dt_out_ptr, cum_ptr, chunk_start_ptr, chunk_len_ptr, H, NC, dt_lo, dt_hi, dt_t, dt_h,
+    QBLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+):
+    """Processed dt and the in-chunk cumsum of dt * A for every (head, chunk): [H, NC, QBLOCK] fp32 each,
+    with dt = 0 past the chunk's end so the cumsum stays flat there (its last entry is the chunk total)."""
+    c = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_q = tl.arange(0, QBLOCK)
+    mask_h = offs_h < H
+    start = tl.load(chunk_start_ptr + c).to(tl.int64)
+    length = tl.load(chunk_len_ptr + c)
+    mask = (offs_q < length)[:, None] & mask_h[None, :]
+    dt = tl.load(dt_ptr + (start + offs_q[:, None]) * dt_t + offs_h[None, :] * dt_h, mask=mask, other=0.0)
+    bias = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    dt = process_dt_tl(dt.to(tl.float32), bias[None, :], DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
+    dt = tl.where(mask, dt, 0.0)  # [QBLOCK, BLOCK_H]
+    A = tl.load(A_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    cum = tl.cumsum(dt * A[None, :], axis=0)
+    out = (offs_h[None, :].to(tl.int64) * NC + c) * QBLOCK + offs_q[:, None]
+    tl.store(dt_out_ptr + out, dt, mask=mask_h[None, :])
+    tl.store(cum_ptr + out, cum, mask=mask_h[None, :])
 
 
 @triton.autotune(
@@ -50,12 +68,12 @@ def _chunk_dA(dt_ptr, dt_t, offs, mask, A, bias, DT_SOFTPLUS: tl.constexpr, HAS_
 )
 @triton.jit
 def _chunk_states_kernel(
-    x_ptr, dt_ptr, A_ptr, bias_ptr, B_ptr, init_ptr, states_ptr, final_ptr, kept_ptr,
+    x_ptr, dtc_ptr, cum_ptr, B_ptr, init_ptr, states_ptr, final_ptr, kept_ptr,
     chunk_start_ptr, chunk_len_ptr, seq_chunk_ptr, keep_idx_ptr,
-    P, N, H, heads_per_group, dt_lo, dt_hi,
-    x_t, x_h, x_p, dt_t, dt_h, B_t, B_g, B_n, i_s, i_h, i_p, i_n,
+    P, N, H, NC, heads_per_group,
+    x_t, x_h, x_p, B_t, B_g, B_n, i_s, i_h, i_p, i_n,
     CHUNK: tl.constexpr, QBLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    HAS_INIT: tl.constexpr,
 ):
     """Per (head_dim block, sequence, head): walk the sequence's chunks in order from its initial state;
     store the state entering each chunk (x's dtype, for the scan), the kept chunk-end states and the final
@@ -64,10 +82,6 @@ def _chunk_states_kernel(
     s = tl.program_id(1)
     h = tl.program_id(2)
     g = h // heads_per_group
-    A = tl.load(A_ptr + h).to(tl.float32)
-    bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + h).to(tl.float32)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     mask_pn = (offs_p < P)[:, None] & (offs_n < N)[None, :]
@@ -93,10 +107,11 @@ def _chunk_states_kernel(
         c = tl.cast(c0 + i, tl.int64)
         tl.store(states_ptr + (c * H + h) * P * N + tile, state.to(states_ptr.dtype.element_ty), mask=mask_pn)
         mask_q = offs_q < length
-        dt_q, dA_q = _chunk_dA(dt_ptr + start * dt_t + h * dt_h, dt_t, offs_q, mask_q, A, bias, DT_SOFTPLUS,
-                               HAS_LIMIT, dt_lo, dt_hi)
-        total = tl.sum(dA_q, axis=0)
-        scale = tl.exp(total - tl.cumsum(dA_q, axis=0)) * dt_q  # [QBLOCK] decay to the chunk end, times dt
+        row = (h * NC + c) * QBLOCK
+        dt_q = tl.load(dtc_ptr + row + offs_q)
+        cum_q = tl.load(cum_ptr + row + offs_q)
+        total = tl.load(cum_ptr + row + QBLOCK - 1)
+        scale = tl.exp(total - cum_q) * dt_q  # [QBLOCK] decay to the chunk end, times dt
         xT = tl.load(x_ptr + start * x_t + h * x_h + offs_p[:, None] * x_p + offs_q[None, :] * x_t,
                      mask=(offs_p < P)[:, None] & mask_q[None, :], other=0.0)  # [BLOCK_P, QBLOCK]
         Bq = tl.load(B_ptr + start * B_t + g * B_g + offs_q[:, None] * B_t + offs_n[None, :] * B_n,
@@ -136,22 +151,21 @@ def _chunk_cb_kernel(
 
 @triton.autotune(
     configs=_configs(
-        [{"BLOCK_M": 64, "BLOCK_P": 32, "BLOCK_K": 64}, {"BLOCK_M": 64, "BLOCK_P": 128, "BLOCK_K": 32},
-         {"BLOCK_M": 64, "BLOCK_P": 128, "BLOCK_K": 64}, {"BLOCK_M": 128, "BLOCK_P": 128, "BLOCK_K": 32},
-         {"BLOCK_M": 64, "BLOCK_P": 64, "BLOCK_K": 64}, {"BLOCK_M": 32, "BLOCK_P": 128, "BLOCK_K": 32}],
+        [{"BLOCK_M": 64, "BLOCK_P": 128, "BLOCK_K": 32}, {"BLOCK_M": 64, "BLOCK_P": 128, "BLOCK_K": 64},
+         {"BLOCK_M": 128, "BLOCK_P": 128, "BLOCK_K": 32}, {"BLOCK_M": 128, "BLOCK_P": 64, "BLOCK_K": 32},
+         {"BLOCK_M": 64, "BLOCK_P": 64, "BLOCK_K": 64}, {"BLOCK_M": 64, "BLOCK_P": 64, "BLOCK_K": 32}],
         [4, 8],
-        [2, 3],
+        [2, 3, 4],
     ),
     key=["P", "N", "CHUNK"],
 )
 @triton.jit
 def _chunk_scan_kernel(
-    x_ptr, dt_ptr, A_ptr, bias_ptr, cb_ptr, C_ptr, D_ptr, states_ptr, y_ptr, chunk_start_ptr, chunk_len_ptr,
-    P, N, H, G, heads_per_group, dt_lo, dt_hi,
-    x_t, x_h, x_p, dt_t, dt_h, C_t, C_g, C_n, y_t, y_h, y_p,
-    CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_K: tl.constexpr, HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-    HAS_LIMIT: tl.constexpr,
+    x_ptr, dtc_ptr, cum_ptr, cb_ptr, C_ptr, D_ptr, states_ptr, y_ptr, chunk_start_ptr, chunk_len_ptr,
+    P, N, H, G, NC, heads_per_group,
+    x_t, x_h, x_p, C_t, C_g, C_n, y_t, y_h, y_p,
+    CHUNK: tl.constexpr, QBLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, HAS_D: tl.constexpr,
 ):
     num_p_blocks = tl.cdiv(P, BLOCK_P)
     pid_m = tl.program_id(0) // num_p_blocks
@@ -161,19 +175,11 @@ def _chunk_scan_kernel(
     g = h // heads_per_group
     start = tl.load(chunk_start_ptr + c).to(tl.int64)
     length = tl.load(chunk_len_ptr + c)
-    A = tl.load(A_ptr + h).to(tl.float32)
-    bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + h).to(tl.float32)
-    dt_base = dt_ptr + start * dt_t + h * dt_h
     m0 = pid_m * BLOCK_M
-    offs_q = tl.arange(0, CHUNK)
-    _, dA_all = _chunk_dA(dt_base, dt_t, offs_q, offs_q < length, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
-    prefix_m = tl.sum(tl.where(offs_q < m0, dA_all, 0.0), axis=0)
+    row = (h.to(tl.int64) * NC + c) * QBLOCK  # this (head, chunk)'s dt / cumsum vectors
     offs_m = m0 + tl.arange(0, BLOCK_M)
     mask_m = offs_m < length
-    _, dA_m = _chunk_dA(dt_base, dt_t, offs_m, mask_m, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
-    cum_m = prefix_m + tl.cumsum(dA_m, axis=0)  # [BLOCK_M]
+    cum_m = tl.load(cum_ptr + row + offs_m, mask=offs_m < QBLOCK, other=0.0)  # [BLOCK_M]
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     mask_p, mask_n = offs_p < P, offs_n < N
@@ -185,13 +191,11 @@ def _chunk_scan_kernel(
     x_base = x_ptr + start * x_t + h * x_h
     cb_base = cb_ptr + (tl.cast(c, tl.int64) * G + g) * CHUNK * CHUNK
     hi = tl.minimum(m0 + BLOCK_M, length)
-    prefix_k = 0.0
     for k0 in range(0, hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < length
-        dt_k, dA_k = _chunk_dA(dt_base, dt_t, offs_k, mask_k, A, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi)
-        cum_k = prefix_k + tl.cumsum(dA_k, axis=0)
-        prefix_k += tl.sum(dA_k, axis=0)
+        dt_k = tl.load(dtc_ptr + row + offs_k, mask=offs_k < QBLOCK, other=0.0)
+        cum_k = tl.load(cum_ptr + row + offs_k, mask=offs_k < QBLOCK, other=0.0)
         cb = tl.load(cb_base + offs_m[:, None] * CHUNK + offs_k[None, :],
                      mask=(offs_m < CHUNK)[:, None] & (offs_k < CHUNK)[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         causal = (offs_m[:, None] >= offs_k[None, :]) & mask_k[None, :]
@@ -248,14 +252,21 @@ def ssd_scan_varlen_triton(
     block_n = max(16, next_pow2(state_size))  # tl.dot needs every dimension >= 16
     init = initial_states if initial_states is not None else final
     i_strides = initial_states.stride() if initial_states is not None else (0, 0, 0, 0)
+    qblock = max(16, chunk_size)
+    dtc = torch.empty(heads, max(num_chunks, 1), qblock, dtype=torch.float32, device=dev)
+    cum = torch.empty_like(dtc)
+    if num_chunks:
+        _chunk_cumsum_kernel[(num_chunks, triton.cdiv(heads, 16))](
+            dt, A, bias, dtc, cum, meta.chunk_start, meta.chunk_len, heads, num_chunks, lo, hi, *dt.stride(),
+            QBLOCK=qblock, BLOCK_H=16, num_warps=4, **common,
+        )
     if num_seqs:
         grid_state = lambda meta_: (triton.cdiv(head_dim, meta_["BLOCK_P"]), num_seqs, heads)  # noqa: E731
         _chunk_states_kernel[grid_state](
-            x, dt, A, bias, B, init, states, final, kept, meta.chunk_start, meta.chunk_len, meta.seq_chunk_ptr,
-            meta.keep_idx, head_dim, state_size, heads, heads // groups, lo, hi,
-            *x.stride(), *dt.stride(), *B.stride(), *i_strides,
-            CHUNK=chunk_size, QBLOCK=max(16, chunk_size), BLOCK_N=block_n, HAS_INIT=initial_states is not None,
-            **common,
+            x, dtc, cum, B, init, states, final, kept, meta.chunk_start, meta.chunk_len, meta.seq_chunk_ptr,
+            meta.keep_idx, head_dim, state_size, heads, num_chunks, heads // groups,
+            *x.stride(), *B.stride(), *i_strides,
+            CHUNK=chunk_size, QBLOCK=qblock, BLOCK_N=block_n, HAS_INIT=initial_states is not None,
         )
     if num_chunks:
         cb = torch.empty(num_chunks, groups, chunk_size, chunk_size, dtype=torch.float32, device=dev)
@@ -268,10 +279,10 @@ def ssd_scan_varlen_triton(
             triton.cdiv(chunk_size, meta_["BLOCK_M"]) * triton.cdiv(head_dim, meta_["BLOCK_P"]), num_chunks, heads
         )
         _chunk_scan_kernel[grid_scan](
-            x, dt, A, bias, cb, C, D if D is not None else A, states, y, meta.chunk_start, meta.chunk_len,
-            head_dim, state_size, heads, groups, heads // groups, lo, hi,
-            *x.stride(), *dt.stride(), *C.stride(), *y.stride(),
-            CHUNK=chunk_size, BLOCK_N=block_n, HAS_D=D is not None, **common,
+            x, dtc, cum, cb, C, D if D is not None else A, states, y, meta.chunk_start, meta.chunk_len,
+            head_dim, state_size, heads, groups, num_chunks, heads // groups,
+            *x.stride(), *C.stride(), *y.stride(),
+            CHUNK=chunk_size, QBLOCK=qblock, BLOCK_N=block_n, HAS_D=D is not None,
         )
     return SSDScanOutput(
         y=y, final_states=final, chunk_states=kept[:num_kept], chunk_state_seq=meta.kept_seq, chunk_state_pos=meta.kept_pos
