@@ -187,21 +187,21 @@ def bench_state_update(peer: dict | None, ceil: dict, quick: bool) -> list[dict]
 
 
 def sweep_state_update(ceil: dict, quick: bool) -> list[dict]:
-    """Launch-shape sweep of the decode update at batch 128 (picks the defaults; not part of the issue table)."""
+    """Launch-shape sweep of the decode update (picks the defaults; not part of the issue table)."""
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(3)
-    for state_dtype in (torch.float32, torch.bfloat16):
-        t = _ssu_inputs(128, 1, state_dtype, gen)
+    for state_dtype, batch in ((torch.float32, 128), (torch.bfloat16, 128), (torch.bfloat16, 32)):
+        t = _ssu_inputs(batch, 1, state_dtype, gen)
         state_bytes = 2 * t["pool"].numel() * t["pool"].element_size()
         for block_p in (8, 16, 32):
             for warps in (2, 4, 8):
                 ms = graph_ms(lambda: multi_token_state_update_triton(
                     t["pool"], t["slots"], t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], dt_bias=t["bias"],
                     z=t["z"], block_p=block_p, num_warps=warps), quick)
-                rows.append({"state_dtype": str(state_dtype), "block_p": block_p, "warps": warps, "us": ms * 1e3,
+                rows.append({"state_dtype": str(state_dtype), "batch": batch, "block_p": block_p, "warps": warps, "us": ms * 1e3,
                              "pct_of_copy": 100 * state_bytes / ms / 1e6 / ceil["copy_GBps"]})
         del t
-    print("ssu sweep: " + "; ".join(f"{r['state_dtype'][6:]} p{r['block_p']} w{r['warps']} {r['pct_of_copy']:.0f}%"
+    print("ssu sweep: " + "; ".join(f"{r['state_dtype'][6:]} b{r['batch']} p{r['block_p']} w{r['warps']} {r['pct_of_copy']:.0f}%"
                                     for r in rows), flush=True)
     return rows
 
