@@ -28,6 +28,7 @@ from hybridserve.engine.outputs import RequestOutput
 from hybridserve.models.fingerprint import model_fingerprint
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.engine.cache_event_feed import CacheEventFeed
+from hybridserve.engine.worker_metrics import WorkerMetrics
 from hybridserve.proto.convert import sampling_from_proto, token_event
 
 logger = logging.getLogger(__name__)
@@ -50,12 +51,14 @@ class DecodeWorker:
     """Engine loop + gRPC server for the decode role."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
-                 worker_id: str | None = None) -> None:
+                 worker_id: str | None = None, metrics_port: int | None = 0) -> None:
         self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:8]}"
         self.engine = LLMEngine(model_dir, config)
         self.fingerprint = model_fingerprint(model_dir, config.dtype, self.engine.model_config.ssm_state_dtype)
         self.loop = EngineLoop(self.engine, name=f"{self.worker_id}-loop")
         self.events = CacheEventFeed(self.worker_id, self.loop)
+        self.metrics = WorkerMetrics(self.loop, "decode")
+        self._metrics_port = metrics_port  # None: no /metrics server
         self._reservations: dict[str, Reservation] = {}
         self._lock = threading.Lock()
         self._host, self._port = host, port
@@ -75,6 +78,8 @@ class DecodeWorker:
         self._port = self._server.add_insecure_port(f"{self._host}:{self._port}")
         self._server.start()
         self._reaper.start()
+        if self._metrics_port is not None:
+            self.metrics.start(self._host, self._metrics_port)
         logger.info("decode worker %s serving on %s", self.worker_id, self.address)
         return self.address
 
@@ -82,6 +87,7 @@ class DecodeWorker:
         self._closed.set()
         if self._server is not None:
             self._server.stop(grace).wait()
+        self.metrics.stop()
         self.loop.stop()
 
     # ---- reservations --------------------------------------------------------------------------
@@ -151,7 +157,8 @@ class DecodeWorker:
     def health(self) -> common_pb2.HealthResponse:
         def snapshot() -> common_pb2.HealthResponse:
             stats = self.engine.stats()
-            return common_pb2.HealthResponse(status="ok", role="decode", model_fingerprint=self.fingerprint, **stats)
+            return common_pb2.HealthResponse(status="ok", role="decode", model_fingerprint=self.fingerprint,
+                                             **stats, **health_fields(self.worker_id, self.engine, self.metrics.port))
 
         return self.loop.call(snapshot, timeout=10)
 
@@ -211,7 +218,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             _abort(context, exc.code, str(exc))
         if reservation.request_id != request.request_id:
             _abort(context, "INVALID_ARGUMENT", "ticket and request_id do not match")
-        yield from _events(self.worker, reservation.request_id, reservation.stream, context)
+        yield from _events(self.worker, reservation.request_id, reservation.stream, context, local=False)
 
     def GenerateLocal(self, request, context):  # noqa: N802
         try:
@@ -223,7 +230,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except ValueError as exc:
             self.worker.loop.close_stream(request.request_id)
             _abort(context, "INVALID_ARGUMENT", str(exc))
-        yield from _events(self.worker, request.request_id, stream, context)
+        yield from _events(self.worker, request.request_id, stream, context, local=True)
 
     def Abort(self, request, context):  # noqa: N802
         return common_pb2.AbortResponse(found=self.worker.abort(request.request_id))
@@ -232,15 +239,31 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return self.worker.health()
 
     def CacheEvents(self, request, context):  # noqa: N802
-        yield from self.worker.events.stream(request.since_sequence, context)
+        yield from self.worker.events.stream(request.since_sequence, context, request.snapshot)
 
 
-def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context: grpc.ServicerContext):
+def health_fields(worker_id: str, engine: LLMEngine, metrics_port: int) -> dict:
+    """What the router needs besides load: cache geometry (to hash prompts as the pool does), limits, metrics."""
+    pages, slots = engine.pool.pages, engine.pool.slots
+    return dict(
+        worker_id=worker_id, block_size=engine.pool.block_size, state_block=engine.state_block,
+        metrics_port=metrics_port, max_model_len=engine.max_model_len,
+        total_state_slots=slots.capacity if slots is not None else 0,
+        total_kv_pages=pages.capacity if pages is not None else 0,
+    )
+
+
+def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context: grpc.ServicerContext,
+            local: bool):
     """TokenEvents from a request's output stream; a client that goes away aborts the request."""
     sent = 0
     try:
         for out in worker.loop.iterate(request_id, stream):
             yield token_event(out, out.token_ids[sent:])
             sent = len(out.token_ids)
+            if out.finished:  # prefix-cache figures only for prompts this worker prefilled itself
+                cached = out.num_cached_tokens if local else 0
+                worker.metrics.observe_finished(len(out.prompt_token_ids) if local else 0, cached,
+                                                len(out.token_ids), out.finish_reason or "")
     except (TransferError, TimeoutError, ConnectionError, RuntimeError, ValueError) as exc:
         yield common_pb2.TokenEvent(request_id=request_id, finish_reason="error", error=str(exc))

@@ -39,6 +39,22 @@ class CacheEventFeed:
                 self._poller = threading.Thread(target=self._poll, name=f"{self.worker_id}-events", daemon=True)
                 self._poller.start()
 
+    def _append(self, events) -> None:
+        """File drained engine events into the replay buffer (caller holds `_changed`)."""
+        for event in events:
+            self._buffer.append(
+                common_pb2.CacheEvent(
+                    sequence=event.sequence,
+                    kind=_KINDS[event.kind.value],
+                    block_hash=event.block_hash,
+                    parent_hash=event.parent_hash or "",
+                    num_tokens=event.num_tokens,
+                )
+            )
+            self._next_sequence = event.sequence + 1
+        if events:
+            self._changed.notify_all()
+
     def _poll(self) -> None:
         while True:
             try:
@@ -47,24 +63,41 @@ class CacheEventFeed:
                 return
             if events:
                 with self._changed:
-                    for event in events:
-                        self._buffer.append(
-                            common_pb2.CacheEvent(
-                                sequence=event.sequence,
-                                kind=_KINDS[event.kind.value],
-                                block_hash=event.block_hash,
-                                parent_hash=event.parent_hash or "",
-                                num_tokens=event.num_tokens,
-                            )
-                        )
-                        self._next_sequence = event.sequence + 1
-                    self._changed.notify_all()
+                    self._append(events)
             threading.Event().wait(self._poll_s)
 
-    def stream(self, since: int, context: grpc.ServicerContext):
-        """Batches of events with sequence >= since, until the client goes away."""
+    def snapshot(self) -> common_pb2.CacheEventBatch:
+        """The pool's whole cache as STORED events, consistent with `next_sequence` (drained in the same
+        loop call), so a subscriber that missed events can replace its view and stream on from there."""
+
+        def take():
+            radix = self._loop.engine.pool.radix
+            nodes = radix.nodes() if radix is not None else []
+            return self._loop.engine.drain_cache_events(), [
+                (n.block_hash.hex(), n.parent.block_hash.hex() if n.parent is not None and n.parent.depth else "",
+                 n.depth * radix.block_size, n.checkpoint is not None)
+                for n in nodes
+            ]
+
+        with self._changed:
+            events, nodes = self._loop.call(take, timeout=30)
+            self._append(events)
+            sequence = self._next_sequence
+        out = []
+        for block_hash, parent, num_tokens, has_checkpoint in nodes:
+            kinds = [common_pb2.CacheEvent.BLOCK_STORED] + ([common_pb2.CacheEvent.CHECKPOINT_STORED] if has_checkpoint else [])
+            out += [common_pb2.CacheEvent(sequence=sequence, kind=k, block_hash=block_hash, parent_hash=parent,
+                                          num_tokens=num_tokens) for k in kinds]
+        return common_pb2.CacheEventBatch(worker_id=self.worker_id, events=out, next_sequence=sequence, snapshot=True)
+
+    def stream(self, since: int, context: grpc.ServicerContext, snapshot: bool = False):
+        """Batches of events with sequence >= since (after a snapshot when asked), until the client goes away."""
         self._ensure_poller()
         position = since
+        if snapshot:
+            batch = self.snapshot()
+            position = batch.next_sequence
+            yield batch
         while context.is_active():
             with self._changed:
                 self._changed.wait_for(lambda: self._next_sequence > position, timeout=1.0)

@@ -21,7 +21,9 @@ import grpc
 from hybridserve.engine.cache_event_feed import CacheEventFeed
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.engine_loop import EngineLoop
+from hybridserve.engine.worker_metrics import WorkerMetrics
 from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.decode_worker.worker import health_fields
 from hybridserve.models.fingerprint import model_fingerprint
 from hybridserve.prefill_worker.state_sender import DEFAULT_CHUNK_BYTES, StateHeader, encode_state
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
@@ -37,12 +39,15 @@ class PrefillWorker:
     """Engine loop + gRPC server for the prefill role."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
-                 worker_id: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 worker_id: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 metrics_port: int | None = 0) -> None:
         self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
         self.engine = LLMEngine(model_dir, config)
         self.fingerprint = model_fingerprint(model_dir, config.dtype, self.engine.model_config.ssm_state_dtype)
         self.loop = EngineLoop(self.engine, name=f"{self.worker_id}-loop")
         self.events = CacheEventFeed(self.worker_id, self.loop)
+        self.metrics = WorkerMetrics(self.loop, "prefill")
+        self._metrics_port = metrics_port  # None: no /metrics server
         self.chunk_bytes = chunk_bytes
         self._channels: dict[str, worker_pb2_grpc.DecodeWorkerStub] = {}
         self._lock = threading.Lock()
@@ -60,12 +65,15 @@ class PrefillWorker:
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self), self._server)
         self._port = self._server.add_insecure_port(f"{self._host}:{self._port}")
         self._server.start()
+        if self._metrics_port is not None:
+            self.metrics.start(self._host, self._metrics_port)
         logger.info("prefill worker %s serving on %s", self.worker_id, self.address)
         return self.address
 
     def stop(self, grace: float = 1.0) -> None:
         if self._server is not None:
             self._server.stop(grace).wait()
+        self.metrics.stop()
         self.loop.stop()
 
     def decode_stub(self, address: str) -> worker_pb2_grpc.DecodeWorkerStub:
@@ -95,11 +103,17 @@ class PrefillWorker:
             first_token=first.token_ids[0],
             num_cached_tokens=first.num_cached_tokens,
         )
+        self.metrics.observe_finished(len(prompt), first.num_cached_tokens, 1, first.finish_reason or "")
         start = time.perf_counter()
-        reply = self.decode_stub(request.decode_address).PushState(
-            encode_state(header, exported.specs, exported.parts, self.chunk_bytes), timeout=PUSH_TIMEOUT_S
-        )
+        try:
+            reply = self.decode_stub(request.decode_address).PushState(
+                encode_state(header, exported.specs, exported.parts, self.chunk_bytes), timeout=PUSH_TIMEOUT_S
+            )
+        except BaseException:
+            self.metrics.observe_transfer(0, 0.0, ok=False)
+            raise
         elapsed = time.perf_counter() - start
+        self.metrics.observe_transfer(reply.bytes_received, elapsed, ok=True)
         return worker_pb2.PrefillResponse(
             first_token=header.first_token,
             num_cached_tokens=header.num_cached_tokens,
@@ -110,7 +124,8 @@ class PrefillWorker:
     def health(self) -> common_pb2.HealthResponse:
         def snapshot() -> common_pb2.HealthResponse:
             return common_pb2.HealthResponse(
-                status="ok", role="prefill", model_fingerprint=self.fingerprint, **self.engine.stats()
+                status="ok", role="prefill", model_fingerprint=self.fingerprint, **self.engine.stats(),
+                **health_fields(self.worker_id, self.engine, self.metrics.port),
             )
 
         return self.loop.call(snapshot, timeout=10)
@@ -139,4 +154,4 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return self.worker.health()
 
     def CacheEvents(self, request, context):  # noqa: N802
-        yield from self.worker.events.stream(request.since_sequence, context)
+        yield from self.worker.events.stream(request.since_sequence, context, request.snapshot)

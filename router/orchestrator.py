@@ -1,44 +1,40 @@
-"""Client-side orchestration of one disaggregated request: reserve on a decode worker, have a prefill
-worker prefill into that reservation, stream the tokens back.
+"""Client-side orchestration of one request across the workers: route, reserve, prefill, stream.
 
-Short prompts skip the prefill worker (the decode worker prefills locally). A prefill worker that is
-unavailable before the first token is retried on another one with a fresh reservation; every other failure
-aborts the request on both workers and surfaces as an error event, never as a hang.
+The policy (`router/policy.py`) picks a decode worker and either a prefill worker (reserve on decode ->
+prefill into that reservation -> stream tokens) or none (the decode worker prefills locally). Until the first
+token arrives, a worker that answers UNAVAILABLE is excluded and the request is retried elsewhere after a
+jittered exponential backoff; after it, failures surface as errors (tokens already went out). Every call has
+a deadline; every exit that is not a finished stream aborts the request on both workers. Request ids are
+idempotent: a second request with the id of one still in flight is refused (ALREADY_EXISTS) instead of
+running twice, and `abort(request_id)` cancels it wherever it is.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
+import random
 import threading
+import time
 import uuid
 from collections.abc import Iterator
-from concurrent import futures
-from dataclasses import dataclass
 
 import grpc
 
 from hybridserve.engine.sampling_params import SamplingParams
-from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from hybridserve.proto import common_pb2, worker_pb2
 from hybridserve.proto.convert import sampling_to_proto
+from hybridserve.router.config import OrchestratorConfig
+from hybridserve.router.metrics import RouterMetrics
+from hybridserve.router.policy import Decision, NoWorkerError, RoutingPolicy
+from hybridserve.router.prefix_index import PrefixIndex
+from hybridserve.router.workers import WorkerHandle, WorkerSet
+
+__all__ = ["Orchestrator", "OrchestratorConfig", "WorkerError"]
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 << 20
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
-
-
-@dataclass(frozen=True)
-class OrchestratorConfig:
-    local_prefill_max_tokens: int = 0  # prompts at most this long are prefilled by the decode worker
-    reserve_timeout_s: float = 10.0
-    prefill_timeout_s: float = 600.0
-    reservation_ttl_s: float = 120.0
-    prefill_attempts: int = 2
-
-    def __post_init__(self) -> None:
-        if self.local_prefill_max_tokens < 0 or self.prefill_attempts < 1:
-            raise ValueError("local_prefill_max_tokens must be >= 0 and prefill_attempts >= 1")
+_BREAKER_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 class WorkerError(RuntimeError):
@@ -49,116 +45,226 @@ class WorkerError(RuntimeError):
         self.code = code
 
 
-def _channel(address: str) -> grpc.Channel:
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-    return grpc.insecure_channel(address, options=options)
+class _Retry(Exception):
+    """A worker failed retryably before the first token: exclude it and try again."""
+
+    def __init__(self, worker: WorkerHandle, stage: str, error: grpc.RpcError) -> None:
+        super().__init__(f"{stage} on {worker.address}: {error.code()} {error.details()}")
+        self.worker, self.stage, self.error = worker, stage, error
+
+
+class _Active:
+    """An in-flight request: its live calls, so that an abort can cancel them from any thread."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.cancelled = threading.Event()
+        self._calls: list = []
+        self._lock = threading.Lock()
+
+    def track(self, call):
+        with self._lock:
+            self._calls.append(call)
+        if self.cancelled.is_set():
+            call.cancel()
+        return call
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+        with self._lock:
+            calls = list(self._calls)
+        for call in calls:
+            call.cancel()
 
 
 class Orchestrator:
-    """Routes each request to one decode and (unless local) one prefill worker, round robin."""
+    """Routes requests over a changing set of prefill and decode workers."""
 
     def __init__(self, prefill_addresses: list[str], decode_addresses: list[str],
-                 config: OrchestratorConfig = OrchestratorConfig()) -> None:
+                 config: OrchestratorConfig = OrchestratorConfig(), metrics: RouterMetrics | None = None,
+                 subscribe_cache_events: bool = True) -> None:
         self.config = config
+        self.metrics = metrics or RouterMetrics()
+        self.index = PrefixIndex()
+        self.workers = WorkerSet(self.index, config.resilience, subscribe_cache_events,
+                                 on_resync=lambda reason: self.metrics.index_resyncs.inc())
+        self.policy = RoutingPolicy(config.routing, self.index)
+        self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
-        self._prefill_addresses: list[str] = []
-        self._decode_addresses: list[str] = []
-        self._prefill: list[worker_pb2_grpc.PrefillWorkerStub] = []
-        self._decode: list[worker_pb2_grpc.DecodeWorkerStub] = []
         self.update_workers(prefill_addresses, decode_addresses)
-        self._next_prefill = itertools.count()
-        self._next_decode = itertools.count()
-        self._pool = futures.ThreadPoolExecutor(max_workers=64)
 
     def update_workers(self, prefill_addresses: list[str], decode_addresses: list[str]) -> None:
         """Point at a new set of workers (after a restart moved one); in-flight requests keep their stubs."""
         if not decode_addresses:
             raise ValueError("at least one decode worker address is needed")
-        with self._lock:
-            if prefill_addresses != self._prefill_addresses:
-                self._prefill = [worker_pb2_grpc.PrefillWorkerStub(_channel(a)) for a in prefill_addresses]
-                self._prefill_addresses = list(prefill_addresses)
-            if decode_addresses != self._decode_addresses:
-                self._decode = [worker_pb2_grpc.DecodeWorkerStub(_channel(a)) for a in decode_addresses]
-                self._decode_addresses = list(decode_addresses)
+        self.workers.update(list(prefill_addresses), list(decode_addresses))
 
-    def _pick(self, counter: itertools.count, n: int) -> int:
-        return next(counter) % n  # itertools.count is atomic under the GIL
+    @property
+    def _decode(self) -> list:
+        """Decode stubs in address order (kept for callers that talk to a worker directly)."""
+        return [h.stub for h in self.workers.snapshot()[1]]
 
-    def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> Iterator[common_pb2.TokenEvent]:
+    def close(self) -> None:
+        for active in self._snapshot_active():
+            active.cancel()
+        self.workers.close()
+
+    # ---- requests --------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+                 ) -> Iterator[common_pb2.TokenEvent]:
         """TokenEvents of one request; raises WorkerError when it cannot be served."""
         request_id = request_id or uuid.uuid4().hex
+        active = _Active(request_id)
         with self._lock:
-            prefill_stubs, decode_stubs = self._prefill, self._decode
-            decode_addresses = self._decode_addresses
-        d = self._pick(self._next_decode, len(decode_stubs))
-        decode = decode_stubs[d]
-        sampling = sampling_to_proto(params)
-        if not prefill_stubs or len(prompt_token_ids) <= self.config.local_prefill_max_tokens:
-            local = worker_pb2.GenerateLocalRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling)
-            yield from self._events(decode.GenerateLocal(local), request_id, decode, None)
-            return
-        last_error: grpc.RpcError | None = None
-        for attempt in range(self.config.prefill_attempts):
-            try:
-                ticket = decode.Reserve(
-                    worker_pb2.ReserveRequest(
-                        request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
-                        timeout_ms=int(self.config.reservation_ttl_s * 1000),
-                    ),
-                    timeout=self.config.reserve_timeout_s,
-                ).ticket
-            except grpc.RpcError as exc:
-                raise WorkerError(exc.code(), f"decode worker refused the reservation: {exc.details()}") from exc
-            tokens = decode.StreamTokens(worker_pb2.StreamTokensRequest(request_id=request_id, ticket=ticket))
-            p = self._pick(self._next_prefill, len(prefill_stubs))
-            prefill_call = self._pool.submit(
-                prefill_stubs[p].Prefill,
-                worker_pb2.PrefillRequest(
-                    request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
-                    decode_address=decode_addresses[d], ticket=ticket,
-                ),
-                timeout=self.config.prefill_timeout_s,
-            )
-            try:
-                prefill_call.result()
-            except grpc.RpcError as exc:
-                tokens.cancel()
-                self._abort(decode, request_id)
-                last_error = exc
-                if exc.code() in _RETRYABLE and attempt + 1 < self.config.prefill_attempts:
-                    logger.warning("prefill of %s failed (%s), retrying", request_id, exc.code())
-                    continue
-                raise WorkerError(exc.code(), f"prefill failed: {exc.details()}") from exc
-            yield from self._events(tokens, request_id, decode, prefill_stubs[p])
-            return
-        raise WorkerError(last_error.code() if last_error else grpc.StatusCode.UNAVAILABLE, "prefill failed")
-
-    def _events(self, call, request_id: str, decode, prefill) -> Iterator[common_pb2.TokenEvent]:
-        finished = False
+            if request_id in self._active:
+                raise WorkerError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already in flight")
+            self._active[request_id] = active
         try:
-            for event in call:
+            yield from self._serve(list(prompt_token_ids), params, active)
+        finally:
+            with self._lock:
+                self._active.pop(request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel an in-flight request (its workers are aborted as its stream unwinds)."""
+        with self._lock:
+            active = self._active.get(request_id)
+        if active is None:
+            return False
+        active.cancel()
+        return True
+
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._active)
+
+    def _snapshot_active(self) -> list[_Active]:
+        with self._lock:
+            return list(self._active.values())
+
+    def _serve(self, prompt: list[int], params: SamplingParams, active: _Active) -> Iterator[common_pb2.TokenEvent]:
+        res = self.config.resilience
+        start = time.perf_counter()
+        sampling = sampling_to_proto(params)
+        exclude: set[WorkerHandle] = set()
+        last: _Retry | None = None
+        for attempt in range(res.attempts):
+            if active.cancelled.is_set():
+                raise WorkerError(grpc.StatusCode.CANCELLED, "the request was aborted")
+            prefill, decode = self.workers.snapshot()
+            try:
+                decision = self.policy.decide(prompt, prefill, decode, self.workers.block_size(), exclude)
+            except NoWorkerError as exc:
+                raise WorkerError(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+            self.metrics.routing.labels("local" if decision.local else "disaggregated", decision.reason).inc()
+            try:
+                events, first = self._start(decision, prompt, sampling, active)
+            except _Retry as retry:
+                last = retry
+                exclude.add(retry.worker)
+                self.metrics.retries.labels(retry.stage).inc()
+                if attempt + 1 < res.attempts:
+                    delay = random.uniform(0, min(res.backoff_cap_s, res.backoff_base_s * 2**attempt))
+                    logger.warning("request %s: %s; retrying in %.3f s", active.request_id, retry, delay)
+                    active.cancelled.wait(delay)
+                continue
+            self.metrics.observe_hit(len(prompt), decision.predicted_cached_tokens)
+            yield from self._relay(decision, events, first, active, start)
+            return
+        raise WorkerError(last.error.code() if last else grpc.StatusCode.UNAVAILABLE,
+                          f"no worker could serve the request: {last}")
+
+    def _start(self, d: Decision, prompt: list[int], sampling, active: _Active):
+        """Open the request on its workers and wait for the first event; raises _Retry or WorkerError."""
+        res = self.config.resilience
+        rid = active.request_id
+        events = None
+        try:
+            if d.local:
+                request = worker_pb2.GenerateLocalRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
+                events = active.track(d.decode.stub.GenerateLocal(request, timeout=res.stream_timeout_s))
+                return events, self._first(d, events, d.decode, "generate_local", active)
+            ticket = self._call(d.decode, "reserve", active, lambda: d.decode.stub.Reserve(
+                worker_pb2.ReserveRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                          timeout_ms=int(res.reservation_ttl_s * 1000)),
+                timeout=res.reserve_timeout_s)).ticket
+            events = active.track(d.decode.stub.StreamTokens(
+                worker_pb2.StreamTokensRequest(request_id=rid, ticket=ticket), timeout=res.stream_timeout_s))
+            prefill_call = active.track(d.prefill.stub.Prefill.future(
+                worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                          decode_address=d.decode.address, ticket=ticket),
+                timeout=res.prefill_timeout_s))
+            self._call(d.prefill, "prefill", active, prefill_call.result)
+            return events, self._first(d, events, d.decode, "stream", active)
+        except BaseException:
+            if events is not None:
+                events.cancel()
+            self._abort_all(d, rid)
+            raise
+
+    def _call(self, worker: WorkerHandle, stage: str, active: _Active, fn):
+        try:
+            result = fn()
+        except grpc.RpcError as exc:
+            self._fail(worker, exc, stage, active)
+        except grpc.FutureCancelledError as exc:
+            raise WorkerError(grpc.StatusCode.CANCELLED, "the request was aborted") from exc
+        worker.breaker.record_success()
+        return result
+
+    def _first(self, d: Decision, events, worker: WorkerHandle, stage: str, active: _Active):
+        first = self._call(worker, stage, active, lambda: next(events, None))
+        if first is None:
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"{worker.address} closed the stream before any token")
+        return first
+
+    def _fail(self, worker: WorkerHandle, exc: grpc.RpcError, stage: str, active: _Active):
+        if exc.code() in _BREAKER_FAILURES:
+            worker.breaker.record_failure()
+        if active.cancelled.is_set() or exc.code() == grpc.StatusCode.CANCELLED:
+            raise WorkerError(grpc.StatusCode.CANCELLED, "the request was aborted") from exc
+        if exc.code() in _RETRYABLE:
+            raise _Retry(worker, stage, exc) from exc
+        raise WorkerError(exc.code(), f"{stage} on {worker.role} worker {worker.address} failed: {exc.details()}") from exc
+
+    def _relay(self, d: Decision, events, first, active: _Active, start: float) -> Iterator[common_pb2.TokenEvent]:
+        """Yield the stream (first event included) until finished; abort both workers on any other exit."""
+        finished = False
+        last = time.perf_counter()
+        self.metrics.ttft.observe(last - start)
+        try:
+            event = first
+            while True:
                 if event.finish_reason == "error":
                     raise WorkerError(grpc.StatusCode.INTERNAL, event.error or "decode failed")
+                self.metrics.generation_tokens.inc(len(event.token_ids))
                 yield event
                 if event.finish_reason:
                     finished = True
+                    self.metrics.worker_cached.inc(event.num_cached_tokens)
+                    self.metrics.e2e.observe(time.perf_counter() - start)
                     return
-            raise WorkerError(grpc.StatusCode.UNAVAILABLE, "the decode worker closed the stream early")
+                event = next(events, None)
+                if event is None:
+                    raise WorkerError(grpc.StatusCode.UNAVAILABLE, "the decode worker closed the stream early")
+                now = time.perf_counter()
+                self.metrics.inter_token.observe(now - last)
+                last = now
         except grpc.RpcError as exc:
+            if active.cancelled.is_set() or exc.code() == grpc.StatusCode.CANCELLED:
+                raise WorkerError(grpc.StatusCode.CANCELLED, "the request was aborted") from exc
             raise WorkerError(exc.code(), f"decode stream failed: {exc.details()}") from exc
         finally:
             if not finished:  # client went away or failure: free everything on both sides
-                call.cancel()
-                self._abort(decode, request_id)
-                if prefill is not None:
-                    self._abort(prefill, request_id)
+                events.cancel()
+                self._abort_all(d, active.request_id)
 
-    @staticmethod
-    def _abort(stub, request_id: str) -> None:
-        try:
-            stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=5)
-        except grpc.RpcError:
-            pass  # the worker is gone; its reservation expires on its own
+    def _abort_all(self, d: Decision, request_id: str) -> None:
+        for worker in (d.decode, d.prefill):
+            if worker is None:
+                continue
+            try:
+                worker.stub.Abort(common_pb2.AbortRequest(request_id=request_id),
+                                  timeout=self.config.resilience.control_timeout_s)
+            except grpc.RpcError:
+                pass  # the worker is gone; its reservation expires on its own

@@ -58,7 +58,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "role", "model_fingerprint", "num_running", "num_waiting", "free_state_slots", "free_kv_pages", "queued_prefill_tokens")
+    __slots__ = ("status", "role", "model_fingerprint", "num_running", "num_waiting", "free_state_slots", "free_kv_pages", "queued_prefill_tokens", "worker_id", "block_size", "state_block", "metrics_port", "max_model_len", "total_state_slots", "total_kv_pages")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,13 @@ class HealthResponse(_message.Message):
     FREE_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STATE_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    METRICS_PORT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_STATE_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
     status: str
     role: str
     model_fingerprint: str
@@ -75,7 +82,14 @@ class HealthResponse(_message.Message):
     free_state_slots: int
     free_kv_pages: int
     queued_prefill_tokens: int
-    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ...) -> None: ...
+    worker_id: str
+    block_size: int
+    state_block: int
+    metrics_port: int
+    max_model_len: int
+    total_state_slots: int
+    total_kv_pages: int
+    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., block_size: _Optional[int] = ..., state_block: _Optional[int] = ..., metrics_port: _Optional[int] = ..., max_model_len: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., total_kv_pages: _Optional[int] = ...) -> None: ...
 
 class CacheEvent(_message.Message):
     __slots__ = ("sequence", "kind", "block_hash", "parent_hash", "num_tokens")
@@ -102,19 +116,23 @@ class CacheEvent(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[CacheEvent.Kind, str]] = ..., block_hash: _Optional[str] = ..., parent_hash: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class CacheEventsRequest(_message.Message):
-    __slots__ = ("since_sequence",)
+    __slots__ = ("since_sequence", "snapshot")
     SINCE_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     since_sequence: int
-    def __init__(self, since_sequence: _Optional[int] = ...) -> None: ...
+    snapshot: bool
+    def __init__(self, since_sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class CacheEventBatch(_message.Message):
-    __slots__ = ("worker_id", "events", "next_sequence", "gap")
+    __slots__ = ("worker_id", "events", "next_sequence", "gap", "snapshot")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     NEXT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     GAP_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     events: _containers.RepeatedCompositeFieldContainer[CacheEvent]
     next_sequence: int
     gap: bool
-    def __init__(self, worker_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., next_sequence: _Optional[int] = ..., gap: _Optional[bool] = ...) -> None: ...
+    snapshot: bool
+    def __init__(self, worker_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[CacheEvent, _Mapping]]] = ..., next_sequence: _Optional[int] = ..., gap: _Optional[bool] = ..., snapshot: _Optional[bool] = ...) -> None: ...

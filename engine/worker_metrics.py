@@ -1,0 +1,114 @@
+"""Prometheus metrics of one worker (prefill or decode), served on the worker's own /metrics port.
+
+Counters are bumped by the worker's gRPC handlers as requests finish and states move; gauges (running /
+waiting requests, KV and state-slot usage, cached checkpoints) are read from the engine at scrape time on the
+engine loop, so they never go stale. Each worker owns its registry: several workers can share a process.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from hybridserve.engine.engine_loop import EngineLoop
+
+logger = logging.getLogger(__name__)
+
+SCRAPE_TIMEOUT_S = 5.0
+
+
+class _EngineGauges(Collector):
+    """Load and pool usage of the engine, sampled on its loop thread at scrape time."""
+
+    def __init__(self, loop: EngineLoop, role: str) -> None:
+        self._loop = loop
+        self._role = role
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        def sample() -> dict[str, float]:
+            engine = self._loop.engine
+            pool, stats = engine.pool, engine.stats()
+            pages, slots = pool.pages, pool.slots
+            radix = pool.radix
+            return {
+                "running": stats["num_running"],
+                "waiting": stats["num_waiting"],
+                "queued_prefill": stats["queued_prefill_tokens"],
+                "kv": pages.num_used / pages.capacity if pages is not None and pages.capacity else 0.0,
+                "slots": slots.num_used / slots.capacity if slots is not None and slots.capacity else 0.0,
+                "checkpoints": radix.num_checkpoints if radix is not None else 0,
+                "blocks": radix.num_nodes if radix is not None else 0,
+            }
+
+        try:
+            v = self._loop.call(sample, timeout=SCRAPE_TIMEOUT_S)
+        except Exception as exc:  # a stopping loop: report nothing rather than fail the scrape
+            logger.warning("worker metrics sample failed: %s", exc)
+            return
+        rows = [
+            ("hybridserve_worker_running_requests", "Requests in the running batch", v["running"]),
+            ("hybridserve_worker_waiting_requests", "Requests waiting for admission", v["waiting"]),
+            ("hybridserve_worker_queued_prefill_tokens", "Prompt tokens of waiting requests", v["queued_prefill"]),
+            ("hybridserve_worker_kv_cache_usage_ratio", "Fraction of KV pages in use", v["kv"]),
+            ("hybridserve_worker_state_slot_usage_ratio", "Fraction of Mamba state slots in use", v["slots"]),
+            ("hybridserve_worker_cached_checkpoints", "Mamba checkpoints in the prefix cache", v["checkpoints"]),
+            ("hybridserve_worker_cached_blocks", "Token blocks in the prefix cache", v["blocks"]),
+        ]
+        for name, doc, value in rows:
+            family = GaugeMetricFamily(name, doc, labels=["role"])
+            family.add_metric([self._role], float(value))
+            yield family
+
+
+class WorkerMetrics:
+    """The registry of one worker and the counters its handlers bump."""
+
+    def __init__(self, loop: EngineLoop, role: str) -> None:
+        self.role = role
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineGauges(loop, role))
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, doc, ["role", *labels], registry=self.registry)
+
+        self.requests = counter("hybridserve_worker_requests", "Finished requests by finish reason", ("finish_reason",))
+        self.prompt_tokens = counter("hybridserve_worker_prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("hybridserve_worker_generation_tokens", "Tokens generated")
+        self.prefix_queries = counter("hybridserve_worker_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("hybridserve_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")
+        self.transfer_bytes = counter("hybridserve_worker_transfer_bytes", "State bytes moved prefill -> decode")
+        self.transfer_seconds = counter("hybridserve_worker_transfer_seconds", "Time spent moving state")
+        self.transfer_failures = counter("hybridserve_worker_transfer_failures", "State transfers that failed")
+        self._server = None
+        self.port = 0
+
+    def observe_finished(self, prompt_tokens: int, cached_tokens: int, generated: int, finish_reason: str) -> None:
+        r = self.role
+        self.requests.labels(r, finish_reason or "unknown").inc()
+        self.prompt_tokens.labels(r).inc(prompt_tokens)
+        self.generation_tokens.labels(r).inc(generated)
+        self.prefix_queries.labels(r).inc(prompt_tokens)
+        self.prefix_hits.labels(r).inc(cached_tokens)
+
+    def observe_transfer(self, num_bytes: int, seconds: float, ok: bool) -> None:
+        if ok:
+            self.transfer_bytes.labels(self.role).inc(num_bytes)
+            self.transfer_seconds.labels(self.role).inc(seconds)
+        else:
+            self.transfer_failures.labels(self.role).inc()
+
+    def start(self, host: str, port: int = 0) -> int:
+        """Serve /metrics over HTTP; returns the bound port."""
+        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self.port = int(self._server.server_port)
+        return self.port
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

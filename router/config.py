@@ -1,0 +1,99 @@
+"""Tunables of the router: routing policy, resilience, admission. Frozen and validated on construction.
+
+Defaults are chosen for a small deployment (a handful of workers per role); each field says what it trades.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How requests are placed on workers (see `router/policy.py`)."""
+
+    # Conditional disaggregation: the decode worker prefills locally when the tail it would have to compute
+    # (prompt minus its own checkpointed hit) is at most this many tokens; a remote prefill then costs more
+    # (reservation, transfer) than the compute it saves.
+    local_prefill_max_tokens: int = 0
+    # ... or when its own checkpointed hit covers at least this fraction of the prompt (multi-turn chat: the
+    # previous turn's state is on the decode worker). 0 disables the rule.
+    local_prefill_min_hit_fraction: float = 0.5
+    # Prefill cost = uncached_tokens * (1 + queued_prefill_tokens / prefill_queue_scale_tokens)
+    #               + prefill_load_weight * (running + waiting requests).
+    prefill_queue_scale_tokens: int = 2048
+    prefill_load_weight: float = 16.0
+    # Decode cost = decode_load_weight * (running + waiting) / slots - decode_hit_weight * hit fraction;
+    # a worker with no free state slot gets decode_full_penalty added.
+    decode_load_weight: float = 1.0
+    decode_hit_weight: float = 0.5
+    decode_full_penalty: float = 10.0
+
+    def __post_init__(self) -> None:
+        _check(self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens must be >= 0")
+        _check(0.0 <= self.local_prefill_min_hit_fraction <= 1.0, "local_prefill_min_hit_fraction must be in [0, 1]")
+        _check(self.prefill_queue_scale_tokens > 0, "prefill_queue_scale_tokens must be > 0")
+        for name in ("prefill_load_weight", "decode_load_weight", "decode_hit_weight", "decode_full_penalty"):
+            _check(getattr(self, name) >= 0, f"{name} must be >= 0")
+
+
+@dataclass(frozen=True)
+class ResilienceConfig:
+    """Deadlines, retries and circuit breaking of the router's calls to workers."""
+
+    reserve_timeout_s: float = 10.0
+    prefill_timeout_s: float = 600.0
+    stream_timeout_s: float = 3600.0  # whole token stream of one request
+    control_timeout_s: float = 5.0  # Abort, Health
+    reservation_ttl_s: float = 120.0
+    attempts: int = 3  # tries of a request that fails with UNAVAILABLE before its first token
+    backoff_base_s: float = 0.05  # retry k waits uniform(0, min(cap, base * 2**k)) ("full jitter")
+    backoff_cap_s: float = 1.0
+    breaker_failures: int = 3  # consecutive failures that open a worker's breaker
+    breaker_reset_s: float = 5.0  # an open breaker lets one probe through after this long
+    health_interval_s: float = 0.5  # load / geometry poll of every worker
+
+    def __post_init__(self) -> None:
+        for name in ("reserve_timeout_s", "prefill_timeout_s", "stream_timeout_s", "control_timeout_s",
+                     "reservation_ttl_s", "backoff_cap_s", "breaker_reset_s", "health_interval_s"):
+            _check(getattr(self, name) > 0, f"{name} must be > 0")
+        _check(self.backoff_base_s >= 0, "backoff_base_s must be >= 0")
+        _check(self.attempts >= 1, "attempts must be >= 1")
+        _check(self.breaker_failures >= 1, "breaker_failures must be >= 1")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """Bounded admission: at most max_running requests run; max_queued more wait up to queue_timeout_s."""
+
+    max_running: int = 256
+    max_queued: int = 512
+    queue_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        _check(self.max_running >= 1, "max_running must be >= 1")
+        _check(self.max_queued >= 0, "max_queued must be >= 0")
+        _check(self.queue_timeout_s > 0, "queue_timeout_s must be > 0")
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """Everything the orchestrator needs; `local_prefill_max_tokens` is a shortcut kept for callers that set
+    only that (it overrides routing.local_prefill_max_tokens when given)."""
+
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    local_prefill_max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.local_prefill_max_tokens is not None:
+            _check(self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens must be >= 0")
+            object.__setattr__(
+                self, "routing",
+                RoutingConfig(**{**self.routing.__dict__, "local_prefill_max_tokens": self.local_prefill_max_tokens}),
+            )

@@ -1,0 +1,71 @@
+"""Prometheus metrics of the router (prefix `hybridserve_router_`, base units, bounded label values).
+
+Labels only take values from fixed sets (endpoint, status class, error kind, routing reason, retry stage)
+or the worker list (a handful of addresses), so cardinality never grows with traffic.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+ERROR_KINDS = ("invalid_request", "not_found", "overloaded", "unavailable", "timeout", "cancelled", "conflict",
+               "internal")
+
+
+class RouterMetrics:
+    """Every router metric in its own registry (several routers can live in one process, e.g. in tests)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("hybridserve_router_requests", "Requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.errors = Counter("hybridserve_router_errors", "Failed requests by kind", ["kind"], registry=r)
+        self.ttft = Histogram("hybridserve_router_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("hybridserve_router_inter_token_seconds", "Gap between streamed token events",
+                                     buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.e2e = Histogram("hybridserve_router_request_duration_seconds", "Arrival to last token",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("hybridserve_router_admission_wait_seconds", "Time waiting for admission",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.routing = Counter("hybridserve_router_routing_decisions", "Routing decisions by mode and reason",
+                               ["mode", "reason"], registry=r)
+        self.retries = Counter("hybridserve_router_retries", "Retries before the first token, by stage",
+                               ["stage"], registry=r)
+        self.prompt_tokens = Counter("hybridserve_router_prompt_tokens", "Prompt tokens routed", registry=r)
+        self.generation_tokens = Counter("hybridserve_router_generation_tokens", "Tokens streamed back", registry=r)
+        self.index_predicted = Counter("hybridserve_router_prefix_index_hit_tokens",
+                                       "Prompt tokens the index predicted cached (checkpointed) on the chosen worker",
+                                       registry=r)
+        self.worker_cached = Counter("hybridserve_router_worker_cached_tokens",
+                                     "Prompt tokens the workers reported served from their prefix cache", registry=r)
+        self.index_resyncs = Counter("hybridserve_router_prefix_index_resyncs", "Snapshots taken after lost events",
+                                     registry=r)
+        self.index_nodes = Gauge("hybridserve_router_prefix_index_nodes", "Blocks in the global prefix index",
+                                 registry=r)
+        self.running = Gauge("hybridserve_router_running_requests", "Admitted requests in flight", registry=r)
+        self.queued = Gauge("hybridserve_router_queued_requests", "Requests waiting for admission", registry=r)
+        self.breaker = Gauge("hybridserve_router_worker_circuit_state",
+                             "Circuit breaker per worker: 0 closed, 1 half-open, 2 open", ["role", "worker"],
+                             registry=r)
+        self.index_hit_ratio = Gauge("hybridserve_router_prefix_index_hit_ratio",
+                                     "Predicted cached prompt tokens / prompt tokens, since start", registry=r)
+        self._lock = threading.Lock()
+        self._prompt_total = 0
+        self._predicted_total = 0
+
+    def observe_hit(self, prompt_tokens: int, predicted: int) -> None:
+        """A routed prompt and the index's checkpointed hit on the worker chosen to prefill it."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.index_predicted.inc(predicted)
+        with self._lock:
+            self._prompt_total += prompt_tokens
+            self._predicted_total += predicted
+            if self._prompt_total:
+                self.index_hit_ratio.set(self._predicted_total / self._prompt_total)

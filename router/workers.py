@@ -1,0 +1,138 @@
+"""The router's view of its workers: stubs, last health (load + cache geometry), breakers, event subscribers.
+
+A poller refreshes every worker's Health (all in parallel, each under a deadline); the routing policy reads
+the latest snapshot without blocking. Worker sets can be replaced at any time (Ray restarts move workers);
+in-flight requests keep the handles they started with.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+
+from hybridserve.proto import common_pb2, worker_pb2_grpc
+from hybridserve.router.cache_subscriber import CacheSubscriber
+from hybridserve.router.circuit_breaker import CircuitBreaker
+from hybridserve.router.config import ResilienceConfig
+from hybridserve.router.prefix_index import PrefixIndex
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def channel(address: str) -> grpc.Channel:
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+    return grpc.insecure_channel(address, options=options)
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """One worker as the router knows it; `key` (its address) names it in the index and in metrics."""
+
+    role: str
+    address: str
+    stub: object
+    breaker: CircuitBreaker
+    health: common_pb2.HealthResponse | None = None
+    subscriber: CacheSubscriber | None = field(default=None, repr=False)
+
+    @property
+    def key(self) -> str:
+        return self.address
+
+    @property
+    def host(self) -> str:
+        return self.address.rsplit(":", 1)[0]
+
+
+class WorkerSet:
+    """Prefill and decode handles, their health poller and cache-event subscribers."""
+
+    def __init__(self, index: PrefixIndex, config: ResilienceConfig, subscribe: bool = True,
+                 on_resync=None) -> None:
+        self._index = index
+        self._config = config
+        self._subscribe = subscribe
+        self._on_resync = on_resync
+        self._lock = threading.Lock()
+        self.prefill: list[WorkerHandle] = []
+        self.decode: list[WorkerHandle] = []
+        self._stop = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name="router-health", daemon=True)
+        self._poller.start()
+
+    def update(self, prefill_addresses: list[str], decode_addresses: list[str]) -> None:
+        """Point at a new set of workers; unchanged addresses keep their handles (and breaker state)."""
+        with self._lock:
+            old = {(h.role, h.address): h for h in self.prefill + self.decode}
+            new_prefill = [old.pop(("prefill", a), None) or self._handle("prefill", a) for a in prefill_addresses]
+            new_decode = [old.pop(("decode", a), None) or self._handle("decode", a) for a in decode_addresses]
+            self.prefill, self.decode = new_prefill, new_decode
+        for gone in old.values():
+            self._retire(gone)
+
+    def _handle(self, role: str, address: str) -> WorkerHandle:
+        cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+        stub = cls(channel(address))
+        handle = WorkerHandle(role, address, stub, CircuitBreaker(self._config.breaker_failures, self._config.breaker_reset_s))
+        if self._subscribe:
+            handle.subscriber = CacheSubscriber(address, stub, self._index, self._on_resync)
+        return handle
+
+    def _retire(self, handle: WorkerHandle) -> None:
+        if handle.subscriber is not None:
+            threading.Thread(target=handle.subscriber.stop, daemon=True).start()
+        self._index.drop_worker(handle.key)
+
+    def snapshot(self) -> tuple[list[WorkerHandle], list[WorkerHandle]]:
+        with self._lock:
+            return list(self.prefill), list(self.decode)
+
+    def all(self) -> list[WorkerHandle]:
+        prefill, decode = self.snapshot()
+        return prefill + decode
+
+    def block_size(self) -> int | None:
+        """The cache block size the workers report (they serve one model, so they agree)."""
+        for handle in self.all():
+            if handle.health is not None and handle.health.block_size:
+                return int(handle.health.block_size)
+        return None
+
+    def max_model_len(self) -> int | None:
+        sizes = [int(h.health.max_model_len) for h in self.all() if h.health is not None and h.health.max_model_len]
+        return min(sizes) if sizes else None
+
+    def poll_once(self) -> None:
+        """Refresh every worker's health in parallel."""
+        calls = [(h, h.stub.Health.future(common_pb2.HealthRequest(), timeout=self._config.control_timeout_s))
+                 for h in self.all()]
+        for handle, future in calls:
+            try:
+                handle.health = future.result()
+                handle.breaker.record_success()
+            except grpc.RpcError as exc:
+                if handle.health is not None:
+                    logger.warning("%s worker %s failed its health check: %s", handle.role, handle.address, exc.code())
+                handle.health = None
+                handle.breaker.record_failure()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception:  # never let the poller die
+                logger.exception("health poll failed")
+            self._stop.wait(self._config.health_interval_s)
+
+    def close(self) -> None:
+        self._stop.set()
+        for handle in self.all():
+            if handle.subscriber is not None:
+                handle.subscriber.stop()
+        self._poller.join(timeout=5)
