@@ -117,7 +117,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        help="start prefill and decode workers and the gRPC front door",
+        help="start prefill and decode workers and the HTTP (OpenAI) and gRPC front doors",
         description="Start a local Ray cluster (or join --address), place prefill / decode worker actors, "
         "start the front door, and print where to send requests. --no-ray starts plain processes instead.",
     )
@@ -130,7 +130,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-ray", action="store_true", help="start workers as plain processes")
     p.add_argument("--num-gpus-per-worker", type=float, default=0.0)
     p.add_argument("--local-prefill-max-tokens", type=int, default=0,
-                   help="prompts this short are prefilled by the decode worker (default 0: always disaggregate)")
+                   help="the decode worker prefills locally when the uncached tail is this short "
+                   "(default 0: only on a decode-side prefix hit)")
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (default 8000; 0: free)")
+    p.add_argument("--model-name", default=None, help="model id served over the API (default: checkpoint dir name)")
+    p.add_argument("--max-running", type=int, default=256, help="requests the router runs at once")
+    p.add_argument("--max-queued", type=int, default=512, help="requests that may wait; more get 429")
     _add_engine_options(p)
     p.set_defaults(func=_run_serve)
 
@@ -142,7 +147,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         model_dir=_model_dir(args), engine=_engine_config(args), num_prefill=args.prefill_workers,
         num_decode=args.decode_workers, host=args.host, port=args.port, ray_address=args.address,
         use_ray=not args.no_ray, num_gpus_per_worker=args.num_gpus_per_worker,
-        local_prefill_max_tokens=args.local_prefill_max_tokens,
+        local_prefill_max_tokens=args.local_prefill_max_tokens, http_port=args.http_port,
+        model_name=args.model_name, max_running=args.max_running, max_queued=args.max_queued,
     )
     return serve(options)
 

@@ -1,76 +1,100 @@
-"""The gRPC front door: `hybridserve.v1.Router/Generate` over the orchestrator (text or token-id prompts)."""
+"""The gRPC front door: `hybridserve.v1.Router` (Generate, Abort, Health) with server reflection on.
+
+Generate streams token ids, text deltas, the finish reason and usage (on the last event). It shares the
+frontend's checks and admission control with the HTTP door; a client that cancels aborts the request.
+"""
 
 from __future__ import annotations
 
 import logging
 import uuid
 from concurrent import futures
-from pathlib import Path
 
 import grpc
+from grpc_reflection.v1alpha import reflection
 
-from hybridserve.models.tokenizer import Tokenizer, load_tokenizer
 from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from hybridserve.proto.convert import sampling_from_proto
-from hybridserve.router.orchestrator import Orchestrator, WorkerError
+from hybridserve.router.admission import Overloaded
+from hybridserve.router.frontend import Frontend
+from hybridserve.router.openai_protocol import ApiError
+from hybridserve.router.orchestrator import WorkerError
+from hybridserve.router.text_stream import TextStream
 
 logger = logging.getLogger(__name__)
 
+_HTTP_TO_GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND}
+
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, orchestrator: Orchestrator, tokenizer: Tokenizer | None, vocab_size: int) -> None:
-        self.orchestrator = orchestrator
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
 
     def _prompt(self, request, context) -> list[int]:
         kind = request.WhichOneof("prompt")
-        if kind == "text":
-            if self.tokenizer is None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, "this model has no tokenizer: send token_ids")
-            return self.tokenizer.encode(request.text)
-        if kind == "token_ids":
-            return list(request.token_ids.ids)
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a request needs a prompt: text or token_ids")
+        if kind is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a request needs a prompt: text or token_ids")
+        prompt = request.text if kind == "text" else list(request.token_ids.ids)
+        try:
+            ids = self.frontend.encode(prompt)
+            if request.sampling.max_tokens:
+                self.frontend.max_tokens_for(ids, int(request.sampling.max_tokens))
+        except ApiError as exc:
+            context.abort(_HTTP_TO_GRPC.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT), exc.message)
+        return ids
 
     def Generate(self, request, context):  # noqa: N802 - gRPC method names
+        metrics = self.frontend.metrics
         prompt = self._prompt(request, context)
-        if not prompt:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the prompt is empty")
-        bad = [t for t in prompt if t >= self.vocab_size]
-        if bad:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token ids must be < {self.vocab_size}; got {bad[:5]}")
         try:
             params = sampling_from_proto(request.sampling)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        request_id = request.request_id or uuid.uuid4().hex
-        tokens: list[int] = []
-        text = ""
         try:
-            for event in self.orchestrator.generate(prompt, params, request_id):
-                tokens.extend(event.token_ids)
-                delta = ""
-                if self.tokenizer is not None:
-                    full = self.tokenizer.decode(tokens)
-                    delta, text = full[len(text) :], full
+            self.frontend.admission.acquire()
+        except Overloaded as exc:
+            metrics.requests.labels("grpc/Generate", "429").inc()
+            metrics.errors.labels("overloaded").inc()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        request_id = request.request_id or uuid.uuid4().hex
+        context.add_callback(lambda: self.frontend.orchestrator.abort(request_id))
+        text = TextStream(self.frontend.tokenizer)
+        try:
+            for event in self.frontend.orchestrator.generate(prompt, params, request_id):
+                delta = text.add(event.token_ids)
+                if event.finish_reason:
+                    delta += text.finish()
                 yield router_pb2.GenerateResponse(event=event, text_delta=delta)
+            metrics.requests.labels("grpc/Generate", "200").inc()
         except WorkerError as exc:
+            metrics.requests.labels("grpc/Generate", "error").inc()
+            metrics.errors.labels("cancelled" if exc.code == grpc.StatusCode.CANCELLED else "unavailable"
+                                  if exc.code == grpc.StatusCode.UNAVAILABLE else "internal").inc()
             context.abort(exc.code, str(exc))
+        finally:
+            self.frontend.admission.release()
 
     def Abort(self, request, context):  # noqa: N802
-        return common_pb2.AbortResponse(found=False)
+        return common_pb2.AbortResponse(found=self.frontend.orchestrator.abort(request.request_id))
 
     def Health(self, request, context):  # noqa: N802
-        return common_pb2.HealthResponse(status="ok", role="router")
+        orchestrator = self.frontend.orchestrator
+        prefill, decode = orchestrator.workers.snapshot()
+        ready = any(h.health is not None for h in decode)
+        return common_pb2.HealthResponse(
+            status="ok" if ready else "not_ready", role="router", num_running=self.frontend.admission.running,
+            num_waiting=self.frontend.admission.queued, max_model_len=self.frontend.max_model_len,
+            block_size=orchestrator.workers.block_size() or 0,
+        )
 
 
-def start_router_server(
-    orchestrator: Orchestrator, model_dir: str | Path, vocab_size: int, host: str = "127.0.0.1", port: int = 0
-) -> tuple[grpc.Server, str]:
-    """Start the front door; returns (server, "host:port")."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
-    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(orchestrator, load_tokenizer(model_dir), vocab_size), server)
+def start_router_server(frontend: Frontend, host: str = "127.0.0.1", port: int = 0,
+                        max_workers: int = 64) -> tuple[grpc.Server, str]:
+    """Start the gRPC front door with reflection; returns (server, "host:port")."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+    router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(frontend), server)
+    names = (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     server.start()
     return server, f"{host}:{bound}"

@@ -1,4 +1,5 @@
-"""`hybridserve serve`: workers (Ray actors or plain processes) plus the gRPC front door, until interrupted."""
+"""`hybridserve serve`: workers (Ray actors or plain processes) plus the router (HTTP + gRPC front doors),
+until interrupted."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ import threading
 from dataclasses import dataclass, field
 
 from hybridserve.engine.config import EngineConfig
-from hybridserve.models.config import ModelConfig
-from hybridserve.router.grpc_server import start_router_server
+from hybridserve.router.app import Router, RouterOptions
+from hybridserve.router.config import AdmissionConfig, OrchestratorConfig
 from hybridserve.router.launch import WorkerOptions, start_worker_process
-from hybridserve.router.orchestrator import Orchestrator, OrchestratorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +30,22 @@ class ServeOptions:
     use_ray: bool = True
     num_gpus_per_worker: float = 0.0
     local_prefill_max_tokens: int = 0
+    http_port: int | None = 8000
+    model_name: str | None = None
+    max_running: int = 256
+    max_queued: int = 512
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError("serve needs --decode-workers >= 1 and --prefill-workers >= 0")
+
+    def router_options(self) -> RouterOptions:
+        return RouterOptions(
+            model_dir=self.model_dir, model_name=self.model_name, host=self.host, http_port=self.http_port,
+            grpc_port=self.port, max_model_len=self.engine.max_model_len,
+            orchestrator=OrchestratorConfig(local_prefill_max_tokens=self.local_prefill_max_tokens),
+            admission=AdmissionConfig(max_running=self.max_running, max_queued=self.max_queued),
+        )
 
 
 class Deployment:
@@ -92,23 +104,26 @@ class Deployment:
 
 
 def serve(options: ServeOptions, stop: threading.Event | None = None) -> int:
-    """Start everything, print the endpoint, serve until SIGINT / SIGTERM (or `stop` is set)."""
-    vocab_size = ModelConfig.from_dir(options.model_dir).vocab_size
+    """Start everything, print the endpoints, serve until SIGINT / SIGTERM (or `stop` is set)."""
+    router_options = options.router_options()
     deployment = Deployment(options)
     prefill, decode = deployment.addresses()
-    orchestrator = Orchestrator(prefill, decode, OrchestratorConfig(local_prefill_max_tokens=options.local_prefill_max_tokens))
-    server, address = start_router_server(orchestrator, options.model_dir, vocab_size, options.host, options.port)
+    router = Router(router_options, prefill, decode).start()
     print(f"hybridserve: {len(prefill)} prefill and {len(decode)} decode workers ready", flush=True)
-    print(f"hybridserve: send requests to grpc://{address} (hybridserve.v1.Router/Generate)", flush=True)
+    print(f"hybridserve: serving model {router_options.served_name!r}", flush=True)
+    for line in router.endpoints():
+        print(f"hybridserve: {line}", flush=True)
+    if router.grpc_address:
+        print(f"hybridserve: send requests to grpc://{router.grpc_address} (hybridserve.v1.Router/Generate)", flush=True)
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(ADDRESS_REFRESH_S):
         try:
-            orchestrator.update_workers(*deployment.addresses())
+            router.update_workers(*deployment.addresses())
         except Exception as exc:  # a worker restarting: keep the old addresses until it is back
             logger.warning("could not refresh worker addresses: %s", exc)
-    server.stop(2).wait()
+    router.stop()
     deployment.stop()
     return 0

@@ -1,0 +1,80 @@
+"""Bounded admission: a fixed number of requests run, a bounded number wait, the rest are refused at once.
+
+Refusing early (429 with the queue full, 503 after waiting too long) keeps latency bounded under overload
+instead of letting every request time out deep in the workers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from hybridserve.router.config import AdmissionConfig
+from hybridserve.router.metrics import RouterMetrics
+
+
+class Overloaded(RuntimeError):
+    """The request was not admitted; `retryable_after_s` is a hint for Retry-After."""
+
+    def __init__(self, message: str, queue_full: bool) -> None:
+        super().__init__(message)
+        self.queue_full = queue_full  # True: 429 (queue full); False: 503 (waited too long / draining)
+        self.retryable_after_s = 1
+
+
+class AdmissionController:
+    def __init__(self, config: AdmissionConfig, metrics: RouterMetrics | None = None) -> None:
+        self.config = config
+        self._metrics = metrics
+        self._cond = threading.Condition()
+        self._running = 0
+        self._queued = 0
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def acquire(self, timeout_s: float | None = None) -> None:
+        """Take a running slot, waiting in the bounded queue; raises Overloaded."""
+        timeout = self.config.queue_timeout_s if timeout_s is None else timeout_s
+        start = time.monotonic()
+        with self._cond:
+            if self._running >= self.config.max_running:
+                if self._queued >= self.config.max_queued:
+                    raise Overloaded(f"the router queue is full ({self._queued} requests waiting)", queue_full=True)
+                self._queued += 1
+                self._publish()
+                try:
+                    if not self._cond.wait_for(lambda: self._running < self.config.max_running, timeout):
+                        raise Overloaded(f"no capacity within {timeout:.1f} s", queue_full=False)
+                finally:
+                    self._queued -= 1
+            self._running += 1
+            self._publish()
+        if self._metrics is not None:
+            self._metrics.queue_wait.observe(time.monotonic() - start)
+
+    def release(self) -> None:
+        with self._cond:
+            self._running -= 1
+            self._publish()
+            self._cond.notify()
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+    def _publish(self) -> None:
+        if self._metrics is not None:
+            self._metrics.running.set(self._running)
+            self._metrics.queued.set(self._queued)

@@ -1,0 +1,114 @@
+"""The router as one object: orchestrator, admission, metrics, and the HTTP and gRPC front doors.
+
+`hybridserve serve`, the tests and the benchmark build it the same way; `targets()` is the Prometheus
+http_sd list of every component's /metrics (the router's HTTP port and each worker's metrics port).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridserve.models.config import ModelConfig
+from hybridserve.models.tokenizer import load_tokenizer
+from hybridserve.router.admission import AdmissionController
+from hybridserve.router.chat_template import ChatTemplate
+from hybridserve.router.config import AdmissionConfig, OrchestratorConfig
+from hybridserve.router.frontend import Frontend
+from hybridserve.router.grpc_server import start_router_server
+from hybridserve.router.http_server import HttpServer, create_app
+from hybridserve.router.metrics import RouterMetrics
+from hybridserve.router.orchestrator import Orchestrator
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    """Where the router listens and how it behaves; port 0 picks a free port, None disables that door."""
+
+    model_dir: str
+    model_name: str | None = None  # served model id; default: the checkpoint directory's name
+    host: str = "127.0.0.1"
+    http_port: int | None = 8000
+    grpc_port: int | None = 50051
+    max_model_len: int | None = None  # default: the engine's limit (config) or the model's
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("http_port", "grpc_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port < 65536:
+                raise ValueError(f"{name} must be in [0, 65535] or None, got {port}")
+        if self.http_port is None and self.grpc_port is None:
+            raise ValueError("the router needs at least one of http_port and grpc_port")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError("max_model_len must be > 1")
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or Path(self.model_dir).name
+
+
+class Router:
+    def __init__(self, options: RouterOptions, prefill_addresses: list[str], decode_addresses: list[str]) -> None:
+        self.options = options
+        model_config = ModelConfig.from_dir(options.model_dir)
+        self.metrics = RouterMetrics()
+        self.orchestrator = Orchestrator(prefill_addresses, decode_addresses, options.orchestrator, self.metrics)
+        tokenizer = load_tokenizer(options.model_dir)
+        max_len = options.max_model_len or model_config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+        self.frontend = Frontend(
+            self.orchestrator, options.served_name, tokenizer,
+            ChatTemplate.from_model_dir(options.model_dir) if tokenizer is not None else None,
+            model_config.vocab_size, max_len, AdmissionController(options.admission, self.metrics), self.metrics,
+        )
+        self.http: HttpServer | None = None
+        self.grpc_server = None
+        self.http_address: str | None = None
+        self.grpc_address: str | None = None
+
+    def start(self) -> Router:
+        o = self.options
+        if o.http_port is not None:
+            self.http = HttpServer(create_app(self.frontend, self.targets), o.host, o.http_port)
+            self.http_address = self.http.start()
+        if o.grpc_port is not None:
+            self.grpc_server, self.grpc_address = start_router_server(self.frontend, o.host, o.grpc_port)
+        return self
+
+    def update_workers(self, prefill_addresses: list[str], decode_addresses: list[str]) -> None:
+        self.orchestrator.update_workers(prefill_addresses, decode_addresses)
+
+    def targets(self) -> list[dict]:
+        """Prometheus http_sd target groups: the router, then every worker that reports a metrics port."""
+        groups = []
+        if self.http_address:
+            groups.append({"targets": [self.http_address], "labels": {"component": "router"}})
+        for handle in self.orchestrator.workers.all():
+            if handle.health is not None and handle.health.metrics_port:
+                groups.append({"targets": [f"{handle.host}:{handle.health.metrics_port}"],
+                               "labels": {"component": f"{handle.role}_worker", "worker": handle.address}})
+        return groups
+
+    def endpoints(self) -> list[str]:
+        lines = []
+        if self.http_address:
+            base = f"http://{self.http_address}"
+            lines += [f"OpenAI API   {base}/v1 (completions, chat/completions, models)",
+                      f"health       {base}/health  {base}/ready",
+                      f"metrics      {base}/metrics  (Prometheus http_sd of all components: {base}/targets)"]
+        if self.grpc_address:
+            lines.append(f"gRPC         grpc://{self.grpc_address} (hybridserve.v1.Router/Generate, Abort, Health; reflection on)")
+        return lines
+
+    def stop(self) -> None:
+        if self.grpc_server is not None:
+            self.grpc_server.stop(1).wait()
+        if self.http is not None:
+            self.http.stop()
+        self.orchestrator.close()

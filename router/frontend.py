@@ -1,0 +1,189 @@
+"""What both front doors share: prompt checks, sampling parameters, and one generation as an async stream.
+
+The orchestrator is synchronous (gRPC streams); each generation runs on its own thread and hands events to
+the asyncio loop. Closing or cancelling the async stream (client gone, stop string matched) aborts the
+request in the orchestrator, which aborts it on its workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.models.tokenizer import Tokenizer
+from hybridserve.router.admission import AdmissionController
+from hybridserve.router.chat_template import ChatTemplate
+from hybridserve.router.metrics import RouterMetrics
+from hybridserve.router.openai_protocol import ApiError
+from hybridserve.router.orchestrator import Orchestrator, WorkerError
+from hybridserve.router.text_stream import TextStream
+
+_END = object()
+
+GRPC_TO_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_request"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", "invalid_request"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", "invalid_request"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error", "conflict"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "server_error", "overloaded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
+    grpc.StatusCode.CANCELLED: (499, "server_error", "cancelled"),
+}
+
+
+def worker_error_to_api(exc: WorkerError) -> ApiError:
+    status, type_, kind = GRPC_TO_HTTP.get(exc.code, (500, "server_error", "internal"))
+    return ApiError(status, str(exc), type_, code=kind)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A slice of one choice's output."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class Frontend:
+    """Model identity, tokenizer, limits, admission and the orchestrator behind both front doors."""
+
+    def __init__(self, orchestrator: Orchestrator, model_name: str, tokenizer: Tokenizer | None,
+                 chat_template: ChatTemplate | None, vocab_size: int, max_model_len: int,
+                 admission: AdmissionController, metrics: RouterMetrics) -> None:
+        if vocab_size <= 0 or max_model_len <= 1:
+            raise ValueError("vocab_size must be > 0 and max_model_len > 1")
+        self.orchestrator = orchestrator
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.admission = admission
+        self.metrics = metrics
+
+    # ---- inputs ----------------------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int], param: str = "prompt") -> list[int]:
+        """Token ids of a text or token-id prompt, checked against the vocabulary; raises ApiError."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ApiError(400, "this model has no tokenizer: send token ids", param=param)
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ApiError(400, f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param=param)
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param=param)
+        return ids
+
+    def max_tokens_for(self, prompt: list[int], requested: int | None, param: str = "max_tokens") -> int:
+        """The generation budget; raises ApiError for a prompt or budget beyond the context length."""
+        room = self.max_model_len - len(prompt)
+        if room < 1:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens; this model's context length is "
+                                f"{self.max_model_len} (prompt plus at least one generated token)",
+                           param="prompt", code="context_length_exceeded")
+        if requested is None:
+            return room
+        if requested > room:
+            raise ApiError(400, f"max_tokens={requested} is too large: the prompt has {len(prompt)} tokens and the "
+                                f"context length is {self.max_model_len}, so at most {room} can be generated",
+                           param=param, code="context_length_exceeded")
+        return requested
+
+    @staticmethod
+    def sampling(max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
+                 stop_token_ids: Sequence[int] | None, ignore_eos: bool, choice: int) -> SamplingParams:
+        """Choice i of n gets seed + i, so seeded choices differ but stay reproducible."""
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                  seed=None if seed is None else seed + choice,
+                                  stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from exc
+
+    # ---- one generation --------------------------------------------------------------------------
+    async def deltas(self, index: int, prompt: list[int], params: SamplingParams, request_id: str,
+                     stops: Sequence[str] = ()) -> AsyncIterator[Delta]:
+        """One choice as text/token deltas; a stop string ends it (finish "stop") and aborts the rest."""
+        try:
+            text = TextStream(self.tokenizer, stops)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="stop") from exc
+        bridge = _ThreadedGeneration(self.orchestrator, prompt, params, request_id)
+        try:
+            async for event in bridge:
+                delta = text.add(event.token_ids)
+                finish = "stop" if text.stopped else (event.finish_reason or None)
+                if finish and not text.stopped:
+                    delta += text.finish()
+                yield Delta(index, delta, list(event.token_ids), finish, event.num_prompt_tokens, event.num_cached_tokens)
+                if finish:
+                    return
+        finally:
+            bridge.close()
+
+
+class _ThreadedGeneration:
+    """orchestrator.generate on a thread, as an async iterator; `close()` aborts it if still running."""
+
+    def __init__(self, orchestrator: Orchestrator, prompt: list[int], params: SamplingParams, request_id: str) -> None:
+        self._orchestrator = orchestrator
+        self._request_id = request_id
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        self._done = threading.Event()
+        self._cancelled = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(prompt, params), daemon=True,
+                                        name=f"generate-{request_id[:12]}")
+        self._thread.start()
+
+    def _put(self, item) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is gone
+            pass
+
+    def _run(self, prompt: list[int], params: SamplingParams) -> None:
+        events = self._orchestrator.generate(prompt, params, self._request_id)
+        try:
+            for event in events:
+                if self._cancelled.is_set():  # closed before the abort could find the request
+                    break
+                self._put(event)
+        except BaseException as exc:  # handed to the async side
+            self._put(exc)
+        finally:
+            events.close()  # unwinding the orchestrator aborts the workers of an unfinished request
+            self._done.set()
+            self._put(_END)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        item = await self._queue.get()
+        if item is _END:
+            raise StopAsyncIteration
+        if isinstance(item, WorkerError):
+            raise worker_error_to_api(item)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        if not self._done.is_set():
+            self._cancelled.set()
+            self._orchestrator.abort(self._request_id)

@@ -1,0 +1,205 @@
+"""The OpenAI-compatible HTTP front door (FastAPI on uvicorn), plus health, readiness, metrics and the
+Prometheus http_sd target list.
+
+FastAPI gives request validation into OpenAI-style 400s with little code and async streaming (SSE) whose
+task is cancelled when the client disconnects, which is how aborts reach the workers. Admission control
+wraps every generation: 429 when the router queue is full, 503 when a request waited too long.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from hybridserve.router.admission import Overloaded
+from hybridserve.router.frontend import Frontend
+from hybridserve.router.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_message
+from hybridserve.router.openai_service import OpenAIService
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.05
+_STATUS_KIND = {400: "invalid_request", 404: "not_found", 409: "conflict", 429: "overloaded", 499: "cancelled",
+                503: "unavailable", 504: "timeout"}
+
+
+def _error(exc: ApiError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = None) -> FastAPI:
+    """The ASGI app; `targets` returns the http_sd target groups of every component."""
+    app = FastAPI(title="hybridserve", docs_url=None, redoc_url=None)
+    service = OpenAIService(frontend)
+    metrics = frontend.metrics
+
+    def count(endpoint: str, status: int) -> None:
+        metrics.requests.labels(endpoint, str(status)).inc()
+        if status >= 400:
+            metrics.errors.labels(_STATUS_KIND.get(status, "internal")).inc()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc.errors())
+        count(request.url.path, 400)
+        return _error(ApiError(400, message, param=param))
+
+    async def parse(request: Request, model):
+        """The body as `model`, or ApiError 400 (malformed JSON, wrong types, unsupported values)."""
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        try:
+            req = model.model_validate(data)
+        except ValidationError as exc:
+            message, param = validation_message(exc.errors())
+            raise ApiError(400, message, param=param) from exc
+        if req.model != frontend.model_name:
+            raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {frontend.model_name!r}",
+                           param="model", code="model_not_found")
+        return req
+
+    async def generate(request: Request, model, handler, endpoint: str) -> Response:
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            req = await parse(request, model)
+            await asyncio.to_thread(frontend.admission.acquire)
+        except ApiError as exc:
+            count(endpoint, exc.status)
+            return _error(exc)
+        except Overloaded as exc:
+            status = 429 if exc.queue_full else 503
+            count(endpoint, status)
+            return _error(ApiError(status, str(exc), "server_error", code="overloaded"),
+                          {"Retry-After": str(exc.retryable_after_s)})
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                frontend.admission.release()
+
+        try:
+            task = asyncio.ensure_future(handler(req, request_id))
+            while not task.done():  # a client that leaves before the answer aborts the work
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+                    count(endpoint, 499)
+                    release()
+                    return Response(status_code=499)
+            result = task.result()
+        except ApiError as exc:
+            release()
+            count(endpoint, exc.status)
+            return _error(exc)
+        except BaseException:
+            release()
+            count(endpoint, 500)
+            raise
+        if isinstance(result, dict):
+            release()
+            count(endpoint, 200)
+            return JSONResponse(result, headers={"x-request-id": request_id})
+
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for piece in result:
+                    yield piece
+            finally:  # also on disconnect: Starlette cancels this generator, closing `result` aborts the work
+                await result.aclose()
+                release()
+
+        count(endpoint, 200)
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"x-request-id": request_id, "cache-control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(request, CompletionRequest, service.completions, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, ChatCompletionRequest, service.chat, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": 0,
+                                            "owned_by": "hybridserve", "max_model_len": frontend.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        prefill, decode = frontend.orchestrator.workers.snapshot()
+        healthy = {role: sum(1 for h in handles if h.health is not None and h.breaker.available())
+                   for role, handles in (("prefill", prefill), ("decode", decode))}
+        ok = healthy["decode"] > 0
+        return JSONResponse({"status": "ready" if ok else "not_ready", "healthy_workers": healthy},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        refresh_gauges(frontend)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/targets")
+    async def http_sd() -> JSONResponse:
+        return JSONResponse(targets() if targets is not None else [])
+
+    return app
+
+
+def refresh_gauges(frontend: Frontend) -> None:
+    """Gauges computed at scrape time: index size and breaker states."""
+    from hybridserve.router.circuit_breaker import STATE_VALUES
+
+    metrics = frontend.metrics
+    metrics.index_nodes.set(frontend.orchestrator.index.num_nodes())
+    for handle in frontend.orchestrator.workers.all():
+        metrics.breaker.labels(handle.role, handle.address).set(STATE_VALUES[handle.breaker.state])
+
+
+class HttpServer:
+    """uvicorn on a background thread, with a bound port to report (port 0 picks a free one)."""
+
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="router-http", daemon=True)
+        self.host = host
+        self.port = port
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the HTTP server did not start on {self.host}:{self.port}")
+            time.sleep(0.02)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return f"{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)

@@ -1,0 +1,197 @@
+"""/v1/completions and /v1/chat/completions: requests -> choices -> OpenAI response bodies or SSE chunks.
+
+Every prompt x n choice is its own routed request (id `<request id>-<k>`), run concurrently; their deltas
+are merged in arrival order. Usage counts each prompt once; `prompt_tokens_details.cached_tokens` is what
+the workers served from their prefix caches (the first choice of each prompt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from hybridserve.router.frontend import Delta, Frontend
+from hybridserve.router.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest
+
+_DONE = object()
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _Plan:
+    """The choices of one API request."""
+
+    request_id: str
+    created: int
+    prompts: list[list[int]]
+    choices: list[_Choice]
+    gens: list[AsyncIterator[Delta]]
+
+
+class OpenAIService:
+    def __init__(self, frontend: Frontend) -> None:
+        self.frontend = frontend
+
+    # ---- entry points ----------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, request_id: str):
+        prompts = [self.frontend.encode(p) for p in req.prompts()]
+        plan = self._plan(req, prompts, req.max_tokens, request_id, "cmpl")
+        return await self._respond(req, plan, chat=False)
+
+    async def chat(self, req: ChatCompletionRequest, request_id: str):
+        template = self.frontend.chat_template
+        if template is None:
+            raise ApiError(400, "this model has no tokenizer, so chat completions are not available", param="messages")
+        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
+        try:
+            text = template.render(messages, add_generation_prompt=req.add_generation_prompt)
+        except ValueError as exc:
+            raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages") from exc
+        prompt = self.frontend.encode(text, param="messages")
+        plan = self._plan(req, [prompt], req.max_new_tokens, request_id, "chatcmpl")
+        return await self._respond(req, plan, chat=True)
+
+    # ---- planning --------------------------------------------------------------------------------
+    def _plan(self, req, prompts: list[list[int]], max_tokens: int | None, request_id: str, prefix: str) -> _Plan:
+        f = self.frontend
+        choices, gens = [], []
+        budgets = [f.max_tokens_for(p, max_tokens) for p in prompts]  # validate all before starting any
+        for p_index, (prompt, budget) in enumerate(zip(prompts, budgets)):
+            for k in range(req.n):
+                index = p_index * req.n + k
+                params = f.sampling(budget, req.temperature, req.top_p, req.top_k, req.seed, req.stop_token_ids,
+                                    req.ignore_eos, k)
+                choices.append(_Choice(index, p_index))
+                gens.append(f.deltas(index, prompt, params, f"{request_id}-{index}", req.stop or ()))
+        return _Plan(f"{prefix}-{request_id}", int(time.time()), prompts, choices, gens)
+
+    async def _respond(self, req, plan: _Plan, chat: bool):
+        merged = _merge(plan.gens)
+        try:
+            first = await merged.__anext__()  # errors before the first token become plain HTTP errors
+        except StopAsyncIteration:
+            first = None
+        except BaseException:
+            await merged.aclose()
+            raise
+        if req.stream:
+            return self._sse(req, plan, merged, first, chat)
+        try:
+            if first is not None:
+                _fold(plan, first)
+            async for delta in merged:
+                _fold(plan, delta)
+        finally:
+            await merged.aclose()
+        return self._body(req, plan, chat)
+
+    # ---- bodies ----------------------------------------------------------------------------------
+    def _usage(self, plan: _Plan) -> dict:
+        prompt_tokens = sum(len(p) for p in plan.prompts)
+        completion = sum(len(c.token_ids) for c in plan.choices)
+        cached = sum(next(c.num_cached_tokens for c in plan.choices if c.prompt_index == i)
+                     for i in range(len(plan.prompts)))
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion, "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def _body(self, req, plan: _Plan, chat: bool) -> dict:
+        out = []
+        for c in plan.choices:
+            if chat:
+                choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                          "logprobs": None, "finish_reason": c.finish_reason}
+            else:
+                choice = {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+            if req.return_token_ids:
+                choice["token_ids"] = c.token_ids
+            out.append(choice)
+        body = {"id": plan.request_id, "object": "chat.completion" if chat else "text_completion",
+                "created": plan.created, "model": self.frontend.model_name, "choices": out, "usage": self._usage(plan)}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = plan.prompts if len(plan.prompts) > 1 else plan.prompts[0]
+        return body
+
+    async def _sse(self, req, plan: _Plan, merged: AsyncIterator[Delta], first: Delta | None, chat: bool):
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        usage_field = {"usage": None} if req.include_usage else {}
+
+        def chunk(choices: list[dict], **extra) -> str:
+            body = {"id": plan.request_id, "object": obj, "created": plan.created, "model": self.frontend.model_name,
+                    "choices": choices, **usage_field, **extra}
+            return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+        try:
+            if chat:  # the role first, as OpenAI does
+                yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None} for c in plan.choices])
+            delta = first
+            while delta is not None:
+                _fold(plan, delta)
+                if chat:
+                    choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
+                              "logprobs": None, "finish_reason": delta.finish_reason}
+                else:
+                    choice = {"index": delta.index, "text": delta.text, "logprobs": None,
+                              "finish_reason": delta.finish_reason}
+                if req.return_token_ids:
+                    choice["token_ids"] = delta.token_ids
+                yield chunk([choice])
+                delta = await anext(merged, None)
+            if req.include_usage:
+                yield chunk([], usage=self._usage(plan))
+        except ApiError as exc:  # after the headers: report in-band, as OpenAI does
+            yield f"data: {json.dumps(exc.body())}\n\n"
+        finally:
+            await merged.aclose()
+        yield "data: [DONE]\n\n"
+
+
+def _fold(plan: _Plan, delta: Delta) -> None:
+    c = plan.choices[delta.index]
+    c.text += delta.text
+    c.token_ids.extend(delta.token_ids)
+    c.num_cached_tokens = max(c.num_cached_tokens, delta.num_cached_tokens)
+    if delta.finish_reason:
+        c.finish_reason = delta.finish_reason
+
+
+async def _merge(gens: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
+    """Deltas of all choices as they arrive; closing this cancels (and so aborts) the unfinished ones."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(gen: AsyncIterator[Delta]) -> None:
+        try:
+            async for delta in gen:
+                await queue.put(delta)
+        except Exception as exc:  # handed to the consumer
+            await queue.put(exc)
+        finally:
+            await queue.put(_DONE)
+
+    tasks = [asyncio.create_task(pump(g)) for g in gens]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
