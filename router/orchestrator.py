@@ -16,6 +16,7 @@ import random
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterator
 
 import grpc
@@ -91,6 +92,7 @@ class Orchestrator:
         self.policy = RoutingPolicy(config.routing, self.index)
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
+        self.recent_decisions: deque[tuple[str, Decision]] = deque(maxlen=1024)  # (request id, decision)
         self.update_workers(prefill_addresses, decode_addresses)
 
     def update_workers(self, prefill_addresses: list[str], decode_addresses: list[str]) -> None:
@@ -157,6 +159,7 @@ class Orchestrator:
             except NoWorkerError as exc:
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
             self.metrics.routing.labels("local" if decision.local else "disaggregated", decision.reason).inc()
+            self.recent_decisions.append((active.request_id, decision))
             try:
                 events, first = self._start(decision, prompt, sampling, active)
             except _Retry as retry:

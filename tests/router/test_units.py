@@ -1,0 +1,177 @@
+"""Router pieces without workers: prefix index, policy, breaker, admission, text stream, chat template."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from hybridserve.proto import common_pb2, worker_pb2_grpc  # noqa: F401 - stubs are faked below
+from hybridserve.router.admission import AdmissionController, Overloaded
+from hybridserve.router.chat_template import ChatTemplate
+from hybridserve.router.circuit_breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from hybridserve.router.config import AdmissionConfig, OrchestratorConfig, ResilienceConfig, RoutingConfig
+from hybridserve.router.policy import RoutingPolicy, prompt_hashes
+from hybridserve.router.prefix_index import PrefixIndex, WorkerHit
+from hybridserve.router.text_stream import TextStream
+from hybridserve.router.workers import WorkerHandle
+from hybridserve.statepool.block_hash import block_hashes
+
+K = common_pb2.CacheEvent
+BLOCK = 4
+
+
+def _events(tokens: list[int], checkpoints_every: int, start_seq: int = 0) -> list[common_pb2.CacheEvent]:
+    """STORED events of every block of `tokens`, with a checkpoint at each multiple of checkpoints_every."""
+    hashes = [h.hex() for h in block_hashes(tokens, BLOCK)]
+    out, seq = [], start_seq
+    for i, h in enumerate(hashes):
+        parent, end = hashes[i - 1] if i else "", (i + 1) * BLOCK
+        out.append(K(sequence=seq, kind=K.BLOCK_STORED, block_hash=h, parent_hash=parent, num_tokens=end))
+        seq += 1
+        if end % checkpoints_every == 0:
+            out.append(K(sequence=seq, kind=K.CHECKPOINT_STORED, block_hash=h, parent_hash=parent, num_tokens=end))
+            seq += 1
+    return out
+
+
+def test_index_counts_only_checkpointed_contiguous_depth() -> None:
+    index = PrefixIndex()
+    tokens = list(range(10, 34))  # 6 blocks, checkpoints at 8, 16, 24
+    index.apply("a", _events(tokens, 8))
+    index.apply("b", _events(tokens[:12], 12))  # 3 blocks, a checkpoint at 12
+    hits = index.match(prompt_hashes(tokens + [1], BLOCK))
+    assert hits["a"] == WorkerHit(24, 24) and hits["b"] == WorkerHit(12, 12)
+    other = tokens[:10] + [99] * 14  # diverges inside block 3
+    hits = index.match(prompt_hashes(other, BLOCK))
+    assert hits["a"] == WorkerHit(8, 8) and hits["b"] == WorkerHit(8, 0)  # KV without a checkpoint is no hit
+    h24 = block_hashes(tokens, BLOCK)[5].hex()
+    index.apply("a", [K(sequence=99, kind=K.CHECKPOINT_REMOVED, block_hash=h24, num_tokens=24)])
+    assert index.match(prompt_hashes(tokens + [1], BLOCK))["a"] == WorkerHit(24, 16)
+    index.replace("a", [])
+    assert "a" not in index.match(prompt_hashes(tokens + [1], BLOCK))
+    index.drop_worker("b")
+    assert index.num_nodes() == 0
+
+
+def test_prompt_hashes_leave_the_last_token_to_compute() -> None:
+    assert len(prompt_hashes(list(range(8)), 4)) == 1  # the block ending on the last token can never hit
+    assert len(prompt_hashes(list(range(9)), 4)) == 2
+    assert prompt_hashes([1], 4) == [] and prompt_hashes(list(range(9)), None) == []
+
+
+class _Breaker:
+    def available(self) -> bool:
+        return True
+
+
+def _handle(role: str, address: str, running: int = 0, slots: int = 8, free: int = 8, queued: int = 0) -> WorkerHandle:
+    health = common_pb2.HealthResponse(status="ok", role=role, num_running=running, total_state_slots=slots,
+                                       free_state_slots=free, queued_prefill_tokens=queued, block_size=BLOCK)
+    return WorkerHandle(role, address, stub=None, breaker=CircuitBreaker(3, 5.0), health=health)
+
+
+def test_policy_follows_checkpoints_and_disaggregates_conditionally() -> None:
+    index = PrefixIndex()
+    policy = RoutingPolicy(RoutingConfig(local_prefill_max_tokens=4, local_prefill_min_hit_fraction=0.5), index)
+    p0, p1 = _handle("prefill", "p0"), _handle("prefill", "p1")
+    d0, d1 = _handle("decode", "d0"), _handle("decode", "d1")
+    tokens = list(range(3, 35))
+    index.apply("p1", _events(tokens[:16], 8))
+    d = policy.decide(tokens, [p0, p1], [d0, d1], BLOCK)
+    assert d.prefill is p1 and d.reason == "prefill_cached_prefix" and d.predicted_cached_tokens == 16
+    index.apply("d1", _events(tokens[:24], 8))  # the previous turn lives on d1
+    d = policy.decide(tokens, [p0, p1], [d0, d1], BLOCK)
+    assert d.decode is d1 and d.local and d.reason == "decode_prefix_hit"
+    d = policy.decide(tokens[:4], [p0, p1], [d0, d1], BLOCK)
+    assert d.local and d.reason == "short_tail"
+    d = policy.decide(tokens, [], [d0], BLOCK)
+    assert d.local and d.reason == "no_prefill_worker"
+    busy = _handle("prefill", "p1", running=4, queued=4096)
+    d = policy.decide(list(range(100, 164)), [p0, busy], [d0], BLOCK)
+    assert d.prefill is p0 and d.reason == "prefill_least_cost"
+    full = _handle("decode", "d0", running=8, free=0)
+    assert policy.decide(list(range(100, 164)), [p0], [full, d1], BLOCK, exclude={p0}).decode is d1
+
+
+def test_circuit_breaker_opens_probes_and_closes() -> None:
+    now = [0.0]
+    breaker = CircuitBreaker(failures=2, reset_s=1.0, clock=lambda: now[0])
+    breaker.record_failure()
+    assert breaker.state == CLOSED
+    breaker.record_failure()
+    assert breaker.state == OPEN and not breaker.available()
+    now[0] = 1.5
+    assert breaker.state == HALF_OPEN and breaker.acquire() and not breaker.acquire()  # one probe
+    breaker.record_failure()
+    assert breaker.state == OPEN
+    now[0] = 3.0
+    assert breaker.acquire()
+    breaker.record_success()
+    assert breaker.state == CLOSED
+
+
+def test_admission_refuses_when_full_and_times_out() -> None:
+    admission = AdmissionController(AdmissionConfig(max_running=1, max_queued=1, queue_timeout_s=0.2))
+    admission.acquire()
+    waiter_error = []
+    waiter = threading.Thread(target=lambda: _catch(admission.acquire, waiter_error))
+    waiter.start()
+    while admission.queued == 0:
+        pass
+    with pytest.raises(Overloaded) as full:
+        admission.acquire()
+    assert full.value.queue_full
+    waiter.join()
+    assert waiter_error and not waiter_error[0].queue_full  # waited too long: 503
+    admission.release()
+    admission.acquire()
+    admission.release()
+
+
+def _catch(fn, errors: list) -> None:
+    try:
+        fn()
+    except Overloaded as exc:
+        errors.append(exc)
+
+
+class _Chars:
+    """A tokenizer where token id = character code."""
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(i) for i in ids)
+
+
+def test_text_stream_holds_back_and_cuts_at_stop_strings() -> None:
+    stream = TextStream(_Chars(), stops=["END", "xyz"])
+    assert stream.add([ord(c) for c in "abE"]) == "ab"  # "E" may start "END"
+    assert stream.add([ord("N")]) == ""
+    assert stream.add([ord("X")]) == "ENX"  # not a stop after all
+    assert stream.add([ord(c) for c in "qENDmore"]) == "q" and stream.stopped
+    assert stream.text == "abENXq" and stream.add([65]) == ""
+    plain = TextStream(_Chars(), stops=["zz"])
+    plain.add([ord("a"), ord("z")])
+    assert plain.finish() == "z" and plain.text == "az"
+
+
+def test_chat_template_fallback_and_tokenizer_config(tmp_path) -> None:
+    fallback = ChatTemplate.from_model_dir(tmp_path)
+    assert fallback.is_fallback
+    text = fallback.render([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    assert text == "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+    (tmp_path / "tokenizer_config.json").write_text(
+        '{"bos_token": "<s>", "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m.role }}]{{ m.content }}'
+        '{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"}')
+    own = ChatTemplate.from_model_dir(tmp_path)
+    assert not own.is_fallback and own.render([{"role": "user", "content": "hi"}]) == "<s>[user]hi[assistant]"
+
+
+def test_configs_validate() -> None:
+    with pytest.raises(ValueError):
+        RoutingConfig(local_prefill_min_hit_fraction=1.5)
+    with pytest.raises(ValueError):
+        ResilienceConfig(attempts=0)
+    with pytest.raises(ValueError):
+        AdmissionConfig(max_running=0)
+    assert OrchestratorConfig(local_prefill_max_tokens=7).routing.local_prefill_max_tokens == 7
