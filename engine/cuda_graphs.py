@@ -74,7 +74,7 @@ class DecodeGraphs:
 
     def bucket_for(self, batch: ForwardBatch) -> int | None:
         """The bucket that replays this batch, or None when it must run eagerly."""
-        if not self.graphs or batch.num_decode != batch.num_seqs or batch.checkpoint_slots is not None:
+        if not self.graphs or batch.num_decode != batch.num_seqs or batch.checkpoint_rows is not None:
             return None
         if batch.block_tables.shape[1] > self.block_tables.shape[1]:
             return None

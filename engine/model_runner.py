@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hybridserve.engine.request import Request
@@ -57,10 +59,24 @@ def build_forward_batch(
         state_slots=as_tensor(state_slots),
         block_tables=torch.tensor(block_tables, dtype=torch.int64, device=device).reshape(len(chunks), max_pages),
         slot_mapping=as_tensor(slot_mapping),
-        state_block=state_block if checkpoint_slots else None,
-        checkpoint_slots=as_tensor(checkpoint_slots) if checkpoint_slots else None,
+        **_checkpoint_fields(state_block, checkpoint_slots or [], as_tensor),
     )
     return as_tensor(input_ids), batch
+
+
+def _checkpoint_fields(
+    state_block: int | None, slots: list[int], as_tensor: Callable[[list], torch.Tensor]
+) -> dict[str, object]:
+    """ForwardBatch checkpoint fields from one slot (or -1) per boundary; nothing when none is kept."""
+    kept = [(i, s) for i, s in enumerate(slots) if s >= 0]
+    if state_block is None or not kept:
+        return {}
+    return {
+        "state_block": state_block,
+        "num_checkpoint_boundaries": len(slots),
+        "checkpoint_rows": as_tensor([s for _, s in kept]),
+        "checkpoint_index": None if len(kept) == len(slots) else as_tensor([i for i, _ in kept]),
+    }
 
 
 class ModelRunner:

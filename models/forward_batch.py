@@ -20,10 +20,13 @@ class ForwardBatch:
     state_slots: torch.Tensor  # [S] int64 Mamba state slot of each sequence
     block_tables: torch.Tensor  # [S, max_pages] int64 KV pages of each sequence
     slot_mapping: torch.Tensor  # [N] int64 KV slot (page * page_size + offset) of each new token
-    # Prefix-cache checkpoints: for every multiple of state_block in (context, context + new] of each prefill
-    # sequence (sequence then position order), the state row the Mamba layers write it to (-1: skip).
+    # Prefix-cache checkpoints. The prefill sequences cross `num_checkpoint_boundaries` multiples of
+    # state_block in (context, context + new] (sequence then position order); the Mamba layers write the
+    # state at boundary checkpoint_index[k] (None: boundary k) into state row checkpoint_rows[k].
     state_block: int | None = None
-    checkpoint_slots: torch.Tensor | None = None  # [K] int64
+    num_checkpoint_boundaries: int = 0
+    checkpoint_rows: torch.Tensor | None = None  # [K] int64
+    checkpoint_index: torch.Tensor | None = None  # [K] int64, None when every boundary is kept
 
     @property
     def num_seqs(self) -> int:

@@ -83,7 +83,7 @@ class Mamba2Mixer(nn.Module):
             starts = batch.context_lens[nd:]
             resumed = (starts > 0)[:, None, None]
             windows = torch.where(resumed, conv_pool[slots].float(), 0.0)
-            block = batch.state_block if batch.checkpoint_slots is not None else None
+            block = batch.state_block if batch.checkpoint_rows is not None else None
             conv = ops.causal_conv1d_varlen(
                 xBC[nd:], conv_weight, self.conv1d.bias, batch.prefill_cu_seqlens(), windows,
                 start_positions=starts, state_block=block,
@@ -108,8 +108,8 @@ class Mamba2Mixer(nn.Module):
                 state_block=block,
             )
             ssm_pool[slots] = scan.final_states.to(ssm_pool.dtype)
-            if batch.checkpoint_slots is not None:
-                _write_checkpoints(batch.checkpoint_slots, conv.boundary_windows, scan.chunk_states, conv_pool, ssm_pool)
+            if batch.checkpoint_rows is not None:
+                _write_checkpoints(batch, conv.boundary_windows, scan.chunk_states, conv_pool, ssm_pool)
             y[nd:] = scan.y
         normed = ops.gated_rmsnorm(
             y.reshape(-1, cfg.intermediate_size),
@@ -122,19 +122,23 @@ class Mamba2Mixer(nn.Module):
 
 
 def _write_checkpoints(
-    targets: torch.Tensor,  # [K] int64 state rows, -1 = not kept
-    windows: torch.Tensor,  # [K, conv_dim, W] conv windows at the boundaries
-    states: torch.Tensor,  # [K, H, P, N] SSM states at the same boundaries
+    batch: ForwardBatch,
+    windows: torch.Tensor,  # [num_boundaries, conv_dim, W] conv windows at the boundaries
+    states: torch.Tensor,  # [num_boundaries, H, P, N] SSM states at the same boundaries
     conv_pool: torch.Tensor,  # [rows, conv_dim, W]
     ssm_pool: torch.Tensor,  # [rows, H, P, N]
 ) -> None:
-    """Store the boundary states the engine asked for (one target per boundary, same order as the ops)."""
-    if windows.shape[0] != targets.numel() or states.shape[0] != targets.numel():
+    """Store the boundary states the engine kept into their checkpoint rows (no host sync)."""
+    expected = batch.num_checkpoint_boundaries
+    if windows.shape[0] != expected or states.shape[0] != expected:
         raise RuntimeError(
-            f"{targets.numel()} checkpoint targets for {windows.shape[0]} conv windows and {states.shape[0]} "
-            "scan states: the engine and the kernels disagree on the state_block boundaries"
+            f"the engine planned {expected} checkpoint boundaries, the kernels returned {windows.shape[0]} conv "
+            f"windows and {states.shape[0]} scan states: they disagree on the state_block boundaries"
         )
-    keep = torch.nonzero(targets >= 0).squeeze(1)
-    rows = targets[keep]
-    conv_pool.index_copy_(0, rows, windows[keep].to(conv_pool.dtype))
-    ssm_pool.index_copy_(0, rows, states[keep].to(ssm_pool.dtype))
+    rows = batch.checkpoint_rows
+    assert rows is not None  # the caller checks
+    if batch.checkpoint_index is not None:
+        windows = windows.index_select(0, batch.checkpoint_index)
+        states = states.index_select(0, batch.checkpoint_index)
+    conv_pool.index_copy_(0, rows, windows.to(conv_pool.dtype))
+    ssm_pool.index_copy_(0, rows, states.to(ssm_pool.dtype))
