@@ -61,8 +61,8 @@ def _chunk_cumsum_kernel(
 @triton.autotune(
     configs=_configs(
         [{"BLOCK_P": 16}, {"BLOCK_P": 32}],
-        [4, 8],
-        [1, 2, 3],
+        [2, 4, 8],
+        [1, 2, 3, 4],
     ),
     key=["P", "N", "CHUNK"],
 )
