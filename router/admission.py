@@ -40,6 +40,15 @@ class AdmissionController:
     def queued(self) -> int:
         return self._queued
 
+    def try_acquire(self) -> bool:
+        """Take a running slot if one is free right now (no waiting; safe on an event loop)."""
+        with self._cond:
+            if self._running >= self.config.max_running or self._queued:
+                return False
+            self._running += 1
+            self._publish()
+        return True
+
     def acquire(self, timeout_s: float | None = None) -> None:
         """Take a running slot, waiting in the bounded queue; raises Overloaded."""
         timeout = self.config.queue_timeout_s if timeout_s is None else timeout_s

@@ -79,7 +79,8 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
             req = await parse(request, model)
-            await asyncio.to_thread(frontend.admission.acquire)
+            if not frontend.admission.try_acquire():
+                await asyncio.to_thread(frontend.admission.acquire)
         except ApiError as exc:
             count(endpoint, exc.status)
             return _error(exc)

@@ -13,7 +13,7 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from hybridserve.proto.convert import sampling_to_proto
 
-from conftest import MODEL_NAME
+from router_cluster import MODEL_NAME
 
 PROMPT = "The quick brown fox jumps over the lazy dog, again and again."
 

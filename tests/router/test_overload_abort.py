@@ -16,7 +16,7 @@ from hybridserve.proto.convert import sampling_to_proto
 from hybridserve.router.config import AdmissionConfig
 from hybridserve.router.orchestrator import WorkerError
 
-from conftest import MODEL_NAME, Cluster
+from router_cluster import MODEL_NAME, Cluster
 
 STEP_DELAY_S = 0.02  # slows decoding so that a long request is still running when the client leaves
 

@@ -9,7 +9,7 @@ import openai
 import pytest
 from checkpoints import random_prompts
 
-from conftest import MODEL_NAME, Cluster
+from router_cluster import MODEL_NAME, Cluster
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,66 @@
+"""`hybridserve serve` (worker processes) answers the OpenAI client and gRPC with the offline tokens."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import openai
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.proto import router_pb2, router_pb2_grpc
+from hybridserve.proto.convert import sampling_to_proto
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_answers_openai_and_grpc(model_dir) -> None:
+    grpc_port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hybridserve", "serve", "--no-ray", "--model", str(model_dir), "--prefill-workers",
+         "1", "--decode-workers", "1", "--port", str(grpc_port), "--http-port", "0", "--prefill-chunk-size", "32",
+         "--max-model-len", "256", "--model-name", "served"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+            lines.append(line)
+            if "grpc://" in line and "send requests" in line:
+                break
+        log = "".join(lines)
+        found = re.search(r"OpenAI API\s+(http://\S+/v1)", log)
+        assert found and "/targets" in log, log[-3000:]
+        client = openai.OpenAI(base_url=found.group(1), api_key="unused", max_retries=0, timeout=60)
+        prompt = list(range(30, 70))
+        params = SamplingParams(max_tokens=6, temperature=0.0)
+        expected = LLM(str(model_dir)).generate(prompt_token_ids=[prompt], sampling_params=params)[0].token_ids
+        out = client.completions.create(model="served", prompt=prompt, max_tokens=6, temperature=0,
+                                        extra_body={"return_token_ids": True})
+        assert out.choices[0].model_extra["token_ids"] == expected
+        chunks = list(client.chat.completions.create(model="served", messages=[{"role": "user", "content": "hi"}],
+                                                     max_tokens=4, temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+        assert chunks[-1].usage.completion_tokens == 4
+        stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
+        request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt), sampling=sampling_to_proto(params))
+        assert [t for r in stub.Generate(request, timeout=60) for t in r.event.token_ids] == expected
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
