@@ -125,6 +125,9 @@ class Frontend:
         bridge = _ThreadedGeneration(self.orchestrator, prompt, params, request_id)
         try:
             async for event in bridge:
+                if event.finish_reason not in ("", "stop", "length"):
+                    raise ApiError(503, f"the worker ended the request ({event.finish_reason}): {event.error}",
+                                   "server_error", code="unavailable")
                 delta = text.add(event.token_ids)
                 finish = "stop" if text.stopped else (event.finish_reason or None)
                 if finish and not text.stopped:

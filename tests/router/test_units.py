@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -175,3 +176,56 @@ def test_configs_validate() -> None:
     with pytest.raises(ValueError):
         AdmissionConfig(max_running=0)
     assert OrchestratorConfig(local_prefill_max_tokens=7).routing.local_prefill_max_tokens == 7
+
+
+class _FakeCall:
+    """A server stream: iterates its batches, then blocks until cancelled."""
+
+    def __init__(self, batches: list[common_pb2.CacheEventBatch]) -> None:
+        self._batches = batches
+        self._cancelled = threading.Event()
+
+    def __iter__(self):
+        for batch in self._batches:
+            if self._cancelled.is_set():
+                return
+            yield batch
+        self._cancelled.wait(5)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+
+class _FakeFeed:
+    """A worker whose first subscription loses events (a sequence jump); the second one is clean."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        events = _events(tokens, 8)
+        self.requests: list[common_pb2.CacheEventsRequest] = []
+        self.subscriptions = [
+            [common_pb2.CacheEventBatch(snapshot=True, next_sequence=0),
+             common_pb2.CacheEventBatch(events=events[:2], next_sequence=2),
+             common_pb2.CacheEventBatch(events=events[5:], next_sequence=len(events))],  # 2..4 lost
+            [common_pb2.CacheEventBatch(snapshot=True, events=events, next_sequence=len(events))],
+        ]
+
+    def CacheEvents(self, request):  # noqa: N802 - the stub's method name
+        self.requests.append(request)
+        return _FakeCall(self.subscriptions[min(len(self.requests), 2) - 1])
+
+
+def test_subscriber_resyncs_from_a_snapshot_after_lost_events() -> None:
+    from hybridserve.router.cache_subscriber import CacheSubscriber
+
+    tokens = list(range(10, 34))
+    index, resyncs = PrefixIndex(), []
+    feed = _FakeFeed(tokens)
+    subscriber = CacheSubscriber("w", feed, index, on_resync=resyncs.append)
+    try:
+        deadline = time.monotonic() + 5
+        while subscriber.num_snapshots < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert resyncs == ["gap"] and all(r.snapshot for r in feed.requests)
+        assert index.match(prompt_hashes(tokens + [1], BLOCK))["w"] == WorkerHit(24, 24)
+    finally:
+        subscriber.stop()
