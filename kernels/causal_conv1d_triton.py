@@ -178,6 +178,9 @@ def _conv_update_kernel(
             acc = acc * tl.sigmoid(acc)
         acc = tl.where(valid, acc, 0.0)
         tl.store(y_ptr + b * y_b + t * y_t + offs_d * y_d, acc.to(y_ptr.dtype.element_ty), mask=mask_d)
+    # the window tile's layout spreads channels over threads differently from the loop's vectors: wait until
+    # every thread has read the old window before any thread overwrites it
+    tl.debug_barrier()
     tl.store(win[:, None] + offs_w[None, :] * p_w, new_win.to(pool_ptr.dtype.element_ty), mask=m2)
 
 

@@ -128,6 +128,7 @@ def _replay_main_kernel(
     pB = tl.load(pB_ptr + slot * pB_s + rb * pB_i + offs_t[:, None] * pB_t + g * pB_g + offs_n[None, :] * pB_n,
                  mask=keep[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [BT, BN]
     state = tl.exp(cum_last) * state + tl.dot(pxT, pB * coef[:, None])
+    tl.debug_barrier()  # the dot's output layout differs from the load's: all reads land before any write
     tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask_p[:, None] & (mask_n & (offs_n * 0 + k > 0))[None, :])
     # 2. outputs of the T new tokens, transposed ([BP, BT]) so the state tile is the dot's natural A operand:
     #    y_t = exp(cum_t) S C_t + sum_j CBs[t, j] x_j (+ D x_t, z gate)
@@ -160,7 +161,9 @@ def _replay_main_kernel(
     yT = tl.where(valid_p[:, None], yT, 0.0)
     tl.store(y_ptr + b * y_b + offs_t[None, :] * y_t + h * y_h + offs_p[:, None] * y_p,
              yT.to(y_ptr.dtype.element_ty), mask=(offs_p < P)[:, None] & mask_t[None, :])
-    # 3. keep this step's x for the next replay (this program read its own tile of the old x above)
+    # 3. keep this step's x for the next replay (this program read its own tile of the old x above; the
+    #    barrier orders those reads, made in another layout, before the overwrite)
+    tl.debug_barrier()
     tl.store(px_ptr + slot * px_s + offs_t[None, :] * px_t + h * px_h + offs_p[:, None] * px_p, xT, mask=mask_pt)
 
 
