@@ -24,6 +24,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + state cache
     seed: int = 0  # seeds requests that bring no seed of their own
     enable_prefix_caching: bool = True  # radix cache of KV blocks + aligned Mamba checkpoints
+    cuda_graphs: bool = True  # on device="cuda": replay decode-only steps from captured CUDA graphs
     # Tokens between cached Mamba checkpoints; a multiple of the model's SSD chunk_size (and of page_size
     # for models with attention). None: 4 x chunk_size (rounded up to a page multiple). Each checkpoint is a
     # whole state (137 MiB for Nemotron-Nano-9B-v2 in fp32, ~8.8K tokens of its KV), so every chunk would
@@ -48,6 +49,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         for name in ("state_block", "num_kv_pages"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):

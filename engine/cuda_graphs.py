@@ -8,6 +8,7 @@ size fits a bucket and whose block tables fit the captured width take the graph;
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -15,6 +16,8 @@ import torch
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.state_cache import StateCache
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -119,11 +122,17 @@ class GraphedModel:
         return getattr(self.model, name)
 
 
-def enable_decode_graphs(runner: Any, max_batch: int, max_pages_per_seq: int) -> DecodeGraphs:
-    """Capture decode graphs for a ModelRunner on CUDA and route its forwards through them."""
+def enable_decode_graphs(runner: Any, max_batch: int, max_pages_per_seq: int) -> DecodeGraphs | None:
+    """Capture decode graphs for a ModelRunner on CUDA and route its forwards through them. A model whose
+    decode step cannot be captured (a layer that syncs with the host) keeps running eagerly: returns None."""
     if runner.device.type != "cuda":
         raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
     graphs = DecodeGraphs(runner.model, runner.cache, max_batch, max_pages_per_seq)
-    graphs.capture()
+    try:
+        graphs.capture()
+    except RuntimeError as exc:
+        logger.warning("decode step not capturable as a CUDA graph, running eagerly: %s", exc)
+        torch.cuda.synchronize()
+        return None
     runner.model = GraphedModel(runner.model, graphs)
     return graphs

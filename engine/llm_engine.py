@@ -10,6 +10,7 @@ import torch
 
 from hybridserve.engine import handoff
 from hybridserve.engine.config import DTYPES, EngineConfig
+from hybridserve.engine.cuda_graphs import enable_decode_graphs
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.request import Request, RequestStatus
@@ -72,6 +73,8 @@ class LLMEngine:
         self.pool = StatePool(self.cache, self.state_block, config.enable_prefix_caching, config.max_cache_events)
         self.scheduler = Scheduler(self.pool, config.prefill_chunk_size, layout.num_slots)
         self.runner = ModelRunner(self.model, self.cache, config.page_size, device, self.state_block)
+        if config.cuda_graphs and device.type == "cuda":
+            enable_decode_graphs(self.runner, layout.num_slots, -(-self.max_model_len // config.page_size))
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}  # finished, state kept for export
         self._reserved: dict[str, Request] = {}  # pages and slot waiting for a remote prefill's state

@@ -16,13 +16,15 @@ PROMPTS = [[5 + (i * 11 + j) % 100 for j in range(n)] for i, n in enumerate((4, 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "mamba2"])
 def test_graph_decode_equals_eager(family):
-    from hybridserve.engine.cuda_graphs import GraphedModel, enable_decode_graphs
+    from hybridserve.engine.cuda_graphs import GraphedModel
 
     model_dir = nemotron_h("M*-M")[0] if family == "nemotron_h" else mamba2()[0]
-    eager = LLM(model_dir, device="cuda", dtype="float32").generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
-    llm = LLM(model_dir, device="cuda", dtype="float32")
-    graphs = enable_decode_graphs(llm.engine.runner, max_batch=8, max_pages_per_seq=512 // 16)
-    assert isinstance(llm.engine.runner.model, GraphedModel) and graphs.graphs
+    eager_llm = LLM(model_dir, device="cuda", dtype="float32", cuda_graphs=False)
+    assert not isinstance(eager_llm.engine.runner.model, GraphedModel)
+    eager = eager_llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    llm = LLM(model_dir, device="cuda", dtype="float32")  # graphs are on by default on CUDA
+    assert isinstance(llm.engine.runner.model, GraphedModel)
+    graphs = llm.engine.runner.model.graphs
     replays = []
     original = graphs.run
 
