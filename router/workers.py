@@ -117,8 +117,13 @@ class WorkerSet:
                 handle.health = future.result()
                 handle.breaker.record_success()
             except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    # a slow answer (health waits for the engine's current step): keep the last snapshot,
+                    # a long prefill step must not open the breaker of a worker that is working
+                    logger.info("%s worker %s health check: %s", handle.role, handle.address, exc.code())
+                    continue
                 if handle.health is not None:
-                    logger.warning("%s worker %s failed its health check: %s", handle.role, handle.address, exc.code())
+                    logger.warning("%s worker %s is unreachable", handle.role, handle.address)
                 handle.health = None
                 handle.breaker.record_failure()
 
