@@ -15,22 +15,34 @@ import multiprocessing as mp
 import platform
 import socket
 import statistics
+import threading
 import time
+import uuid
 from concurrent import futures
 from pathlib import Path
 
 import grpc
 import torch
 
-from hybridserve.decode_worker.state_receiver import receive_state
-from hybridserve.prefill_worker.state_sender import StateHeader, encode_state
+from hybridserve.decode_worker.state_receiver import ReceiveBuffers, StateAssembly, receive_stream
+from hybridserve.prefill_worker.state_sender import StateHeader, encode_state_streams
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from hybridserve.proto.state_wire import add_decode_worker_servicer, push_state_stub
 from hybridserve.statepool.request_state import StateTensorSpec
 
 MAMBA_LAYERS, CONV_DIM, CONV_WIDTH = 27, 128 * 80 + 2 * 8 * 128, 3
 HEADS, HEAD_DIM, STATE = 128, 80, 128
 ATTN_LAYERS, KV_HEADS, KV_DIM, HIDDEN = 4, 8, 128, 4480
 MAX_MESSAGE = 64 << 20
+
+
+def channel_options(window_mib: float) -> list[tuple[str, int]]:
+    """Message limits raised; with window_mib > 0 also the HTTP/2 stream window (lookahead) and frame size."""
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
+    if window_mib > 0:
+        options += [("grpc.http2.lookahead_bytes", int(window_mib * (1 << 20))),
+                    ("grpc.http2.max_frame_size", (1 << 24) - 1)]
+    return options
 
 
 def nemotron_state(num_tokens: int, device: str) -> list[tuple[StateTensorSpec, torch.Tensor]]:
@@ -51,25 +63,37 @@ def nemotron_state(num_tokens: int, device: str) -> list[tuple[StateTensorSpec, 
 
 
 class _Sink(worker_pb2_grpc.DecodeWorkerServicer):
-    """Receives and fully checks a stream (the decode worker's receive path), then drops it."""
+    """Receives and fully checks a state (the decode worker's receive path, striped streams included),
+    then drops it."""
+
+    def __init__(self) -> None:
+        self._assemblies: dict[str, StateAssembly] = {}
+        self._buffers = ReceiveBuffers()
+        self._lock = threading.Lock()
 
     def PushState(self, request_iterator, context):  # noqa: N802 - gRPC method name
-        def specs_of(manifest):
-            return [
-                StateTensorSpec(t.name, getattr(torch, t.dtype), tuple(t.shape)) for t in manifest.tensors
-            ]
+        def open_assembly(manifest):
+            specs = [StateTensorSpec(t.name, getattr(torch, t.dtype), tuple(t.shape)) for t in manifest.tensors]
+            with self._lock:
+                if manifest.ticket not in self._assemblies:
+                    self._assemblies[manifest.ticket] = StateAssembly(manifest, specs, self._buffers)
+                return self._assemblies[manifest.ticket]
 
-        received = receive_state(request_iterator, specs_of)
-        return worker_pb2.PushStateResponse(committed=True, bytes_received=received.num_bytes)
+        assembly, complete, num_bytes = receive_stream(request_iterator, open_assembly)
+        if complete:
+            assembly.result()
+            assembly.release()
+            with self._lock:
+                self._assemblies.pop(assembly.manifest.ticket, None)
+        return worker_pb2.PushStateResponse(committed=complete, bytes_received=num_bytes)
 
     def Health(self, request, context):  # noqa: N802
         return common_pb2.HealthResponse(status="ok", role="bench")
 
 
-def _serve(grpc_port: mp.Value, tcp_port: mp.Value, ready: mp.Event) -> None:
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options)
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(_Sink(), server)
+def _serve(grpc_port: mp.Value, tcp_port: mp.Value, ready: mp.Event, window_mib: float) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=channel_options(window_mib))
+    add_decode_worker_servicer(_Sink(), server)
     grpc_port.value = server.add_insecure_port("127.0.0.1:0")
     server.start()
     listener = socket.create_server(("127.0.0.1", 0))
@@ -100,16 +124,18 @@ def raw_tcp_seconds(port: int, payload: memoryview) -> float:
     return time.perf_counter() - start
 
 
-def grpc_seconds(stub, state, chunk_bytes: int) -> float:
+def grpc_seconds(calls, state, chunk_bytes: int) -> float:
+    """One state over len(calls) parallel striped streams, as the prefill worker sends it."""
     specs = [s for s, _ in state]
     parts = [layer for _, t in state for layer in (t if t.dim() > 1 else [t])]
-    header = StateHeader("bench", "bench", "bench", 0, 0, 0)
+    header = StateHeader(uuid.uuid4().hex, "bench", "bench", 0, 0, 0)
     if parts[0].is_cuda:
         torch.cuda.synchronize()
     start = time.perf_counter()
-    reply = stub.PushState(encode_state(header, specs, parts, chunk_bytes))
+    streams = encode_state_streams(header, specs, parts, chunk_bytes, pre_encoded=True, num_streams=len(calls))
+    replies = [f.result() for f in [call.future(stream) for call, stream in zip(calls, streams)]]
     elapsed = time.perf_counter() - start
-    if reply.bytes_received != sum(s.nbytes for s in specs):
+    if sum(r.bytes_received for r in replies) != sum(s.nbytes for s in specs) or sum(r.committed for r in replies) != 1:
         raise RuntimeError("gRPC receiver got a short payload")
     return elapsed
 
@@ -120,18 +146,22 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192, 32768])
     parser.add_argument("--chunk-mib", type=float, nargs="+", default=[1, 4])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4], help="parallel PushState streams")
+    parser.add_argument("--window-mib", type=float, default=0, help="HTTP/2 stream window; 0 = gRPC default")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/<device>/transfer.json)")
     args = parser.parse_args()
 
     ctx = mp.get_context("spawn")
     grpc_port, tcp_port, ready = ctx.Value("i", 0), ctx.Value("i", 0), ctx.Event()
-    server = ctx.Process(target=_serve, args=(grpc_port, tcp_port, ready), daemon=True)
+    server = ctx.Process(target=_serve, args=(grpc_port, tcp_port, ready, args.window_mib), daemon=True)
     server.start()
     ready.wait(60)
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
-    channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port.value}", options=options)
-    stub = worker_pb2_grpc.DecodeWorkerStub(channel)
-    stub.Health(common_pb2.HealthRequest(), timeout=30)
+    address = f"127.0.0.1:{grpc_port.value}"
+    worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(address)).Health(common_pb2.HealthRequest(), timeout=30)
+    calls = [
+        push_state_stub(grpc.insecure_channel(address, options=[*channel_options(args.window_mib), ("grpc.channel_id", i)]))
+        for i in range(max(args.streams))
+    ]
 
     rows = []
     for tokens in args.tokens:
@@ -141,17 +171,17 @@ def main() -> int:
         payload = memoryview(host.numpy()).cast("B")
         raw_tcp_seconds(tcp_port.value, payload)  # warm-up
         raw = statistics.median(raw_tcp_seconds(tcp_port.value, payload) for _ in range(args.repeats))
-        for chunk_mib in args.chunk_mib:
+        for chunk_mib, streams in [(c, n) for c in args.chunk_mib for n in args.streams]:
             chunk = int(chunk_mib * (1 << 20))
-            grpc_seconds(stub, state, chunk)  # warm-up
-            times = [grpc_seconds(stub, state, chunk) for _ in range(args.repeats)]
+            grpc_seconds(calls[:streams], state, chunk)  # warm-up
+            times = [grpc_seconds(calls[:streams], state, chunk) for _ in range(args.repeats)]
             t = statistics.median(times)
             rows.append({
-                "tokens": tokens, "bytes": total, "chunk_mib": chunk_mib,
+                "tokens": tokens, "bytes": total, "chunk_mib": chunk_mib, "streams": streams,
                 "grpc_s": t, "grpc_gbps": total / t / 1e9, "raw_tcp_s": raw, "raw_tcp_gbps": total / raw / 1e9,
                 "ratio": raw / t,
             })
-            print(f"{tokens:>6} tok {total / 2**20:8.1f} MiB chunk {chunk_mib:>4} MiB: gRPC {total / t / 1e9:6.2f} GB/s "
+            print(f"{tokens:>6} tok {total / 2**20:8.1f} MiB chunk {chunk_mib:>4} MiB x{streams}: gRPC {total / t / 1e9:6.2f} GB/s "
                   f"({t * 1e3:7.1f} ms)  raw TCP {total / raw / 1e9:6.2f} GB/s  ratio {raw / t:5.2f}", flush=True)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     result = {

@@ -19,7 +19,13 @@ from pathlib import Path
 
 import grpc
 
-from hybridserve.decode_worker.state_receiver import TransferError, check_manifest, receive_state
+from hybridserve.decode_worker.state_receiver import (
+    ReceiveBuffers,
+    StateAssembly,
+    TransferError,
+    check_manifest,
+    receive_stream,
+)
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.engine_loop import EngineLoop
 from hybridserve.engine.handoff import CapacityError
@@ -30,6 +36,7 @@ from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.engine.cache_event_feed import CacheEventFeed
 from hybridserve.engine.worker_metrics import WorkerMetrics
 from hybridserve.proto.convert import sampling_from_proto, token_event
+from hybridserve.proto.state_wire import add_decode_worker_servicer
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +52,7 @@ class Reservation:
     deadline: float
     stream: queue.Queue = field(repr=False)
     committed: bool = False
+    assembly: StateAssembly | None = field(default=None, repr=False)
 
 
 class DecodeWorker:
@@ -60,6 +68,7 @@ class DecodeWorker:
         self.metrics = WorkerMetrics(self.loop, "decode")
         self._metrics_port = metrics_port  # None: no /metrics server
         self._reservations: dict[str, Reservation] = {}
+        self.receive_buffers = ReceiveBuffers(pin_memory=self.engine.config.torch_device.type == "cuda")
         self._lock = threading.Lock()
         self._host, self._port = host, port
         self._server: grpc.Server | None = None
@@ -74,7 +83,7 @@ class DecodeWorker:
         options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=options)
-        worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(self), self._server)
+        add_decode_worker_servicer(DecodeServicer(self), self._server)
         self._port = self._server.add_insecure_port(f"{self._host}:{self._port}")
         self._server.start()
         self._reaper.start()
@@ -110,6 +119,15 @@ class DecodeWorker:
         if reservation is None:
             raise TransferError("FAILED_PRECONDITION", f"unknown or expired ticket {ticket!r}")
         return reservation
+
+    def assembly_for(self, reservation: Reservation, manifest, specs) -> StateAssembly:
+        """The receive buffer shared by the parallel streams of one reservation's state."""
+        with self._lock:
+            if reservation.assembly is None:
+                reservation.assembly = StateAssembly(manifest, specs, self.receive_buffers)
+            elif not reservation.assembly.same_state(manifest):
+                raise TransferError("INVALID_ARGUMENT", "the streams of one state carry different manifests")
+            return reservation.assembly
 
     def commit(self, reservation: Reservation, received) -> None:
         """Install the state unless the reservation was cancelled meanwhile (abort, expiry)."""
@@ -185,18 +203,22 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         reservation: Reservation | None = None
         engine = self.worker.engine
 
-        def expect(manifest):
+        def open_assembly(manifest):
             nonlocal reservation
             reservation = self.worker.take(manifest.ticket)
             specs = self.worker.loop.call(lambda: engine.state_specs(reservation.num_tokens))
             check_manifest(manifest, reservation.ticket, self.worker.fingerprint, reservation.num_tokens, specs)
             if manifest.request_id != reservation.request_id:
                 raise TransferError("FAILED_PRECONDITION", "manifest request_id does not match the ticket")
-            return specs
+            return self.worker.assembly_for(reservation, manifest, specs)
 
         try:
-            received = receive_state(request_iterator, expect)
-            self.worker.commit(reservation, received)
+            assembly, complete, num_bytes = receive_stream(request_iterator, open_assembly)
+            if complete:
+                try:
+                    self.worker.commit(reservation, assembly.result())
+                finally:
+                    assembly.release()
         except TransferError as exc:
             if reservation is not None:
                 self.worker.cancel(reservation, exc)
@@ -208,8 +230,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except Exception as exc:
             if reservation is not None:
                 self.worker.cancel(reservation, exc)
-            _abort(context, "INTERNAL", f"commit failed: {exc}")
-        return worker_pb2.PushStateResponse(committed=True, bytes_received=received.num_bytes)
+            _abort(context, "INTERNAL", f"state import failed: {exc}")
+        return worker_pb2.PushStateResponse(committed=complete, bytes_received=num_bytes)
 
     def StreamTokens(self, request, context):  # noqa: N802
         try:

@@ -6,13 +6,16 @@ buffers), so the copy of layer i+1 overlaps the send of layer i.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-import google_crc32c
+import crc32c
 import torch
 
 from hybridserve.proto import worker_pb2
+from hybridserve.proto.state_wire import encode_data_chunk
 from hybridserve.statepool.request_state import StateTensorSpec
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: well under gRPC's default 4 MiB message limit
@@ -31,7 +34,7 @@ class StateHeader:
 
 
 def _as_bytes(host: torch.Tensor) -> memoryview:
-    return memoryview(host.view(torch.uint8).numpy()).cast("B")
+    return memoryview(host.view(torch.uint8).numpy()).cast("B").toreadonly()
 
 
 def host_parts(parts: Iterable[torch.Tensor]) -> Iterator[memoryview]:
@@ -70,12 +73,12 @@ class StreamDigest:
         self.value = 0
 
     def add(self, chunk_crc: int) -> None:
-        self.value = google_crc32c.extend(self.value, chunk_crc.to_bytes(4, "little"))
+        self.value = crc32c.crc32c(chunk_crc.to_bytes(4, "little"), self.value)
 
 
-def _chunked(views: Iterable[memoryview], chunk_bytes: int) -> Iterator[bytes]:
-    """Re-cut a stream of byte views into payloads of exactly chunk_bytes (the last may be shorter),
-    copying each byte once."""
+def _chunked(views: Iterable[memoryview], chunk_bytes: int) -> Iterator[memoryview | bytes]:
+    """Re-cut a stream of byte views into payloads of exactly chunk_bytes (the last may be shorter); whole
+    payloads inside one view are zero-copy slices of it, payloads that straddle views are joined."""
     carry = bytearray()
     for view in views:
         offset = 0
@@ -88,24 +91,16 @@ def _chunked(views: Iterable[memoryview], chunk_bytes: int) -> Iterator[bytes]:
             yield bytes(carry)
             carry = bytearray()
         while len(view) - offset >= chunk_bytes:
-            yield view[offset : offset + chunk_bytes].tobytes()
+            yield view[offset : offset + chunk_bytes]
             offset += chunk_bytes
         carry += view[offset:]
     if carry:
         yield bytes(carry)
 
 
-def encode_state(
-    header: StateHeader,
-    specs: list[StateTensorSpec],
-    parts: Iterable[torch.Tensor],
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> Iterator[worker_pb2.StateChunk]:
-    """The PushState messages: manifest, data chunks of at most `chunk_bytes`, trailer."""
-    if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+def _manifest(header: StateHeader, specs: list[StateTensorSpec], chunk_bytes: int, num_streams: int) -> worker_pb2.StateManifest:
     total = sum(spec.nbytes for spec in specs)
-    manifest = worker_pb2.StateManifest(
+    return worker_pb2.StateManifest(
         ticket=header.ticket,
         request_id=header.request_id,
         model_fingerprint=header.model_fingerprint,
@@ -117,16 +112,119 @@ def encode_state(
         ],
         total_bytes=total,
         num_chunks=-(-total // chunk_bytes),
+        chunk_bytes=chunk_bytes,
+        num_streams=num_streams,
     )
-    yield worker_pb2.StateChunk(manifest=manifest)
-    digest = StreamDigest()
+
+
+def _data_messages(
+    specs: list[StateTensorSpec], parts: Iterable[torch.Tensor], chunk_bytes: int, pre_encoded: bool
+) -> Iterator[tuple[int, int, worker_pb2.StateChunk | bytes]]:
+    """(index, crc32c, message) of every data chunk in order; checks the parts add up to the specs."""
+    total = sum(spec.nbytes for spec in specs)
     index = sent = 0
     for payload in _chunked(host_parts(parts), chunk_bytes):
-        crc = google_crc32c.value(payload)
-        digest.add(crc)
-        yield worker_pb2.StateChunk(data=worker_pb2.StateData(index=index, payload=payload, crc32c=crc))
+        crc = crc32c.crc32c(payload)
+        if pre_encoded:
+            message: worker_pb2.StateChunk | bytes = encode_data_chunk(index, crc, payload)
+        else:
+            message = worker_pb2.StateChunk(data=worker_pb2.StateData(index=index, payload=bytes(payload), crc32c=crc))
+        yield index, crc, message
         index += 1
         sent += len(payload)
     if sent != total:
         raise ValueError(f"state parts hold {sent} bytes but the specs describe {total}")
+
+
+def encode_state(
+    header: StateHeader,
+    specs: list[StateTensorSpec],
+    parts: Iterable[torch.Tensor],
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    pre_encoded: bool = False,
+) -> Iterator[worker_pb2.StateChunk | bytes]:
+    """One PushState stream: manifest, data chunks of at most `chunk_bytes`, trailer. With `pre_encoded`
+    data chunks come as their wire bytes (one copy; send them through `state_wire.push_state_stub`)."""
+    return encode_state_streams(header, specs, parts, chunk_bytes, pre_encoded, num_streams=1)[0]
+
+
+def encode_state_streams(
+    header: StateHeader,
+    specs: list[StateTensorSpec],
+    parts: Iterable[torch.Tensor],
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    pre_encoded: bool = False,
+    num_streams: int = 1,
+) -> list[Iterator[worker_pb2.StateChunk | bytes]]:
+    """`num_streams` PushState streams striping the chunks (stream s carries chunks s, s + n, ...), sent in
+    parallel over separate connections: one gRPC stream in Python tops out well below the socket's rate.
+    A producer thread reads the parts once and deals the chunks out; its failure fails every stream."""
+    if chunk_bytes <= 0 or num_streams <= 0:
+        raise ValueError(f"chunk_bytes and num_streams must be positive, got {chunk_bytes}, {num_streams}")
+    manifest = _manifest(header, specs, chunk_bytes, num_streams)
+    if num_streams == 1:
+        return [_single_stream(manifest, _data_messages(specs, parts, chunk_bytes, pre_encoded))]
+    queues: list[queue.Queue] = [queue.Queue(maxsize=_STRIPE_QUEUE) for _ in range(num_streams)]
+    abandoned = threading.Event()
+
+    def produce() -> None:
+        try:
+            for index, crc, message in _data_messages(specs, parts, chunk_bytes, pre_encoded):
+                if not _put(queues[index % num_streams], (crc, message), abandoned):
+                    return
+            for q in queues:
+                _put(q, _END, abandoned)
+        except BaseException as exc:  # handed to every stream
+            for q in queues:
+                _put(q, exc, abandoned)
+
+    threading.Thread(target=produce, name="state-stripes", daemon=True).start()
+    return [_stripe(manifest, s, queues[s], abandoned) for s in range(num_streams)]
+
+
+_STRIPE_QUEUE = 8
+_END = object()
+
+
+def _put(q: queue.Queue, item: object, abandoned: threading.Event) -> bool:
+    while not abandoned.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _single_stream(
+    manifest: worker_pb2.StateManifest, data: Iterator[tuple[int, int, worker_pb2.StateChunk | bytes]]
+) -> Iterator[worker_pb2.StateChunk | bytes]:
+    yield worker_pb2.StateChunk(manifest=manifest)
+    digest = StreamDigest()
+    for _, crc, message in data:
+        digest.add(crc)
+        yield message
     yield worker_pb2.StateChunk(trailer=worker_pb2.StateTrailer(digest=digest.value))
+
+
+def _stripe(
+    manifest: worker_pb2.StateManifest, stream_index: int, source: queue.Queue, abandoned: threading.Event
+) -> Iterator[worker_pb2.StateChunk | bytes]:
+    own = worker_pb2.StateManifest()
+    own.CopyFrom(manifest)
+    own.stream_index = stream_index
+    completed = False
+    try:
+        yield worker_pb2.StateChunk(manifest=own)
+        digest = StreamDigest()
+        while (item := source.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            crc, message = item
+            digest.add(crc)
+            yield message
+        yield worker_pb2.StateChunk(trailer=worker_pb2.StateTrailer(digest=digest.value))
+        completed = True
+    finally:
+        if not completed:  # the call was cancelled or failed: stop the producer
+            abandoned.set()

@@ -106,3 +106,48 @@ def test_stream_must_start_with_manifest() -> None:
     extra = messages + [worker_pb2.StateChunk(trailer=worker_pb2.StateTrailer())]
     with pytest.raises(TransferError, match="after the trailer"):
         receive_state(iter(extra), _check(specs))
+
+
+def test_striped_streams_reassemble_exactly() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hybridserve.decode_worker.state_receiver import StateAssembly, receive_stream
+    from hybridserve.prefill_worker.state_sender import encode_state_streams
+
+    specs, tensors = _state()
+    streams = encode_state_streams(HEADER, specs, _parts(tensors), chunk_bytes=100, pre_encoded=True, num_streams=3)
+    shared: list[StateAssembly] = []
+
+    def open_assembly(manifest):
+        check_manifest(manifest, "t-1", "fp", 9, specs)
+        if not shared:
+            shared.append(StateAssembly(manifest, specs))
+        assert shared[0].same_state(manifest)
+        return shared[0]
+
+    from hybridserve.proto.state_wire import decode_state_chunk
+
+    def consume(stream):
+        wire = (m if isinstance(m, bytes) else m.SerializeToString() for m in stream)
+        return receive_stream((decode_state_chunk(raw) for raw in wire), open_assembly)
+
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(consume, streams))
+    assert sum(complete for _, complete, _ in results) == 1
+    assert sum(n for _, _, n in results) == sum(s.nbytes for s in specs)
+    received = shared[0].result()
+    for name, tensor in tensors.items():
+        assert torch.equal(received.tensors[name], tensor), name
+
+
+def test_a_stripe_with_another_streams_chunk_is_refused() -> None:
+    from hybridserve.decode_worker.state_receiver import StateAssembly, receive_stream
+    from hybridserve.prefill_worker.state_sender import encode_state_streams
+
+    specs, tensors = _state()
+    # few chunks, so the producer never waits on the stream this test reads second
+    first, second = encode_state_streams(HEADER, specs, _parts(tensors), chunk_bytes=500, num_streams=2)
+    messages = list(first)
+    messages[2] = next(m for m in list(second) if m.WhichOneof("body") == "data")
+    with pytest.raises(TransferError, match="expected chunk"):
+        receive_stream(iter(messages), lambda m: StateAssembly(m, specs))

@@ -40,7 +40,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class StateManifest(_message.Message):
-    __slots__ = ("ticket", "request_id", "model_fingerprint", "num_tokens", "first_token", "num_cached_tokens", "tensors", "total_bytes", "num_chunks")
+    __slots__ = ("ticket", "request_id", "model_fingerprint", "num_tokens", "first_token", "num_cached_tokens", "tensors", "total_bytes", "num_chunks", "chunk_bytes", "num_streams", "stream_index")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +50,9 @@ class StateManifest(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INDEX_FIELD_NUMBER: _ClassVar[int]
     ticket: str
     request_id: str
     model_fingerprint: str
@@ -59,7 +62,10 @@ class StateManifest(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     total_bytes: int
     num_chunks: int
-    def __init__(self, ticket: _Optional[str] = ..., request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+    chunk_bytes: int
+    num_streams: int
+    stream_index: int
+    def __init__(self, ticket: _Optional[str] = ..., request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., num_streams: _Optional[int] = ..., stream_index: _Optional[int] = ...) -> None: ...
 
 class StateData(_message.Message):
     __slots__ = ("index", "payload", "crc32c")
