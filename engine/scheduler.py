@@ -94,6 +94,8 @@ class Scheduler:
                 budget -= count
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if not self.pool.can_admit():
+                break
             hit = self.pool.match(request)
             count = min(request.num_tokens - hit.num_tokens, budget)
             if not self.pool.admit(request, hit, hit.num_tokens + count):

@@ -84,8 +84,9 @@ class StatePool:
             self.radix = RadixCache(self.block_size, state_block, self.pages, self.checkpoints, self.events)
         self._holders: dict[int, PooledSequence] = {}
         self._planned: list[PlannedCheckpoint] = []
-        self.num_queries = 0
+        self.num_queries = 0  # admissions that looked up the cache (prefix-cache metrics)
         self.num_hits = 0
+        self.num_hit_tokens = 0
 
     # ---- sizes ---------------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
@@ -105,11 +106,12 @@ class StatePool:
         needs its logits): a prompt that ends exactly on a checkpoint backs off to the previous one."""
         if self.radix is None:
             return NO_HIT
-        self.num_queries += 1
         nodes = self.radix.match(self._hashes(seq, seq.num_tokens // self.block_size), seq.num_tokens - 1)
-        if nodes:
-            self.num_hits += 1
         return CacheHit(nodes, len(nodes) * self.block_size)
+
+    def can_admit(self) -> bool:
+        """Whether a state slot is free (pages may still be short)."""
+        return self.slots is None or self.slots.can_allocate(1)
 
     def admit(self, seq: PooledSequence, hit: CacheHit, num_tokens: int) -> bool:
         """Give the sequence a state slot (holding the hit's checkpoint) and pages for its first `num_tokens`
@@ -132,6 +134,10 @@ class StatePool:
                     raise RuntimeError("a matched checkpoint was evicted before it was copied")
                 self.cache.copy_state(source, seq.state_slot)
         seq.num_computed_tokens = hit.num_tokens
+        if self.radix is not None:
+            self.num_queries += 1
+            self.num_hits += bool(hit.nodes)
+            self.num_hit_tokens += hit.num_tokens
         return True
 
     def reserve(self, seq: PooledSequence, num_tokens: int) -> bool:

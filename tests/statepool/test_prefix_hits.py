@@ -83,7 +83,10 @@ def test_concurrent_requests_share_a_prefix_and_match_cold(kind: str) -> None:
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == cold_tokens(kind, tuple(prompt), 7)
     assert max(o.num_cached_tokens for o in outs) == 32
-    llm.engine.pool.check()
+    pool = llm.engine.pool
+    pool.check()
+    assert pool.num_queries == len(prompts) and pool.num_hit_tokens == sum(o.num_cached_tokens for o in outs)
+    assert pool.num_hits == sum(o.num_cached_tokens > 0 for o in outs)
 
 
 def test_cache_events_describe_stored_and_removed_blocks() -> None:
