@@ -191,7 +191,8 @@ def main() -> None:
                 on[phase]["ttft_s"][k] <= off[phase]["ttft_s"][k] * 1.05 for k in ("mean", "p50", "max")
             ),
         })
-    header = f"{'workload':<8} {'cache':<5} {'TTFT mean':>10} {'p50':>8} {'max':>8} {'first':>8} {'prefill tok':>12} {'cached':>8}"
+    header = (f"{'workload':<8} {'cache':<5} {'TTFT mean':>10} {'p50':>8} {'max':>8} {'first':>8} "
+              f"{'prefill tok':>12} {'cached':>8}")
     print(header)
     for row in rows:
         for name in ("cache_off", "cache_on"):

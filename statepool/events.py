@@ -43,7 +43,9 @@ class EventLog:
         if len(self._events) == self._events.maxlen:
             self.num_dropped += 1
         self._events.append(
-            CacheEvent(self._next, kind, block_hash.hex(), None if parent_hash is None else parent_hash.hex(), num_tokens)
+            CacheEvent(
+                self._next, kind, block_hash.hex(), None if parent_hash is None else parent_hash.hex(), num_tokens
+            )
         )
         self._next += 1
 

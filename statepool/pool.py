@@ -248,7 +248,8 @@ class StatePool:
             if node.page is not None:
                 claim(node.page, f"cached block at depth {node.depth}")
             if node.ref != refs.get(id(node), 0):
-                raise PoolIntegrityError(f"node at depth {node.depth} has ref {node.ref}, {refs.get(id(node), 0)} holders")
+                holders = refs.get(id(node), 0)
+                raise PoolIntegrityError(f"node at depth {node.depth} has ref {node.ref}, {holders} holders")
             if node.ref == 0 and not node.children and node.checkpoint is None:
                 raise PoolIntegrityError(f"dead leaf at depth {node.depth} was not pruned")
         if self.pages is not None and set(owner) != self.pages.used_ids():
