@@ -136,14 +136,14 @@ class DecodeWorker:
             if self._reservations.get(reservation.ticket) is not reservation:
                 raise TransferError("FAILED_PRECONDITION", f"reservation for {reservation.request_id} was cancelled")
 
-        def install() -> RequestOutput:
-            return self.engine.commit_reservation(
+        def install() -> None:
+            first = self.engine.commit_reservation(
                 reservation.request_id, received.tensors, manifest.first_token, manifest.num_cached_tokens
             )
+            reservation.stream.put(first)  # on the loop thread: ahead of any output of a later step
 
-        first = self.loop.call(install)
+        self.loop.call(install)
         reservation.committed = True
-        reservation.stream.put(first)
         with self._lock:
             self._reservations.pop(reservation.ticket, None)
 
@@ -282,7 +282,7 @@ def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context:
     try:
         for out in worker.loop.iterate(request_id, stream):
             yield token_event(out, out.token_ids[sent:])
-            sent = len(out.token_ids)
+            sent = max(sent, len(out.token_ids))
             if out.finished:  # prefix-cache figures only for prompts this worker prefilled itself
                 cached = out.num_cached_tokens if local else 0
                 worker.metrics.observe_finished(len(out.prompt_token_ids) if local else 0, cached,
