@@ -283,9 +283,8 @@ def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context:
         for out in worker.loop.iterate(request_id, stream):
             yield token_event(out, out.token_ids[sent:])
             sent = max(sent, len(out.token_ids))
-            if out.finished:  # prefix-cache figures only for prompts this worker prefilled itself
-                cached = out.num_cached_tokens if local else 0
-                worker.metrics.observe_finished(len(out.prompt_token_ids) if local else 0, cached,
-                                                len(out.token_ids), out.finish_reason or "")
+            if out.finished:  # prompt tokens only for prompts this worker prefilled itself
+                worker.metrics.observe_finished(len(out.prompt_token_ids) if local else 0, len(out.token_ids),
+                                                out.finish_reason or "")
     except (TransferError, TimeoutError, ConnectionError, RuntimeError, ValueError) as exc:
         yield common_pb2.TokenEvent(request_id=request_id, finish_reason="error", error=str(exc))

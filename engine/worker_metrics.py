@@ -11,7 +11,7 @@ import logging
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from hybridserve.engine.engine_loop import EngineLoop
@@ -22,13 +22,13 @@ SCRAPE_TIMEOUT_S = 5.0
 
 
 class _EngineGauges(Collector):
-    """Load and pool usage of the engine, sampled on its loop thread at scrape time."""
+    """Load, pool usage and prefix-cache counters of the engine, sampled on its loop thread at scrape time."""
 
     def __init__(self, loop: EngineLoop, role: str) -> None:
         self._loop = loop
         self._role = role
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         def sample() -> dict[str, float]:
             engine = self._loop.engine
             pool, stats = engine.pool, engine.stats()
@@ -42,6 +42,9 @@ class _EngineGauges(Collector):
                 "slots": slots.num_used / slots.capacity if slots is not None and slots.capacity else 0.0,
                 "checkpoints": radix.num_checkpoints if radix is not None else 0,
                 "blocks": radix.num_nodes if radix is not None else 0,
+                "queries": pool.num_queries,
+                "hits": pool.num_hits,
+                "hit_tokens": pool.num_hit_tokens,
             }
 
         try:
@@ -62,6 +65,15 @@ class _EngineGauges(Collector):
             family = GaugeMetricFamily(name, doc, labels=["role"])
             family.add_metric([self._role], float(value))
             yield family
+        counters = [
+            ("hybridserve_worker_prefix_cache_queries", "Admissions that looked up the prefix cache", v["queries"]),
+            ("hybridserve_worker_prefix_cache_hits", "Admissions that found a checkpointed prefix", v["hits"]),
+            ("hybridserve_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", v["hit_tokens"]),
+        ]
+        for name, doc, value in counters:
+            family = CounterMetricFamily(name, doc, labels=["role"])
+            family.add_metric([self._role], float(value))
+            yield family
 
 
 class WorkerMetrics:
@@ -78,21 +90,17 @@ class WorkerMetrics:
         self.requests = counter("hybridserve_worker_requests", "Finished requests by finish reason", ("finish_reason",))
         self.prompt_tokens = counter("hybridserve_worker_prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("hybridserve_worker_generation_tokens", "Tokens generated")
-        self.prefix_queries = counter("hybridserve_worker_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache")
-        self.prefix_hits = counter("hybridserve_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache")
         self.transfer_bytes = counter("hybridserve_worker_transfer_bytes", "State bytes moved prefill -> decode")
         self.transfer_seconds = counter("hybridserve_worker_transfer_seconds", "Time spent moving state")
         self.transfer_failures = counter("hybridserve_worker_transfer_failures", "State transfers that failed")
         self._server = None
         self.port = 0
 
-    def observe_finished(self, prompt_tokens: int, cached_tokens: int, generated: int, finish_reason: str) -> None:
+    def observe_finished(self, prompt_tokens: int, generated: int, finish_reason: str) -> None:
         r = self.role
         self.requests.labels(r, finish_reason or "unknown").inc()
         self.prompt_tokens.labels(r).inc(prompt_tokens)
         self.generation_tokens.labels(r).inc(generated)
-        self.prefix_queries.labels(r).inc(prompt_tokens)
-        self.prefix_hits.labels(r).inc(cached_tokens)
 
     def observe_transfer(self, num_bytes: int, seconds: float, ok: bool) -> None:
         if ok:

@@ -134,7 +134,7 @@ class PrefillWorker:
             first_token=first.token_ids[0],
             num_cached_tokens=first.num_cached_tokens,
         )
-        self.metrics.observe_finished(len(prompt), first.num_cached_tokens, 1, first.finish_reason or "")
+        self.metrics.observe_finished(len(prompt), 1, first.finish_reason or "")
         start = time.perf_counter()
         try:
             num_bytes = self.push_state(request.decode_address, header, exported)

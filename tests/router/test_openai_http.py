@@ -163,8 +163,10 @@ def test_metrics_parse_and_move_and_targets_list_everything(cluster, client) -> 
         worker = _scrape(f"http://{group['targets'][0]}/metrics")
         assert any(k.startswith("hybridserve_worker_generation_tokens_total") and v > 0 for k, v in worker.items())
         assert any(k.startswith("hybridserve_worker_kv_cache_usage_ratio") for k in worker)
+        assert any(k.startswith("hybridserve_worker_prefix_cache_queries_total") for k in worker)
     prefill = _scrape(f"http://{targets[1]['targets'][0]}/metrics")
     assert any(k.startswith("hybridserve_worker_transfer_bytes_total") and v > 0 for k, v in prefill.items())
+    assert any(k.startswith("hybridserve_worker_prefix_cache_hit_tokens_total") and v > 0 for k, v in prefill.items())
 
 
 def test_models_health_ready(cluster) -> None:
