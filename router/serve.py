@@ -63,7 +63,10 @@ class Deployment:
                 self._processes += [start_worker_process(role, f"{role}-{i}", worker_options) for i in range(count)]
 
     def _start_ray(self) -> None:
-        import ray
+        try:
+            import ray
+        except ImportError as exc:
+            raise ValueError("Ray is not installed: `pip install ray`, or pass --no-ray for plain processes") from exc
 
         from hybridserve.router.ray_workers import RayPlacement, start_ray_workers
 
