@@ -13,7 +13,6 @@ import queue
 import threading
 import time
 import uuid
-from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,17 +29,16 @@ from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.engine_loop import EngineLoop
 from hybridserve.engine.handoff import CapacityError
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.outputs import RequestOutput
 from hybridserve.models.fingerprint import model_fingerprint
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.engine.cache_event_feed import CacheEventFeed
 from hybridserve.engine.worker_metrics import WorkerMetrics
+from hybridserve.proto.channels import start_server
 from hybridserve.proto.convert import sampling_from_proto, token_event
 from hybridserve.proto.state_wire import add_decode_worker_servicer
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 << 20
 DEFAULT_RESERVATION_TIMEOUT_S = 60.0
 
 
@@ -80,12 +78,9 @@ class DecodeWorker:
         return f"{self._host}:{self._port}"
 
     def start(self) -> str:
-        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=options)
-        add_decode_worker_servicer(DecodeServicer(self), self._server)
-        self._port = self._server.add_insecure_port(f"{self._host}:{self._port}")
-        self._server.start()
+        self._server, self._port = start_server(
+            self._host, self._port, lambda server: add_decode_worker_servicer(DecodeServicer(self), server)
+        )
         self._reaper.start()
         if self._metrics_port is not None:
             self.metrics.start(self._host, self._metrics_port)

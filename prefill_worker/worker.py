@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 import uuid
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -27,12 +26,12 @@ from hybridserve.decode_worker.worker import health_fields
 from hybridserve.models.fingerprint import model_fingerprint
 from hybridserve.prefill_worker.state_sender import DEFAULT_CHUNK_BYTES, StateHeader, encode_state_streams
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from hybridserve.proto.channels import insecure_channel, start_server
 from hybridserve.proto.convert import sampling_from_proto
 from hybridserve.proto.state_wire import push_state_stub
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 << 20
 PUSH_TIMEOUT_S = 120.0
 DEFAULT_TRANSFER_STREAMS = 2  # parallel PushState streams: one Python gRPC stream saturates near 0.7 GB/s
 
@@ -64,12 +63,10 @@ class PrefillWorker:
         return f"{self._host}:{self._port}"
 
     def start(self) -> str:
-        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=options)
-        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self), self._server)
-        self._port = self._server.add_insecure_port(f"{self._host}:{self._port}")
-        self._server.start()
+        self._server, self._port = start_server(
+            self._host, self._port,
+            lambda server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self), server),
+        )
         if self._metrics_port is not None:
             self.metrics.start(self._host, self._metrics_port)
         logger.info("prefill worker %s serving on %s", self.worker_id, self.address)
@@ -87,10 +84,8 @@ class PrefillWorker:
             if address not in self._push_calls:
                 calls = []
                 for i in range(self.transfer_streams):
-                    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                               ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                               ("grpc.channel_id", i)]  # distinct args: a connection of its own
-                    calls.append(push_state_stub(grpc.insecure_channel(address, options=options)))
+                    # distinct channel args: a connection of its own
+                    calls.append(push_state_stub(insecure_channel(address, ("grpc.channel_id", i))))
                 self._push_calls[address] = calls
             return self._push_calls[address]
 

@@ -17,17 +17,13 @@ from hybridserve.proto import common_pb2, worker_pb2_grpc
 from hybridserve.router.cache_subscriber import CacheSubscriber
 from hybridserve.router.circuit_breaker import CircuitBreaker
 from hybridserve.router.config import ResilienceConfig
+from hybridserve.proto.channels import insecure_channel
 from hybridserve.router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 64 << 20
-
-
 def channel(address: str) -> grpc.Channel:
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-               ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-    return grpc.insecure_channel(address, options=options)
+    return insecure_channel(address)
 
 
 @dataclass(eq=False)

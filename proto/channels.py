@@ -1,0 +1,32 @@
+"""gRPC channel and server settings shared by every component: one place for the message limits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent import futures
+
+import grpc
+
+MAX_MESSAGE_BYTES = 64 << 20  # state chunks are 1 MiB by default; room for larger ones where faster
+
+
+def message_options(*extra: tuple[str, int]) -> list[tuple[str, int]]:
+    """Channel / server options with the raised message limits (plus any extra ones)."""
+    return [
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        *extra,
+    ]
+
+
+def insecure_channel(address: str, *extra: tuple[str, int]) -> grpc.Channel:
+    return grpc.insecure_channel(address, options=message_options(*extra))
+
+
+def start_server(host: str, port: int, register: Callable[[grpc.Server], None], max_workers: int = 32) -> tuple[grpc.Server, int]:
+    """Start a gRPC server with the shared limits; `register` adds the servicers. Returns (server, bound port)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=message_options())
+    register(server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    return server, bound
