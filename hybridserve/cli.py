@@ -1,4 +1,4 @@
-"""The `hybridserve` command line: generate, worker, serve."""
+"""The `hybridserve` command line: generate, worker, serve, up, down."""
 
 from __future__ import annotations
 
@@ -153,6 +153,55 @@ def _run_serve(args: argparse.Namespace) -> int:
     return serve(options)
 
 
+def _add_up_down(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "up",
+        help="deploy workers and the router as detached actors on a running Ray cluster, then return",
+        description="Place prefill / decode worker actors on nodes offering the `prefill` / `decode` custom "
+        "resources and the router on the head node, wait until all are healthy, print the endpoints. "
+        "Re-running is idempotent; changing the worker counts scales the deployment.",
+    )
+    p.add_argument("--address", required=True, help="Ray cluster address, e.g. 10.0.0.1:6379 or auto")
+    p.add_argument("--model", default=None, help="checkpoint directory, the same path on every node (default: embedded)")
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--host", default="0.0.0.0", help="router bind host on the head node")
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (default 8000)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="front-door gRPC port (default 50051)")
+    p.add_argument("--num-gpus-per-worker", type=float, default=0.0)
+    p.add_argument("--model-name", default=None, help="model id served over the API (default: checkpoint dir name)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for healthy workers")
+    _add_engine_options(p)
+    p.set_defaults(func=_run_up)
+    d = sub.add_parser("down", help="remove everything `hybridserve up` deployed on a Ray cluster")
+    d.add_argument("--address", required=True, help="Ray cluster address")
+    d.set_defaults(func=_run_down)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from hybridserve.router.cluster_up import UpOptions, up
+
+    options = UpOptions(
+        address=args.address, model_dir=_model_dir(args), engine=_engine_config(args),
+        num_prefill=args.prefill_workers, num_decode=args.decode_workers, host=args.host,
+        http_port=args.http_port, grpc_port=args.grpc_port, num_gpus_per_worker=args.num_gpus_per_worker,
+        model_name=args.model_name, timeout_s=args.timeout,
+    )
+    lines = up(options)
+    print(f"hybridserve: {args.prefill_workers} prefill and {args.decode_workers} decode workers ready", flush=True)
+    for line in lines:
+        print(f"hybridserve: {line}", flush=True)
+    return 0
+
+
+def _run_down(args: argparse.Namespace) -> int:
+    from hybridserve.router.cluster_up import down
+
+    removed = down(args.address)
+    print(f"hybridserve: removed {len(removed)} actors: {', '.join(removed) or 'none'}", flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hybridserve",
@@ -164,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_worker(sub)
     _add_serve(sub)
+    _add_up_down(sub)
     return parser
 
 
@@ -175,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return int(args.func(args))
-    except ValueError as exc:
+    except (ValueError, TimeoutError) as exc:
         print(f"hybridserve: error: {exc}", file=sys.stderr)
         return 2
 

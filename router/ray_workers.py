@@ -51,30 +51,39 @@ class RayPlacement:
     use_custom_resources: bool = True  # require {"prefill": 1} / {"decode": 1} on the node
     max_restarts: int = 3
     namespace: str = "hybridserve"
+    detached: bool = False  # `hybridserve up`: actors outlive the driver that created them
 
 
 def start_ray_workers(
     model_dir: str, engine: EngineConfig, num_prefill: int, num_decode: int, placement: RayPlacement
 ) -> dict[str, list]:
-    """Named, detached-free actors `hybridserve-<role>-<i>`; returns {"prefill": [...], "decode": [...]}."""
+    """Named actors `hybridserve-<role>-<i>` (an existing one is reused); returns {"prefill": [...], "decode": [...]}."""
     import ray
 
     remote_cls = ray.remote(WorkerActor)
     actors: dict[str, list] = {"prefill": [], "decode": []}
     for role, count in (("prefill", num_prefill), ("decode", num_decode)):
         for i in range(count):
-            name = f"hybridserve-{role}-{i}"
+            name = worker_name(role, i)
             options = dict(
                 name=name, num_gpus=placement.num_gpus, num_cpus=1, max_restarts=placement.max_restarts,
                 max_task_retries=0, get_if_exists=True,
             )
             if placement.use_custom_resources:
                 options["resources"] = {role: 1}
+            if placement.detached:
+                options.update(lifetime="detached", namespace=placement.namespace)
             actors[role].append(remote_cls.options(**options).remote(role, model_dir, engine, name))
     return actors
 
 
+def worker_name(role: str, index: int) -> str:
+    """The Ray actor name of worker `index` of `role`."""
+    return f"hybridserve-{role}-{index}"
+
+
 def actor_addresses(actors: list, timeout: float = 300.0) -> list[str]:
+    """gRPC addresses of running worker actors (waits for constructors / restarts up to `timeout`)."""
     import ray
 
     return ray.get([a.address.remote() for a in actors], timeout=timeout)

@@ -1,0 +1,193 @@
+"""`hybridserve up` / `down`: a long-lived deployment on a running Ray cluster.
+
+Everything is a named, detached Ray actor in one namespace, so the command that creates it can exit and a
+later `up` finds the same actors (idempotent; changing the worker counts scales by creating or killing
+actors `hybridserve-<role>-<i>`). The router runs on the head node as actor `hybridserve-router`; it re-reads
+the workers' addresses from Ray by name, so a restarted worker (new port) is picked up without the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from hybridserve.engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "hybridserve"
+ROUTER_NAME = "hybridserve-router"
+WORKER_PREFIX = "hybridserve-"
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's built-in resource that only the head node offers
+REFRESH_S = 2.0
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    """What `hybridserve up` deploys; ports are the router's on the head node (0: a free port)."""
+
+    address: str
+    model_dir: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "0.0.0.0"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    num_gpus_per_worker: float = 0.0
+    model_name: str | None = None
+    max_restarts: int = 3
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ValueError("up needs --decode-workers >= 1 and --prefill-workers >= 0")
+        if self.timeout_s <= 0:
+            raise ValueError("--timeout must be > 0")
+
+
+class RouterActor:
+    """The router (HTTP + gRPC front doors) inside a Ray actor; wrapped by `ray.remote` in `up`."""
+
+    def __init__(self, options: UpOptions, prefill: list[str], decode: list[str]) -> None:
+        import ray
+
+        from hybridserve.router.app import Router, RouterOptions
+
+        self._counts = (options.num_prefill, options.num_decode)
+        self._node_ip = ray.util.get_node_ip_address()
+        router_options = RouterOptions(model_dir=options.model_dir, model_name=options.model_name, host=options.host,
+                                       http_port=options.http_port, grpc_port=options.grpc_port,
+                                       max_model_len=options.engine.max_model_len)
+        self.router = Router(router_options, prefill, decode).start()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._refresh_loop, name="worker-refresh", daemon=True)
+        self._thread.start()
+
+    def set_workers(self, num_prefill: int, num_decode: int) -> None:
+        """The worker counts to route to (after `up` scaled them)."""
+        self._counts = (num_prefill, num_decode)
+        self._refresh()
+
+    def _addresses(self) -> tuple[list[str], list[str]]:
+        import ray
+
+        from hybridserve.router.ray_workers import worker_name
+
+        found: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for role, count in zip(("prefill", "decode"), self._counts):
+            for i in range(count):
+                try:
+                    actor = ray.get_actor(worker_name(role, i), namespace=NAMESPACE)
+                    found[role].append(ray.get(actor.address.remote(), timeout=5))
+                except Exception as exc:  # not created yet, or restarting: route to the others meanwhile
+                    logger.info("worker %s-%d not available: %s", role, i, exc)
+        return found["prefill"], found["decode"]
+
+    def _refresh(self) -> None:
+        prefill, decode = self._addresses()
+        if decode:  # none reachable (all restarting): keep the old list rather than route nowhere
+            self.router.update_workers(prefill, decode)
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(REFRESH_S):
+            try:
+                self._refresh()
+            except Exception as exc:
+                logger.warning("could not refresh worker addresses: %s", exc)
+
+    def healthy(self) -> dict[str, int]:
+        """Workers of each role that answer health checks and whose circuit breaker is closed."""
+        prefill, decode = self.router.orchestrator.workers.snapshot()
+        return {role: sum(1 for h in handles if h.health is not None and h.breaker.available())
+                for role, handles in (("prefill", prefill), ("decode", decode))}
+
+    def endpoints(self) -> list[str]:
+        """The router's endpoint lines, with the head node's IP in place of a wildcard bind address."""
+        return [line.replace("0.0.0.0", self._node_ip) for line in self.router.endpoints()]
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.router.stop()
+
+
+def _connect(address: str) -> None:
+    try:
+        import ray
+    except ImportError as exc:
+        raise ValueError("Ray is not installed: `pip install ray`") from exc
+    if not ray.is_initialized():
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+
+
+def _named_workers() -> list[str]:
+    import ray
+
+    return [n for n in ray.util.list_named_actors() if n.startswith(WORKER_PREFIX) and n != ROUTER_NAME]
+
+
+def _index(name: str) -> int:
+    try:
+        return int(name.rsplit("-", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def up(options: UpOptions) -> list[str]:
+    """Create or scale the deployment, wait until every worker is healthy; returns the endpoint lines."""
+    import ray
+
+    from hybridserve.router.ray_workers import RayPlacement, actor_addresses, start_ray_workers
+
+    _connect(options.address)
+    placement = RayPlacement(num_gpus=options.num_gpus_per_worker, max_restarts=options.max_restarts,
+                             namespace=NAMESPACE, detached=True)
+    actors = start_ray_workers(options.model_dir, options.engine, options.num_prefill, options.num_decode, placement)
+    prefill = actor_addresses(actors["prefill"], timeout=options.timeout_s)
+    decode = actor_addresses(actors["decode"], timeout=options.timeout_s)
+    keep = {"prefill": options.num_prefill, "decode": options.num_decode}
+    for name in _named_workers():  # scale down: workers beyond the new counts go
+        role = name[len(WORKER_PREFIX):].rsplit("-", 1)[0]
+        if role in keep and _index(name) >= keep[role]:
+            ray.kill(ray.get_actor(name), no_restart=True)
+    router = ray.remote(RouterActor).options(
+        name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
+        resources={HEAD_RESOURCE: 0.001}, max_restarts=options.max_restarts,
+    ).remote(options, prefill, decode)
+    deadline = time.monotonic() + options.timeout_s
+    ray.get(router.set_workers.remote(options.num_prefill, options.num_decode), timeout=options.timeout_s)
+    healthy: dict[str, int] = {}
+    while time.monotonic() < deadline:
+        healthy = ray.get(router.healthy.remote(), timeout=max(1.0, deadline - time.monotonic()))
+        if healthy == keep:
+            return ray.get(router.endpoints.remote(), timeout=60)
+        time.sleep(1.0)
+    raise TimeoutError(f"after {options.timeout_s:.0f}s {healthy} workers are healthy, want {keep}: "
+                       "check `ray status` for the `prefill` / `decode` resources and the actors' logs")
+
+
+def down(address: str, timeout_s: float = 60.0) -> list[str]:
+    """Stop the router and kill every hybridserve actor; returns the names removed."""
+    import ray
+
+    _connect(address)
+    removed = []
+    if ROUTER_NAME in ray.util.list_named_actors():
+        router = ray.get_actor(ROUTER_NAME)
+        try:
+            ray.get(router.stop.remote(), timeout=timeout_s)
+        except Exception as exc:  # kill it anyway
+            logger.warning("router did not stop cleanly: %s", exc)
+        ray.kill(router, no_restart=True)
+        removed.append(ROUTER_NAME)
+    for name in _named_workers():
+        ray.kill(ray.get_actor(name), no_restart=True)
+        removed.append(name)
+    return removed
