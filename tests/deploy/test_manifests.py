@@ -1,0 +1,115 @@
+"""The deploy/ manifests: YAML / JSON that parses, KubeRay objects valid against the CRD schemas, and a
+Grafana dashboard whose queries only name series the router's and workers' metric registries expose."""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+CRDS = REPO.parent / "shared" / "kuberay"  # CI keeps shared/ beside the clone
+
+
+def _yaml_docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+class _IdleLoop:
+    """Stands in for a worker's engine loop: every sampled engine statistic reads 0."""
+
+    def call(self, fn, timeout: float | None = None) -> dict:
+        return collections.defaultdict(float)
+
+
+def _exported_metrics() -> set[str]:
+    """Every series name the router's and a worker's /metrics expose, from their real registries."""
+    from prometheus_client import generate_latest
+
+    from hybridserve.engine.worker_metrics import WorkerMetrics
+    from hybridserve.router.metrics import RouterMetrics
+
+    names = set()
+    for registry in (RouterMetrics().registry, WorkerMetrics(_IdleLoop(), "decode").registry):
+        for line in generate_latest(registry).decode().splitlines():
+            if line.startswith("# TYPE "):
+                _, _, name, kind = line.split()
+                names.update([f"{name}_bucket", f"{name}_sum", f"{name}_count"] if kind == "histogram" else [name])
+    assert names, "no metrics exported"
+    return names
+
+
+def _crd_schema(kind: str) -> dict:
+    for path in sorted(CRDS.glob("*.yaml")):
+        for doc in _yaml_docs(path):
+            if doc.get("kind") == "CustomResourceDefinition" and doc["spec"]["names"]["kind"] == kind:
+                version = next(v for v in doc["spec"]["versions"] if v["name"] == "v1")
+                return version["schema"]["openAPIV3Schema"]
+    pytest.skip(f"no CRD for {kind} in {CRDS}")
+
+
+def test_every_manifest_parses() -> None:
+    files = sorted(DEPLOY.rglob("*.yaml")) + sorted(DEPLOY.rglob("*.yml"))
+    assert len(files) >= 7
+    for path in files:
+        assert _yaml_docs(path), path
+    json.loads((DEPLOY / "grafana" / "hybridserve.json").read_text())
+
+
+def test_kustomization_lists_existing_files() -> None:
+    kustomization = _yaml_docs(DEPLOY / "kuberay" / "kustomization.yaml")[0]
+    for resource in kustomization["resources"]:
+        assert (DEPLOY / "kuberay" / resource).is_file(), resource
+
+
+@pytest.mark.skipif(not CRDS.is_dir(), reason=f"KubeRay CRDs not found at {CRDS}")
+def test_raycluster_validates_against_crd() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    cluster = _yaml_docs(DEPLOY / "kuberay" / "raycluster.yaml")[0]
+    assert cluster["kind"] == "RayCluster"
+    jsonschema.validate(cluster, _crd_schema("RayCluster"))
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    assert set(groups) == {"prefill", "decode"}
+    for role, group in groups.items():
+        assert json.loads(json.loads(group["rayStartParams"]["resources"])) == {role: 1}
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert int(limits["nvidia.com/gpu"]) >= 1
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    assert not any("nvidia.com/gpu" in c.get("resources", {}).get("limits", {}) for c in head)
+    up = next(c for c in head if "hybridserve up" in " ".join(c.get("args", [])))
+    assert up["readinessProbe"]["httpGet"]["path"] == "/ready" and up["livenessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_ray_cluster_launcher_node_types() -> None:
+    config = _yaml_docs(DEPLOY / "ray" / "cluster.yaml")[0]
+    types = config["available_node_types"]
+    assert types[config["head_node_type"]]["resources"].get("CPU") == 0
+    assert types["prefill"]["resources"] == {"prefill": 1} and types["decode"]["resources"] == {"decode": 1}
+
+
+def test_prometheus_uses_router_http_sd() -> None:
+    config = _yaml_docs(DEPLOY / "prometheus" / "prometheus.yml")[0]
+    jobs = {j["job_name"]: j for j in config["scrape_configs"]}
+    assert jobs["hybridserve"]["http_sd_configs"][0]["url"].endswith("/targets")
+    assert "ray" in jobs
+
+
+def test_grafana_queries_name_defined_metrics() -> None:
+    exported = _exported_metrics()
+    dashboard = json.loads((DEPLOY / "grafana" / "hybridserve.json").read_text())
+    used = set()
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            names = re.findall(r"hybridserve_\w+", target["expr"])
+            assert names, target["expr"]
+            used.update(names)
+    assert not used - exported, f"queries name metrics the code does not export: {sorted(used - exported)}"
+    for wanted in ("time_to_first_token", "inter_token", "transfer_bytes", "kv_cache_usage", "state_slot_usage",
+                   "routing_decisions", "prefix_cache_hits", "queued_requests"):
+        assert any(wanted in name for name in used), wanted
