@@ -18,6 +18,7 @@ import torch
 from hybridserve.kernels.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from hybridserve.kernels.gated_rmsnorm import gated_rmsnorm_ref, rmsnorm_ref
 from hybridserve.kernels.paged_attention import paged_attention_ref, write_kv_pages
+from hybridserve.kernels.replay_state import replay_state_update_ref
 from hybridserve.kernels.ssd_scan import ssd_scan_varlen_ref
 from hybridserve.kernels.state_update import multi_token_state_update_ref, selective_state_update_ref
 
@@ -63,6 +64,7 @@ selective_state_update = _dispatch(
 multi_token_state_update = _dispatch(
     multi_token_state_update_ref, "state_update_triton", "multi_token_state_update_triton"
 )
+replay_state_update = _dispatch(replay_state_update_ref, "replay_state_update", "replay_state_update_triton")
 paged_attention = _dispatch(paged_attention_ref, "paged_attention_triton", "paged_attention_triton")
 write_kv = _dispatch(write_kv_pages, "paged_attention_triton", "write_kv_pages_triton")
 gated_rmsnorm = _dispatch(gated_rmsnorm_ref, "gated_rmsnorm_triton", "gated_rmsnorm_triton")
@@ -74,6 +76,7 @@ __all__ = [
     "gated_rmsnorm",
     "multi_token_state_update",
     "paged_attention",
+    "replay_state_update",
     "rmsnorm",
     "selective_state_update",
     "ssd_scan_varlen",

@@ -44,6 +44,8 @@ def paged_attention_ref(
     block_tables: torch.Tensor,  # [S, max_pages]
     scale: float,
     max_query_len: int | None = None,  # launch hint for the Triton kernel; the reference needs none
+    kv_start: int = 0,  # keys before this position are masked (the MTP drafter's slot 0); a query that
+    # sees no key at all gets zeros
 ) -> torch.Tensor:
     """Reference attention in fp32; returns [N, Hq, Dh] in q's dtype."""
     num_q_heads = q.shape[1]
@@ -65,6 +67,8 @@ def paged_attention_ref(
         scores = torch.einsum("qhd,khd->hqk", q[begin:end].float(), keys) * scale
         q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
         k_pos = torch.arange(kv_len, device=q.device)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
-        out[begin:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)
+        hidden_keys = (k_pos > q_pos) | (k_pos < kv_start)
+        scores = scores.masked_fill(hidden_keys, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows with no visible key -> 0
+        out[begin:end] = torch.einsum("hqk,khd->qhd", probs, values)
     return out.to(q.dtype)

@@ -18,7 +18,7 @@ from hybridserve.kernels.triton_utils import check_same_device, next_pow2
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, tables_ptr, block_seq_ptr, block_row_ptr,
-    scale, page_size, heads_per_kv, Dh,
+    scale, page_size, heads_per_kv, Dh, kv_start,
     q_n, q_h, q_d, k_p, k_o, k_h, k_d, v_p, v_o, v_h, v_d, o_n, o_h, o_d, t_s, t_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -51,7 +51,7 @@ def _paged_attention_kernel(
         kT = tl.load(k_ptr + page[None, :] * k_p + within[None, :] * k_o + kvh * k_h + offs_d[:, None] * k_d,
                      mask=kv_mask, other=0.0)  # [BLOCK_D, BLOCK_N]
         s = tl.dot(q, kT.to(q.dtype)) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] >= kv_start) & mask_n[None, :]
         s = tl.where(visible, s, -float("inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
@@ -76,6 +76,7 @@ def paged_attention_triton(
     block_tables: torch.Tensor,  # [S, max_pages]
     scale: float,
     max_query_len: int | None = None,  # host-known bound on new tokens per sequence; <= 16 skips a host sync
+    kv_start: int = 0,  # keys before this position are masked
 ) -> torch.Tensor:
     """Triton version of `paged_attention_ref`; returns [N, Hq, Dh] in q's dtype.
 
@@ -107,7 +108,7 @@ def paged_attention_triton(
         return out
     _paged_attention_kernel[(block_seq_t.numel(), num_q_heads)](
         q, k_pages, v_pages, out, cu_seqlens_q, kv_lens, block_tables, block_seq_t, block_row_t,
-        scale, k_pages.shape[1], num_q_heads // num_kv_heads, head_dim,
+        scale, k_pages.shape[1], num_q_heads // num_kv_heads, head_dim, kv_start,
         *q.stride(), *k_pages.stride(), *v_pages.stride(), *out.stride(), *block_tables.stride(),
         BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=max(16, next_pow2(head_dim)), num_warps=4, num_stages=2,
     )

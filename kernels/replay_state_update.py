@@ -14,38 +14,14 @@ intermediate-state method. The torch oracle is `replay_reference` below.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.replay_state import ReplayCache
 from hybridserve.kernels.ssd_scan import NO_DT_LIMIT, DtLimit
 from hybridserve.kernels.state_update import multi_token_state_update_ref
 from hybridserve.kernels.triton_utils import check_same_device, finite_limits, next_pow2, process_dt_tl
-
-
-@dataclass
-class ReplayCache:
-    """Per-slot replay inputs of one layer; allocate once, zero-initialised (buffer 0 active, nothing to replay)."""
-
-    prev_x: torch.Tensor  # [slots, T, H, P] x of the previous step (x's dtype)
-    prev_B: torch.Tensor  # [slots, 2, T, G, N] B, double-buffered
-    prev_dt: torch.Tensor  # [slots, 2, T, H] fp32 processed dt
-    prev_cum: torch.Tensor  # [slots, 2, T, H] fp32 in-step cumsum of dt * A
-    buf: torch.Tensor  # [slots] int32 active buffer of each slot
-
-    @staticmethod
-    def allocate(num_slots: int, tokens: int, heads: int, head_dim: int, groups: int, state: int,
-                 dtype: torch.dtype, device: torch.device | str) -> ReplayCache:
-        z = dict(device=device)
-        return ReplayCache(
-            prev_x=torch.zeros(num_slots, tokens, heads, head_dim, dtype=dtype, **z),
-            prev_B=torch.zeros(num_slots, 2, tokens, groups, state, dtype=dtype, **z),
-            prev_dt=torch.zeros(num_slots, 2, tokens, heads, dtype=torch.float32, **z),
-            prev_cum=torch.zeros(num_slots, 2, tokens, heads, dtype=torch.float32, **z),
-            buf=torch.zeros(num_slots, dtype=torch.int32, **z),
-        )
 
 
 @triton.jit

@@ -13,9 +13,10 @@ from hybridserve.models.forward_batch import ForwardBatch
 class Attention(nn.Module):
     """q/k/v projections, KV written to pages, causal attention over each sequence's pages, o_proj."""
 
-    def __init__(self, hidden_size: int, config: AttentionConfig) -> None:
+    def __init__(self, hidden_size: int, config: AttentionConfig, kv_start: int = 0) -> None:
         super().__init__()
         self.config = config
+        self.kv_start = kv_start  # keys before this position are never attended (1 for the MTP drafter)
         self.scale = config.head_dim**-0.5
         self.q_proj = nn.Linear(hidden_size, config.num_heads * config.head_dim, bias=config.bias)
         self.k_proj = nn.Linear(hidden_size, config.num_kv_heads * config.head_dim, bias=config.bias)
@@ -37,6 +38,6 @@ class Attention(nn.Module):
         ops.write_kv(k, v, k_pages, v_pages, batch.slot_mapping)
         out = ops.paged_attention(
             q, k_pages, v_pages, batch.cu_seqlens, batch.kv_lens, batch.block_tables, self.scale,
-            max_query_len=max(batch.query_lens, default=0),
+            max_query_len=max(batch.query_lens, default=0), kv_start=self.kv_start,
         )
         return self.o_proj(out.reshape(tokens, -1))

@@ -143,6 +143,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
+    # the multi-token-prediction (MTP) drafter's layers, in order; () when the checkpoint has no MTP module
+    mtp_layer_types: tuple[str, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -157,8 +159,10 @@ class ModelConfig:
             raise ValueError(f"config field `layers_block_type` has unknown layer types {bad}")
         needs = {"mamba": self.mamba, "attention": self.attention, "mlp": self.mlp_intermediate_size, "moe": self.moe}
         for kind, part in needs.items():
-            if kind in self.layer_types and part is None:
+            if (kind in self.layer_types or kind in self.mtp_layer_types) and part is None:
                 raise ValueError(f"layers of type {kind!r} are present but their config fields are missing")
+        if "mamba" in self.mtp_layer_types:
+            raise ValueError("config field `mtp_layers_block_type`: Mamba layers in the MTP module are not supported")
         if ("mlp" in self.layer_types or "moe" in self.layer_types) and self.mlp_activation != "relu2":
             raise ValueError(f"config field `mlp_hidden_act` must be 'relu2', got {self.mlp_activation!r}")
         if self.ssm_state_dtype not in ("float32", "bfloat16", "float16"):
@@ -175,6 +179,15 @@ class ModelConfig:
     def layers_of(self, kind: str) -> list[int]:
         """Indices of the layers of one kind."""
         return [i for i, t in enumerate(self.layer_types) if t == kind]
+
+    @property
+    def has_mtp(self) -> bool:
+        return bool(self.mtp_layer_types)
+
+    def kv_layers(self) -> list[int]:
+        """Layers with a KV cache: the attention layers, then the MTP module's (numbered num_layers + i)."""
+        mtp = [self.num_layers + i for i, t in enumerate(self.mtp_layer_types) if t == "attention"]
+        return self.layers_of("attention") + mtp
 
     @property
     def pattern(self) -> str:
@@ -267,8 +280,27 @@ def _layer_types(data: dict[str, Any]) -> tuple[str, ...]:
     return types
 
 
+def _mtp_layer_types(data: dict[str, Any]) -> tuple[str, ...]:
+    """The MTP module's layer list (`num_nextn_predict_layers` steps of `mtp_layers_block_type`)."""
+    steps = data.get("num_nextn_predict_layers") or 0
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"config field `num_nextn_predict_layers` must be a non-negative integer, got {steps!r}")
+    if steps == 0:
+        return ()
+    if steps > 1:
+        raise ValueError(f"config field `num_nextn_predict_layers` is {steps}; only one MTP step is supported")
+    listed = data.get("mtp_layers_block_type")
+    raw = list(listed) if listed is not None else list(str(data.get("mtp_hybrid_override_pattern") or "*E"))
+    unknown = sorted({str(t) for t in raw if t not in _LAYER_ALIASES})
+    if unknown or not raw:
+        raise ValueError(f"config field `mtp_layers_block_type` has unknown or no layer types: {unknown or raw}")
+    return tuple(_LAYER_ALIASES[t] for t in raw)
+
+
 def _nemotron_h(data: dict[str, Any]) -> ModelConfig:
-    types = _layer_types(data)
+    trunk_types = _layer_types(data)
+    mtp_types = _mtp_layer_types(data)
+    types = trunk_types + mtp_types  # which layer configs to build
     hidden = int(data.get("hidden_size", 4096))
     mamba = None
     if "mamba" in types:
@@ -312,7 +344,8 @@ def _nemotron_h(data: dict[str, Any]) -> ModelConfig:
         architecture="nemotron_h",
         vocab_size=int(data.get("vocab_size", 131072)),
         hidden_size=hidden,
-        layer_types=types,
+        layer_types=trunk_types,
+        mtp_layer_types=mtp_types,
         norm_eps=float(data.get("layer_norm_epsilon", 1e-5)),
         tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
         residual_in_fp32=bool(data.get("residual_in_fp32", False)),

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass(frozen=True)
 class ForwardBatch:
-    """Sequences [0:num_decode] have exactly one new token each and state from earlier steps; the rest are
-    prefill chunks (fresh, or resumed after `context_lens` cached tokens). All tensors live on the device."""
+    """Sequences [0:num_decode] have `decode_len` new tokens each (1, or 1 + K drafts when speculating) and
+    state from earlier steps; the rest are prefill chunks (fresh, or resumed after `context_lens` cached
+    tokens). All tensors live on the device."""
 
     num_decode: int
     query_lens: tuple[int, ...]  # new tokens per sequence (host copy)
@@ -27,6 +28,13 @@ class ForwardBatch:
     num_checkpoint_boundaries: int = 0
     checkpoint_rows: torch.Tensor | None = None  # [K] int64
     checkpoint_index: torch.Tensor | None = None  # [K] int64, None when every boundary is kept
+    # Speculative verify of the decode rows: "intermediate" keeps every token's SSM state in
+    # `intermediate_states` (layer -> [num_decode, decode_len, H, P, N]) and leaves the slot untouched;
+    # "replay" folds `num_replay` tokens of the previous verify into the slot first (kernels/replay_state.py).
+    decode_len: int = 1
+    spec_rollback: str | None = None
+    num_replay: torch.Tensor | None = None  # [num_decode] int32
+    intermediate_states: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -16,6 +16,7 @@ from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.layers import MLP, MoE, RMSNorm
 from hybridserve.models.mamba_mixer import Mamba2Mixer
+from hybridserve.models.mtp import MTPHead
 
 if TYPE_CHECKING:  # the state cache depends on models.config; avoid the import cycle
     from hybridserve.statepool.state_cache import StateCache
@@ -24,13 +25,13 @@ if TYPE_CHECKING:  # the state cache depends on models.config; avoid the import 
 class Block(nn.Module):
     """norm -> mixer -> residual add."""
 
-    def __init__(self, config: ModelConfig, kind: str) -> None:
+    def __init__(self, config: ModelConfig, kind: str, index: int = 0) -> None:
         super().__init__()
         self.kind = kind
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         if kind == "mamba":
             assert config.mamba is not None  # guaranteed by ModelConfig validation
-            self.mixer: nn.Module = Mamba2Mixer(config.hidden_size, config.mamba, config.norm_eps)
+            self.mixer: nn.Module = Mamba2Mixer(config.hidden_size, config.mamba, config.norm_eps, index)
         elif kind == "attention":
             assert config.attention is not None
             self.mixer = Attention(config.hidden_size, config.attention)
@@ -49,9 +50,10 @@ class HybridLM(nn.Module):
         super().__init__()
         self.config = config
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, kind) for kind in config.layer_types)
+        self.layers = nn.ModuleList(Block(config, kind, i) for i, kind in enumerate(config.layer_types))
         self.norm_f = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = MTPHead(config) if config.has_mtp else None
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -64,13 +66,23 @@ class HybridLM(nn.Module):
             residual = hidden.to(residual_dtype)
             normed = block.norm(hidden.to(block.norm.weight.dtype))
             if block.kind == "mamba":
-                out = block.mixer(normed, batch, *cache.mamba(index))
+                replay = cache.replay_cache(index) if batch.spec_rollback == "replay" else None
+                out = block.mixer(normed, batch, *cache.mamba(index), replay)
             elif block.kind == "attention":
                 out = block.mixer(normed, batch, *cache.kv(index))
             else:
                 out = block.mixer(normed)
             hidden = residual + out
         return self.norm_f(hidden.to(self.norm_f.weight.dtype))
+
+    @torch.inference_mode()
+    def mtp_forward(
+        self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, batch: ForwardBatch, cache: StateCache
+    ) -> torch.Tensor:
+        """The MTP drafter over slots (input_ids [N] = x_q, prev_hidden [N, hidden] = h_{q-1}) -> g [N, hidden]."""
+        if self.mtp is None:
+            raise ValueError("this checkpoint has no MTP module (no `mtp.*` weights / num_nextn_predict_layers)")
+        return self.mtp(self.embeddings(input_ids), prev_hidden, batch, cache)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hybridserve.kernels import ops
+from hybridserve.kernels.replay_state import ReplayCache
 from hybridserve.models.config import MambaConfig
 from hybridserve.models.forward_batch import ForwardBatch
 
@@ -34,10 +35,11 @@ class _GatedNormWeights(nn.Module):
 class Mamba2Mixer(nn.Module):
     """One Mamba2 layer; its conv window and SSM state live in the pools passed to `forward`."""
 
-    def __init__(self, hidden_size: int, config: MambaConfig, norm_eps: float) -> None:
+    def __init__(self, hidden_size: int, config: MambaConfig, norm_eps: float, layer_index: int = 0) -> None:
         super().__init__()
         self.config = config
         self.norm_eps = norm_eps
+        self.layer_index = layer_index  # key of this layer's states in ForwardBatch.intermediate_states
         self.in_proj = nn.Linear(hidden_size, config.in_proj_size, bias=config.proj_bias)
         self.conv1d = _Conv1dWeights(config.conv_dim, config.conv_kernel, config.use_conv_bias)
         self.dt_bias = nn.Parameter(torch.empty(config.num_heads), requires_grad=False)
@@ -52,6 +54,7 @@ class Mamba2Mixer(nn.Module):
         batch: ForwardBatch,
         conv_pool: torch.Tensor,  # [num_slots, conv_dim, W]
         ssm_pool: torch.Tensor,  # [num_slots, H, P, N_state]
+        replay: ReplayCache | None = None,  # this layer's replay inputs (spec_rollback == "replay")
     ) -> torch.Tensor:
         cfg = self.config
         heads, head_dim, state = cfg.num_heads, cfg.head_dim, cfg.state_size
@@ -63,29 +66,16 @@ class Mamba2Mixer(nn.Module):
         y = torch.empty(hidden.shape[0], heads, head_dim, dtype=hidden.dtype, device=hidden.device)
         nd = batch.num_decode
         if nd:
-            slots = batch.state_slots[:nd]
-            conv_out = ops.causal_conv1d_update(xBC[:nd, None], conv_pool, slots, conv_weight, self.conv1d.bias)
-            x, B, C = conv_out[:, 0].split([cfg.intermediate_size, groups_state, groups_state], dim=-1)
-            y[:nd] = ops.selective_state_update(
-                ssm_pool,
-                slots,
-                x.reshape(nd, heads, head_dim),
-                dt[:nd],
-                A,
-                B.reshape(nd, cfg.n_groups, state),
-                C.reshape(nd, cfg.n_groups, state),
-                D=self.D,
-                dt_bias=self.dt_bias,
-                dt_limit=cfg.dt_limit,
-            )
+            y[: nd * batch.decode_len] = self._decode(xBC, dt, A, batch, conv_pool, ssm_pool, replay)
         if nd < batch.num_seqs:
+            xBC, dt = xBC[nd * batch.decode_len :], dt[nd * batch.decode_len :]
             slots = batch.state_slots[nd:]
             starts = batch.context_lens[nd:]
             resumed = (starts > 0)[:, None, None]
             windows = torch.where(resumed, conv_pool[slots].float(), 0.0)
             block = batch.state_block if batch.checkpoint_rows is not None else None
             conv = ops.causal_conv1d_varlen(
-                xBC[nd:], conv_weight, self.conv1d.bias, batch.prefill_cu_seqlens(), windows,
+                xBC, conv_weight, self.conv1d.bias, batch.prefill_cu_seqlens(), windows,
                 start_positions=starts, state_block=block,
             )
             conv_pool[slots] = conv.final_windows.to(conv_pool.dtype)
@@ -94,7 +84,7 @@ class Mamba2Mixer(nn.Module):
             x, B, C = conv_out.split([cfg.intermediate_size, groups_state, groups_state], dim=-1)
             scan = ops.ssd_scan_varlen(
                 x.reshape(tokens, heads, head_dim),
-                dt[nd:],
+                dt,
                 A,
                 B.reshape(tokens, cfg.n_groups, state),
                 C.reshape(tokens, cfg.n_groups, state),
@@ -110,7 +100,7 @@ class Mamba2Mixer(nn.Module):
             ssm_pool[slots] = scan.final_states.to(ssm_pool.dtype)
             if batch.checkpoint_rows is not None:
                 _write_checkpoints(batch, conv.boundary_windows, scan.chunk_states, conv_pool, ssm_pool)
-            y[nd:] = scan.y
+            y[nd * batch.decode_len :] = scan.y
         normed = ops.gated_rmsnorm(
             y.reshape(-1, cfg.intermediate_size),
             gate,
@@ -119,6 +109,44 @@ class Mamba2Mixer(nn.Module):
             eps=self.norm_eps,
         )
         return self.out_proj(normed)
+
+    def _decode(
+        self,
+        xBC: torch.Tensor,  # [N, conv_dim] (the decode rows come first)
+        dt: torch.Tensor,  # [N, H]
+        A: torch.Tensor,  # [H]
+        batch: ForwardBatch,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+        replay: ReplayCache | None,
+    ) -> torch.Tensor:
+        """The recurrent path of the decode rows: T = decode_len tokens each -> y [num_decode * T, H, P]."""
+        cfg = self.config
+        nd, tokens = batch.num_decode, batch.decode_len
+        groups_state = cfg.n_groups * cfg.state_size
+        slots = batch.state_slots[:nd]
+        rows = nd * tokens
+        conv_weight = self.conv1d.weight[:, 0, :]  # [D, K]
+        conv_out = ops.causal_conv1d_update(xBC[:rows].view(nd, tokens, -1), conv_pool, slots, conv_weight,
+                                            self.conv1d.bias)  # [nd, T, conv_dim]
+        x, B, C = conv_out.split([cfg.intermediate_size, groups_state, groups_state], dim=-1)
+        args = (
+            x.reshape(nd, tokens, cfg.num_heads, cfg.head_dim), dt[:rows].view(nd, tokens, -1), A,
+            B.reshape(nd, tokens, cfg.n_groups, cfg.state_size), C.reshape(nd, tokens, cfg.n_groups, cfg.state_size),
+        )
+        kwargs = dict(D=self.D, dt_bias=self.dt_bias, dt_limit=cfg.dt_limit)
+        if batch.spec_rollback is None:
+            y = ops.multi_token_state_update(ssm_pool, slots, *args, **kwargs)
+        elif batch.spec_rollback == "intermediate":
+            states = torch.empty((nd, tokens, *ssm_pool.shape[1:]), dtype=ssm_pool.dtype, device=ssm_pool.device)
+            y = ops.multi_token_state_update(ssm_pool, slots, *args, intermediate_states=states,
+                                             write_final_state=False, **kwargs)
+            batch.intermediate_states[self.layer_index] = states
+        else:
+            if replay is None or batch.num_replay is None:
+                raise RuntimeError("a replay verify step needs the layer's ReplayCache and num_replay")
+            y = ops.replay_state_update(ssm_pool, replay, slots, batch.num_replay, *args, **kwargs)
+        return y.reshape(rows, cfg.num_heads, cfg.head_dim)
 
 
 def _write_checkpoints(

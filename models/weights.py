@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import re
@@ -16,7 +17,7 @@ from hybridserve.models.hybrid_model import HybridLM
 logger = logging.getLogger(__name__)
 
 _PREFIXES = ("model.", "backbone.")
-_EXPERT_KEY = re.compile(r"^(layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+_EXPERT_KEY = re.compile(r"^((?:mtp\.)?layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -69,6 +70,13 @@ def load_model(
     tensors and shape mismatches raise a ValueError that names them."""
     model_dir = Path(model_dir)
     state = read_state_dict(model_dir)
+    has_mtp_weights = any(name.startswith("mtp.") for name in state)
+    if config.has_mtp and not has_mtp_weights:
+        logger.info("%s declares an MTP module but ships no `mtp.*` weights: loading without MTP", model_dir)
+        config = dataclasses.replace(config, mtp_layer_types=())
+    elif has_mtp_weights and not config.has_mtp:
+        logger.warning("%s has `mtp.*` weights but no `num_nextn_predict_layers`: ignoring them", model_dir)
+        state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
     if "lm_head.weight" not in state and config.tie_word_embeddings and "embeddings.weight" in state:
         state["lm_head.weight"] = state["embeddings.weight"]
     with torch.device("meta"):

@@ -69,7 +69,7 @@ class StatePool:
     ) -> None:
         layout = cache.layout
         self.cache = cache
-        self.has_kv = bool(cache.config.layers_of("attention"))
+        self.has_kv = bool(cache.config.kv_layers())
         self.has_state = bool(cache.config.layers_of("mamba"))
         self.page_size = layout.page_size
         self.state_block = state_block

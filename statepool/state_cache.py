@@ -4,6 +4,9 @@ Layout is request-major so one request's state is one contiguous block (cheap to
   k_pages / v_pages: [num_pages, n_attention_layers, page_size, Hkv, Dh]
   conv_states:       [num_slots + num_checkpoints, n_mamba_layers, conv_dim, conv_width]  (W >= conv_kernel-1)
   ssm_states:        [num_slots + num_checkpoints, n_mamba_layers, H, P, N]   (dtype `mamba_ssm_cache_dtype`)
+  hidden_states:     [num_slots + num_checkpoints, hidden]  final hidden state of the last computed token
+                     (models with an MTP drafter only: its next slot needs it, so checkpoints keep it too)
+KV layers are the attention layers followed by the MTP drafter's attention layers (`ModelConfig.kv_layers`).
 Rows [0, num_slots) are running requests' slots, the rest checkpoint slots of the prefix cache: one index
 space, so prefill writes checkpoints through the same per-layer views and a hit is one row copy.
 Layers see strided per-layer views.
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.kernels.replay_state import ReplayCache
 from hybridserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -45,7 +49,7 @@ class CacheLayout:
         if attn is None:
             return 0
         per_token = 2 * attn.num_kv_heads * attn.head_dim * _dtype_size(dtype)
-        return per_token * page_size * len(config.layers_of("attention"))
+        return per_token * page_size * len(config.kv_layers())
 
     @staticmethod
     def bytes_per_slot(config: ModelConfig, conv_width: int, dtype: torch.dtype, ssm_dtype: torch.dtype) -> int:
@@ -54,7 +58,8 @@ class CacheLayout:
             return 0
         per_layer = m.conv_dim * conv_width * _dtype_size(dtype)
         per_layer += m.num_heads * m.head_dim * m.state_size * _dtype_size(ssm_dtype)
-        return per_layer * len(config.layers_of("mamba"))
+        hidden = config.hidden_size * _dtype_size(dtype) if config.has_mtp else 0
+        return per_layer * len(config.layers_of("mamba")) + hidden
 
 
 class StateCache:
@@ -70,7 +75,7 @@ class StateCache:
     ) -> None:
         self.config = config
         self.layout = layout
-        self._attention_index = {layer: i for i, layer in enumerate(config.layers_of("attention"))}
+        self._attention_index = {layer: i for i, layer in enumerate(config.kv_layers())}
         self._mamba_index = {layer: i for i, layer in enumerate(config.layers_of("mamba"))}
         attn, mamba = config.attention, config.mamba
         n_attn, n_mamba = len(self._attention_index), len(self._mamba_index)
@@ -83,6 +88,25 @@ class StateCache:
         self.conv_states = torch.zeros((slots, n_mamba, conv_dim, layout.conv_width), dtype=dtype, device=device)
         ssm_shape = (slots, n_mamba, *((mamba.num_heads, mamba.head_dim, mamba.state_size) if mamba else (0, 0, 0)))
         self.ssm_states = torch.zeros(ssm_shape, dtype=ssm_dtype, device=device)
+        self._replay: list[ReplayCache] = []
+        hidden_rows = slots if config.has_mtp else 0
+        self.hidden_states = torch.zeros((hidden_rows, config.hidden_size), dtype=dtype, device=device)
+
+    def enable_replay(self, tokens: int) -> None:
+        """Allocate the per-layer replay inputs of every running slot (speculative decoding, rollback "replay")."""
+        mamba = self.config.mamba
+        if mamba is None:
+            return
+        self._replay = [
+            ReplayCache.allocate(self.layout.num_slots, tokens, mamba.num_heads, mamba.head_dim, mamba.n_groups,
+                                 mamba.state_size, self.conv_states.dtype, self.conv_states.device)
+            for _ in self._mamba_index
+        ]
+
+    def replay_cache(self, layer: int) -> ReplayCache:
+        if not self._replay:
+            raise RuntimeError("replay rollback was not enabled on this state cache")
+        return self._replay[self._mamba_index[layer]]
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-layer page views [num_pages, page_size, Hkv, Dh]."""
@@ -98,6 +122,9 @@ class StateCache:
         """Copy one slot's conv window and SSM state (every Mamba layer) into another slot."""
         self.conv_states[target].copy_(self.conv_states[source])
         self.ssm_states[target].copy_(self.ssm_states[source])
+        if self.hidden_states.shape[0]:
+            self.hidden_states[target].copy_(self.hidden_states[source])
 
     def total_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k_pages, self.v_pages, self.conv_states, self.ssm_states))
+        tensors = (self.k_pages, self.v_pages, self.conv_states, self.ssm_states, self.hidden_states)
+        return sum(t.numel() * t.element_size() for t in tensors) + sum(r.nbytes() for r in self._replay)
