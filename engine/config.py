@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from hybridserve.engine.spec_config import SpeculativeConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,8 +36,12 @@ class EngineConfig:
     num_kv_pages: int | None = None  # override budget sizing of the KV pool
     num_checkpoint_slots: int | None = None  # override budget sizing of the checkpoint pool
     max_cache_events: int = 65536  # cache events kept until drained
+    # speculative decoding: None (off), a SpeculativeConfig or its dict, e.g.
+    # {"method": "mtp" | "ngram", "num_speculative_tokens": K, "rollback": "intermediate" | "replay"}
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         try:
@@ -81,6 +88,12 @@ class EngineConfig:
         if page_size is not None and self.state_block % page_size:
             raise ValueError(f"state_block={self.state_block} must be a multiple of page_size={page_size}")
         return self.state_block
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative config (None: off)."""
+        spec = self.speculative_config
+        return spec if isinstance(spec, SpeculativeConfig) else None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -79,6 +79,8 @@ class DecodeGraphs:
         """The bucket that replays this batch, or None when it must run eagerly."""
         if not self.graphs or batch.num_decode != batch.num_seqs or batch.checkpoint_rows is not None:
             return None
+        if batch.decode_len != 1 or batch.spec_rollback is not None:  # speculative verify steps run eagerly
+            return None
         if batch.block_tables.shape[1] > self.block_tables.shape[1]:
             return None
         return next((b for b in self.buckets if b >= batch.num_seqs), None)

@@ -71,5 +71,7 @@ def commit(engine, request: Request, tensors: dict[str, torch.Tensor], first_tok
     request.num_computed_tokens = num_tokens
     request.num_cached_tokens = num_cached_tokens
     request.last_hidden = tensors["hidden"].to(engine.config.torch_device)
+    if engine.cache.hidden_states.shape[0] and request.state_slot is not None:  # the MTP drafter's carry
+        engine.cache.hidden_states[request.state_slot] = request.last_hidden.to(engine.cache.hidden_states.dtype)
     request.output_token_ids.append(first_token)
     request.status = RequestStatus.RUNNING

@@ -11,11 +11,14 @@ import torch
 from hybridserve.engine import handoff
 from hybridserve.engine.config import DTYPES, EngineConfig
 from hybridserve.engine.cuda_graphs import enable_decode_graphs
-from hybridserve.engine.model_runner import ModelRunner
+from hybridserve.engine.model_runner import ModelRunner, StepOutput
+from hybridserve.engine.mtp_drafter import CatchUp
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.engine.scheduler import Scheduler
+from hybridserve.engine.spec_decode import SpecDecoder
+from hybridserve.engine.spec_memory import spec_working_bytes, write_checkpoint_hidden
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.tokenizer import load_tokenizer
 from hybridserve.models.weights import load_model
@@ -34,9 +37,11 @@ class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig) -> None:
         self.config = config
         self.model_dir = Path(model_dir)
-        self.model_config = ModelConfig.from_dir(self.model_dir)
         device = config.torch_device
-        self.model = load_model(self.model_dir, self.model_config, config.torch_dtype, device)
+        self.model = load_model(self.model_dir, ModelConfig.from_dir(self.model_dir), config.torch_dtype, device)
+        self.model_config = self.model.config  # without MTP when the checkpoint ships no `mtp.*` weights
+        spec = config.speculative
+        lookahead = spec.num_speculative_tokens if spec is not None else 0
         self.tokenizer = load_tokenizer(self.model_dir)
         if self.tokenizer is not None and self.tokenizer.vocab_size > self.model_config.vocab_size:
             raise ValueError(
@@ -48,17 +53,19 @@ class LLMEngine:
         )
         ssm_dtype = DTYPES[self.model_config.ssm_state_dtype]
         mamba = self.model_config.mamba
-        conv_width = mamba.conv_kernel - 1 if mamba else 1
-        has_attention = bool(self.model_config.layers_of("attention"))
+        conv_width = mamba.conv_kernel - 1 + lookahead if mamba else 1  # rollback slides the window back
+        has_attention = bool(self.model_config.kv_layers())
         self.state_block = config.resolve_state_block(
             mamba.chunk_size if mamba else config.page_size, config.page_size if has_attention else None
         )
+        budget = memory_budget_bytes(device, config.cpu_memory_gb, config.gpu_memory_utilization)
+        budget -= spec_working_bytes(self.model_config, spec, config.max_num_seqs, ssm_dtype, config.torch_dtype)
         layout = plan_cache_layout(
             self.model_config,
-            memory_budget_bytes(device, config.cpu_memory_gb, config.gpu_memory_utilization),
+            budget,
             PoolRequest(
                 max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len,
+                max_model_len=self.max_model_len + lookahead,
                 page_size=config.page_size,
                 conv_width=conv_width,
                 dtype=config.torch_dtype,
@@ -71,8 +78,14 @@ class LLMEngine:
         )
         self.cache = StateCache(self.model_config, layout, config.torch_dtype, ssm_dtype, device)
         self.pool = StatePool(self.cache, self.state_block, config.enable_prefix_caching, config.max_cache_events)
-        self.scheduler = Scheduler(self.pool, config.prefill_chunk_size, layout.num_slots)
+        self.scheduler = Scheduler(self.pool, config.prefill_chunk_size, layout.num_slots, lookahead)
         self.runner = ModelRunner(self.model, self.cache, config.page_size, device, self.state_block)
+        self.spec: SpecDecoder | None = None
+        if spec is not None:
+            if spec.rollback == "replay":
+                self.cache.enable_replay(spec.num_verify_tokens)
+            self.spec = SpecDecoder(spec, self.model, self.cache, config.page_size)
+        self.lookahead = lookahead
         if config.cuda_graphs and device.type == "cuda":
             enable_decode_graphs(self.runner, layout.num_slots, -(-self.max_model_len // config.page_size))
         self._requests: dict[str, Request] = {}
@@ -121,7 +134,7 @@ class LLMEngine:
 
     def _new_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None) -> Request:
         tokens = self.validate_prompt(prompt_token_ids)
-        needed = min(len(tokens) + params.max_tokens, self.max_model_len)
+        needed = min(len(tokens) + params.max_tokens, self.max_model_len) + self.lookahead
         if not self.pool.fits_ever(needed):
             raise ValueError(
                 f"the request needs KV for {needed} tokens (prompt {len(tokens)} + max_tokens {params.max_tokens}), "
@@ -177,6 +190,11 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(request, reason)
             self._requests.pop(request_id, None)
+        elif self.spec is not None:  # drafts for the first verify: the drafter's slot of the first token
+            empty = request.last_hidden.new_zeros((0, request.last_hidden.shape[-1]))
+            if self.pool.reserve(request, request.num_tokens + self.lookahead):
+                n = request.num_computed_tokens
+                self.spec.catch_up([CatchUp(request, n, n, empty, True)])
         return self._output(request)
 
     def stats(self) -> dict[str, int]:
@@ -195,27 +213,48 @@ class LLMEngine:
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, append sampled tokens, apply stop rules; returns updated requests."""
+        """Schedule, run one forward, accept / sample, apply stop rules, draft; returns updated requests."""
         work = self.scheduler.schedule()
         if work.is_empty:
             return []
+        verify = self.spec.verify_inputs(work.decodes) if self.spec is not None else None
         checkpoint_slots = self.pool.plan_checkpoints([(c.request, c.num_tokens) for c in work.prefills])
         try:
-            sampled = self.runner.execute(work, checkpoint_slots)
+            output = self.runner.execute(work, checkpoint_slots, verify)
         except BaseException:
             self.pool.cancel_plan()
             raise
-        chunks = work.chunks()
-        for request, count in chunks:
-            request.num_computed_tokens += count
-        self.pool.commit([r for r, _ in chunks], work.decodes)
+        if self.spec is not None:
+            write_checkpoint_hidden(self.cache, work.prefills, checkpoint_slots, output, len(work.decodes),
+                                    self.state_block)
+        accepted = self.spec.accept(work.decodes, output) if self.spec is not None else []
+        chunks = [(r, 1) for r in work.decodes] + [(c.request, c.num_tokens) for c in work.prefills]
+        before = [r.num_computed_tokens for r, _ in chunks]
+        stops: dict[int, str] = {}
+        for index, (request, count) in enumerate(chunks):
+            if index < len(accepted):
+                new_tokens = accepted[index].tokens
+            else:
+                token = output.sampled.get(request.request_id)
+                new_tokens = [] if token is None else [token]
+            for token in new_tokens:
+                request.output_token_ids.append(token)
+                reason = self._stop_reason(request, token)
+                if reason is not None:
+                    stops[index] = reason
+                    break
+            request.num_computed_tokens += len(new_tokens) if index < len(accepted) else count
+        decodes = list(zip(work.decodes, before))
+        if self.spec is not None:
+            self.spec.begin_commit(output, work.decodes, before[: len(work.decodes)])
+        self.pool.commit([r for r, _ in chunks], decodes, self.spec.snapshot if self.spec is not None else None)
+        if self.spec is not None:
+            self.spec.rollback(work.decodes, [r.num_computed_tokens - b for r, b in decodes])
         updated: list[RequestOutput] = []
-        for request, _ in chunks:
-            token = sampled.get(request.request_id)
-            if token is None:
+        for index, (request, _) in enumerate(chunks):
+            if index >= len(accepted) and request.request_id not in output.sampled:
                 continue
-            request.output_token_ids.append(token)
-            reason = self._stop_reason(request, token)
+            reason = stops.get(index)
             if reason is not None and request.hold_state:
                 self.scheduler.detach(request, reason)
                 self._held[request.request_id] = request
@@ -224,7 +263,23 @@ class LLMEngine:
             updated.append(self._output(request))
             if request.finished:
                 self._requests.pop(request.request_id, None)
+        if self.spec is not None:
+            self.spec.catch_up(self._catch_up_work(chunks, before, output))
         return updated
+
+    def _catch_up_work(self, chunks: list[tuple[Request, int]], before: list[int], output: StepOutput) -> list[CatchUp]:
+        """The drafter's work after a step: every request that holds its slot and computed tokens."""
+        work = []
+        cu = output.batch.cu_seqlens.tolist()
+        for index, (request, _) in enumerate(chunks):
+            start, done = before[index], request.num_computed_tokens
+            if request.state_slot is None or done == start:
+                continue
+            rows = output.hidden[cu[index] : cu[index] + done - start]
+            draft = request.status is RequestStatus.RUNNING and request.is_decoding
+            draft = draft and self.pool.reserve(request, request.num_tokens + self.lookahead)
+            work.append(CatchUp(request, start, done if draft else done - 1, rows, draft))
+        return work
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         params = request.params
@@ -246,6 +301,8 @@ class LLMEngine:
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens,
             finished=request.status is RequestStatus.FINISHED,
+            num_draft_tokens=request.num_draft_tokens,
+            num_accepted_tokens=request.num_accepted_tokens,
         )
 
     def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +15,27 @@ from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.state_cache import StateCache
 
 
+@dataclass(frozen=True)
+class VerifyInputs:
+    """The decode rows of a speculative step: each feeds its last token plus drafts (T tokens in all)."""
+
+    tokens: list[list[int]]  # per decode row, T input tokens
+    rollback: str  # "intermediate" | "replay"
+    num_replay: list[int]  # per decode row, tokens of its previous verify to fold in (replay)
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one forward produced: final hidden states of every new token, the batch that placed them, the
+    sampled token of every request due one (plain decodes and finished prefills), and the logits of every
+    verify position."""
+
+    hidden: torch.Tensor  # [N, hidden]
+    batch: ForwardBatch
+    sampled: dict[str, int]
+    verify_logits: torch.Tensor | None = None  # [num_decode, T, vocab] fp32
+
+
 def build_forward_batch(
     chunks: list[tuple[Request, int]],
     num_decode: int,
@@ -21,18 +43,23 @@ def build_forward_batch(
     device: torch.device,
     state_block: int | None = None,
     checkpoint_slots: list[int] | None = None,
+    verify: VerifyInputs | None = None,
 ) -> tuple[torch.Tensor, ForwardBatch]:
     """(request, new token count) pairs, decodes first -> (input ids [N], batch metadata).
     `checkpoint_slots`: one slot (or -1) per state_block boundary the prefill chunks cross, in chunk then
-    position order; the Mamba layers write their state at those boundaries there."""
+    position order; the Mamba layers write their state at those boundaries there. With `verify` the decode
+    rows take its T tokens each instead of their one pending token."""
     input_ids: list[int] = []
     slot_mapping: list[int] = []
     query_lens, context_lens, kv_lens, state_slots = [], [], [], []
     max_pages = max((len(r.page_ids) for r, _ in chunks), default=0)
     block_tables = []
-    for request, count in chunks:
+    for index, (request, count) in enumerate(chunks):
         start = request.num_computed_tokens
-        input_ids.extend(request.all_token_ids[start : start + count])
+        if verify is not None and index < num_decode:
+            input_ids.extend(verify.tokens[index])
+        else:
+            input_ids.extend(request.all_token_ids[start : start + count])
         pages = request.page_ids
         if pages:
             slot_mapping.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, start + count))
@@ -60,6 +87,7 @@ def build_forward_batch(
         block_tables=torch.tensor(block_tables, dtype=torch.int64, device=device).reshape(len(chunks), max_pages),
         slot_mapping=as_tensor(slot_mapping),
         **_checkpoint_fields(state_block, checkpoint_slots or [], as_tensor),
+        **_verify_fields(verify, num_decode, device),
     )
     return as_tensor(input_ids), batch
 
@@ -79,6 +107,16 @@ def _checkpoint_fields(
     }
 
 
+def _verify_fields(verify: VerifyInputs | None, num_decode: int, device: torch.device) -> dict[str, object]:
+    if verify is None or num_decode == 0:
+        return {}
+    return {
+        "decode_len": len(verify.tokens[0]),
+        "spec_rollback": verify.rollback,
+        "num_replay": torch.tensor(verify.num_replay, dtype=torch.int32, device=device),
+    }
+
+
 class ModelRunner:
     """Owns the model and its state cache on one device."""
 
@@ -91,17 +129,26 @@ class ModelRunner:
         self.device = device
         self.state_block = state_block
 
-    def execute(self, work: SchedulerOutput, checkpoint_slots: list[int] | None = None) -> dict[str, int]:
-        """Run the step; returns the sampled token of every request whose pending tokens are now computed.
-        `checkpoint_slots`: from `StatePool.plan_checkpoints` for this step's prefill chunks."""
-        chunks = work.chunks()
+    def execute(
+        self, work: SchedulerOutput, checkpoint_slots: list[int] | None = None, verify: VerifyInputs | None = None
+    ) -> StepOutput:
+        """Run the step and sample every request whose pending tokens are now computed (verify rows are
+        left to the acceptance step: their logits come back instead). `checkpoint_slots`: from
+        `StatePool.plan_checkpoints` for this step's prefill chunks."""
+        nd = len(work.decodes)
+        tokens = len(verify.tokens[0]) if verify is not None and nd else 1
+        chunks = [(r, tokens) for r in work.decodes] + [(c.request, c.num_tokens) for c in work.prefills]
         input_ids, batch = build_forward_batch(
-            chunks, len(work.decodes), self.page_size, self.device, self.state_block, checkpoint_slots
+            chunks, nd, self.page_size, self.device, self.state_block, checkpoint_slots, verify
         )
         hidden = self.model(input_ids, batch, self.cache)
-        due = [i for i, (r, n) in enumerate(chunks) if n == r.num_pending_tokens]
+        verify_logits = None
+        if verify is not None and nd:
+            verify_logits = self.model.compute_logits(hidden[: nd * tokens]).view(nd, tokens, -1)
+        first_sampled = nd if verify is not None else 0
+        due = [i for i in range(first_sampled, len(chunks)) if chunks[i][1] == chunks[i][0].num_pending_tokens]
         if not due:
-            return {}
+            return StepOutput(hidden, batch, {}, verify_logits)
         rows = batch.cu_seqlens[torch.tensor(due, device=self.device) + 1] - 1
         last_hidden = hidden[rows]  # [num_due, hidden]
         logits = self.model.compute_logits(last_hidden)
@@ -109,8 +156,8 @@ class ModelRunner:
         for row, request in enumerate(requests):
             if request.hold_state:  # a prefill worker ships it to decode (the MTP drafter needs it)
                 request.last_hidden = last_hidden[row]
-        tokens = sample(logits, [r.params for r in requests], [r.generator for r in requests])
-        return {r.request_id: t for r, t in zip(requests, tokens)}
+        tokens_out = sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        return StepOutput(hidden, batch, {r.request_id: t for r, t in zip(requests, tokens_out)}, verify_logits)
 
     def prompt_logits(self, request: Request) -> torch.Tensor:
         """Logits at every prompt position [L, vocab] for a request holding its slot and pages (one pass)."""

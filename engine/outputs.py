@@ -16,3 +16,5 @@ class RequestOutput:
     finish_reason: str | None  # "stop" (EOS or a stop token) | "length" (max_tokens / max_model_len) | None
     num_cached_tokens: int
     finished: bool
+    num_draft_tokens: int = 0  # speculative decoding: drafts proposed for this request
+    num_accepted_tokens: int = 0  # ... and accepted by the target

@@ -43,6 +43,13 @@ class Request:
         self.finish_reason: str | None = None
         self.hold_state = False  # keep pages and slot after finishing, until the state is exported
         self.last_hidden: torch.Tensor | None = None  # [hidden] final hidden state of the last computed token
+        # speculative decoding: drafts for the next verify (with their distributions when sampled), the
+        # tokens of the last verify a replay rollback still has to fold in, and per-request counts
+        self.draft_tokens: list[int] = []
+        self.draft_probs: torch.Tensor | None = None  # [len(draft_tokens), vocab]
+        self.replay_pending = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)
 

@@ -22,6 +22,14 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def target_probs(logits: torch.Tensor, param: SamplingParams) -> torch.Tensor:
+    """The distribution a request samples from: logits [..., V] -> probs [..., V] fp32 on the CPU
+    (temperature, then top-k / top-p per row)."""
+    rows = logits.float().cpu().reshape(-1, logits.shape[-1]) / param.temperature
+    filtered = torch.stack([_filter_top_k_top_p(row, param.top_k, param.top_p) for row in rows])
+    return torch.softmax(filtered, dim=-1).reshape(logits.shape)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
     """logits: [B, V] fp32, one row per request -> one token id per row."""
     greedy_tokens = logits.argmax(dim=-1).tolist()
@@ -30,7 +38,6 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         if param.greedy:
             tokens.append(int(greedy_tokens[row]))
             continue
-        scaled = _filter_top_k_top_p(logits[row].float().cpu() / param.temperature, param.top_k, param.top_p)
-        probs = torch.softmax(scaled, dim=-1)
+        probs = target_probs(logits[row], param)
         tokens.append(int(torch.multinomial(probs, 1, generator=generator).item()))
     return tokens

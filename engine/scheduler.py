@@ -45,8 +45,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: StatePool, prefill_chunk_size: int, max_num_seqs: int) -> None:
+    def __init__(self, pool: StatePool, prefill_chunk_size: int, max_num_seqs: int, decode_lookahead: int = 0) -> None:
         self.pool = pool
+        self.decode_lookahead = decode_lookahead  # speculative decoding: pages for K draft positions per step
         self.prefill_chunk_size = prefill_chunk_size
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -79,7 +80,7 @@ class Scheduler:
         decodes: list[Request] = []
         for request in list(self.running):
             if request.status is RequestStatus.RUNNING and request.is_decoding:
-                if self._make_room(request, request.num_tokens):
+                if self._make_room(request, request.num_tokens + self.decode_lookahead):
                     decodes.append(request)
         prefills: list[ScheduledChunk] = []
         budget = self.prefill_chunk_size
@@ -124,6 +125,7 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.draft_tokens, request.draft_probs, request.replay_pending = [], None, 0
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 

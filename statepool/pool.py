@@ -41,6 +41,12 @@ class PooledSequence(Protocol):
     def all_token_ids(self) -> list[int]: ...
 
 
+class StateSnapshot(Protocol):
+    """Writes a sequence's state as it was after `num_tokens` tokens into checkpoint row `row`."""
+
+    def __call__(self, seq: PooledSequence, num_tokens: int, row: int) -> None: ...
+
+
 class PoolIntegrityError(RuntimeError):
     """`StatePool.check()` found a page or slot that is not exactly one of free, cached or owned once."""
 
@@ -184,9 +190,16 @@ class StatePool:
                 out.append(slot)
         return out
 
-    def commit(self, scheduled: Sequence[PooledSequence], decodes: Sequence[PooledSequence]) -> None:
+    def commit(
+        self,
+        scheduled: Sequence[PooledSequence],
+        decodes: Sequence[tuple[PooledSequence, int]],
+        snapshot: StateSnapshot | None = None,
+    ) -> None:
         """After a forward (num_computed_tokens already advanced): cache the new full blocks, attach the
-        planned prefill checkpoints, and checkpoint decodes that landed on a boundary."""
+        planned prefill checkpoints, and checkpoint decodes at every boundary in (before, computed].
+        `decodes` pairs each decoding sequence with its computed count before the step; a boundary short of
+        the sequence's end (speculative steps move by several tokens) needs `snapshot` to produce that state."""
         planned, self._planned = self._planned, []
         if self.radix is None:
             return
@@ -198,17 +211,26 @@ class StatePool:
             node = p.sequence.cache_nodes[p.num_tokens // self.block_size - 1]
             if not self.radix.attach_checkpoint(node, p.slot):
                 self.checkpoints.free([p.slot])
-        for seq in decodes:
-            pos = seq.num_computed_tokens
-            if not self.radix.is_checkpoint_position(pos) or seq.state_slot is None:
+        for seq, before in decodes:
+            if seq.state_slot is None:
                 continue
-            node = seq.cache_nodes[pos // self.block_size - 1]
-            if node.checkpoint is not None:
-                continue
-            slot = self.radix.allocate_checkpoint()
-            if slot is not None:
-                self.cache.copy_state(seq.state_slot, slot)
-                self.radix.attach_checkpoint(node, slot)
+            first = (before // self.state_block + 1) * self.state_block
+            for pos in range(first, seq.num_computed_tokens + 1, self.state_block):
+                node = seq.cache_nodes[pos // self.block_size - 1]
+                if node.checkpoint is not None:
+                    continue
+                slot = self.radix.allocate_checkpoint()
+                if slot is None:
+                    continue
+                if snapshot is not None:
+                    snapshot(seq, pos, slot)
+                elif pos == seq.num_computed_tokens:
+                    self.cache.copy_state(seq.state_slot, slot)
+                else:
+                    self.checkpoints.free([slot])
+                    continue
+                if not self.radix.attach_checkpoint(node, slot):
+                    self.checkpoints.free([slot])
 
     def cancel_plan(self) -> None:
         """Return planned checkpoint slots after a forward that did not complete."""

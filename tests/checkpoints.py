@@ -86,3 +86,47 @@ def hf_greedy(model: torch.nn.Module, token_ids: list[int], max_tokens: int) -> 
 def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+@functools.lru_cache(maxsize=None)
+def nemotron_h_mtp(
+    pattern: str = "M*-M", mtp_types: tuple[str, ...] = ("attention", "mlp"), seed: int = 0
+) -> tuple[Path, NemotronHForCausalLM]:
+    """A NemotronH checkpoint plus a random MTP module (`mtp.layers.*`, vLLM's nemotron_h_mtp layout)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, model = nemotron_h(pattern, seed)
+    directory = Path(tempfile.mkdtemp(prefix="hybridserve-mtp-"))
+    shutil.copytree(source, directory, dirs_exist_ok=True)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(num_nextn_predict_layers=1, mtp_layers_block_type=list(mtp_types))
+    (directory / "config.json").write_text(json.dumps(config))
+    hidden, inter = BASE_NEMOTRON_H["hidden_size"], BASE_NEMOTRON_H["intermediate_size"]
+    heads, kv_heads, head_dim = 4, 2, 8
+    generator = torch.Generator().manual_seed(seed + 1000)
+
+    def rand(*shape: int, scale: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * scale
+
+    tensors = load_file(str(directory / "model.safetensors"))
+    tensors["mtp.layers.0.enorm.weight"] = 1.0 + rand(hidden, scale=0.1)
+    tensors["mtp.layers.0.hnorm.weight"] = 1.0 + rand(hidden, scale=0.1)
+    tensors["mtp.layers.0.eh_proj.weight"] = rand(hidden, 2 * hidden)
+    for i, kind in enumerate(mtp_types):
+        prefix = f"mtp.layers.{i}"
+        tensors[f"{prefix}.norm.weight"] = 1.0 + rand(hidden, scale=0.1)
+        if kind == "attention":
+            tensors[f"{prefix}.mixer.q_proj.weight"] = rand(heads * head_dim, hidden)
+            tensors[f"{prefix}.mixer.k_proj.weight"] = rand(kv_heads * head_dim, hidden)
+            tensors[f"{prefix}.mixer.v_proj.weight"] = rand(kv_heads * head_dim, hidden)
+            tensors[f"{prefix}.mixer.o_proj.weight"] = rand(hidden, heads * head_dim)
+        else:
+            tensors[f"{prefix}.mixer.up_proj.weight"] = rand(inter, hidden)
+            tensors[f"{prefix}.mixer.down_proj.weight"] = rand(hidden, inter)
+    tensors[f"mtp.layers.{len(mtp_types) - 1}.final_layernorm.weight"] = 1.0 + rand(hidden, scale=0.1)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"),
+              metadata={"format": "pt"})
+    return directory, model

@@ -1,0 +1,134 @@
+"""Drafting with the checkpoint's MTP module.
+
+Slot q of the drafter pairs token x_q with the target's hidden state h_{q-1} (models/mtp.py). After every
+step the drafter catches up over the slots the target just finalised — [computed before, computed after],
+the first one fed by the hidden state carried from the previous step (`StateCache.hidden_states`, which
+prefix-cache checkpoints keep too) — and, for requests that go on decoding, its last slot yields draft 1;
+K-1 single-slot passes feeding the drafter's own output back yield drafts 2..K. Draft slots beyond the
+accepted tokens are overwritten by the next catch-up, like the target's rejected KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridserve.engine.request import Request
+from hybridserve.engine.sampler import target_probs
+from hybridserve.models.forward_batch import ForwardBatch
+from hybridserve.models.hybrid_model import HybridLM
+from hybridserve.statepool.state_cache import StateCache
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """One request's drafter work after a step: slots [start, last], and whether to draft after `last`."""
+
+    request: Request
+    start: int  # computed tokens before the step (its slot is fed by the carried hidden state)
+    last: int  # last slot to compute (the computed count after the step, or one less)
+    hidden_rows: torch.Tensor  # [computed after - start, hidden] the step's target hidden states h_start..
+    draft: bool
+
+
+def _slot_batch(rows: list[tuple[Request, int, int]], page_size: int, device: torch.device) -> ForwardBatch:
+    """A prefill-shaped batch placing `count` slots of each request from position `start` in its pages."""
+    query_lens, slot_mapping, context_lens = [], [], []
+    max_pages = max(len(r.page_ids) for r, _, _ in rows)
+    tables = []
+    for request, start, count in rows:
+        pages = request.page_ids
+        slot_mapping += [pages[p // page_size] * page_size + p % page_size for p in range(start, start + count)]
+        query_lens.append(count)
+        context_lens.append(start)
+        tables.append(pages + [0] * (max_pages - len(pages)))
+    cu = [0]
+    for n in query_lens:
+        cu.append(cu[-1] + n)
+
+    def as_tensor(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return ForwardBatch(
+        num_decode=0,
+        query_lens=tuple(query_lens),
+        cu_seqlens=as_tensor(cu),
+        context_lens=as_tensor(context_lens),
+        kv_lens=as_tensor([s + n for s, n in zip(context_lens, query_lens)]),
+        state_slots=as_tensor([-1] * len(rows)),
+        block_tables=as_tensor(tables).reshape(len(rows), max_pages),
+        slot_mapping=as_tensor(slot_mapping),
+    )
+
+
+class MTPDrafter:
+    """Runs the drafter's catch-up and draft passes for a batch of requests."""
+
+    def __init__(self, model: HybridLM, cache: StateCache, page_size: int, num_drafts: int) -> None:
+        if cache.hidden_states.shape[0] == 0:
+            raise ValueError("MTP drafting needs a model with Mamba layers (the carried hidden state lives in its slots)")
+        self.model = model
+        self.cache = cache
+        self.page_size = page_size
+        self.num_drafts = num_drafts
+        self.device = cache.hidden_states.device
+
+    def run(self, work: list[CatchUp]) -> None:
+        """Catch up every request, update its carried hidden state, and set `draft_tokens` / `draft_probs`
+        of those marked to draft."""
+        if not work:
+            return
+        token_ids: list[int] = []
+        prev_hidden: list[torch.Tensor] = []
+        rows = []
+        for item in work:
+            slot = item.request.state_slot
+            assert slot is not None  # the engine only passes requests that hold their slot
+            tokens = item.request.all_token_ids
+            token_ids += tokens[item.start : item.last + 1]
+            carry = self.cache.hidden_states[slot] if item.start > 0 else torch.zeros_like(self.cache.hidden_states[0])
+            prev_hidden.append(carry[None].to(self.cache.hidden_states.dtype))
+            prev_hidden.append(item.hidden_rows[: item.last - item.start].to(self.cache.hidden_states.dtype))
+            rows.append((item.request, item.start, item.last - item.start + 1))
+        batch = _slot_batch(rows, self.page_size, self.device)
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        drafter_hidden = self.model.mtp_forward(ids, torch.cat(prev_hidden), batch, self.cache)
+        for item in work:  # carry h_{computed - 1} to the next step (after reading the old carry above)
+            if item.hidden_rows.shape[0]:
+                self.cache.hidden_states[item.request.state_slot] = item.hidden_rows[-1]
+        drafting = [i for i, item in enumerate(work) if item.draft]
+        for item in work:
+            if not item.draft:
+                item.request.draft_tokens, item.request.draft_probs = [], None
+        if drafting:
+            last_rows = batch.cu_seqlens[torch.tensor(drafting, device=self.device) + 1] - 1
+            self._draft([work[i] for i in drafting], drafter_hidden[last_rows])
+
+    def _draft(self, work: list[CatchUp], hidden: torch.Tensor) -> None:
+        """hidden [R, hidden]: the drafter state of each request's last caught-up slot -> K drafts each."""
+        requests = [item.request for item in work]
+        drafts: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        for step in range(self.num_drafts):
+            logits = self.model.compute_logits(hidden)  # [R, V]
+            greedy = logits.argmax(dim=-1).tolist()
+            tokens = []
+            for row, request in enumerate(requests):
+                if request.params.greedy:
+                    token = int(greedy[row])
+                else:
+                    q = target_probs(logits[row], request.params)
+                    token = int(torch.multinomial(q, 1, generator=request.generator))
+                    probs[row].append(q)
+                drafts[row].append(token)
+                tokens.append(token)
+            if step == self.num_drafts - 1:
+                break
+            rows = [(item.request, item.last + 1 + step, 1) for item in work]
+            batch = _slot_batch(rows, self.page_size, self.device)
+            ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+            hidden = self.model.mtp_forward(ids, hidden, batch, self.cache)
+        for row, request in enumerate(requests):
+            request.draft_tokens = drafts[row]
+            request.draft_probs = torch.stack(probs[row]) if probs[row] else None

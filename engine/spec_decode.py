@@ -1,0 +1,191 @@
+"""Speculative decoding inside the engine step: drafts in, one verify pass, acceptance, state rollback.
+
+Per step, every decoding request feeds T = K+1 tokens (its last token and K drafts, padded when fewer were
+proposed) through the target in one pass. After acceptance of `a` drafts the request has computed j = a+1
+new tokens (fewer when a stop rule cut them), and its state rolls back to the last of them:
+  KV:   by length (the rejected positions are overwritten by the next step);
+  conv: the window slides back by T - j columns (the window is K columns wider than the kernel needs);
+  SSM:  "intermediate": the state after token j-1 is copied from the per-token states of the pass;
+        "replay": the slot keeps the state before the pass and the next verify folds in its j tokens.
+A state_block boundary crossed inside the accepted tokens gets its prefix-cache checkpoint from the same
+per-token states (or a partial replay), so speculation and prefix caching work together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hybridserve.engine.mtp_drafter import CatchUp, MTPDrafter
+from hybridserve.engine.model_runner import StepOutput, VerifyInputs
+from hybridserve.engine.ngram_drafter import propose_ngram
+from hybridserve.engine.rejection import Acceptance, accept_greedy, accept_sampled
+from hybridserve.engine.request import Request
+from hybridserve.engine.spec_config import SpeculativeConfig
+from hybridserve.kernels.replay_state import advance_states
+from hybridserve.models.hybrid_model import HybridLM
+from hybridserve.statepool.state_cache import StateCache
+
+
+@dataclass
+class SpecMetrics:
+    """Counters of one engine: verify rows that carried drafts, drafted / accepted tokens, and how often
+    the draft at each position was accepted."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per verify pass: 1 + accepted drafts per pass (1.0 before any draft)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+def shift_windows(windows: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """windows [R, ..., W] slid right by shift[r] columns (zeros enter on the left): the window as it was
+    shift[r] tokens earlier, valid in its last W - shift[r] columns."""
+    width = windows.shape[-1]
+    source = torch.arange(width, device=windows.device)[None, :] - shift.to(windows.device)[:, None]  # [R, W]
+    shape = (source.shape[0],) + (1,) * (windows.dim() - 2) + (width,)
+    moved = torch.gather(windows, -1, source.clamp(min=0).view(shape).expand_as(windows))
+    return moved.masked_fill((source < 0).view(shape), 0)
+
+
+@dataclass
+class _VerifyStep:
+    """What the snapshot and rollback of one step need to know."""
+
+    output: StepOutput
+    rows: dict[int, int]  # id(request) -> decode row
+    before: dict[int, int]  # id(request) -> computed tokens before the step
+
+
+class SpecDecoder:
+    """Owns the drafter, builds the verify inputs, accepts, rolls back and counts."""
+
+    def __init__(self, config: SpeculativeConfig, model: HybridLM, cache: StateCache, page_size: int) -> None:
+        self.config = config
+        self.model = model
+        self.cache = cache
+        self.num_drafts = config.num_speculative_tokens
+        self.tokens = config.num_verify_tokens
+        self.metrics = SpecMetrics(accepted_per_position=[0] * self.num_drafts)
+        self.mtp: MTPDrafter | None = None
+        if config.method == "mtp":
+            if model.mtp is None:
+                raise ValueError(
+                    "speculative_config method 'mtp' needs a checkpoint with an MTP module (config "
+                    "`num_nextn_predict_layers` and `mtp.*` weights); use method 'ngram' for this model"
+                )
+            self.mtp = MTPDrafter(model, cache, page_size, self.num_drafts)
+        self._step: _VerifyStep | None = None
+        self._external: Callable[[Request], list[int]] | None = None
+
+    def set_drafter(self, drafter: Callable[[Request], list[int]] | None) -> None:
+        """Replace the drafts of every verify by `drafter(request)` (oracle drafts for benchmarks and tests;
+        the MTP drafter, if any, still runs so its plumbing and cost stay in the step). None restores."""
+        self._external = drafter
+
+    # ---- before the forward ---------------------------------------------------------------------
+    def verify_inputs(self, decodes: list[Request]) -> VerifyInputs | None:
+        """T tokens per decode row: the last token, the drafts, padding (never accepted) up to K."""
+        if not decodes:
+            return None
+        cfg = self.config
+        rows = []
+        for request in decodes:
+            if self._external is not None:
+                request.draft_tokens, request.draft_probs = list(self._external(request))[: self.num_drafts], None
+            elif self.mtp is None:
+                request.draft_tokens = propose_ngram(
+                    request.all_token_ids, self.num_drafts, cfg.prompt_lookup_min, cfg.prompt_lookup_max
+                )
+                request.draft_probs = None
+            drafts = request.draft_tokens[: self.num_drafts]
+            last = request.all_token_ids[-1]
+            rows.append([last, *drafts] + [last] * (self.num_drafts - len(drafts)))
+        return VerifyInputs(rows, cfg.rollback, [r.replay_pending for r in decodes])
+
+    # ---- after the forward ----------------------------------------------------------------------
+    def accept(self, decodes: list[Request], output: StepOutput) -> list[Acceptance]:
+        """Accepted drafts + one target token per decode row; counts them."""
+        logits = output.verify_logits
+        if not decodes or logits is None:
+            return []
+        argmax = logits.argmax(dim=-1).tolist()  # [nd, T], one host sync for the greedy rows
+        results = []
+        for row, request in enumerate(decodes):
+            drafts = request.draft_tokens[: self.num_drafts]
+            if request.params.greedy:
+                result = accept_greedy(argmax[row], drafts)
+            else:
+                result = accept_sampled(logits[row], drafts, request.draft_probs, request.params, request.generator)
+            self.metrics.observe(len(drafts), result.num_accepted)
+            request.num_draft_tokens += len(drafts)
+            request.num_accepted_tokens += result.num_accepted
+            results.append(result)
+        return results
+
+    def begin_commit(self, output: StepOutput, decodes: list[Request], before: list[int]) -> None:
+        self._step = _VerifyStep(
+            output, {id(r): i for i, r in enumerate(decodes)}, {id(r): b for r, b in zip(decodes, before)}
+        )
+
+    def snapshot(self, request: Request, num_tokens: int, row: int) -> None:
+        """Write the request's state after `num_tokens` tokens (inside this step's verify) into checkpoint
+        row `row`: conv window slid back, SSM state from the per-token states or a partial replay, and the
+        carried hidden state for the drafter."""
+        step, cache = self._step, self.cache
+        assert step is not None and request.state_slot is not None  # begin_commit ran; decodes hold slots
+        decode_row = step.rows[id(request)]
+        done = num_tokens - step.before[id(request)]  # tokens of this step before the boundary, 1..T
+        slot = torch.tensor([request.state_slot], device=cache.conv_states.device)
+        target = torch.tensor([row], device=cache.conv_states.device)
+        cache.conv_states[target] = shift_windows(cache.conv_states[slot], torch.tensor([self.tokens - done]))
+        batch = step.output.batch
+        for layer in self.model.config.layers_of("mamba"):
+            ssm_pool = cache.mamba(layer)[1]
+            if self.config.rollback == "intermediate":
+                ssm_pool[row] = batch.intermediate_states[layer][decode_row, done - 1]
+            else:
+                A = -torch.exp(self.model.layers[layer].mixer.A_log.float())
+                advance_states(ssm_pool, cache.replay_cache(layer), slot, target, torch.tensor([done]), A)
+        if cache.hidden_states.shape[0]:
+            cache.hidden_states[row] = step.output.hidden[decode_row * self.tokens + done - 1]
+
+    def rollback(self, decodes: list[Request], computed: list[int]) -> None:
+        """Leave each decode row's state after its `computed[i]` new tokens (1..T)."""
+        if not decodes:
+            return
+        cache = self.cache
+        device = cache.conv_states.device
+        slots = torch.tensor([r.state_slot for r in decodes], device=device)
+        kept = torch.tensor(computed, device=device)
+        cache.conv_states[slots] = shift_windows(cache.conv_states[slots], self.tokens - kept)
+        if self.config.rollback == "intermediate":
+            assert self._step is not None
+            rows = torch.arange(len(decodes), device=device)
+            for layer, states in self._step.output.batch.intermediate_states.items():
+                cache.mamba(layer)[1][slots] = states[rows, kept - 1]
+        else:
+            for request, count in zip(decodes, computed):
+                request.replay_pending = count
+        self._step = None
+
+    def catch_up(self, work: list[CatchUp]) -> None:
+        """MTP: the drafter's slots for this step's tokens, then drafts for requests that keep decoding."""
+        if self.mtp is not None:
+            self.mtp.run(work)
