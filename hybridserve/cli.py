@@ -1,4 +1,4 @@
-"""The `hybridserve` command line: generate, worker, serve, up, down."""
+"""The `hybridserve` command line: generate, worker, serve, up, down, bench."""
 
 from __future__ import annotations
 
@@ -202,6 +202,31 @@ def _run_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="run a benchmark of the source checkout's bench/ folder (serve: bench/serve.py)",
+        description="Run a benchmark script of the source checkout: `hybridserve bench serve ARGS` is "
+        "`python bench/serve.py ARGS` (`hybridserve bench serve --help` lists them).",
+    )
+    p.add_argument("name", choices=["serve"], help="serve: replay a workload against a running server")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / f"{args.name}.py"
+    if not script.is_file():
+        raise ValueError(f"{script} is missing: `hybridserve bench` runs from a source checkout (pip install -e .)")
+    spec = importlib.util.spec_from_file_location(f"hybridserve_bench_{args.name}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return int(module.main(args.args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hybridserve",
@@ -214,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(sub)
     _add_serve(sub)
     _add_up_down(sub)
+    _add_bench(sub)
     return parser
 
 
