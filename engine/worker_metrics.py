@@ -7,6 +7,7 @@ engine loop, so they never go stale. Each worker owns its registry: several work
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 
@@ -15,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from hybridserve.engine.engine_loop import EngineLoop
+from hybridserve.engine.spec_decode import SpecMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,8 @@ class _EngineGauges(Collector):
                 "queries": pool.num_queries,
                 "hits": pool.num_hits,
                 "hit_tokens": pool.num_hit_tokens,
+                "spec": dataclasses.replace(engine.spec.metrics, accepted_per_position=list(
+                    engine.spec.metrics.accepted_per_position)) if engine.spec is not None else None,
             }
 
         try:
@@ -74,6 +78,29 @@ class _EngineGauges(Collector):
             family = CounterMetricFamily(name, doc, labels=["role"])
             family.add_metric([self._role], float(value))
             yield family
+        spec = v["spec"]
+        if spec is not None:
+            yield from _spec_families(spec, self._role)
+
+
+def _spec_families(spec: SpecMetrics, role: str) -> Iterator[CounterMetricFamily]:
+    """Speculative decoding: acceptance length = 1 + accepted / verify_steps; per-position rates."""
+    rows = [
+        ("hybridserve_worker_spec_verify_steps", "Verify passes of a request that carried drafts", spec.num_drafts),
+        ("hybridserve_worker_spec_draft_tokens", "Draft tokens proposed", spec.num_draft_tokens),
+        ("hybridserve_worker_spec_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens),
+    ]
+    for name, doc, value in rows:
+        family = CounterMetricFamily(name, doc, labels=["role"])
+        family.add_metric([role], float(value))
+        yield family
+    family = CounterMetricFamily(
+        "hybridserve_worker_spec_accepted_by_position", "Drafts accepted at each draft position (1-based)",
+        labels=["role", "position"],
+    )
+    for position, count in enumerate(spec.accepted_per_position, start=1):
+        family.add_metric([role, str(position)], float(count))
+    yield family
 
 
 class WorkerMetrics:

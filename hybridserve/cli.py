@@ -26,6 +26,21 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-memory-gb", type=float, default=2.0, help="state-cache budget on CPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+    g.add_argument("--speculative-config", type=_parse_json, default=None,
+                   help='speculative decoding as JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 3, '
+                        '"rollback": "replay"}\' (method mtp | ngram; rollback intermediate | replay)')
+
+
+def _parse_json(text: str) -> dict:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _engine_config(args: argparse.Namespace):
@@ -35,6 +50,7 @@ def _engine_config(args: argparse.Namespace):
         device=args.device, dtype=args.dtype, prefill_chunk_size=args.prefill_chunk_size,
         max_num_seqs=args.max_num_seqs, page_size=args.page_size, max_model_len=args.max_model_len,
         cpu_memory_gb=args.cpu_memory_gb, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
+        speculative_config=args.speculative_config,
     )
 
 

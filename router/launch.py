@@ -6,6 +6,7 @@ once it serves, and the launcher waits for that file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -40,6 +41,8 @@ class WorkerOptions:
         ]
         if e.max_model_len is not None:
             args += ["--max-model-len", str(e.max_model_len)]
+        if e.speculative is not None:
+            args += ["--speculative-config", json.dumps(dataclasses.asdict(e.speculative))]
         return args
 
 
