@@ -54,7 +54,11 @@ def check_manifest(
     got = [(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in manifest.tensors]
     want = [(s.name, s.dtype_name, s.shape, s.nbytes) for s in specs]
     if got != want:
-        raise TransferError("INVALID_ARGUMENT", f"manifest tensors {got} do not match the expected {want}")
+        raise TransferError(
+            "INVALID_ARGUMENT",
+            f"manifest tensors {got} do not match the expected {want}: prefill and decode workers need the same "
+            "model, dtype and speculative_config (MTP adds drafter KV, speculation widens the conv windows)",
+        )
     total = sum(s.nbytes for s in specs)
     if manifest.total_bytes != total:
         raise TransferError("INVALID_ARGUMENT", "manifest total_bytes does not match its tensors")

@@ -38,9 +38,11 @@ class LLMEngine:
         self.config = config
         self.model_dir = Path(model_dir)
         device = config.torch_device
-        self.model = load_model(self.model_dir, ModelConfig.from_dir(self.model_dir), config.torch_dtype, device)
-        self.model_config = self.model.config  # without MTP when the checkpoint ships no `mtp.*` weights
         spec = config.speculative
+        with_mtp = spec is not None and spec.method == "mtp"  # else the drafter and its KV are left out
+        model_config = ModelConfig.from_dir(self.model_dir)
+        self.model = load_model(self.model_dir, model_config, config.torch_dtype, device, with_mtp)
+        self.model_config = self.model.config  # without MTP when not drafting with it or it has no weights
         lookahead = spec.num_speculative_tokens if spec is not None else 0
         self.tokenizer = load_tokenizer(self.model_dir)
         if self.tokenizer is not None and self.tokenizer.vocab_size > self.model_config.vocab_size:

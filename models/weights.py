@@ -64,10 +64,11 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(
-    model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device
+    model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, with_mtp: bool = True
 ) -> HybridLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint; missing or unexpected
-    tensors and shape mismatches raise a ValueError that names them."""
+    tensors and shape mismatches raise a ValueError that names them. `with_mtp=False` leaves out the MTP
+    drafter (and its KV) even when the checkpoint has one."""
     model_dir = Path(model_dir)
     state = read_state_dict(model_dir)
     has_mtp_weights = any(name.startswith("mtp.") for name in state)
@@ -76,6 +77,9 @@ def load_model(
         config = dataclasses.replace(config, mtp_layer_types=())
     elif has_mtp_weights and not config.has_mtp:
         logger.warning("%s has `mtp.*` weights but no `num_nextn_predict_layers`: ignoring them", model_dir)
+    if not with_mtp and config.has_mtp:
+        config = dataclasses.replace(config, mtp_layer_types=())
+    if not config.has_mtp:
         state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
     if "lm_head.weight" not in state and config.tie_word_embeddings and "embeddings.weight" in state:
         state["lm_head.weight"] = state["embeddings.weight"]
