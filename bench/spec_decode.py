@@ -1,0 +1,162 @@
+"""Speculative decoding on the GPU: Nemotron-Nano-9B-v2 shapes, random bf16 weights, the real engine.
+
+Random weights make real drafts meaningless, so acceptance is set by an oracle: each draft is accepted with
+probability `rate` (0, 0.5, 1) until the first rejection; the verify pass, the state rollback and the
+checkpoint writes all run for real. Per (batch, K, rollback, rate): decode tokens/s, ms per step, SSM state
+bytes moved per step and state memory per request; plain decoding (eager and CUDA graph) is the baseline.
+
+  python bench/spec_decode.py [--quick] [--out bench/results/<device>/spec_decode.json]
+
+Floors: a verify step of T = K+1 tokens reads the weights once (like a decode step) plus the SSM state
+traffic: plain 2S per request, intermediate (T+3)S (read, T per-token writes, rollback copy), replay 2S
+(read + write after folding in the accepted tokens) — S = the request's SSM state bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_step import CONFIG, random_model  # noqa: E402
+
+from hybridserve.engine import llm_engine  # noqa: E402
+from hybridserve.engine.config import EngineConfig  # noqa: E402
+from hybridserve.engine.llm_engine import LLMEngine  # noqa: E402
+from hybridserve.engine.rejection import Acceptance  # noqa: E402
+from hybridserve.engine.sampling_params import SamplingParams  # noqa: E402
+from hybridserve.models.config import ModelConfig  # noqa: E402
+
+PROMPT_LEN = 128
+MAX_LEN = 1024
+
+
+def _patch_loader(model: torch.nn.Module) -> None:
+    """The engine takes the in-memory random model instead of reading 18 GB of weights."""
+    llm_engine.load_model = lambda *args, **kwargs: model  # type: ignore[assignment]
+
+
+def _oracle_accept(engine: LLMEngine, rate: float, seed: int) -> None:
+    """Acceptance by coin flips at `rate` per draft (the target's argmax supplies the emitted tokens)."""
+    rng = random.Random(seed)
+    spec = engine.spec
+    assert spec is not None
+
+    def accept(decodes, output):  # noqa: ANN001, ANN202 - replaces SpecDecoder.accept
+        if not decodes or output.verify_logits is None:
+            return []
+        argmax = output.verify_logits.argmax(dim=-1).tolist()
+        results = []
+        for row, request in enumerate(decodes):
+            drafts = request.draft_tokens
+            kept = 0
+            while kept < len(drafts) and rng.random() < rate:
+                kept += 1
+            spec.metrics.observe(len(drafts), kept)
+            results.append(Acceptance(drafts[:kept] + [argmax[row][kept]], kept))
+        return results
+
+    spec.accept = accept  # type: ignore[method-assign]
+    spec.set_drafter(lambda request: [request.all_token_ids[-1]] * spec.num_drafts)
+
+
+def run_config(model_dir: str, batch: int, spec: dict | None, rate: float, graphs: bool, steps: int,
+               device: str = "cuda") -> dict:
+    config = EngineConfig(
+        device=device, dtype="bfloat16" if device == "cuda" else "float32", max_num_seqs=batch, max_model_len=MAX_LEN, prefill_chunk_size=8192,
+        enable_prefix_caching=False, cuda_graphs=graphs, gpu_memory_utilization=0.97,
+        num_kv_pages=batch * (MAX_LEN // 16 + 8), speculative_config=spec,
+    )
+    engine = LLMEngine(model_dir, config)
+    if spec is not None:
+        _oracle_accept(engine, rate, seed=batch)
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(max_tokens=MAX_LEN - PROMPT_LEN - 16, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(torch.randint(3, min(1000, engine.model_config.vocab_size), (PROMPT_LEN,), generator=gen).tolist(), params, f"r{i}")
+    while any(r.num_computed_tokens < PROMPT_LEN for r in engine._requests.values()):
+        engine.step()
+    for _ in range(3):  # warm-up decode / verify steps (Triton compiles)
+        engine.step()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    times, tokens = [], 0
+    for _ in range(steps):
+        before = sum(len(r.output_token_ids) for r in engine._requests.values())
+        start = time.perf_counter()
+        engine.step()
+        sync()
+        times.append(time.perf_counter() - start)
+        tokens += sum(len(r.output_token_ids) for r in engine._requests.values()) - before
+    cache = engine.cache
+    ssm_bytes = cache.ssm_states[0].numel() * cache.ssm_states.element_size()
+    k = spec["num_speculative_tokens"] if spec else 0
+    rollback = spec["rollback"] if spec else None
+    moved = {None: 2, "intermediate": k + 4, "replay": 2}[rollback] * ssm_bytes * batch
+    working = 0
+    if rollback == "intermediate":
+        working = (k + 1) * ssm_bytes
+    elif rollback == "replay":
+        working = sum(r.nbytes() for r in cache._replay) // cache.layout.num_slots
+    row = {
+        "batch": batch, "K": k, "rollback": rollback, "accept_rate": rate if spec else None, "cuda_graphs": graphs,
+        "step_ms": statistics.median(times) * 1e3, "tokens_per_s": tokens / sum(times),
+        "acceptance_length": engine.spec.metrics.acceptance_length if engine.spec else 1.0,
+        "ssm_state_MB_per_request": ssm_bytes / 1e6, "state_GB_moved_per_step": moved / 1e9,
+        "spec_working_MB_per_request": working / 1e6,
+    }
+    del engine
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer configurations and steps")
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/spec_decode.py needs a CUDA device")
+    model_config = ModelConfig.from_hf_dict(json.loads(CONFIG.read_text()))
+    _patch_loader(random_model(model_config))
+    model_dir = tempfile.mkdtemp(prefix="spec-bench-")
+    (Path(model_dir) / "config.json").write_text(CONFIG.read_text())
+    batches = (1, 32) if args.quick else (1, 8, 32, 64)
+    ks = (2,) if args.quick else (1, 2, 3, 4)
+    steps = 8 if args.quick else 20
+    rows: list[dict[str, Any]] = []
+
+    def record(row: dict) -> None:
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+
+    for batch in batches:
+        for graphs in (False, True):
+            record(run_config(model_dir, batch, None, 0.0, graphs, steps))
+        for k in ks:
+            for rollback in ("intermediate", "replay"):
+                for rate in (0.0, 0.5, 1.0):
+                    spec = {"method": "ngram", "num_speculative_tokens": k, "rollback": rollback}
+                    try:
+                        record(run_config(model_dir, batch, spec, rate, False, steps))
+                    except torch.cuda.OutOfMemoryError as exc:
+                        record({"batch": batch, "K": k, "rollback": rollback, "accept_rate": rate,
+                                "error": f"out of memory: {str(exc)[:200]}"})
+                        torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
