@@ -15,6 +15,7 @@ traffic: plain 2S per request, intermediate (T+3)S (read, T per-token writes, ro
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -114,7 +115,11 @@ def run_config(model_dir: str, batch: int, spec: dict | None, rate: float, graph
         "ssm_state_MB_per_request": ssm_bytes / 1e6, "state_GB_moved_per_step": moved / 1e9,
         "spec_working_MB_per_request": working / 1e6,
     }
-    del engine
+    spec_decoder = engine.spec
+    if spec_decoder is not None:  # break the oracle's reference cycle so the pools are freed now
+        spec_decoder.accept = None  # type: ignore[assignment]
+    del engine, spec_decoder, cache
+    gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
     return row
@@ -133,12 +138,15 @@ def main() -> None:
     (Path(model_dir) / "config.json").write_text(CONFIG.read_text())
     batches = (1, 32) if args.quick else (1, 8, 32, 64)
     ks = (2,) if args.quick else (1, 2, 3, 4)
-    steps = 8 if args.quick else 20
+    steps = 8 if args.quick else 12
     rows: list[dict[str, Any]] = []
 
     def record(row: dict) -> None:
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        if args.out:  # after every row: a crash keeps what was measured
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 
     for batch in batches:
         for graphs in (False, True):
@@ -149,13 +157,11 @@ def main() -> None:
                     spec = {"method": "ngram", "num_speculative_tokens": k, "rollback": rollback}
                     try:
                         record(run_config(model_dir, batch, spec, rate, False, steps))
-                    except torch.cuda.OutOfMemoryError as exc:
+                    except (torch.cuda.OutOfMemoryError, ValueError) as exc:  # pools that do not fit
                         record({"batch": batch, "K": k, "rollback": rollback, "accept_rate": rate,
-                                "error": f"out of memory: {str(exc)[:200]}"})
+                                "error": str(exc)[:300]})
+                        gc.collect()
                         torch.cuda.empty_cache()
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":
