@@ -1,5 +1,8 @@
-"""The embedded default model: a small random NemotronH checkpoint with a byte-level tokenizer, written
-deterministically (fixed seed) in transformers' layout on first use."""
+"""The embedded default model, and writers of small random checkpoints.
+
+`default_model_dir()` is `demo_model/` beside this file: a small NemotronH with one MTP step, trained on the
+Python standard library by `bench/train_demo.py` (its README.md is the model card). The random-checkpoint
+writers below (`write_random_nemotron_h`, `write_byte_tokenizer`, `random_model_dir`) serve the tests."""
 
 from __future__ import annotations
 
@@ -11,10 +14,11 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "nemotron-h-tiny-random-v1"
+DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
+RANDOM_MODEL_NAME = "nemotron-h-tiny-random-v1"
 _SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2
 
-DEFAULT_CONFIG: dict = {
+RANDOM_CONFIG: dict = {
     "vocab_size": 320,
     "hidden_size": 64,
     "hybrid_override_pattern": "M-M*M-M*",
@@ -79,15 +83,27 @@ def write_random_nemotron_h(directory: Path, config: dict, seed: int) -> None:
 
 
 def default_model_dir() -> Path:
-    """Path of the default checkpoint, created on first use (atomically, safe under concurrent callers)."""
-    target = cache_root() / DEFAULT_MODEL_NAME
+    """The embedded demo checkpoint (package data of `hybridserve.models`)."""
+    if not (DEMO_MODEL_DIR / "config.json").is_file() or not (DEMO_MODEL_DIR / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"the embedded default model is missing from {DEMO_MODEL_DIR} (config.json / model.safetensors); "
+            "reinstall hybridserve, pass a checkpoint directory explicitly, or recreate it with "
+            "`python bench/train_demo.py --out-dir models/demo_model` (needs a GPU)"
+        )
+    return DEMO_MODEL_DIR
+
+
+def random_model_dir() -> Path:
+    """A small random NemotronH with a byte-level tokenizer, written under `cache_root()` on first use
+    (deterministic, seed 0; atomic, safe under concurrent callers)."""
+    target = cache_root() / RANDOM_MODEL_NAME
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
     try:
-        logger.info("writing the default model to %s", target)
-        write_random_nemotron_h(staging, DEFAULT_CONFIG, seed=0)
+        logger.info("writing the random model to %s", target)
+        write_random_nemotron_h(staging, RANDOM_CONFIG, seed=0)
         write_byte_tokenizer(staging)
         try:
             staging.rename(target)

@@ -25,7 +25,7 @@ def test_generate_on_the_default_model_with_text() -> None:
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(result["token_ids"]) == 6 and result["finish_reason"] == "length"
-    assert isinstance(result["text"], str) and len(result["prompt_token_ids"]) == len("def fib(n):")
+    assert isinstance(result["text"], str) and 0 < len(result["prompt_token_ids"]) < len("def fib(n):")  # BPE
 
 
 def test_generate_on_a_transformers_checkpoint_with_ids() -> None:

@@ -1,0 +1,661 @@
+"""Train the embedded demo model: a small NemotronH (Mamba2 + attention + MLP) with one MTP step, on the
+Python source of the running interpreter's standard library.
+
+Writes a transformers checkpoint (config.json, model.safetensors in bf16 with the `mtp.*` tensors added,
+tokenizer files), a model card (README.md) and training_report.json into --out-dir.
+
+    python bench/train_demo.py --out-dir models/demo_model               # GPU, ~6 minutes
+    python bench/train_demo.py --out-dir /tmp/demo --device cpu --max-steps 5 --max-files 40   # smoke test
+
+MTP semantics (vLLM's nemotron_h_mtp layout): with the trunk's final-normed hidden states h_0..h_{L-1},
+slot q = 1..L-1 computes u_q = eh_proj([enorm(embed(x_q)), hnorm(h_{q-1})]), then for each MTP layer
+u = u + mixer(norm(u)) (causal attention over the slots, no positional embedding), g_q = final_layernorm(u),
+and lm_head(g_q) predicts x_{q+1}. Embedding and lm_head are the trunk's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import platform
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# bench/ holds a `kernels.py` that would shadow the `kernels` package transformers probes for
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _HERE]
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+logger = logging.getLogger("train_demo")
+
+EOS = "<|endoftext|>"
+SKIP_PARTS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class Corpus:
+    root: Path
+    train: list[tuple[str, str]]  # (relative path, text)
+    heldout: list[tuple[str, str]]
+    validation: list[tuple[str, str]]  # picks the best step; never reported as held-out
+    skipped: int
+
+
+def split_bucket(rel: str) -> int:
+    """Deterministic file-level split: a hash of the relative path, 0..99."""
+    return int(hashlib.sha256(rel.encode()).hexdigest(), 16) % 100
+
+
+def load_corpus(heldout_percent: int, validation_percent: int, max_files: int | None) -> Corpus:
+    """Every *.py file of the stdlib (sorted; site-packages excluded; non-UTF-8 files skipped)."""
+    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    files = sorted(p for p in root.rglob("*.py") if not SKIP_PARTS & set(p.relative_to(root).parts))
+    if max_files is not None:
+        files = files[:max_files]
+    train, heldout, validation, skipped = [], [], [], 0
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except (UnicodeDecodeError, OSError):
+            skipped += 1
+            continue
+        bucket = split_bucket(rel)
+        if bucket < heldout_percent:
+            heldout.append((rel, text))
+        elif bucket < heldout_percent + validation_percent:
+            validation.append((rel, text))
+        else:
+            train.append((rel, text))
+    return Corpus(root, train, heldout, validation, skipped)
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):  # noqa: ANN201 - PreTrainedTokenizerFast
+    """Byte-level BPE (GPT-2 style pre-tokenization) saved in transformers' layout."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS, pad_token=EOS, bos_token=EOS, unk_token=None, model_max_length=4096
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out_dir))
+    # the class name transformers 4.x and 5.x both resolve (5.x writes its own `TokenizersBackend`)
+    config_path = out_dir / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text())
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
+    special = out_dir / "special_tokens_map.json"
+    if not special.is_file():
+        special.write_text(json.dumps({"bos_token": EOS, "eos_token": EOS, "pad_token": EOS}, indent=2) + "\n")
+    return fast
+
+
+def encode_stream(tokenizer, texts: list[str]) -> torch.Tensor:  # noqa: ANN001
+    """All documents concatenated, each followed by EOS."""
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    ids: list[int] = []
+    for enc in tokenizer._tokenizer.encode_batch(texts, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+class RMSNorm(nn.Module):
+    """NemotronH's RMSNorm: normalize and scale in float32, cast back."""
+
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+class CausalGQA(nn.Module):
+    """NemotronH attention (q/k/v/o projections, GQA, no positional embedding), causal over its input."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim**-0.5)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class Relu2MLP(nn.Module):
+    """NemotronH's non-gated MLP: down(relu(up(x))^2)."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class MTPLayer(nn.Module):
+    def __init__(self, cfg: dict, kind: str, first: bool, last: bool) -> None:
+        super().__init__()
+        hidden, eps = cfg["hidden_size"], cfg["layer_norm_epsilon"]
+        if first:
+            self.enorm = RMSNorm(hidden, eps)
+            self.hnorm = RMSNorm(hidden, eps)
+            self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+        self.norm = RMSNorm(hidden, eps)
+        if kind == "full_attention":
+            self.mixer: nn.Module = CausalGQA(
+                hidden, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+            )
+        elif kind == "mlp":
+            self.mixer = Relu2MLP(hidden, cfg["intermediate_size"])
+        else:
+            raise ValueError(f"unsupported MTP layer type {kind!r}")
+        if last:
+            self.final_layernorm = RMSNorm(hidden, eps)
+
+
+class MTP(nn.Module):
+    """One MTP step; parameter names match `mtp.layers.{i}.*` of vLLM's nemotron_h_mtp."""
+
+    def __init__(self, cfg: dict, kinds: list[str]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            MTPLayer(cfg, kind, first=i == 0, last=i == len(kinds) - 1) for i, kind in enumerate(kinds)
+        )
+
+    def forward(self, token_embeds: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
+        """token_embeds = embed(x_q), prev_hidden = h_{q-1}, both [B, T, H] -> g [B, T, H]."""
+        first = self.layers[0]
+        u = first.eh_proj(torch.cat([first.enorm(token_embeds), first.hnorm(prev_hidden)], dim=-1))
+        for layer in self.layers:
+            u = u + layer.mixer(layer.norm(u))
+        return self.layers[-1].final_layernorm(u)
+
+
+def init_mtp(mtp: MTP, std: float) -> None:
+    for module in mtp.modules():
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=std)
+
+
+# ------------------------------------------------------------------------------------------- training
+
+
+def forward_losses(trunk, mtp: MTP, batch: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
+    """batch [B, L+1] -> (trunk CE, MTP CE, trunk logits [B,L,V], MTP logits [B,L-1,V])."""
+    x = batch[:, :-1]
+    h = trunk.model(input_ids=x, use_cache=False).last_hidden_state  # after norm_f
+    logits = trunk.lm_head(h)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten().long())
+    g = mtp(trunk.model.embeddings(x[:, 1:]), h[:, :-1])  # slots q = 1..L-1
+    mtp_logits = trunk.lm_head(g)
+    mtp_loss = F.cross_entropy(mtp_logits.float().flatten(0, 1), batch[:, 2:].flatten().long())
+    return loss, mtp_loss, logits, mtp_logits
+
+
+@torch.no_grad()
+def evaluate(trunk, mtp: MTP, windows: torch.Tensor, batch_size: int, device: str) -> dict:  # noqa: ANN001
+    """Held-out trunk loss / top-1 and MTP loss / top-1 over non-overlapping windows."""
+    if windows.shape[0] == 0:
+        nan = float("nan")
+        return {"trunk_loss_nats_per_token": nan, "trunk_top1_accuracy": nan, "mtp_loss_nats_per_token": nan,
+                "mtp_top1_accuracy": nan, "tokens": 0}
+    trunk.eval()
+    mtp.eval()
+    sums = {"nll": 0.0, "correct": 0, "n": 0, "mtp_nll": 0.0, "mtp_correct": 0, "mtp_n": 0}
+    for start in range(0, windows.shape[0], batch_size):
+        batch = windows[start : start + batch_size].to(device).long()
+        with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=device != "cpu"):
+            loss, mtp_loss, logits, mtp_logits = forward_losses(trunk, mtp, batch)
+        n, mn = batch[:, 1:].numel(), batch[:, 2:].numel()
+        sums["nll"] += float(loss) * n
+        sums["mtp_nll"] += float(mtp_loss) * mn
+        sums["correct"] += int((logits.argmax(-1) == batch[:, 1:]).sum())
+        sums["mtp_correct"] += int((mtp_logits.argmax(-1) == batch[:, 2:]).sum())
+        sums["n"] += n
+        sums["mtp_n"] += mn
+    trunk.train()
+    mtp.train()
+    return {
+        "trunk_loss_nats_per_token": sums["nll"] / sums["n"],
+        "trunk_top1_accuracy": sums["correct"] / sums["n"],
+        "mtp_loss_nats_per_token": sums["mtp_nll"] / sums["mtp_n"],
+        "mtp_top1_accuracy": sums["mtp_correct"] / sums["mtp_n"],
+        "tokens": sums["n"],
+    }
+
+
+def windows_of(stream: torch.Tensor, seq_len: int, max_windows: int | None) -> torch.Tensor:
+    """Non-overlapping [seq_len + 1] windows (consecutive windows share one boundary token)."""
+    count = max(0, (stream.numel() - 1) // seq_len)
+    if max_windows is not None:
+        count = min(count, max_windows)
+    idx = torch.arange(count)[:, None] * seq_len + torch.arange(seq_len + 1)[None, :]
+    return stream[idx]
+
+
+def lr_at(step: int, total: int, warmup: int, peak: float, floor: float) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+@torch.no_grad()
+def greedy(trunk, tokenizer, prompt: str, max_tokens: int, device: str) -> str:  # noqa: ANN001
+    """Greedy continuation by full re-forward (float32), as transformers' oracle does."""
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    out: list[int] = []
+    for _ in range(max_tokens):
+        logits = trunk(torch.tensor([ids + out], device=device), use_cache=False).logits[0, -1]
+        nxt = int(logits.argmax())
+        if nxt == tokenizer.eos_token_id:
+            break
+        out.append(nxt)
+    return tokenizer.decode(out)
+
+
+def model_config(args: argparse.Namespace, vocab: int, eos: int) -> dict:
+    return {
+        "vocab_size": vocab,
+        "hidden_size": args.hidden,
+        "hybrid_override_pattern": args.pattern,
+        "num_attention_heads": args.heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.hidden // args.heads,
+        "intermediate_size": args.mlp_intermediate,
+        "mamba_num_heads": 2 * args.hidden // args.mamba_head_dim,
+        "mamba_head_dim": args.mamba_head_dim,
+        "ssm_state_size": args.ssm_state,
+        "n_groups": args.n_groups,
+        "conv_kernel": 4,
+        "chunk_size": args.chunk_size,
+        "max_position_embeddings": 4096,
+        "layer_norm_epsilon": 1e-5,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
+        "pad_token_id": eos,
+        "tie_word_embeddings": False,
+    }
+
+
+def save_checkpoint(trunk, mtp: MTP, cfg: dict, mtp_kinds: list[str], out_dir: Path) -> dict:  # noqa: ANN001
+    """save_pretrained (bf16), then add `mtp.*` to model.safetensors and the MTP fields to config.json."""
+    from safetensors.torch import load_file, save_file
+
+    trunk.to(torch.bfloat16).save_pretrained(str(out_dir), safe_serialization=True)
+    path = out_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    for name, value in mtp.state_dict().items():
+        tensors[f"mtp.{name}"] = value.detach().to(torch.bfloat16).cpu().contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config["num_nextn_predict_layers"] = 1
+    config["mtp_layers_block_type"] = mtp_kinds
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return {name: list(t.shape) for name, t in tensors.items() if name.startswith("mtp.")}
+
+
+def snapshot(trunk: nn.Module, mtp: nn.Module) -> tuple[dict, dict]:
+    """CPU copies of both state dicts."""
+    return (
+        {k: v.detach().cpu().clone() for k, v in trunk.state_dict().items()},
+        {k: v.detach().cpu().clone() for k, v in mtp.state_dict().items()},
+    )
+
+
+def count_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--pattern", default="M-M*M-M-")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--mlp-intermediate", type=int, default=1024)
+    p.add_argument("--mamba-head-dim", type=int, default=64)
+    p.add_argument("--ssm-state", type=int, default=64)
+    p.add_argument("--n-groups", type=int, default=2)
+    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min-lr", type=float, default=1e-4)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--mtp-weight", type=float, default=0.3)
+    p.add_argument("--max-steps", type=int, default=None, help="fixed step count (default: fit --time-budget-s)")
+    p.add_argument("--time-budget-s", type=float, default=330.0, help="wall time of the training loop")
+    p.add_argument("--calib-steps", type=int, default=30, help="steps timed to size the run to the budget")
+    p.add_argument("--heldout-percent", type=int, default=4)
+    p.add_argument("--validation-percent", type=int, default=3, help="files that pick the best step")
+    p.add_argument("--eval-windows", type=int, default=256, help="held-out windows evaluated at the end")
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--max-files", type=int, default=None, help="debug: only the first N files")
+    p.add_argument("--tokenizer-dir", type=Path, default=None, help="reuse a trained tokenizer")
+    p.add_argument("--compile", action="store_true", help="torch.compile the loss function")
+    args = p.parse_args(argv)
+    if args.calib_steps <= 10:
+        p.error("--calib-steps must exceed 10 (steps 10..calib-steps are timed)")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
+    t_start = time.perf_counter()
+    torch.manual_seed(args.seed)
+    device = args.device
+    out_dir: Path = args.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    corpus = load_corpus(args.heldout_percent, args.validation_percent, args.max_files)
+    train_bytes = sum(len(t) for _, t in corpus.train)
+    logger.info(
+        "stdlib %s: %d train files (%.1f MB), %d held-out, %d validation files, %d skipped (not UTF-8)",
+        corpus.root, len(corpus.train), train_bytes / 1e6, len(corpus.heldout), len(corpus.validation),
+        corpus.skipped,
+    )
+    t0 = time.perf_counter()
+    if args.tokenizer_dir is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer_dir), local_files_only=True)
+        tokenizer.save_pretrained(str(out_dir))
+    else:
+        tokenizer = train_tokenizer([t for _, t in corpus.train], args.vocab_size, out_dir)
+    train_stream = encode_stream(tokenizer, [t for _, t in corpus.train])
+    heldout_stream = encode_stream(tokenizer, [t for _, t in corpus.heldout])
+    validation_stream = encode_stream(tokenizer, [t for _, t in corpus.validation])
+    tok_time = time.perf_counter() - t0
+    logger.info(
+        "tokenizer: %d tokens, %.2f bytes/token on train; %d train tokens, %d held-out tokens (%.1fs)",
+        len(tokenizer), train_bytes / train_stream.numel(), train_stream.numel(), heldout_stream.numel(), tok_time,
+    )
+
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    cfg = model_config(args, len(tokenizer), eos)
+    mtp_kinds = ["full_attention", "mlp"]
+    torch.manual_seed(args.seed)
+    trunk = NemotronHForCausalLM(NemotronHConfig(**cfg)).to(device)
+    mtp = MTP(cfg, mtp_kinds).to(device)
+    init_mtp(mtp, std=0.02)
+    trunk.train()
+    mtp.train()
+    n_trunk, n_mtp = count_params(trunk), count_params(mtp)
+    logger.info("trunk %.2fM params (%s), MTP %.2fM params", n_trunk / 1e6, args.pattern, n_mtp / 1e6)
+
+    params = [p for p in [*trunk.parameters(), *mtp.parameters()] if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    fused = device.startswith("cuda")
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused,
+    )
+    loss_fn = torch.compile(forward_losses) if args.compile else forward_losses
+
+    gen = torch.Generator().manual_seed(args.seed)
+    stream_dev = train_stream.to(device)
+    span = torch.arange(args.seq_len + 1, device=device)
+    heldout_windows = windows_of(heldout_stream, args.seq_len, args.eval_windows)
+    validation_windows = windows_of(validation_stream, args.seq_len, 64)
+    best: dict = {"loss": math.inf, "step": 0, "state": None}
+    total = args.max_steps
+    step = 0
+    t_loop = time.perf_counter()
+    t_calib = None
+    autocast = device != "cpu"
+    history: list[dict] = []
+    while total is None or step < total:
+        offsets = torch.randint(0, train_stream.numel() - args.seq_len - 1, (args.batch_size,), generator=gen)
+        batch = stream_dev[offsets.to(device)[:, None] + span[None, :]].long()
+        lr = lr_at(step, total or 10**9, args.warmup, args.lr, args.min_lr)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=autocast):
+            loss, mtp_loss, _, _ = loss_fn(trunk, mtp, batch)
+        (loss + args.mtp_weight * mtp_loss).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        if step == 10:
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t_calib = time.perf_counter()
+        if step == args.calib_steps:
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            per_step = (time.perf_counter() - t_calib) / (args.calib_steps - 10)
+            logger.info("%.1f ms/step (steps 10-%d)", per_step * 1e3, step)
+            if total is None:
+                remaining = args.time_budget_s - (time.perf_counter() - t_loop)
+                total = step + max(0, int(remaining / per_step))
+                logger.info("%d steps fit the %.0fs budget", total, args.time_budget_s)
+        if step % 50 == 0 or step == 1 or step == total:
+            elapsed = time.perf_counter() - t_loop
+            logger.info(
+                "step %d/%s loss %.3f mtp %.3f gnorm %.2f lr %.2e  %.0fs  %.0f tok/s",
+                step, total, loss.item(), mtp_loss.item(), grad_norm.item(), lr, elapsed,
+                step * args.batch_size * args.seq_len / elapsed,
+            )
+            history.append({"step": step, "loss": loss.item(), "mtp_loss": mtp_loss.item(), "elapsed_s": elapsed})
+        if validation_windows.shape[0] and ((args.eval_every and step % args.eval_every == 0) or step == total):
+            val = evaluate(trunk, mtp, validation_windows, args.batch_size, device)
+            val_loss = val["trunk_loss_nats_per_token"] + args.mtp_weight * val["mtp_loss_nats_per_token"]
+            logger.info("validation @%d: %s", step, {k: round(v, 4) for k, v in val.items()})
+            history.append({"step": step, "validation": val})
+            if val_loss < best["loss"]:
+                best = {"loss": val_loss, "step": step, "state": snapshot(trunk, mtp)}
+        if time.perf_counter() - t_loop > 1.15 * args.time_budget_s:
+            logger.warning("time budget exceeded at step %d: stopping early", step)
+            break
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    train_time = time.perf_counter() - t_loop
+    tokens_seen = step * args.batch_size * args.seq_len
+    logger.info("trained %d steps, %.1fM tokens in %.1fs", step, tokens_seen / 1e6, train_time)
+
+    if best["state"] is not None and best["step"] != step:
+        logger.warning("validation loss was lowest at step %d: shipping that step's weights", best["step"])
+        trunk.load_state_dict(best["state"][0])
+        mtp.load_state_dict(best["state"][1])
+    # the shipped weights are bf16: round them, then evaluate exactly what is saved
+    with torch.no_grad():
+        for p_ in [*trunk.parameters(), *mtp.parameters()]:
+            p_.copy_(p_.to(torch.bfloat16).float())
+    metrics = evaluate(trunk, mtp, heldout_windows, args.batch_size, device)
+    logger.info("held-out (bf16 weights): %s", metrics)
+    trunk.eval()
+    samples = {prompt: greedy(trunk, tokenizer, prompt, 48, device) for prompt in SAMPLE_PROMPTS}
+    for prompt, text in samples.items():
+        logger.info("sample %r -> %r", prompt, text)
+
+    mtp_shapes = save_checkpoint(trunk, mtp, cfg, mtp_kinds, out_dir)
+    # the checkpoint must load in transformers and reproduce the trained trunk's logits
+    from transformers import NemotronHForCausalLM as Loaded
+
+    reloaded = Loaded.from_pretrained(str(out_dir), dtype=torch.float32).to(device).eval()
+    probe = train_stream[:257][None].to(device).long()
+    with torch.no_grad():
+        ref = trunk.float()(probe, use_cache=False).logits
+        got = reloaded(probe, use_cache=False).logits
+    reload_diff = float((ref - got).abs().max())
+    logger.info("reloaded checkpoint: max |logit diff| %.2e", reload_diff)
+    total_time = time.perf_counter() - t_start
+    size_mb = (out_dir / "model.safetensors").stat().st_size / 1e6
+    report = {
+        "heldout": metrics,
+        "train": {
+            "steps": step, "tokens_seen": tokens_seen, "train_time_s": round(train_time, 1),
+            "total_time_s": round(total_time, 1), "tokenizer_and_encoding_s": round(tok_time, 1),
+            "shipped_step": best["step"] or step,
+        },
+        "data": {
+            "stdlib": str(corpus.root), "python": platform.python_version(), "train_files": len(corpus.train),
+            "heldout_files": len(corpus.heldout), "skipped_files": corpus.skipped,
+            "validation_files": len(corpus.validation), "validation_percent": args.validation_percent,
+            "train_tokens": train_stream.numel(), "heldout_tokens": heldout_stream.numel(),
+            "train_bytes": train_bytes, "heldout_percent": args.heldout_percent,
+        },
+        "model": {
+            "trunk_params": n_trunk, "mtp_params": n_mtp, "safetensors_mb": round(size_mb, 2),
+            "mtp_tensors": mtp_shapes, "reload_max_logit_diff": reload_diff,
+        },
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu",
+        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                     "tokenizers": __import__("tokenizers").__version__},
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "command": "python bench/train_demo.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "samples": samples,
+        "history": history,
+    }
+    (out_dir / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "README.md").write_text(model_card(report, cfg, mtp_kinds))
+    logger.info("wrote %s (model.safetensors %.2f MB) in %.1fs total", out_dir, size_mb, total_time)
+    return 0
+
+
+SAMPLE_PROMPTS = ("def fib(n):", "import os\n\n\ndef ", "class Stack:\n    def __init__(self):")
+
+
+def model_card(report: dict, cfg: dict, mtp_kinds: list[str]) -> str:
+    """The README.md of the checkpoint."""
+    m, t, d = report["heldout"], report["train"], report["data"]
+    a = report["args"]
+    samples = "\n\n".join(f"```python\n{prompt}{text}\n```" for prompt, text in report["samples"].items())
+    return f"""# hybridserve demo model: nemotron-h-pystdlib-demo
+
+A small NemotronH (hybrid Mamba2 + attention + MLP) with one multi-token-prediction (MTP) step, trained
+from scratch on the Python standard library's source code. It is `hybridserve`'s embedded default model:
+big enough to write plausible-looking Python, small enough ({report['model']['safetensors_mb']} MB in bf16)
+to ship in the package. It is a demo, not a useful code model.
+
+## Architecture
+
+| | |
+|---|---|
+| layers | `{cfg['hybrid_override_pattern']}` (M = Mamba2, * = attention, - = MLP) |
+| hidden size | {cfg['hidden_size']} |
+| attention | {cfg['num_attention_heads']} heads x {cfg['head_dim']}, {cfg['num_key_value_heads']} KV heads, no positional embedding |
+| Mamba2 | {cfg['mamba_num_heads']} heads x {cfg['mamba_head_dim']}, state {cfg['ssm_state_size']}, {cfg['n_groups']} groups, conv 4, chunk {cfg['chunk_size']} |
+| MLP | relu2, intermediate {cfg['intermediate_size']} |
+| vocabulary | {cfg['vocab_size']} (byte-level BPE) |
+| MTP | 1 step, layers {mtp_kinds}; `mtp.layers.0.{{enorm,hnorm,eh_proj}}`, shared embedding and lm_head |
+| parameters | trunk {report['model']['trunk_params'] / 1e6:.2f} M, MTP {report['model']['mtp_params'] / 1e6:.2f} M |
+
+The trunk is transformers' `NemotronHForCausalLM` (loads with `from_pretrained`, which ignores `mtp.*`).
+MTP slot q (q >= 1) computes `u = eh_proj([enorm(embed(x_q)), hnorm(h_(q-1))])` from the trunk's final-normed
+hidden state, then `u = u + mixer(norm(u))` per MTP layer (causal attention over the slots, no positional
+embedding), `g = final_layernorm(u)`, and `lm_head(g)` predicts x_(q+1).
+
+## Data
+
+Every `*.py` file under `sysconfig.get_paths()["stdlib"]` of Python {d['python']} (`{d['stdlib']}`), sorted,
+test suites included where the installation ships them, `site-packages` excluded, non-UTF-8 files skipped ({d['skipped_files']}). Files are
+split by `b = sha256(relative path) % 100` into {d['heldout_files']} held-out files (b < {d['heldout_percent']},
+{d['heldout_tokens'] / 1e3:.0f} k tokens; only for the numbers below), {d['validation_files']} validation files (the next
+{d['validation_percent']} buckets; they pick the shipped step) and {d['train_files']} training files
+({d['train_bytes'] / 1e6:.1f} MB, {d['train_tokens'] / 1e6:.2f} M tokens). Each file is followed by `<|endoftext|>`.
+
+## Tokenizer
+
+Byte-level BPE (GPT-2 pre-tokenization, no prefix space) with {cfg['vocab_size']} tokens trained with
+`tokenizers` on the training files; `<|endoftext|>` (id {cfg['eos_token_id']}) is EOS, BOS and pad.
+Loads with `transformers.AutoTokenizer.from_pretrained(dir, local_files_only=True)`.
+
+## Training
+
+```bash
+{report['command']}
+```
+
+Seed {a['seed']}; {t['steps']} steps of {a['batch_size']} x {a['seq_len']} random windows
+({t['tokens_seen'] / 1e6:.0f} M tokens); AdamW (betas 0.9/0.95, weight decay {a['weight_decay']} on matrices),
+peak lr {a['lr']} with {a['warmup']} warmup steps and cosine decay to {a['min_lr']}, grad clip 1.0, bf16 autocast;
+loss = CE(trunk) + {a['mtp_weight']} x CE(MTP), trained jointly; the weights of step {t['shipped_step']} (lowest
+validation loss, evaluated every {a['eval_every']} steps) are shipped. The step count was sized to a
+{a['time_budget_s']:.0f} s budget after timing the first steps. Device: {report['device']}; training loop
+{t['train_time_s']} s, whole script {t['total_time_s']} s (tokenizer and encoding {t['tokenizer_and_encoding_s']} s).
+torch {report['versions']['torch']}, transformers {report['versions']['transformers']},
+tokenizers {report['versions']['tokenizers']}.
+
+## Held-out results (bf16 weights, {m['tokens']} tokens of {d['heldout_files']} held-out files)
+
+| | |
+|---|---|
+| trunk loss | {m['trunk_loss_nats_per_token']:.4f} nats/token |
+| trunk top-1 accuracy | {m['trunk_top1_accuracy']:.4f} |
+| MTP loss (predicting x_(q+1) from x_q, h_(q-1)) | {m['mtp_loss_nats_per_token']:.4f} nats/token |
+| MTP top-1 accuracy | {m['mtp_top1_accuracy']:.4f} |
+
+All numbers are also in `training_report.json`. The MTP loss covers slots q = 1..L-1 of each window
+(windows hold L + 1 tokens, so the last slot has its target too).
+
+## Limits
+
+The data is small ({d['train_tokens'] / 1e6:.1f} M tokens; {t['tokens_seen'] / max(1, d['train_tokens']):.0f} epochs in
+this run), so the model has memorized stdlib idioms rather than learned to program: greedy decoding repeats
+itself and invents names. Mamba2 ran on transformers' PyTorch fallback (no `mamba_ssm` on the training
+machine), which bounded the step count.
+
+## Greedy samples
+
+{samples}
+"""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
