@@ -25,6 +25,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings (or 8192)
     cpu_memory_gb: float = 2.0  # state-cache budget on CPU
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + state cache
+    # a fixed state-cache budget on the GPU instead of the utilization share (several workers on one GPU)
+    gpu_memory_gb: float | None = None
     seed: int = 0  # seeds requests that bring no seed of their own
     enable_prefix_caching: bool = True  # radix cache of KV blocks + aligned Mamba checkpoints
     cuda_graphs: bool = True  # on device="cuda": replay decode-only steps from captured CUDA graphs
@@ -39,9 +41,12 @@ class EngineConfig:
     # speculative decoding: None (off), a SpeculativeConfig or its dict, e.g.
     # {"method": "mtp" | "ngram", "num_speculative_tokens": K, "rollback": "intermediate" | "replay"}
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
+    load_format: str = "safetensors"  # "dummy": random weights from config.json alone (benchmarks)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         try:
@@ -69,6 +74,8 @@ class EngineConfig:
             raise ValueError(f"max_cache_events must be a positive integer, got {self.max_cache_events!r}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:
+            raise ValueError(f"gpu_memory_gb must be > 0 or None, got {self.gpu_memory_gb}")
         if not self.cpu_memory_gb > 0:
             raise ValueError(f"cpu_memory_gb must be > 0, got {self.cpu_memory_gb}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

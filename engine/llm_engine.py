@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from pathlib import Path
@@ -21,7 +22,7 @@ from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.engine.spec_memory import spec_working_bytes, write_checkpoint_hidden
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.tokenizer import load_tokenizer
-from hybridserve.models.weights import load_model
+from hybridserve.models.weights import dummy_model, load_model
 from hybridserve.statepool.events import CacheEvent
 from hybridserve.statepool.pool import NO_HIT, StatePool
 from hybridserve.statepool.request_state import StateTensorSpec
@@ -41,7 +42,12 @@ class LLMEngine:
         spec = config.speculative
         with_mtp = spec is not None and spec.method == "mtp"  # else the drafter and its KV are left out
         model_config = ModelConfig.from_dir(self.model_dir)
-        self.model = load_model(self.model_dir, model_config, config.torch_dtype, device, with_mtp)
+        if config.load_format == "dummy":
+            if not with_mtp:
+                model_config = dataclasses.replace(model_config, mtp_layer_types=())
+            self.model = dummy_model(model_config, config.torch_dtype, device, config.seed)
+        else:
+            self.model = load_model(self.model_dir, model_config, config.torch_dtype, device, with_mtp)
         self.model_config = self.model.config  # without MTP when not drafting with it or it has no weights
         lookahead = spec.num_speculative_tokens if spec is not None else 0
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -61,6 +67,8 @@ class LLMEngine:
             mamba.chunk_size if mamba else config.page_size, config.page_size if has_attention else None
         )
         budget = memory_budget_bytes(device, config.cpu_memory_gb, config.gpu_memory_utilization)
+        if device.type == "cuda" and config.gpu_memory_gb is not None:
+            budget = int(config.gpu_memory_gb * (1 << 30))
         budget -= spec_working_bytes(self.model_config, spec, config.max_num_seqs, ssm_dtype, config.torch_dtype)
         layout = plan_cache_layout(
             self.model_config,

@@ -18,7 +18,7 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    rollback: str = "intermediate"
+    rollback: str = "replay"  # measured faster and ~200x smaller than "intermediate" (bench/results/h200)
     prompt_lookup_min: int = 1  # n-gram: shortest suffix to look up
     prompt_lookup_max: int = 4  # n-gram: longest suffix to look up
 

@@ -25,7 +25,11 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="default: the model's limit")
     g.add_argument("--cpu-memory-gb", type=float, default=2.0, help="state-cache budget on CPU")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="fixed GPU state-cache budget (GiB) instead of the utilization share")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+    g.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
+                   help="dummy: random weights from config.json alone, for benchmarks of real shapes")
     g.add_argument("--speculative-config", type=_parse_json, default=None,
                    help='speculative decoding as JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 3, '
                         '"rollback": "replay"}\' (method mtp | ngram; rollback intermediate | replay)')
@@ -50,7 +54,8 @@ def _engine_config(args: argparse.Namespace):
         device=args.device, dtype=args.dtype, prefill_chunk_size=args.prefill_chunk_size,
         max_num_seqs=args.max_num_seqs, page_size=args.page_size, max_model_len=args.max_model_len,
         cpu_memory_gb=args.cpu_memory_gb, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-        speculative_config=args.speculative_config,
+        speculative_config=args.speculative_config, load_format=args.load_format,
+        gpu_memory_gb=args.gpu_memory_gb,
     )
 
 

@@ -104,3 +104,29 @@ def load_model(
         tensor.data = state[name].to(device=device, dtype=target)
     logger.info("loaded %s (%s, %d layers, pattern %s)", model_dir, config.architecture, config.num_layers, config.pattern)
     return model.eval()
+
+
+def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> HybridLM:
+    """A model with random weights in sane ranges (decays in (0, 1), unit norms) built from the config
+    alone: benchmarks of real shapes without reading (or owning) a checkpoint."""
+    with torch.device("meta"):
+        model = HybridLM(config)
+    model = model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    keep_fp32 = {"A_log", "D", "dt_bias", "e_score_correction_bias"}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        leaf = name.rsplit(".", 1)[-1]
+        values = torch.empty(tensor.shape, dtype=torch.float32, device=device)
+        if leaf == "A_log":
+            values = torch.log(torch.rand(tensor.shape, device=device, generator=generator) * 15 + 1)
+        elif leaf == "dt_bias":
+            values = torch.rand(tensor.shape, device=device, generator=generator) - 4
+        elif leaf in ("D", "e_score_correction_bias"):
+            values.fill_(1.0 if leaf == "D" else 0.0)
+        elif "norm" in name:
+            values.fill_(1.0)
+        else:
+            values.normal_(0, 0.02, generator=generator)
+        tensor.data = values.to(torch.float32 if leaf in keep_fp32 else dtype)
+    logger.info("random (dummy) weights for %s, %d layers", config.architecture, config.num_layers)
+    return model.eval()

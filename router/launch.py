@@ -41,6 +41,10 @@ class WorkerOptions:
         ]
         if e.max_model_len is not None:
             args += ["--max-model-len", str(e.max_model_len)]
+        if e.gpu_memory_gb is not None:
+            args += ["--gpu-memory-gb", str(e.gpu_memory_gb)]
+        if e.load_format != "safetensors":
+            args += ["--load-format", e.load_format]
         if e.speculative is not None:
             args += ["--speculative-config", json.dumps(dataclasses.asdict(e.speculative))]
         return args

@@ -90,3 +90,19 @@ def test_missing_tensor_and_missing_files_are_named(tmp_path: Path) -> None:
         LLM(tmp_path / "empty")
     with pytest.raises(ValueError, match="config.json"):
         LLM(tmp_path)
+
+
+def test_dummy_load_format_needs_only_the_config(tmp_path) -> None:
+    """load_format="dummy": random weights from config.json alone (benchmarks of real shapes)."""
+    import shutil
+
+    from checkpoints import nemotron_h
+
+    from hybridserve import LLM, SamplingParams
+
+    shutil.copy(nemotron_h("M*-M")[0] / "config.json", tmp_path / "config.json")
+    out = LLM(tmp_path, load_format="dummy").generate(
+        prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=4, temperature=0.0))[0]
+    assert len(out.token_ids) == 4
+    with pytest.raises(ValueError, match="load_format"):
+        LLM(tmp_path, load_format="npz")
