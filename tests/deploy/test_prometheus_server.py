@@ -6,6 +6,7 @@ expression of the Grafana dashboard parses and evaluates on it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -27,7 +28,7 @@ INSTALL = PROM_DIR / "install_prometheus.sh"
 NO_APT_EXIT = 3  # install_prometheus.sh: no apt-get on this machine
 
 sys.path.insert(0, str(REPO / "tests" / "router"))
-from router_cluster import MODEL_NAME, Cluster, tiny_model_dir  # noqa: E402  (the router tests' cluster)
+from router_cluster import ENGINE, MODEL_NAME, Cluster, tiny_model_dir  # noqa: E402  (the router tests' cluster)
 
 INSTALL_TIMEOUT_S = 900
 STARTUP_TIMEOUT_S = 30
@@ -35,6 +36,11 @@ SCRAPE_TIMEOUT_S = 60
 HTTP_TIMEOUT_S = 10
 # Grafana's built-in interval variables, for evaluating dashboard expressions outside Grafana
 GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m"}
+# workers speculate with n-gram drafts, so the speculative-decoding panels see real series; a prompt holding
+# every non-special token id makes each generated token match it, hence drafts at every decode step
+SPEC_ENGINE = dataclasses.replace(ENGINE, max_model_len=512,
+                                  speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+PROMPT_IDS = list(range(3, 320))  # the tiny model's vocabulary; 0-2 are pad / bos / eos
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +109,10 @@ def _dashboard_exprs() -> list[str]:
     return exprs
 
 
+class PromQLError(RuntimeError):
+    """Prometheus answered a query with an error (parse or evaluation)."""
+
+
 class _Prometheus:
     """A prometheus server process on a free loopback port with its own TSDB in a temporary directory."""
 
@@ -135,7 +145,8 @@ class _Prometheus:
     def query(self, expr: str) -> list[dict]:
         """The instant-query result; an expression Prometheus rejects fails with its error message."""
         body = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=HTTP_TIMEOUT_S).json()
-        assert body.get("status") == "success", f"{expr}: {body.get('errorType')}: {body.get('error')}"
+        if body.get("status") != "success":
+            raise PromQLError(f"{expr}: {body.get('errorType')}: {body.get('error')}")
         return body["data"]["result"]
 
     def metric_names(self) -> set[str]:
@@ -169,7 +180,7 @@ def test_prometheus_scrapes_deployment_and_evaluates_dashboard(prom_bins) -> Non
     cluster: Cluster | None = None
     prom: _Prometheus | None = None
     try:
-        cluster = Cluster(tiny_model_dir(), num_prefill=1, num_decode=1)
+        cluster = Cluster(tiny_model_dir(), num_prefill=1, num_decode=1, engine=SPEC_ENGINE)
         config = _local_config(cluster.router.http_address)
         prom = _Prometheus(prom_bins["prometheus"], config, workdir)
         _promtool(prom_bins["promtool"], "config", str(prom.config_path))
@@ -177,8 +188,7 @@ def test_prometheus_scrapes_deployment_and_evaluates_dashboard(prom_bins) -> Non
 
         for i in range(2):
             reply = httpx.post(cluster.base_url + "/v1/completions", timeout=60, json={
-                "model": MODEL_NAME, "prompt": f"Prometheus scrapes hybridserve, request {i}.",
-                "max_tokens": 4, "temperature": 0})
+                "model": MODEL_NAME, "prompt": PROMPT_IDS[i:], "max_tokens": 6, "temperature": 0})
             assert reply.status_code == 200, reply.text
 
         # every discovered target up, and the request counters of router and both workers moved
@@ -187,18 +197,19 @@ def test_prometheus_scrapes_deployment_and_evaluates_dashboard(prom_bins) -> Non
             'sum by (component) (hybridserve_router_requests_total{endpoint="/v1/completions",status="200"})':
                 ("component", {"router"}),
             "sum by (role) (hybridserve_worker_requests_total)": ("role", {"prefill", "decode"}),
+            "sum by (role) (hybridserve_worker_spec_draft_tokens_total > 0)": ("role", {"decode"}),
             # two samples of router and worker counters, so that the dashboard's rate() windows hold data
             "sum by (component) (rate(hybridserve_router_generation_tokens_total[1m]) >= 0)": ("component", {"router"}),
-            "sum by (role) (rate(hybridserve_worker_generation_tokens_total[1m]) >= 0)": ("role", {"prefill", "decode"}),
+            "sum by (role) (rate(hybridserve_worker_generation_tokens_total[1m]) >= 0)":
+                ("role", {"prefill", "decode"}),
         }
-        minimum = {'up{job="hybridserve"}': 1.0}
         seen: dict[str, dict[str, float]] = {}
         deadline = time.monotonic() + SCRAPE_TIMEOUT_S
         while True:
             assert prom.proc.poll() is None, f"prometheus exited:\n{prom.log()}"
             seen = {expr: _by_label(prom.query(expr), label) for expr, (label, _) in wanted.items()}
-            if all(set(seen[e]) == keys and all(v >= minimum.get(e, 0.0) and (v > 0 or "rate(" in e)
-                                                 for v in seen[e].values())
+            # each expected label value present, and positive (rates: present, i.e. two samples scraped)
+            if all(set(seen[e]) == keys and all(v > 0 or "rate(" in e for v in seen[e].values())
                    for e, (_, keys) in wanted.items()):
                 break
             assert time.monotonic() < deadline, f"not scraped in {SCRAPE_TIMEOUT_S} s: {seen}\n{prom.log()}"
@@ -213,7 +224,7 @@ def test_prometheus_scrapes_deployment_and_evaluates_dashboard(prom_bins) -> Non
         for expr in _dashboard_exprs():
             try:
                 result = prom.query(expr)
-            except AssertionError as exc:
+            except PromQLError as exc:
                 failures.append(str(exc))
                 continue
             if not result and set(re.findall(r"hybridserve_\w+", expr)) <= present:

@@ -32,13 +32,14 @@ def tiny_model_dir() -> Path:
 class Cluster:
     """Workers in this process (real gRPC on loopback) and a router over them."""
 
-    def __init__(self, model_dir: Path, num_prefill: int, num_decode: int, **router_options) -> None:
-        self.prefill = [PrefillWorker(model_dir, ENGINE, worker_id=f"p{i}") for i in range(num_prefill)]
-        self.decode = [DecodeWorker(model_dir, ENGINE, worker_id=f"d{i}") for i in range(num_decode)]
+    def __init__(self, model_dir: Path, num_prefill: int, num_decode: int, engine: EngineConfig = ENGINE,
+                 **router_options) -> None:
+        self.prefill = [PrefillWorker(model_dir, engine, worker_id=f"p{i}") for i in range(num_prefill)]
+        self.decode = [DecodeWorker(model_dir, engine, worker_id=f"d{i}") for i in range(num_decode)]
         for w in self.prefill + self.decode:
             w.start()
         options = RouterOptions(str(model_dir), model_name=MODEL_NAME, http_port=0, grpc_port=0,
-                                max_model_len=ENGINE.max_model_len, **router_options)
+                                max_model_len=engine.max_model_len, **router_options)
         self.router = Router(options, [w.address for w in self.prefill], [w.address for w in self.decode]).start()
         self.wait_ready()
 
