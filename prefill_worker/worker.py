@@ -47,7 +47,9 @@ class PrefillWorker:
         self.transfer_streams = transfer_streams
         self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
         self.engine = LLMEngine(model_dir, config)
-        self.fingerprint = model_fingerprint(model_dir, config.dtype, self.engine.model_config.ssm_state_dtype)
+        self.fingerprint = model_fingerprint(
+            model_dir, config.dtype, self.engine.model_config.ssm_state_dtype, config.load_format, config.seed
+        )
         self.loop = EngineLoop(self.engine, name=f"{self.worker_id}-loop")
         self.events = CacheEventFeed(self.worker_id, self.loop)
         self.metrics = WorkerMetrics(self.loop, "prefill")
