@@ -10,14 +10,14 @@ MODEL=$(mktemp -d)
 cp bench/configs/nemotron-nano-9b-v2.json "$MODEL/config.json"
 COMMON=(--no-ray --model "$MODEL" --device cuda --dtype bfloat16 --load-format dummy --gpu-memory-gb 24
         --max-num-seqs 32 --max-model-len 2048 --http-port 8000 --port 50051)
-BENCH=(--base-url http://127.0.0.1:8000 --workload random --input-len 512 --output-len 128 --num-prompts 48
-       --request-rate 4,16,inf --token-range 3,1000 --no-plots --result-dir "$OUT")
+BENCH=(--base-url http://127.0.0.1:8000 --workload random --input-len 512 --output-len 128 --num-prompts 32
+       --request-rate 8,inf --token-range 3,1000 --no-plots --result-dir "$OUT")
 
 run() {
   local name=$1; shift
   hybridserve serve "${COMMON[@]}" "$@" > "$OUT/$name.server.log" 2>&1 &
   local pid=$!
-  for _ in $(seq 1 240); do
+  for _ in $(seq 1 150); do
     if python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2>/dev/null; then
       break
     fi
