@@ -33,7 +33,7 @@ from hybridserve.models.fingerprint import model_fingerprint
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.engine.cache_event_feed import CacheEventFeed
 from hybridserve.engine.worker_metrics import WorkerMetrics
-from hybridserve.proto.channels import start_server
+from hybridserve.proto.channels import start_server, worker_threads
 from hybridserve.proto.convert import sampling_from_proto, token_event
 from hybridserve.proto.state_wire import add_decode_worker_servicer
 
@@ -81,7 +81,8 @@ class DecodeWorker:
 
     def start(self) -> str:
         self._server, self._port = start_server(
-            self._host, self._port, lambda server: add_decode_worker_servicer(DecodeServicer(self), server)
+            self._host, self._port, lambda server: add_decode_worker_servicer(DecodeServicer(self), server),
+            max_workers=worker_threads(self.engine.config.max_num_seqs),
         )
         self._reaper.start()
         if self._metrics_port is not None:

@@ -26,7 +26,7 @@ from hybridserve.decode_worker.worker import health_fields
 from hybridserve.models.fingerprint import model_fingerprint
 from hybridserve.prefill_worker.state_sender import DEFAULT_CHUNK_BYTES, StateHeader, encode_state_streams
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
-from hybridserve.proto.channels import insecure_channel, start_server
+from hybridserve.proto.channels import insecure_channel, start_server, worker_threads
 from hybridserve.proto.convert import sampling_from_proto
 from hybridserve.proto.state_wire import push_state_stub
 
@@ -68,6 +68,7 @@ class PrefillWorker:
         self._server, self._port = start_server(
             self._host, self._port,
             lambda server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self), server),
+            max_workers=worker_threads(self.engine.config.max_num_seqs),
         )
         if self._metrics_port is not None:
             self.metrics.start(self._host, self._metrics_port)
