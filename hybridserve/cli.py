@@ -28,6 +28,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-gb", type=float, default=None,
                    help="fixed GPU state-cache budget (GiB) instead of the utilization share")
     g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
+    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn the radix prefix cache (KV blocks + Mamba checkpoints) off")
     g.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
                    help="dummy: random weights from config.json alone, for benchmarks of real shapes")
     g.add_argument("--speculative-config", type=_parse_json, default=None,
@@ -55,7 +57,7 @@ def _engine_config(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs, page_size=args.page_size, max_model_len=args.max_model_len,
         cpu_memory_gb=args.cpu_memory_gb, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
         speculative_config=args.speculative_config, load_format=args.load_format,
-        gpu_memory_gb=args.gpu_memory_gb,
+        gpu_memory_gb=args.gpu_memory_gb, enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

@@ -41,6 +41,8 @@ class WorkerOptions:
         ]
         if e.max_model_len is not None:
             args += ["--max-model-len", str(e.max_model_len)]
+        if not e.enable_prefix_caching:
+            args += ["--no-prefix-caching"]
         if e.gpu_memory_gb is not None:
             args += ["--gpu-memory-gb", str(e.gpu_memory_gb)]
         if e.load_format != "safetensors":
