@@ -50,46 +50,69 @@ def build_forward_batch(
     position order; the Mamba layers write their state at those boundaries there. With `verify` the decode
     rows take its T tokens each instead of their one pending token."""
     input_ids: list[int] = []
-    slot_mapping: list[int] = []
-    query_lens, context_lens, kv_lens, state_slots = [], [], [], []
-    max_pages = max((len(r.page_ids) for r, _ in chunks), default=0)
-    block_tables = []
+    rows = []
     for index, (request, count) in enumerate(chunks):
         start = request.num_computed_tokens
         if verify is not None and index < num_decode:
             input_ids.extend(verify.tokens[index])
         else:
             input_ids.extend(request.all_token_ids[start : start + count])
-        pages = request.page_ids
-        if pages:
-            slot_mapping.extend(pages[p // page_size] * page_size + p % page_size for p in range(start, start + count))
-        else:
-            slot_mapping.extend([-1] * count)
-        query_lens.append(count)
-        context_lens.append(start)
-        kv_lens.append(start + count)
-        state_slots.append(-1 if request.state_slot is None else request.state_slot)
-        block_tables.append(pages + [0] * (max_pages - len(pages)))
-    cu = [0]
-    for n in query_lens:
-        cu.append(cu[-1] + n)
+        rows.append(PlacedRow(request.page_ids, start, count, -1 if request.state_slot is None else request.state_slot))
 
     def as_tensor(values: list) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
-    batch = ForwardBatch(
-        num_decode=num_decode,
-        query_lens=tuple(query_lens),
-        cu_seqlens=as_tensor(cu),
-        context_lens=as_tensor(context_lens),
-        kv_lens=as_tensor(kv_lens),
-        state_slots=as_tensor(state_slots),
-        block_tables=torch.tensor(block_tables, dtype=torch.int64, device=device).reshape(len(chunks), max_pages),
-        slot_mapping=as_tensor(slot_mapping),
+    batch = place_rows(
+        rows, num_decode, page_size, device,
         **_checkpoint_fields(state_block, checkpoint_slots or [], as_tensor),
         **_verify_fields(verify, num_decode, device),
     )
     return as_tensor(input_ids), batch
+
+
+@dataclass(frozen=True)
+class PlacedRow:
+    """`count` new tokens of one sequence from position `start`, in its KV pages and state slot."""
+
+    page_ids: list[int]
+    start: int
+    count: int
+    state_slot: int = -1
+
+
+def place_rows(
+    rows: list[PlacedRow], num_decode: int, page_size: int, device: torch.device, **fields: object
+) -> ForwardBatch:
+    """The batch metadata placing each row's tokens (slot mapping, block tables, lengths); `fields` adds
+    the optional ForwardBatch fields."""
+    slot_mapping: list[int] = []
+    max_pages = max((len(r.page_ids) for r in rows), default=0)
+    cu = [0]
+    for row in rows:
+        pages = row.page_ids
+        if pages:
+            slot_mapping.extend(pages[p // page_size] * page_size + p % page_size
+                                for p in range(row.start, row.start + row.count))
+        else:
+            slot_mapping.extend([-1] * row.count)
+        cu.append(cu[-1] + row.count)
+
+    def as_tensor(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return ForwardBatch(
+        num_decode=num_decode,
+        query_lens=tuple(r.count for r in rows),
+        cu_seqlens=as_tensor(cu),
+        context_lens=as_tensor([r.start for r in rows]),
+        kv_lens=as_tensor([r.start + r.count for r in rows]),
+        state_slots=as_tensor([r.state_slot for r in rows]),
+        block_tables=as_tensor([r.page_ids + [0] * (max_pages - len(r.page_ids)) for r in rows]).reshape(
+            len(rows), max_pages
+        ),
+        slot_mapping=as_tensor(slot_mapping),
+        **fields,  # type: ignore[arg-type]
+    )
 
 
 def _checkpoint_fields(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.engine.model_runner import PlacedRow, place_rows
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampler import target_probs
 from hybridserve.models.forward_batch import ForwardBatch
@@ -33,33 +34,9 @@ class CatchUp:
 
 
 def _slot_batch(rows: list[tuple[Request, int, int]], page_size: int, device: torch.device) -> ForwardBatch:
-    """A prefill-shaped batch placing `count` slots of each request from position `start` in its pages."""
-    query_lens, slot_mapping, context_lens = [], [], []
-    max_pages = max(len(r.page_ids) for r, _, _ in rows)
-    tables = []
-    for request, start, count in rows:
-        pages = request.page_ids
-        slot_mapping += [pages[p // page_size] * page_size + p % page_size for p in range(start, start + count)]
-        query_lens.append(count)
-        context_lens.append(start)
-        tables.append(pages + [0] * (max_pages - len(pages)))
-    cu = [0]
-    for n in query_lens:
-        cu.append(cu[-1] + n)
-
-    def as_tensor(values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
-    return ForwardBatch(
-        num_decode=0,
-        query_lens=tuple(query_lens),
-        cu_seqlens=as_tensor(cu),
-        context_lens=as_tensor(context_lens),
-        kv_lens=as_tensor([s + n for s, n in zip(context_lens, query_lens)]),
-        state_slots=as_tensor([-1] * len(rows)),
-        block_tables=as_tensor(tables).reshape(len(rows), max_pages),
-        slot_mapping=as_tensor(slot_mapping),
-    )
+    """A prefill-shaped batch placing `count` drafter slots of each request from position `start` (the drafter
+    has no Mamba layers: no state slots)."""
+    return place_rows([PlacedRow(r.page_ids, start, count) for r, start, count in rows], 0, page_size, device)
 
 
 class MTPDrafter:
