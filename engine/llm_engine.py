@@ -247,13 +247,16 @@ class LLMEngine:
             else:
                 token = output.sampled.get(request.request_id)
                 new_tokens = [] if token is None else [token]
+            appended = 0
             for token in new_tokens:
                 request.output_token_ids.append(token)
+                appended += 1
                 reason = self._stop_reason(request, token)
                 if reason is not None:
                     stops[index] = reason
                     break
-            request.num_computed_tokens += len(new_tokens) if index < len(accepted) else count
+            # a verify computed the tokens it appended (a stop inside the accepted drafts cuts them)
+            request.num_computed_tokens += appended if index < len(accepted) else count
         decodes = list(zip(work.decodes, before))
         if self.spec is not None:
             self.spec.begin_commit(output, work.decodes, before[: len(work.decodes)])

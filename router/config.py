@@ -51,6 +51,7 @@ class ResilienceConfig:
     stream_timeout_s: float = 3600.0  # whole token stream of one request
     control_timeout_s: float = 5.0  # Abort, Health
     reservation_ttl_s: float = 120.0
+    capacity_wait_s: float = 60.0  # decode workers all full (no slot / pages): keep asking this long, then 429
     attempts: int = 3  # tries of a request that fails with UNAVAILABLE before its first token
     backoff_base_s: float = 0.05  # retry k waits uniform(0, min(cap, base * 2**k)) ("full jitter")
     backoff_cap_s: float = 1.0
@@ -60,7 +61,8 @@ class ResilienceConfig:
 
     def __post_init__(self) -> None:
         for name in ("reserve_timeout_s", "prefill_timeout_s", "stream_timeout_s", "control_timeout_s",
-                     "reservation_ttl_s", "backoff_cap_s", "breaker_reset_s", "health_interval_s"):
+                     "reservation_ttl_s", "backoff_cap_s", "breaker_reset_s", "health_interval_s",
+                     "capacity_wait_s"):
             _check(getattr(self, name) > 0, f"{name} must be > 0")
         _check(self.backoff_base_s >= 0, "backoff_base_s must be >= 0")
         _check(self.attempts >= 1, "attempts must be >= 1")

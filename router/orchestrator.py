@@ -54,6 +54,10 @@ class _Retry(Exception):
         self.worker, self.stage, self.error = worker, stage, error
 
 
+class _Busy(_Retry):
+    """The decode worker has no free state slot or KV pages for the request now: wait, then ask again."""
+
+
 class _Active:
     """An in-flight request: its live calls, so that an abort can cancel them from any thread."""
 
@@ -150,7 +154,9 @@ class Orchestrator:
         sampling = sampling_to_proto(params)
         exclude: set[WorkerHandle] = set()
         last: _Retry | None = None
-        for attempt in range(res.attempts):
+        attempt = 0
+        busy_since: float | None = None
+        while attempt < res.attempts:
             if active.cancelled.is_set():
                 raise WorkerError(grpc.StatusCode.CANCELLED, "the request was aborted")
             prefill, decode = self.workers.snapshot()
@@ -162,12 +168,22 @@ class Orchestrator:
             self.recent_decisions.append((active.request_id, decision))
             try:
                 events, first = self._start(decision, prompt, sampling, active)
+            except _Busy as busy:
+                # every slot or page of the chosen decode worker is taken: wait for one to free up (like a
+                # local queue) instead of refusing, up to capacity_wait_s; not a fault, so no retry is spent
+                busy_since = busy_since if busy_since is not None else time.perf_counter()
+                if time.perf_counter() - busy_since > res.capacity_wait_s:
+                    raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"decode workers stayed full for {res.capacity_wait_s:.0f} s: {busy}") from None
+                active.cancelled.wait(random.uniform(0.02, 0.1))
+                continue
             except _Retry as retry:
                 last = retry
                 exclude.add(retry.worker)
                 self.metrics.retries.labels(retry.stage).inc()
-                if attempt + 1 < res.attempts:
-                    delay = random.uniform(0, min(res.backoff_cap_s, res.backoff_base_s * 2**attempt))
+                attempt += 1
+                if attempt < res.attempts:
+                    delay = random.uniform(0, min(res.backoff_cap_s, res.backoff_base_s * 2 ** (attempt - 1)))
                     logger.warning("request %s: %s; retrying in %.3f s", active.request_id, retry, delay)
                     active.cancelled.wait(delay)
                 continue
@@ -228,6 +244,8 @@ class Orchestrator:
             raise WorkerError(grpc.StatusCode.CANCELLED, "the request was aborted") from exc
         if exc.code() in _RETRYABLE:
             raise _Retry(worker, stage, exc) from exc
+        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and stage == "reserve":
+            raise _Busy(worker, stage, exc) from exc
         raise WorkerError(exc.code(), f"{stage} on {worker.role} worker {worker.address} failed: {exc.details()}") from exc
 
     def _relay(self, d: Decision, events, first, active: _Active, start: float) -> Iterator[common_pb2.TokenEvent]:

@@ -198,6 +198,9 @@ def test_prometheus_scrapes_deployment_and_evaluates_dashboard(prom_bins) -> Non
                 ("component", {"router"}),
             "sum by (role) (hybridserve_worker_requests_total)": ("role", {"prefill", "decode"}),
             "sum by (role) (hybridserve_worker_spec_draft_tokens_total > 0)": ("role", {"decode"}),
+            # the two named queries: state bytes moved prefill -> decode, and time to first token
+            "sum by (role) (hybridserve_worker_transfer_bytes_total > 0)": ("role", {"prefill"}),
+            "sum by (component) (hybridserve_router_time_to_first_token_seconds_count > 0)": ("component", {"router"}),
             # two samples of router and worker counters, so that the dashboard's rate() windows hold data
             "sum by (component) (rate(hybridserve_router_generation_tokens_total[1m]) >= 0)": ("component", {"router"}),
             "sum by (role) (rate(hybridserve_worker_generation_tokens_total[1m]) >= 0)":

@@ -162,10 +162,13 @@ def test_sampling_with_speculation_runs_and_is_seeded(rollback: str) -> None:
     assert all(len(o.token_ids) == 16 and all(0 <= t < VOCAB for t in o.token_ids) for o in runs[0])
 
 
-def test_stop_token_inside_accepted_drafts_cuts_the_output() -> None:
+@pytest.mark.parametrize("stop_at", [1, 9, 16, 17])
+def test_stop_token_inside_accepted_drafts_cuts_the_output(stop_at: int) -> None:
+    """A stop inside the accepted drafts: only the tokens up to it count as computed (several stop
+    positions, so some cut a verify whose accepted tokens cross a KV page / cache block boundary)."""
     prompts = random_prompts([13], VOCAB, seed=4)
     expected = reference((tuple(prompts[0]),), 30)[0]
-    stop = expected[9]
+    stop = expected[stop_at]
     truth = {tuple(prompts[0]): prompts[0] + expected}
     llm = spec_llm("ngram", 4, "replay")
     llm.engine.spec.set_drafter(oracle_drafter(truth, 1.0))
