@@ -276,7 +276,7 @@ class LLMEngine:
             updated.append(self._output(request))
             if request.finished:
                 self._requests.pop(request.request_id, None)
-        if self.spec is not None:
+        if self.spec is not None and self.spec.mtp is not None:
             self.spec.catch_up(self._catch_up_work(chunks, before, output))
         return updated
 
