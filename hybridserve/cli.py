@@ -105,11 +105,13 @@ def _run_generate(args: argparse.Namespace) -> int:
         print(json.dumps({
             "prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text,
             "finish_reason": out.finish_reason, "num_cached_tokens": out.num_cached_tokens,
+            "num_draft_tokens": out.num_draft_tokens, "num_accepted_tokens": out.num_accepted_tokens,
         }))
     else:
         if out.text is not None:
             print(out.text)
-        print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}] ids: {out.token_ids}")
+        spec = f", accepted {out.num_accepted_tokens}/{out.num_draft_tokens} drafts" if out.num_draft_tokens else ""
+        print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}{spec}] ids: {out.token_ids}")
     return 0
 
 

@@ -42,3 +42,18 @@ def test_bad_input_is_a_clear_error() -> None:
     assert out.returncode == 2 and "[0, 128)" in out.stderr
     out = _cli("generate", "--prompt-ids", "1,2", "--max-tokens", "0")
     assert out.returncode == 2 and "max_tokens" in out.stderr
+
+
+def test_generate_with_mtp_speculation_matches_plain_and_reports_drafts() -> None:
+    spec = '{"method": "mtp", "num_speculative_tokens": 3}'
+    plain = _cli("generate", "--prompt", "import os", "--max-tokens", "16", "--ignore-eos", "--json")
+    fast = _cli("generate", "--prompt", "import os", "--max-tokens", "16", "--ignore-eos", "--json",
+                "--speculative-config", spec)
+    assert plain.returncode == 0 and fast.returncode == 0, fast.stderr
+    plain_out, fast_out = (json.loads(o.stdout.strip().splitlines()[-1]) for o in (plain, fast))
+    assert fast_out["token_ids"] == plain_out["token_ids"]
+    assert fast_out["num_draft_tokens"] > 0 and 0 <= fast_out["num_accepted_tokens"] <= fast_out["num_draft_tokens"]
+    bad = _cli("generate", "--prompt", "x", "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}')
+    assert bad.returncode == 2 and "method" in bad.stderr
+    bad = _cli("generate", "--prompt", "x", "--speculative-config", "not json")
+    assert bad.returncode == 2 and "JSON" in bad.stderr
