@@ -12,7 +12,7 @@ from hybridserve.kernels.paged_attention import paged_attention_ref  # noqa: E40
 from hybridserve.kernels.paged_attention_triton import paged_attention_triton  # noqa: E402
 
 
-def _check(q_lens, kv_lens, hq, hkv, dh, page, dtype, device, gen, tol):
+def _check(q_lens, kv_lens, hq, hkv, dh, page, dtype, device, gen, tol, kv_start=0):
     max_pages = max(-(-n // page) for n in kv_lens)
     num_pages = max_pages * len(kv_lens) + 3
     cache_k = torch.randn(num_pages, 2, page, hkv, dh, generator=gen).to(device=device, dtype=dtype)
@@ -22,12 +22,20 @@ def _check(q_lens, kv_lens, hq, hkv, dh, page, dtype, device, gen, tol):
     q = torch.randn(sum(q_lens), hq, dh, generator=gen).to(device=device, dtype=dtype)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), device=device)
     args = (q, k_pages, v_pages, cu, torch.tensor(kv_lens, device=device), tables.to(device), dh**-0.5)
-    ku.assert_close(paged_attention_triton(*args), paged_attention_ref(*args), tol, "attention")
+    got = paged_attention_triton(*args, kv_start=kv_start)
+    ku.assert_close(got, paged_attention_ref(*args, kv_start=kv_start), tol, "attention")
 
 
 @ku.interp_only
 def test_paged_attention_interpreter():
     _check([3, 1, 6, 0], [7, 9, 6, 2], 4, 2, 8, 4, torch.float32, "cpu", torch.Generator().manual_seed(3), 2e-3)
+
+
+@ku.interp_only
+def test_paged_attention_kv_start_interpreter():
+    """The MTP drafter masks key 0; a query that sees no key at all (position 0) gets zeros."""
+    _check([3, 1, 6, 1], [7, 9, 6, 1], 4, 2, 8, 4, torch.float32, "cpu", torch.Generator().manual_seed(6), 2e-3,
+           kv_start=1)
 
 
 @ku.gpu
