@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybridserve.engine.ngram_drafter import NgramIndex
 from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.statepool.block_hash import BlockHash
 
@@ -46,6 +47,7 @@ class Request:
         # speculative decoding: drafts for the next verify (with their distributions when sampled), the
         # tokens of the last verify a replay rollback still has to fold in, and per-request counts
         self.draft_tokens: list[int] = []
+        self.ngram_index: NgramIndex | None = None  # prompt-lookup drafting state, built on first use
         self.draft_probs: torch.Tensor | None = None  # [len(draft_tokens), vocab]
         self.replay_pending = 0
         self.num_draft_tokens = 0

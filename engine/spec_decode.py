@@ -20,7 +20,7 @@ import torch
 
 from hybridserve.engine.mtp_drafter import CatchUp, MTPDrafter
 from hybridserve.engine.model_runner import StepOutput, VerifyInputs
-from hybridserve.engine.ngram_drafter import propose_ngram
+from hybridserve.engine.ngram_drafter import NgramIndex
 from hybridserve.engine.rejection import Acceptance, accept_greedy, accept_sampled
 from hybridserve.engine.request import Request
 from hybridserve.engine.spec_config import SpeculativeConfig
@@ -110,9 +110,9 @@ class SpecDecoder:
             if self._external is not None:
                 request.draft_tokens, request.draft_probs = list(self._external(request))[: self.num_drafts], None
             elif self.mtp is None:
-                request.draft_tokens = propose_ngram(
-                    request.all_token_ids, self.num_drafts, cfg.prompt_lookup_min, cfg.prompt_lookup_max
-                )
+                if request.ngram_index is None:
+                    request.ngram_index = NgramIndex(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+                request.draft_tokens = request.ngram_index.propose(request.all_token_ids, self.num_drafts)
                 request.draft_probs = None
             drafts = request.draft_tokens[: self.num_drafts]
             last = request.all_token_ids[-1]

@@ -13,7 +13,7 @@ from checkpoints import BASE_NEMOTRON_H, nemotron_h_mtp, random_prompts
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.engine.config import EngineConfig
-from hybridserve.engine.ngram_drafter import propose_ngram
+from hybridserve.engine.ngram_drafter import NgramIndex, propose_ngram
 
 VOCAB = BASE_NEMOTRON_H["vocab_size"]
 OPTIONS = dict(max_model_len=160, state_block=16, page_size=8, max_num_seqs=4)
@@ -182,6 +182,20 @@ def test_ngram_proposals() -> None:
     assert propose_ngram([1, 2, 3, 4, 1, 2], 3, 1, 3) == [3, 4, 1]
     assert propose_ngram([5, 6, 7], 2, 1, 3) == []
     assert propose_ngram([9, 8, 9], 2, 2, 3) == []  # only a 1-token suffix recurs
+
+
+def test_incremental_ngram_index_equals_the_scan() -> None:
+    """The per-request index gives the scan's proposals on sequences that grow by 1..3 tokens a step."""
+    rng = random.Random(0)
+    for _ in range(200):
+        lo = rng.randint(1, 3)
+        hi, vocab = rng.randint(lo, 5), rng.randint(2, 6)
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 5))]
+        index = NgramIndex(lo, hi)
+        for _ in range(30):
+            k = rng.randint(1, 4)
+            assert index.propose(tokens, k) == propose_ngram(tokens, k, lo, hi)
+            tokens += [rng.randrange(vocab) for _ in range(rng.randint(1, 3))]
 
 
 @pytest.mark.parametrize(
