@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_client import ClientConfig, metrics_urls, run_with_metrics, server_info  # noqa: E402
+from serve_client import ClientConfig, metrics_urls, run_sessions, run_with_metrics, server_info  # noqa: E402
 from serve_metrics import summarize  # noqa: E402
 from serve_workloads import ARRIVALS, WORKLOADS, WorkloadConfig, arrival_offsets, build_workload  # noqa: E402
 
@@ -134,6 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sessions per second; comma-separated for a sweep, e.g. 1,2,4,inf (inf: all at once)")
     a.add_argument("--arrival", choices=ARRIVALS, default="poisson")
     a.add_argument("--max-concurrency", type=_positive_int, default=None, help="requests in flight at most")
+    a.add_argument("--warmup", type=_nonneg_int, default=0,
+                   help="send this many sessions of the workload (fresh token ids) at once before measuring, so "
+                        "kernel compilation and first-use costs stay out of the results")
     a.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
     r = p.add_argument_group("requests")
     r.add_argument("--temperature", type=float, default=0.0)
@@ -162,6 +165,22 @@ def _rate_tag(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
+def _client_config(args: argparse.Namespace, info: dict, wcfg: WorkloadConfig) -> ClientConfig:
+    return ClientConfig(base_url=args.base_url, model=info["model"], endpoint=args.endpoint,
+                        temperature=args.temperature, ignore_eos=args.ignore_eos, extra_body=args.extra_body,
+                        timeout_s=args.timeout, max_concurrency=args.max_concurrency, token_range=wcfg.token_range,
+                        seed=args.seed)
+
+
+async def run_warmup(args: argparse.Namespace, wcfg: WorkloadConfig, info: dict) -> tuple[int, int]:
+    """`--warmup` sessions at once with token ids no measured run uses; returns (completed, failed)."""
+    warm = replace(wcfg, id_seed=1_000_000, num_prompts=args.warmup)
+    sessions = build_workload(warm)
+    records, _ = await run_sessions(_client_config(args, info, warm), sessions, [0.0] * len(sessions))
+    done = sum(r.success for r in records)
+    return done, len(records) - done
+
+
 async def run_one(args: argparse.Namespace, wcfg: WorkloadConfig, info: dict, rate: float, index: int = 0) -> dict:
     """Run `index` of a sweep, at `rate`: the result dict (config, metrics, counter deltas, per-request records).
 
@@ -169,10 +188,7 @@ async def run_one(args: argparse.Namespace, wcfg: WorkloadConfig, info: dict, ra
     wcfg = replace(wcfg, id_seed=index)
     sessions = build_workload(wcfg)
     offsets = arrival_offsets(len(sessions), rate, args.arrival, args.seed)
-    ccfg = ClientConfig(base_url=args.base_url, model=info["model"], endpoint=args.endpoint,
-                        temperature=args.temperature, ignore_eos=args.ignore_eos, extra_body=args.extra_body,
-                        timeout_s=args.timeout, max_concurrency=args.max_concurrency, token_range=wcfg.token_range,
-                        seed=args.seed)
+    ccfg = _client_config(args, info, wcfg)
     urls = None if args.no_scrape else await metrics_urls(args.base_url, args.metrics_url)
     records, duration, delta = await run_with_metrics(ccfg, sessions, offsets, urls)
     config = {"base_url": args.base_url, "model": info["model"], "max_model_len": info["max_model_len"],
@@ -259,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
               f"the server's max_model_len is {info['max_model_len']}; shorten --input-len / --output-len / "
               "--prefix-len / --num-turns", file=sys.stderr)
         return 2
+    if args.warmup:
+        done, failed = asyncio.run(run_warmup(args, wcfg, info))
+        print(f"warm-up: {done} requests done, {failed} failed (not measured)", flush=True)
     args.result_dir.mkdir(parents=True, exist_ok=True)
     name = args.result_name or f"{wcfg.kind}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     runs = []

@@ -11,7 +11,7 @@ cp bench/configs/nemotron-nano-9b-v2.json "$MODEL/config.json"
 COMMON=(--no-ray --model "$MODEL" --device cuda --dtype bfloat16 --load-format dummy --gpu-memory-gb 24
         --max-num-seqs 32 --max-model-len 2048 --http-port 8000 --port 50051)
 BENCH=(--base-url http://127.0.0.1:8000 --workload random --input-len 512 --output-len 128 --num-prompts 32
-       --request-rate 8,inf --token-range 3,1000 --no-plots --result-dir "$OUT")
+       --request-rate 8,inf --token-range 3,1000 --warmup 4 --no-plots --result-dir "$OUT")
 
 run() {
   local name=$1; shift
