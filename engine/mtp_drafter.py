@@ -16,7 +16,7 @@ import torch
 
 from hybridserve.engine.model_runner import PlacedRow, place_rows
 from hybridserve.engine.request import Request
-from hybridserve.engine.sampler import target_probs
+from hybridserve.engine.sampler import draw, params_probs
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.state_cache import StateCache
@@ -89,23 +89,22 @@ class MTPDrafter:
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         for step in range(self.num_drafts):
             logits = self.model.compute_logits(hidden)  # [R, V]
-            greedy = logits.argmax(dim=-1).tolist()
-            tokens = []
-            for row, request in enumerate(requests):
-                if request.params.greedy:
-                    token = int(greedy[row])
-                else:
-                    q = target_probs(logits[row], request.params)
-                    token = int(torch.multinomial(q, 1, generator=request.generator))
-                    probs[row].append(q)
+            chosen = logits.argmax(dim=-1)
+            sampled = [row for row, r in enumerate(requests) if not r.params.greedy]
+            if sampled:  # drafts from q = the request's own processed distribution (rejection needs q)
+                sampled_rows = torch.tensor(sampled, device=logits.device)
+                q = params_probs(logits[sampled_rows], [requests[row].params for row in sampled])
+                chosen[sampled_rows] = draw(q, [requests[row].generator for row in sampled])
+                for i, row in enumerate(sampled):
+                    probs[row].append(q[i])
+            tokens = chosen.tolist()
+            for row, token in enumerate(tokens):
                 drafts[row].append(token)
-                tokens.append(token)
             if step == self.num_drafts - 1:
                 break
             rows = [(item.request, item.last + 1 + step, 1) for item in work]
             batch = _slot_batch(rows, self.page_size, self.device)
-            ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-            hidden = self.model.mtp_forward(ids, hidden, batch, self.cache)
+            hidden = self.model.mtp_forward(chosen, hidden, batch, self.cache)
         for row, request in enumerate(requests):
             request.draft_tokens = drafts[row]
             request.draft_probs = torch.stack(probs[row]) if probs[row] else None

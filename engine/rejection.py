@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridserve.engine.sampler import target_probs
+from hybridserve.engine.sampler import draw, target_probs
 from hybridserve.engine.sampling_params import SamplingParams
 
 
@@ -39,25 +39,34 @@ def accept_sampled(
     params: SamplingParams,
     generator: torch.Generator,
 ) -> Acceptance:
-    """Rejection sampling for one request; draws from the request's own generator."""
-    probs = target_probs(target_logits[: len(drafts) + 1], params)  # [n + 1, V]
-    for i, token in enumerate(drafts):
-        p = probs[i]
-        if draft_probs is None:
-            q_token = 1.0
-            residual = p.clone()
-            residual[token] = 0.0
-        else:
-            q = draft_probs[i].float().cpu()
-            q_token = float(q[token])
-            residual = (p - q).clamp(min=0.0)
-        ratio = float(p[token]) / q_token if q_token > 0 else 0.0
-        if float(torch.rand((), generator=generator)) < ratio:
-            continue
-        total = float(residual.sum())
-        if total <= 0.0:  # p == q on the support: any rejection is measure-zero; fall back to p
-            residual, total = p, float(p.sum())
-        replacement = int(torch.multinomial(residual / total, 1, generator=generator))
-        return Acceptance(drafts[:i] + [replacement], i)
-    bonus = int(torch.multinomial(probs[len(drafts)], 1, generator=generator))
-    return Acceptance(list(drafts) + [bonus], len(drafts))
+    """Rejection sampling for one request on the logits' device; draws from the request's own generator."""
+    n = len(drafts)
+    probs = target_probs(target_logits[: n + 1], params)  # [n + 1, V]
+    if n == 0:
+        return Acceptance([int(draw(probs[:1], [generator])[0])], 0)
+    index = torch.tensor(drafts, device=probs.device)
+    rows = torch.arange(n, device=probs.device)
+    p_draft = probs[rows, index]  # [n]
+    if draft_probs is None:  # one-hot q: keep with probability p(d)
+        q = None
+        ratio = p_draft
+    else:
+        q = draft_probs.to(device=probs.device, dtype=torch.float32)
+        q_draft = q[rows, index]
+        ratio = torch.where(q_draft > 0, p_draft / q_draft.clamp(min=1e-30), torch.zeros_like(p_draft))
+    uniforms = torch.rand(n, generator=generator)
+    kept = uniforms.to(probs.device) < ratio
+    accepted = n if bool(kept.all()) else int(torch.argmin(kept.int()))  # the first rejection
+    if accepted == n:
+        bonus = int(draw(probs[n : n + 1], [generator])[0])
+        return Acceptance(list(drafts) + [bonus], n)
+    p = probs[accepted]
+    if q is None:
+        residual = p.clone()
+        residual[drafts[accepted]] = 0.0
+    else:
+        residual = (p - q[accepted]).clamp(min=0.0)
+    if float(residual.sum()) <= 0.0:  # p == q on the support: a rejection has probability 0; fall back to p
+        residual = p
+    replacement = int(draw(residual[None], [generator])[0])
+    return Acceptance(drafts[:accepted] + [replacement], accepted)

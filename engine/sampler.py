@@ -1,5 +1,6 @@
-"""Token sampling: greedy, or temperature + top-k + top-p with each request's own generator, so a
-request's samples do not depend on what else is in the batch."""
+"""Token sampling: greedy, or temperature + top-k + top-p, batched on the logits' device. Each sampled row
+draws its uniform from its request's own CPU generator and picks the token by inverse CDF, so a request's
+samples do not depend on what else is in the batch and nothing but one float per row crosses to the device."""
 
 from __future__ import annotations
 
@@ -8,36 +9,56 @@ import torch
 from hybridserve.engine.sampling_params import SamplingParams
 
 
-def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """logits: [V] fp32 -> logits with excluded tokens at -inf."""
-    if 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token when the tokens ranked above it already reach top_p
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
+def processed_probs(
+    logits: torch.Tensor,  # [R, V]
+    temperature: torch.Tensor,  # [R] > 0
+    top_k: torch.Tensor,  # [R] int, <= 0 or >= V: off
+    top_p: torch.Tensor,  # [R] in (0, 1]
+) -> torch.Tensor:
+    """The distribution each row samples from, fp32 [R, V]: logits / temperature; keep the top-k logits (ties
+    with the k-th kept); then drop a token when the tokens ranked above it already reach top_p."""
+    scaled = logits.float() / temperature[:, None]
+    vocab = scaled.shape[-1]
+    ordered, order = torch.sort(scaled, dim=-1, descending=True)  # [R, V]
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab).long()
+    kth = ordered.gather(1, (k - 1)[:, None])  # [R, 1]
+    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = torch.softmax(ordered, dim=-1)
+    drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p[:, None]
+    probs = torch.softmax(ordered.masked_fill(drop, float("-inf")), dim=-1)
+    return torch.zeros_like(probs).scatter_(1, order, probs)
+
+
+def params_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """processed_probs with one SamplingParams per row (all non-greedy)."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    return processed_probs(logits, temperature, top_k, top_p)
 
 
 def target_probs(logits: torch.Tensor, param: SamplingParams) -> torch.Tensor:
-    """The distribution a request samples from: logits [..., V] -> probs [..., V] fp32 on the CPU
-    (temperature, then top-k / top-p per row)."""
-    rows = logits.float().cpu().reshape(-1, logits.shape[-1]) / param.temperature
-    filtered = torch.stack([_filter_top_k_top_p(row, param.top_k, param.top_p) for row in rows])
-    return torch.softmax(filtered, dim=-1).reshape(logits.shape)
+    """The distribution one request samples from: logits [..., V] -> probs [..., V] fp32, same device."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    return params_probs(rows, [param] * rows.shape[0]).reshape(logits.shape)
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of probs [R, V] by inverse CDF, each row's uniform from its own CPU generator -> [R]."""
+    uniforms = torch.stack([torch.rand((), generator=g) for g in generators]).to(probs.device)
+    cdf = torch.cumsum(probs, dim=-1)
+    # the first index whose cdf exceeds u * total: never a zero-probability token
+    index = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)
+    return index[:, 0].clamp(max=probs.shape[-1] - 1)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
     """logits: [B, V] fp32, one row per request -> one token id per row."""
-    greedy_tokens = logits.argmax(dim=-1).tolist()
-    tokens: list[int] = []
-    for row, (param, generator) in enumerate(zip(params, generators)):
-        if param.greedy:
-            tokens.append(int(greedy_tokens[row]))
-            continue
-        probs = target_probs(logits[row], param)
-        tokens.append(int(torch.multinomial(probs, 1, generator=generator).item()))
-    return tokens
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        probs = params_probs(logits[index], [params[i] for i in rows])
+        tokens[index] = draw(probs, [generators[i] for i in rows])
+    return tokens.tolist()

@@ -66,3 +66,20 @@ def test_greedy_acceptance_edges() -> None:
     assert accept_greedy([5, 6, 7], [5, 6]).tokens == [5, 6, 7]  # all accepted + bonus
     assert accept_greedy([5, 6, 7], [4, 6]).tokens == [5]  # first rejected: the target's token
     assert accept_greedy([5, 6, 7], []).tokens == [5]  # no drafts: a plain decode step
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9), SamplingParams(temperature=1.3, top_k=5, top_p=0.8)])
+def test_batched_sampler_follows_the_processed_distribution(params: SamplingParams) -> None:
+    """`sample` (batched inverse-CDF draws, one uniform per row from the request's generator) against the
+    processed distribution; tokens filtered out by top-k / top-p never come out."""
+    from hybridserve.engine.sampler import sample
+
+    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5)) * 2
+    p = target_probs(logits, params)[0]
+    generator = torch.Generator().manual_seed(9)
+    counts = torch.zeros(VOCAB)
+    rows = 500
+    for _ in range(SAMPLES // rows):
+        for token in sample(logits.expand(rows, -1), [params] * rows, [generator] * rows):
+            counts[token] += 1
+    assert chi_square(counts, p) < CHI2_CRITICAL_DF7
