@@ -97,7 +97,10 @@ class LLMEngine:
             self.spec = SpecDecoder(spec, self.model, self.cache, config.page_size)
         self.lookahead = lookahead
         if config.cuda_graphs and device.type == "cuda":
-            enable_decode_graphs(self.runner, layout.num_slots, -(-self.max_model_len // config.page_size))
+            if self.spec is not None:  # every decode step is a verify step, which runs eagerly for now
+                logger.info("speculative decoding: decode steps run without CUDA graphs")
+            else:
+                enable_decode_graphs(self.runner, layout.num_slots, -(-self.max_model_len // config.page_size))
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}  # finished, state kept for export
         self._reserved: dict[str, Request] = {}  # pages and slot waiting for a remote prefill's state
