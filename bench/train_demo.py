@@ -16,17 +16,16 @@ and lm_head(g_q) predicts x_{q+1}. Embedding and lm_head are the trunk's.
 from __future__ import annotations
 
 import argparse
-import hashlib
+import importlib.util
 import json
 import logging
 import math
 import os
 import platform
 import sys
-import sysconfig
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 # bench/ holds a `kernels.py` that would shadow the `kernels` package transformers probes for
 _HERE = Path(__file__).resolve().parent
@@ -38,188 +37,24 @@ from torch import nn  # noqa: E402
 
 logger = logging.getLogger("train_demo")
 
-EOS = "<|endoftext|>"
-SKIP_PARTS = {"site-packages", "dist-packages", "__pycache__"}
 
 
-# ----------------------------------------------------------------------------------------------- data
+def _sibling(name: str) -> ModuleType:
+    """Import bench/<name>.py by path (bench/ itself stays off sys.path, see above)."""
+    spec = importlib.util.spec_from_file_location(name, _HERE / f"{name}.py")
+    assert spec is not None and spec.loader is not None  # the file ships next to this one
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
-@dataclass
-class Corpus:
-    root: Path
-    train: list[tuple[str, str]]  # (relative path, text)
-    heldout: list[tuple[str, str]]
-    validation: list[tuple[str, str]]  # picks the best step; never reported as held-out
-    skipped: int
-
-
-def split_bucket(rel: str) -> int:
-    """Deterministic file-level split: a hash of the relative path, 0..99."""
-    return int(hashlib.sha256(rel.encode()).hexdigest(), 16) % 100
-
-
-def load_corpus(heldout_percent: int, validation_percent: int, max_files: int | None) -> Corpus:
-    """Every *.py file of the stdlib (sorted; site-packages excluded; non-UTF-8 files skipped)."""
-    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
-    files = sorted(p for p in root.rglob("*.py") if not SKIP_PARTS & set(p.relative_to(root).parts))
-    if max_files is not None:
-        files = files[:max_files]
-    train, heldout, validation, skipped = [], [], [], 0
-    for path in files:
-        rel = path.relative_to(root).as_posix()
-        try:
-            text = path.read_bytes().decode("utf-8")
-        except (UnicodeDecodeError, OSError):
-            skipped += 1
-            continue
-        bucket = split_bucket(rel)
-        if bucket < heldout_percent:
-            heldout.append((rel, text))
-        elif bucket < heldout_percent + validation_percent:
-            validation.append((rel, text))
-        else:
-            train.append((rel, text))
-    return Corpus(root, train, heldout, validation, skipped)
-
-
-def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):  # noqa: ANN201 - PreTrainedTokenizerFast
-    """Byte-level BPE (GPT-2 style pre-tokenization) saved in transformers' layout."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, pad_token=EOS, bos_token=EOS, unk_token=None, model_max_length=4096
-    )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fast.save_pretrained(str(out_dir))
-    # the class name transformers 4.x and 5.x both resolve (5.x writes its own `TokenizersBackend`)
-    config_path = out_dir / "tokenizer_config.json"
-    tok_config = json.loads(config_path.read_text())
-    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
-    special = out_dir / "special_tokens_map.json"
-    if not special.is_file():
-        special.write_text(json.dumps({"bos_token": EOS, "eos_token": EOS, "pad_token": EOS}, indent=2) + "\n")
-    return fast
-
-
-def encode_stream(tokenizer, texts: list[str]) -> torch.Tensor:  # noqa: ANN001
-    """All documents concatenated, each followed by EOS."""
-    eos = tokenizer.convert_tokens_to_ids(EOS)
-    ids: list[int] = []
-    for enc in tokenizer._tokenizer.encode_batch(texts, add_special_tokens=False):
-        ids.extend(enc.ids)
-        ids.append(eos)
-    return torch.tensor(ids, dtype=torch.int32)
-
-
-# ---------------------------------------------------------------------------------------------- model
-
-
-class RMSNorm(nn.Module):
-    """NemotronH's RMSNorm: normalize and scale in float32, cast back."""
-
-    def __init__(self, hidden: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
-
-
-class CausalGQA(nn.Module):
-    """NemotronH attention (q/k/v/o projections, GQA, no positional embedding), causal over its input."""
-
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int) -> None:
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        rep = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.head_dim**-0.5)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-
-
-class Relu2MLP(nn.Module):
-    """NemotronH's non-gated MLP: down(relu(up(x))^2)."""
-
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.relu(self.up_proj(x)).square())
-
-
-class MTPLayer(nn.Module):
-    def __init__(self, cfg: dict, kind: str, first: bool, last: bool) -> None:
-        super().__init__()
-        hidden, eps = cfg["hidden_size"], cfg["layer_norm_epsilon"]
-        if first:
-            self.enorm = RMSNorm(hidden, eps)
-            self.hnorm = RMSNorm(hidden, eps)
-            self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
-        self.norm = RMSNorm(hidden, eps)
-        if kind == "full_attention":
-            self.mixer: nn.Module = CausalGQA(
-                hidden, cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-            )
-        elif kind == "mlp":
-            self.mixer = Relu2MLP(hidden, cfg["intermediate_size"])
-        else:
-            raise ValueError(f"unsupported MTP layer type {kind!r}")
-        if last:
-            self.final_layernorm = RMSNorm(hidden, eps)
-
-
-class MTP(nn.Module):
-    """One MTP step; parameter names match `mtp.layers.{i}.*` of vLLM's nemotron_h_mtp."""
-
-    def __init__(self, cfg: dict, kinds: list[str]) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(
-            MTPLayer(cfg, kind, first=i == 0, last=i == len(kinds) - 1) for i, kind in enumerate(kinds)
-        )
-
-    def forward(self, token_embeds: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:
-        """token_embeds = embed(x_q), prev_hidden = h_{q-1}, both [B, T, H] -> g [B, T, H]."""
-        first = self.layers[0]
-        u = first.eh_proj(torch.cat([first.enorm(token_embeds), first.hnorm(prev_hidden)], dim=-1))
-        for layer in self.layers:
-            u = u + layer.mixer(layer.norm(u))
-        return self.layers[-1].final_layernorm(u)
-
-
-def init_mtp(mtp: MTP, std: float) -> None:
-    for module in mtp.modules():
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=std)
+_data = _sibling("train_demo_data")
+_mtp = _sibling("train_demo_mtp")
+_card = _sibling("train_demo_card")
+EOS, load_corpus, train_tokenizer = _data.EOS, _data.load_corpus, _data.train_tokenizer
+encode_stream, windows_of = _data.encode_stream, _data.windows_of
+MTP, init_mtp, model_card = _mtp.MTP, _mtp.init_mtp, _card.model_card
 
 
 # ------------------------------------------------------------------------------------------- training
@@ -267,15 +102,6 @@ def evaluate(trunk, mtp: MTP, windows: torch.Tensor, batch_size: int, device: st
         "mtp_top1_accuracy": sums["mtp_correct"] / sums["mtp_n"],
         "tokens": sums["n"],
     }
-
-
-def windows_of(stream: torch.Tensor, seq_len: int, max_windows: int | None) -> torch.Tensor:
-    """Non-overlapping [seq_len + 1] windows (consecutive windows share one boundary token)."""
-    count = max(0, (stream.numel() - 1) // seq_len)
-    if max_windows is not None:
-        count = min(count, max_windows)
-    idx = torch.arange(count)[:, None] * seq_len + torch.arange(seq_len + 1)[None, :]
-    return stream[idx]
 
 
 def lr_at(step: int, total: int, warmup: int, peak: float, floor: float) -> float:
@@ -569,92 +395,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 SAMPLE_PROMPTS = ("def fib(n):", "import os\n\n\ndef ", "class Stack:\n    def __init__(self):")
-
-
-def model_card(report: dict, cfg: dict, mtp_kinds: list[str]) -> str:
-    """The README.md of the checkpoint."""
-    m, t, d = report["heldout"], report["train"], report["data"]
-    a = report["args"]
-    samples = "\n\n".join(f"```python\n{prompt}{text}\n```" for prompt, text in report["samples"].items())
-    return f"""# hybridserve demo model: nemotron-h-pystdlib-demo
-
-A small NemotronH (hybrid Mamba2 + attention + MLP) with one multi-token-prediction (MTP) step, trained
-from scratch on the Python standard library's source code. It is `hybridserve`'s embedded default model:
-big enough to write plausible-looking Python, small enough ({report['model']['safetensors_mb']} MB in bf16)
-to ship in the package. It is a demo, not a useful code model.
-
-## Architecture
-
-| | |
-|---|---|
-| layers | `{cfg['hybrid_override_pattern']}` (M = Mamba2, * = attention, - = MLP) |
-| hidden size | {cfg['hidden_size']} |
-| attention | {cfg['num_attention_heads']} heads x {cfg['head_dim']}, {cfg['num_key_value_heads']} KV heads, no positional embedding |
-| Mamba2 | {cfg['mamba_num_heads']} heads x {cfg['mamba_head_dim']}, state {cfg['ssm_state_size']}, {cfg['n_groups']} groups, conv 4, chunk {cfg['chunk_size']} |
-| MLP | relu2, intermediate {cfg['intermediate_size']} |
-| vocabulary | {cfg['vocab_size']} (byte-level BPE) |
-| MTP | 1 step, layers {mtp_kinds}; `mtp.layers.0.{{enorm,hnorm,eh_proj}}`, shared embedding and lm_head |
-| parameters | trunk {report['model']['trunk_params'] / 1e6:.2f} M, MTP {report['model']['mtp_params'] / 1e6:.2f} M |
-
-The trunk is transformers' `NemotronHForCausalLM` (loads with `from_pretrained`, which ignores `mtp.*`).
-MTP slot q (q >= 1) computes `u = eh_proj([enorm(embed(x_q)), hnorm(h_(q-1))])` from the trunk's final-normed
-hidden state, then `u = u + mixer(norm(u))` per MTP layer (causal attention over the slots, no positional
-embedding), `g = final_layernorm(u)`, and `lm_head(g)` predicts x_(q+1).
-
-## Data
-
-Every `*.py` file under `sysconfig.get_paths()["stdlib"]` of Python {d['python']} (`{d['stdlib']}`), sorted,
-test suites included where the installation ships them, `site-packages` excluded, non-UTF-8 files skipped ({d['skipped_files']}). Files are
-split by `b = sha256(relative path) % 100` into {d['heldout_files']} held-out files (b < {d['heldout_percent']},
-{d['heldout_tokens'] / 1e3:.0f} k tokens; only for the numbers below), {d['validation_files']} validation files (the next
-{d['validation_percent']} buckets; they pick the shipped step) and {d['train_files']} training files
-({d['train_bytes'] / 1e6:.1f} MB, {d['train_tokens'] / 1e6:.2f} M tokens). Each file is followed by `<|endoftext|>`.
-
-## Tokenizer
-
-Byte-level BPE (GPT-2 pre-tokenization, no prefix space) with {cfg['vocab_size']} tokens trained with
-`tokenizers` on the training files; `<|endoftext|>` (id {cfg['eos_token_id']}) is EOS, BOS and pad.
-Loads with `transformers.AutoTokenizer.from_pretrained(dir, local_files_only=True)`.
-
-## Training
-
-```bash
-{report['command']}
-```
-
-Seed {a['seed']}; {t['steps']} steps of {a['batch_size']} x {a['seq_len']} random windows
-({t['tokens_seen'] / 1e6:.0f} M tokens); AdamW (betas 0.9/0.95, weight decay {a['weight_decay']} on matrices),
-peak lr {a['lr']} with {a['warmup']} warmup steps and cosine decay to {a['min_lr']}, grad clip 1.0, bf16 autocast;
-loss = CE(trunk) + {a['mtp_weight']} x CE(MTP), trained jointly; the weights of step {t['shipped_step']} (lowest
-validation loss, evaluated every {a['eval_every']} steps) are shipped. The step count was sized to a
-{a['time_budget_s']:.0f} s budget after timing the first steps. Device: {report['device']}; training loop
-{t['train_time_s']} s, whole script {t['total_time_s']} s (tokenizer and encoding {t['tokenizer_and_encoding_s']} s).
-torch {report['versions']['torch']}, transformers {report['versions']['transformers']},
-tokenizers {report['versions']['tokenizers']}.
-
-## Held-out results (bf16 weights, {m['tokens']} tokens of {d['heldout_files']} held-out files)
-
-| | |
-|---|---|
-| trunk loss | {m['trunk_loss_nats_per_token']:.4f} nats/token |
-| trunk top-1 accuracy | {m['trunk_top1_accuracy']:.4f} |
-| MTP loss (predicting x_(q+1) from x_q, h_(q-1)) | {m['mtp_loss_nats_per_token']:.4f} nats/token |
-| MTP top-1 accuracy | {m['mtp_top1_accuracy']:.4f} |
-
-All numbers are also in `training_report.json`. The MTP loss covers slots q = 1..L-1 of each window
-(windows hold L + 1 tokens, so the last slot has its target too).
-
-## Limits
-
-The data is small ({d['train_tokens'] / 1e6:.1f} M tokens; {t['tokens_seen'] / max(1, d['train_tokens']):.0f} epochs in
-this run), so the model has memorized stdlib idioms rather than learned to program: greedy decoding repeats
-itself and invents names. Mamba2 ran on transformers' PyTorch fallback (no `mamba_ssm` on the training
-machine), which bounded the step count.
-
-## Greedy samples
-
-{samples}
-"""
 
 
 if __name__ == "__main__":

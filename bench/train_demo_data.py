@@ -1,0 +1,105 @@
+"""Data of the demo model's training (bench/train_demo.py): the stdlib corpus split by file, the byte-level
+BPE tokenizer, token streams and training windows."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+EOS = "<|endoftext|>"
+SKIP_PARTS = {"site-packages", "dist-packages", "__pycache__"}
+
+
+@dataclass
+class Corpus:
+    root: Path
+    train: list[tuple[str, str]]  # (relative path, text)
+    heldout: list[tuple[str, str]]
+    validation: list[tuple[str, str]]  # picks the best step; never reported as held-out
+    skipped: int
+
+
+def split_bucket(rel: str) -> int:
+    """Deterministic file-level split: a hash of the relative path, 0..99."""
+    return int(hashlib.sha256(rel.encode()).hexdigest(), 16) % 100
+
+
+def load_corpus(heldout_percent: int, validation_percent: int, max_files: int | None) -> Corpus:
+    """Every *.py file of the stdlib (sorted; site-packages excluded; non-UTF-8 files skipped)."""
+    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    files = sorted(p for p in root.rglob("*.py") if not SKIP_PARTS & set(p.relative_to(root).parts))
+    if max_files is not None:
+        files = files[:max_files]
+    train, heldout, validation, skipped = [], [], [], 0
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except (UnicodeDecodeError, OSError):
+            skipped += 1
+            continue
+        bucket = split_bucket(rel)
+        if bucket < heldout_percent:
+            heldout.append((rel, text))
+        elif bucket < heldout_percent + validation_percent:
+            validation.append((rel, text))
+        else:
+            train.append((rel, text))
+    return Corpus(root, train, heldout, validation, skipped)
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):  # noqa: ANN201 - PreTrainedTokenizerFast
+    """Byte-level BPE (GPT-2 style pre-tokenization) saved in transformers' layout."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS, pad_token=EOS, bos_token=EOS, unk_token=None, model_max_length=4096
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(out_dir))
+    # the class name transformers 4.x and 5.x both resolve (5.x writes its own `TokenizersBackend`)
+    config_path = out_dir / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text())
+    tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
+    special = out_dir / "special_tokens_map.json"
+    if not special.is_file():
+        special.write_text(json.dumps({"bos_token": EOS, "eos_token": EOS, "pad_token": EOS}, indent=2) + "\n")
+    return fast
+
+
+def encode_stream(tokenizer, texts: list[str]) -> torch.Tensor:  # noqa: ANN001
+    """All documents concatenated, each followed by EOS."""
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    ids: list[int] = []
+    for enc in tokenizer._tokenizer.encode_batch(texts, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def windows_of(stream: torch.Tensor, seq_len: int, max_windows: int | None) -> torch.Tensor:
+    """Non-overlapping [seq_len + 1] windows (consecutive windows share one boundary token)."""
+    count = max(0, (stream.numel() - 1) // seq_len)
+    if max_windows is not None:
+        count = min(count, max_windows)
+    idx = torch.arange(count)[:, None] * seq_len + torch.arange(seq_len + 1)[None, :]
+    return stream[idx]
