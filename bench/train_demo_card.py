@@ -2,13 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import sysconfig
-
-import torch
-
-from train_demo_data import EOS  # noqa: E402 - loaded by path from bench/train_demo.py
-
 
 def model_card(report: dict, cfg: dict, mtp_kinds: list[str]) -> str:
     """The README.md of the checkpoint."""
