@@ -219,3 +219,20 @@ def test_mtp_needs_an_mtp_checkpoint() -> None:
 
     with pytest.raises(ValueError, match="MTP module"):
         LLM(nemotron_h("M*-M")[0], speculative_config={"method": "mtp", "num_speculative_tokens": 2}, **OPTIONS)
+
+
+@pytest.mark.parametrize("rollback", ["intermediate", "replay"])
+def test_ngram_on_a_pure_mamba2_model(rollback: str) -> None:
+    """No attention at all (no KV pages): verify, rollback and checkpoints still agree with plain decoding."""
+    from checkpoints import mamba2
+
+    model_dir, _ = mamba2()
+    prompts = [p + p for p in random_prompts([5, 20, 33], VOCAB, seed=1)]  # repeats give the n-gram drafts
+    params = greedy(30)
+    expected = LLM(model_dir, state_block=16).generate(prompt_token_ids=prompts, sampling_params=params)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "rollback": rollback}
+    llm = LLM(model_dir, state_block=16, speculative_config=spec)
+    got = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert llm.engine.spec.metrics.num_draft_tokens > 0
+    llm.engine.pool.check()
