@@ -65,22 +65,26 @@ class _EngineGauges(Collector):
             ("hybridserve_worker_cached_checkpoints", "Mamba checkpoints in the prefix cache", v["checkpoints"]),
             ("hybridserve_worker_cached_blocks", "Token blocks in the prefix cache", v["blocks"]),
         ]
-        for name, doc, value in rows:
-            family = GaugeMetricFamily(name, doc, labels=["role"])
-            family.add_metric([self._role], float(value))
-            yield family
+        yield from _role_families(GaugeMetricFamily, rows, self._role)
         counters = [
             ("hybridserve_worker_prefix_cache_queries", "Admissions that looked up the prefix cache", v["queries"]),
             ("hybridserve_worker_prefix_cache_hits", "Admissions that found a checkpointed prefix", v["hits"]),
             ("hybridserve_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", v["hit_tokens"]),
         ]
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=["role"])
-            family.add_metric([self._role], float(value))
-            yield family
+        yield from _role_families(CounterMetricFamily, counters, self._role)
         spec = v["spec"]
         if spec is not None:
             yield from _spec_families(spec, self._role)
+
+
+def _role_families(
+    kind: type[GaugeMetricFamily] | type[CounterMetricFamily], rows: list[tuple[str, str, float]], role: str
+) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """One family per (name, doc, value) row, labelled with the worker's role."""
+    for name, doc, value in rows:
+        family = kind(name, doc, labels=["role"])
+        family.add_metric([role], float(value))
+        yield family
 
 
 def _spec_families(spec: SpecMetrics, role: str) -> Iterator[CounterMetricFamily]:
@@ -90,10 +94,7 @@ def _spec_families(spec: SpecMetrics, role: str) -> Iterator[CounterMetricFamily
         ("hybridserve_worker_spec_draft_tokens", "Draft tokens proposed", spec.num_draft_tokens),
         ("hybridserve_worker_spec_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens),
     ]
-    for name, doc, value in rows:
-        family = CounterMetricFamily(name, doc, labels=["role"])
-        family.add_metric([role], float(value))
-        yield family
+    yield from _role_families(CounterMetricFamily, rows, role)
     family = CounterMetricFamily(
         "hybridserve_worker_spec_accepted_by_position", "Drafts accepted at each draft position (1-based)",
         labels=["role", "position"],
