@@ -13,6 +13,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 LATENCIES = (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "e2e latency"))
 
 
+
+def _save(fig: plt.Figure, path: Path) -> Path:
+    """Lay out, write and close a figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
 def latency_samples_ms(result: dict, key: str) -> list[float]:
     """Per-request TTFT / e2e, or every ITL gap, of the successful requests of a run result (ms)."""
     ok = [r for r in result["requests"] if r["success"]]
@@ -38,10 +46,7 @@ def plot_cdfs(result: dict, path: Path) -> Path:
                ylim=(0, 1.02))
         ax.grid(alpha=0.3)
     fig.suptitle(_title(result))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _title(result: dict) -> str:
@@ -79,10 +84,7 @@ def plot_sweep(sweep: dict, path: Path) -> Path:
         ax.set_xlabel("request rate (req/s)")
         ax.grid(alpha=0.3)
     fig.suptitle(f"{sweep['config']['workload']} sweep ({sweep['config']['arrival']} arrivals)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_compare(results: list[dict], labels: list[str], path: Path) -> Path:
@@ -125,10 +127,7 @@ def plot_compare(results: list[dict], labels: list[str], path: Path) -> Path:
     for ax in axes.flat:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _compare_sweeps(sweeps: list[dict], labels: list[str], path: Path) -> Path:
@@ -153,7 +152,4 @@ def _compare_sweeps(sweeps: list[dict], labels: list[str], path: Path) -> Path:
         ax.set_xlabel("request rate (req/s)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
