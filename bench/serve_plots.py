@@ -13,13 +13,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 LATENCIES = (("ttft", "TTFT"), ("itl", "ITL"), ("e2e", "e2e latency"))
 
 
-
 def _save(fig: plt.Figure, path: Path) -> Path:
     """Lay out, write and close a figure."""
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
 
 def latency_samples_ms(result: dict, key: str) -> list[float]:
     """Per-request TTFT / e2e, or every ITL gap, of the successful requests of a run result (ms)."""
