@@ -27,6 +27,8 @@ from decode_step import bench_decode_step  # noqa: E402
 from peer import load_peer  # noqa: E402
 
 from hybridserve.kernels.replay_state_update import ReplayCache, replay_state_update_triton  # noqa: E402
+from hybridserve.kernels.ssd_chunk_scan_triton import chunk_scan_kernel  # noqa: E402
+from hybridserve.kernels.ssd_chunk_state_triton import WalkConfig  # noqa: E402
 from hybridserve.kernels.ssd_scan_meta import chunk_metadata  # noqa: E402
 from hybridserve.kernels.ssd_scan_triton import ssd_scan_varlen_triton  # noqa: E402
 from hybridserve.kernels.state_update_triton import (  # noqa: E402
@@ -83,7 +85,12 @@ def ceilings(quick: bool) -> dict[str, float]:
     return {"copy_GBps": 2 * n * 4 / copy_ms / 1e6, "bf16_matmul_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
 
 
-def bench_ssd(peer: dict | None, ceil: dict, quick: bool) -> list[dict]:
+WALK_SWEEP = [WalkConfig(p, n, w, st) for p, n, w, st in (
+    (16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 4, 2), (32, 64, 4, 2), (16, 32, 2, 2), (16, 32, 4, 3), (32, 32, 4, 2),
+    (32, 128, 4, 2), (16, 64, 2, 2), (16, 128, 8, 2))]
+
+
+def bench_ssd(peer: dict | None, ceil: dict, quick: bool, sweep_walk: bool = False) -> list[dict]:
     """Tokens/s per layer of our varlen scan (with kept states) vs mamba_chunk_scan_combined."""
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -104,12 +111,20 @@ def bench_ssd(peer: dict | None, ceil: dict, quick: bool) -> list[dict]:
                                               meta=meta)
 
             ours_ms = median_ms(ours, quick)
+            best = getattr(chunk_scan_kernel, "best_config", None)
             io_bytes = tokens * (2 * heads * head_dim * 2 + 2 * groups * state * 2 + heads * 2)
             io_bytes += (tokens // STATE_BLOCK + num_seqs) * heads * head_dim * state * 4
             flops = tokens * heads * (4 * head_dim * state + 2 * chunk * head_dim + 2 * chunk * state // (heads // groups))
             floor_ms = max(io_bytes / ceil["copy_GBps"] / 1e6, flops / ceil["bf16_matmul_TFLOPs"] / 1e9)
             row = {"config": name, "seqs": num_seqs, "seqlen": seqlen, "ours_ms": ours_ms,
-                   "ours_Mtok_s": tokens / ours_ms / 1e3, "floor_ms": floor_ms}
+                   "ours_Mtok_s": tokens / ours_ms / 1e3, "floor_ms": floor_ms, "scan_config": str(best)}
+            if sweep_walk and seqlen == 8192:
+                row["walk_sweep_ms"] = {
+                    f"p{w.block_p}_n{w.block_n}_w{w.num_warps}_s{w.num_stages}": median_ms(
+                        lambda w=w: ssd_scan_varlen_triton(x, dt, A, B, C, cu, chunk, D=D, dt_bias=bias,
+                                                           state_block=STATE_BLOCK, meta=meta, walk=w), quick)
+                    for w in WALK_SWEEP}
+                print(f"walk sweep {name}: {row['walk_sweep_ms']}", flush=True)
             if peer is not None:
                 xb, dtb, Bb, Cb = (t.view(num_seqs, seqlen, *t.shape[1:]) for t in (x, dt, B, C))
 
@@ -190,19 +205,25 @@ def sweep_state_update(ceil: dict, quick: bool) -> list[dict]:
     """Launch-shape sweep of the decode update (picks the defaults; not part of the issue table)."""
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(3)
-    for state_dtype, batch in ((torch.float32, 128), (torch.bfloat16, 128), (torch.bfloat16, 32)):
+    for state_dtype, batch in ((torch.float32, 32), (torch.float32, 128), (torch.bfloat16, 128), (torch.bfloat16, 32),
+                               (torch.bfloat16, 8), (torch.float32, 1)):
         t = _ssu_inputs(batch, 1, state_dtype, gen)
         state_bytes = 2 * t["pool"].numel() * t["pool"].element_size()
         for block_p in (8, 16, 32):
-            for warps in (2, 4, 8):
-                ms = graph_ms(lambda: multi_token_state_update_triton(
-                    t["pool"], t["slots"], t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], dt_bias=t["bias"],
-                    z=t["z"], block_p=block_p, num_warps=warps), quick)
-                rows.append({"state_dtype": str(state_dtype), "batch": batch, "block_p": block_p, "warps": warps, "us": ms * 1e3,
-                             "pct_of_copy": 100 * state_bytes / ms / 1e6 / ceil["copy_GBps"]})
+            for warps in (1, 2, 4):
+                for tiles in (1, 2, 5):
+                    if block_p * tiles > 128:
+                        continue
+                    ms = graph_ms(lambda: multi_token_state_update_triton(
+                        t["pool"], t["slots"], t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"], dt_bias=t["bias"],
+                        z=t["z"], block_p=block_p, num_warps=warps, tiles=tiles), quick)
+                    rows.append({"state_dtype": str(state_dtype), "batch": batch, "block_p": block_p, "warps": warps,
+                                 "tiles": tiles, "us": ms * 1e3,
+                                 "pct_of_copy": 100 * state_bytes / ms / 1e6 / ceil["copy_GBps"]})
         del t
-    print("ssu sweep: " + "; ".join(f"{r['state_dtype'][6:]} b{r['batch']} p{r['block_p']} w{r['warps']} {r['pct_of_copy']:.0f}%"
-                                    for r in rows), flush=True)
+    for r in rows:
+        print(f"ssu sweep {r['state_dtype'][6:]} b{r['batch']} p{r['block_p']} w{r['warps']} t{r['tiles']} "
+              f"{r['us']:.1f} us {r['pct_of_copy']:.0f}%")
     return rows
 
 
@@ -230,7 +251,7 @@ def bench_verify(peer: dict | None, ceil: dict, quick: bool, tokens: int = 4) ->
             sweep = {}
             for block_p in (16, 32):
                 for warps in (1, 2):
-                    for dot in (True,):
+                    for dot in (True, False):
                         sweep[f"p{block_p}_w{warps}_{'dot' if dot else 'reduce'}"] = 1e3 * graph_ms(
                             lambda: replay_state_update_triton(
                                 t["pool"], cache, t["slots"], accepted, t["x"], t["dt"], t["A"], t["B"], t["C"],
@@ -251,11 +272,19 @@ def bench_verify(peer: dict | None, ceil: dict, quick: bool, tokens: int = 4) ->
     return rows
 
 
+def _attention(ceil: dict, quick: bool) -> list[dict]:
+    """Paged attention vs SDPA / flex attention (bench/attention.py)."""
+    from attention import bench_attention
+
+    return bench_attention(ceil, median_ms, quick)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="shorter timing loops")
-    parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: ssd ssu verify decode")
+    parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: ssd ssu ssu_sweep verify decode attention")
+    parser.add_argument("--sweep-walk", action="store_true", help="also sweep the SSD state-walk launch shapes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA device")
@@ -269,11 +298,12 @@ def main() -> None:
     result["ceilings"] = ceil = ceilings(args.quick)
     print(f"{device}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s",
           flush=True)
-    sections = {"ssd": lambda: bench_ssd(peer, ceil, args.quick),
+    sections = {"ssd": lambda: bench_ssd(peer, ceil, args.quick, args.sweep_walk),
                 "ssu": lambda: bench_state_update(peer, ceil, args.quick),
                 "ssu_sweep": lambda: sweep_state_update(ceil, args.quick),
                 "verify": lambda: bench_verify(peer, ceil, args.quick),
-                "decode": lambda: bench_decode_step(ceil, median_ms, args.quick)}
+                "decode": lambda: bench_decode_step(ceil, median_ms, args.quick),
+                "attention": lambda: _attention(ceil, args.quick)}
     for name, run in sections.items():
         if name in args.skip:
             continue

@@ -90,31 +90,36 @@ def _replay_main_kernel(
     mask_n = offs_n < N
     rb = tl.load(buf_ptr + slot)
     k = tl.load(acc_ptr + b)  # tokens of the previous step to replay, 0..T
+    # every load first (state, last step's inputs, this step's inputs): they are independent, so they are all
+    # in flight together, and one barrier then orders them before any store to the same addresses
     s_ptrs = state_ptr + slot * s_s + h * s_h + offs_p[:, None] * s_p + offs_n[None, :] * s_n
     state = tl.load(s_ptrs, mask=mask_p[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [BP, BN]
-    # 1. replay the k accepted tokens of the previous step: S = exp(cum[k-1]) S + x^T (coef * B)
     r_off = slot * pdt_s + rb * pdt_i + offs_t * pdt_t + h * pdt_h
     pcum = tl.load(pcum_ptr + r_off, mask=mask_t, other=0.0)
     pdt = tl.load(pdt_ptr + r_off, mask=mask_t, other=0.0)
     keep = offs_t < k
-    cum_last = tl.sum(tl.where(offs_t == k - 1, pcum, 0.0), axis=0)
-    coef = tl.where(keep, tl.exp(tl.where(keep, cum_last - pcum, 0.0)) * pdt, 0.0)  # [BLOCK_T]
-    pxT = tl.load(px_ptr + slot * px_s + offs_t[None, :] * px_t + h * px_h + offs_p[:, None] * px_p,
-                  mask=mask_p[:, None] & keep[None, :], other=0.0).to(tl.float32)  # [BP, BT]
+    px_ptrs = px_ptr + slot * px_s + offs_t[None, :] * px_t + h * px_h + offs_p[:, None] * px_p
+    pxT = tl.load(px_ptrs, mask=mask_p[:, None] & keep[None, :], other=0.0).to(tl.float32)  # [BP, BT]
     pB = tl.load(pB_ptr + slot * pB_s + rb * pB_i + offs_t[:, None] * pB_t + g * pB_g + offs_n[None, :] * pB_n,
                  mask=keep[:, None] & mask_n[None, :], other=0.0).to(tl.float32)  # [BT, BN]
-    state = tl.exp(cum_last) * state + tl.dot(pxT, pB * coef[:, None])
-    tl.debug_barrier()  # the dot's output layout differs from the load's: all reads land before any write
-    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask_p[:, None] & (mask_n & (offs_n * 0 + k > 0))[None, :])
-    # 2. outputs of the T new tokens, transposed ([BP, BT]) so the state tile is the dot's natural A operand:
-    #    y_t = exp(cum_t) S C_t + sum_j CBs[t, j] x_j (+ D x_t, z gate)
     w_off = slot * pdt_s + (1 - rb) * pdt_i + offs_t * pdt_t + h * pdt_h
     cum = tl.load(pcum_ptr + w_off, mask=mask_t, other=0.0)
     mask_pt = mask_p[:, None] & mask_t[None, :]
     xT = tl.load(x_ptr + b * x_b + offs_t[None, :] * x_t + h * x_h + offs_p[:, None] * x_p, mask=mask_pt,
                  other=0.0)  # [BP, BT]
-    x32 = xT.to(tl.float32)
     cbs_base = cbs_ptr + (b * H + h) * BLOCK_T * BLOCK_T
+    if HAS_Z:
+        zT = tl.load(z_ptr + b * z_b + offs_t[None, :] * z_t + h * z_h + offs_p[:, None] * z_p, mask=mask_pt,
+                     other=0.0).to(tl.float32)
+    # 1. replay the k accepted tokens of the previous step: S = exp(cum[k-1]) S + x^T (coef * B)
+    cum_last = tl.sum(tl.where(offs_t == k - 1, pcum, 0.0), axis=0)
+    coef = tl.where(keep, tl.exp(tl.where(keep, cum_last - pcum, 0.0)) * pdt, 0.0)  # [BLOCK_T]
+    state = tl.exp(cum_last) * state + tl.dot(pxT, pB * coef[:, None])
+    tl.debug_barrier()  # other layouts read these addresses above: all reads land before any write
+    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask_p[:, None] & (mask_n & (offs_n * 0 + k > 0))[None, :])
+    # 2. outputs of the T new tokens, transposed ([BP, BT]) so the state tile is the dot's natural A operand:
+    #    y_t = exp(cum_t) S C_t + sum_j CBs[t, j] x_j (+ D x_t, z gate)
+    x32 = xT.to(tl.float32)
     if DOT_OUT:
         CmT = tl.load(C_ptr + b * C_b + offs_t[None, :] * C_t + g * C_g + offs_n[:, None] * C_n,
                       mask=mask_n[:, None] & mask_t[None, :], other=0.0).to(tl.float32)  # [BN, BT]
@@ -131,15 +136,11 @@ def _replay_main_kernel(
     if HAS_D:
         yT += x32 * tl.load(D_ptr + h).to(tl.float32)
     if HAS_Z:
-        zT = tl.load(z_ptr + b * z_b + offs_t[None, :] * z_t + h * z_h + offs_p[:, None] * z_p, mask=mask_pt,
-                     other=0.0).to(tl.float32)
         yT = yT * zT * tl.sigmoid(zT)
     yT = tl.where(valid_p[:, None], yT, 0.0)
     tl.store(y_ptr + b * y_b + offs_t[None, :] * y_t + h * y_h + offs_p[:, None] * y_p,
              yT.to(y_ptr.dtype.element_ty), mask=(offs_p < P)[:, None] & mask_t[None, :])
-    # 3. keep this step's x for the next replay (this program read its own tile of the old x above; the
-    #    barrier orders those reads, made in another layout, before the overwrite)
-    tl.debug_barrier()
+    # 3. keep this step's x for the next replay (its old tile was read before the barrier above)
     tl.store(px_ptr + slot * px_s + offs_t[None, :] * px_t + h * px_h + offs_p[:, None] * px_p, xT, mask=mask_pt)
 
 

@@ -21,7 +21,7 @@ def _scan_configs() -> list[triton.Config]:
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "HEADS": heads}, num_warps=4, num_stages=1) for heads in (2, 1)]
     return [triton.Config({"BLOCK_M": m, "HEADS": heads}, num_warps=w, num_stages=s)
-            for m in (64, 128) for heads in (1, 2, 4) for w in (4, 8) for s in (1, 2)]
+            for m in (64, 128) for heads in (1, 2, 4) for w in (4, 8) for s in (2,)]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:

@@ -11,22 +11,31 @@ Launched by `ssd_scan_triton.ssd_scan_varlen_triton`; the reference is `ssd_scan
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import triton
 import triton.language as tl
 
 from hybridserve.kernels.triton_utils import interpreting
 
 
-def _state_configs() -> list[triton.Config]:
-    """Autotune space on the GPU; one small config under the interpreter (tests)."""
+@dataclass(frozen=True)
+class WalkConfig:
+    """Launch shape of the state walk: a BLOCK_P x BLOCK_N state tile per program."""
+
+    block_p: int = 16
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def walk_config(head_dim: int, state_size: int, num_seqs: int, heads: int) -> WalkConfig:
+    """Fixed (not autotuned: in pool mode a rerun would read its own output) tile choice per problem size."""
     if interpreting():
-        return [triton.Config({"BLOCK_P": 16, "BLOCK_N": 16}, num_warps=4, num_stages=1)]
-    space = [(16, 64), (16, 128), (32, 64), (32, 32), (16, 32)]
-    return [triton.Config({"BLOCK_P": p, "BLOCK_N": n}, num_warps=w, num_stages=s)
-            for p, n in space for w in (2, 4) for s in (2, 3, 4)]
+        return WalkConfig(16, 16, 4, 1)
+    return WalkConfig(16, min(64, max(16, state_size)), 4, 2)
 
 
-@triton.autotune(configs=_state_configs(), key=["P", "N", "CHUNK"])
 @triton.jit
 def chunk_state_walk_kernel(
     x_ptr, dtc_ptr, cum_ptr, B_ptr, init_ptr, init_rows_ptr, states_ptr, final_ptr, final_rows_ptr,

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.ssd_chunk_scan_triton import chunk_scan_kernel
-from hybridserve.kernels.ssd_chunk_state_triton import chunk_state_walk_kernel
+from hybridserve.kernels.ssd_chunk_state_triton import WalkConfig, chunk_state_walk_kernel, walk_config
 from hybridserve.kernels.ssd_scan import NO_DT_LIMIT, DtLimit, SSDScanOutput, check_pool_args
 from hybridserve.kernels.ssd_scan_meta import ChunkMeta, chunk_metadata
 from hybridserve.kernels.triton_utils import check_same_device, finite_limits, next_pow2, process_dt_tl
@@ -69,6 +69,7 @@ def ssd_scan_varlen_triton(
     slots: torch.Tensor | None = None,  # [S] pool row of each sequence (pool mode)
     checkpoint_rows: torch.Tensor | None = None,  # [K] pool row of each kept state, -1 = skip (pool mode)
     meta: ChunkMeta | None = None,  # precomputed chunk metadata (skips a host sync), from `chunk_metadata`
+    walk: WalkConfig | None = None,  # state-walk launch shape (benchmark sweeps); None: `walk_config`
 ) -> SSDScanOutput:
     """Triton version of `ssd_scan_varlen_ref`: same arguments, same outputs (fp32 states). In pool mode the
     kernels read initial states from and write final / kept states to the pool rows directly."""
@@ -118,16 +119,15 @@ def ssd_scan_varlen_triton(
             HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
         )
     if num_seqs:
-        def grid_state(meta_: dict) -> tuple[int, int, int]:
-            tiles = triton.cdiv(head_dim, meta_["BLOCK_P"]) * triton.cdiv(state_size, meta_["BLOCK_N"])
-            return (tiles, num_seqs, heads)
-
-        chunk_state_walk_kernel[grid_state](
+        walk = walk or walk_config(head_dim, state_size, num_seqs, heads)
+        tiles = triton.cdiv(head_dim, walk.block_p) * triton.cdiv(state_size, walk.block_n)
+        chunk_state_walk_kernel[(tiles, num_seqs, heads)](
             x, dtc, cum, B, init, init_rows, states, final, final_rows, kept, kept_rows,
             meta.chunk_start, meta.chunk_len, meta.seq_chunk_ptr, meta.keep_idx,
             head_dim, state_size, heads, num_chunks, heads // groups,
             *x.stride(), *B.stride(), *_strides(init), *_strides(final), *_strides(kept),
             CHUNK=chunk_size, QBLOCK=qblock, HAS_INIT=pooled or initial_states is not None,
+            BLOCK_P=walk.block_p, BLOCK_N=walk.block_n, num_warps=walk.num_warps, num_stages=walk.num_stages,
         )
     if num_chunks:
         def grid_scan(meta_: dict) -> tuple[int, int, int]:

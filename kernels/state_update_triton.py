@@ -28,25 +28,14 @@ def _state_update_kernel(
     B_b, B_t, B_g, B_n,
     C_b, C_t, C_g, C_n,
     i_b, i_t, i_h, i_p, i_n,  # intermediate states strides
-    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
     HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, HAS_INTER: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, WRITE_FINAL: tl.constexpr,
 ):
-    pid_p = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
     g = h // heads_per_group
-    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)  # [BLOCK_P]
-    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    mask_p = offs_p < P
-    mask_n = offs_n < N
     slot = tl.load(slots_ptr + b).to(tl.int64)
-    valid = (offs_p * 0 + slot) >= 0  # [BLOCK_P]; padded rows (slot -1) output zeros, touch no state
-    slot = tl.maximum(slot, 0)
-    y_base = y_ptr + b * y_b + h * y_h + offs_p * y_p
-    mask_pn = (mask_p & valid)[:, None] & mask_n[None, :]
-    s_ptrs = state_ptr + slot * s_slot + h * s_h + offs_p[:, None] * s_p + offs_n[None, :] * s_n
-    state = tl.load(s_ptrs, mask=mask_pn, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
     A = tl.load(A_ptr + h).to(tl.float32)
     bias = 0.0
     if HAS_BIAS:
@@ -54,6 +43,36 @@ def _state_update_kernel(
     D = 0.0
     if HAS_D:
         D = tl.load(D_ptr + h).to(tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    mask_n = offs_n < N
+    for tile in tl.static_range(TILES):  # TILES row blocks per program share the per-(b, h) set-up above
+        _update_tile(
+            state_ptr, x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, y_ptr, inter_ptr, slot, b, h, g,
+            (tl.program_id(0) * TILES + tile) * BLOCK_P, offs_n, mask_n, A, bias, D, T, P, dt_lo, dt_hi,
+            s_slot, s_h, s_p, s_n, x_b, x_t, x_h, x_p, z_b, z_t, z_h, z_p, y_b, y_t, y_h, y_p, dt_b, dt_t, dt_h,
+            B_b, B_t, B_g, B_n, C_b, C_t, C_g, C_n, i_b, i_t, i_h, i_p, i_n,
+            BLOCK_P, HAS_D, HAS_Z, HAS_INTER, DT_SOFTPLUS, HAS_LIMIT, WRITE_FINAL,
+        )
+
+
+@triton.jit
+def _update_tile(
+    state_ptr, x_ptr, dt_ptr, B_ptr, C_ptr, z_ptr, y_ptr, inter_ptr, slot, b, h, g, p0, offs_n, mask_n,
+    A, bias, D, T, P, dt_lo, dt_hi,
+    s_slot, s_h, s_p, s_n, x_b, x_t, x_h, x_p, z_b, z_t, z_h, z_p, y_b, y_t, y_h, y_p, dt_b, dt_t, dt_h,
+    B_b, B_t, B_g, B_n, C_b, C_t, C_g, C_n, i_b, i_t, i_h, i_p, i_n,
+    BLOCK_P: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_INTER: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, WRITE_FINAL: tl.constexpr,
+):
+    """Rows p0 .. p0+BLOCK_P of one (sequence, head) state through the T tokens."""
+    offs_p = p0 + tl.arange(0, BLOCK_P)  # [BLOCK_P]
+    mask_p = offs_p < P
+    valid = (offs_p * 0 + slot) >= 0  # [BLOCK_P]; padded rows (slot -1) output zeros, touch no state
+    slot = tl.maximum(slot, 0)
+    y_base = y_ptr + b * y_b + h * y_h + offs_p * y_p
+    mask_pn = (mask_p & valid)[:, None] & mask_n[None, :]
+    s_ptrs = state_ptr + slot * s_slot + h * s_h + offs_p[:, None] * s_p + offs_n[None, :] * s_n
+    state = tl.load(s_ptrs, mask=mask_pn, other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_N]
     for t in range(T):
         x = tl.load(x_ptr + b * x_b + t * x_t + h * x_h + offs_p * x_p, mask=mask_p, other=0.0).to(tl.float32)
         dt = tl.load(dt_ptr + b * dt_b + t * dt_t + h * dt_h).to(tl.float32)
@@ -84,6 +103,11 @@ def _block_p(head_dim: int, state_size: int, batch: int, heads: int) -> int:
     return min(16, next_pow2(head_dim))
 
 
+def _tiles(head_dim: int, block_p: int, batch: int, heads: int) -> int:
+    """Row blocks per program: 1 (most programs in flight) unless measured otherwise."""
+    return 1
+
+
 def multi_token_state_update_triton(
     state_pool: torch.Tensor,  # [num_slots, H, P, N] (any strides)
     slots: torch.Tensor,  # [B] int, -1 = padded row
@@ -100,8 +124,9 @@ def multi_token_state_update_triton(
     intermediate_states: torch.Tensor | None = None,  # [B, T, H, P, N] out
     write_final_state: bool = True,
     out: torch.Tensor | None = None,  # [B, T, H, P] optional output buffer
-    block_p: int | None = None,  # rows of state per program (power of two); None: chosen by size
+    block_p: int | None = None,  # rows of state per tile (power of two); None: chosen by size
     num_warps: int | None = None,
+    tiles: int | None = None,  # row tiles per program; None: chosen by size
 ) -> torch.Tensor:
     """Triton version of `multi_token_state_update_ref`; returns y [B, T, H, P] in x's dtype."""
     batch, tokens, heads, head_dim = x.shape
@@ -119,14 +144,15 @@ def multi_token_state_update_triton(
     inter = intermediate_states if intermediate_states is not None else state_pool
     i_strides = intermediate_states.stride() if intermediate_states is not None else (0, 0, 0, 0, 0)
     block_p = _block_p(head_dim, state_size, batch, heads) if block_p is None else block_p
-    grid = (triton.cdiv(head_dim, block_p), batch, heads)
+    tiles = _tiles(head_dim, block_p, batch, heads) if tiles is None else tiles
+    grid = (triton.cdiv(head_dim, block_p * tiles), batch, heads)
     _state_update_kernel[grid](
         state_pool, slots, x, dt, A, B, C, D if D is not None else A, dt_bias if dt_bias is not None else A,
         zz, y, inter,
         tokens, head_dim, state_size, heads // num_groups, lo, hi,
         *state_pool.stride(), *x.stride(), *zz.stride(), *y.stride(), *dt.stride(), *B.stride(), *C.stride(),
         *i_strides,
-        BLOCK_P=block_p, BLOCK_N=next_pow2(state_size),
+        BLOCK_P=block_p, BLOCK_N=next_pow2(state_size), TILES=tiles,
         HAS_D=D is not None, HAS_BIAS=dt_bias is not None, HAS_Z=z is not None,
         HAS_INTER=intermediate_states is not None, DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
         WRITE_FINAL=write_final_state,

@@ -32,7 +32,7 @@ def _inputs(batch, tokens, heads, head_dim, groups, state, state_dtype, dtype, d
     return pool, slots, x, z, dt, A, B, C, D, bias
 
 
-def _check(batch, tokens, heads, head_dim, groups, state, state_dtype, dtype, device, use_z, inter, gen):
+def _check(batch, tokens, heads, head_dim, groups, state, state_dtype, dtype, device, use_z, inter, gen, **launch):
     pool, slots, x, z, dt, A, B, C, D, bias = _inputs(
         batch, tokens, heads, head_dim, groups, state, state_dtype, dtype, device, gen
     )
@@ -50,7 +50,7 @@ def _check(batch, tokens, heads, head_dim, groups, state, state_dtype, dtype, de
         )[:, None]
     else:
         y = multi_token_state_update_triton(
-            pool, slots, x, dt, A, B, C, intermediate_states=got_inter, out=out, **kw
+            pool, slots, x, dt, A, B, C, intermediate_states=got_inter, out=out, **kw, **launch
         )
     tol = ku.TOL[dtype] if state_dtype == torch.float32 else ku.TOL[torch.bfloat16]
     ku.assert_close(y, y_ref, tol, "y")
@@ -70,6 +70,15 @@ def _check(batch, tokens, heads, head_dim, groups, state, state_dtype, dtype, de
 def test_state_update_interpreter(state_dtype, tokens, inter, use_z):
     gen = torch.Generator().manual_seed(tokens * 7 + (state_dtype == torch.bfloat16))
     _check(3, tokens, 4, 8, 2, 16, state_dtype, torch.float32, "cpu", use_z, inter, gen)
+
+
+@ku.interp_only
+@pytest.mark.parametrize("tiles,tokens", [(2, 1), (3, 2)])
+def test_state_update_tiles_interpreter(tiles, tokens):
+    """Several row tiles per program, head_dim not a multiple of block_p * tiles (masked last tiles)."""
+    gen = torch.Generator().manual_seed(tiles)
+    _check(3, tokens, 4, 20, 2, 16, torch.float32, torch.float32, "cpu", True, tokens > 1, gen, block_p=4,
+           tiles=tiles)
 
 
 @ku.gpu
