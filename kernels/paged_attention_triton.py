@@ -1,18 +1,29 @@
 """Triton causal GQA attention over the paged KV cache (prefill on a cached prefix, decode, verify).
 
-One program per (block of BLOCK_M query tokens of one sequence, query head): online softmax over key tiles
-of BLOCK_N tokens gathered page by page through the block table, stopping at the block's last visible key.
-Pages are read through their strides (the per-layer views of the request-major cache are strided).
+Prefill (some sequence has more than DECODE_MAX_QUERY new tokens): one program per (block of BLOCK_M query
+tokens of one sequence, query head), online softmax over key tiles of BLOCK_N tokens gathered page by page
+through the block table, stopping at the block's last visible key.
+Decode / verify (every sequence has <= DECODE_MAX_QUERY new tokens): one program per (sequence, KV head, KV
+split); the query heads of the KV head x the query tokens are the rows of one tl.dot, so each K/V tile is read
+once per KV head, and at small batch the keys are split across programs (flash-decoding) whose fp32 partial
+results a small kernel combines. Pages are read through their strides (per-layer views are strided).
 Reference and contract: `hybridserve.kernels.paged_attention.paged_attention_ref`.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from hybridserve.kernels.triton_utils import check_same_device, next_pow2
+from hybridserve.kernels.triton_utils import check_same_device, interpreting, next_pow2
+
+DECODE_MAX_QUERY = 16  # sequences with at most this many new tokens take the decode / verify path
+MIN_SPLIT_KEYS = 128  # a KV split covers at least this many keys (shorter splits cost more than they save)
+MAX_SPLITS = 64
+_INTERPRETER_SMS = 4  # SM count assumed under the interpreter / off CUDA (keeps split choice deterministic)
 
 
 @triton.jit
@@ -67,6 +78,175 @@ def _paged_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cu_q_ptr, kv_lens_ptr, tables_ptr,
+    scale, page_size, heads_per_kv, num_q_heads, Dh, kv_start, num_splits, row_blocks,
+    q_n, q_h, q_d, k_p, k_o, k_h, k_d, v_p, v_o, v_h, v_d, o_n, o_h, o_d, t_s, t_p,
+    T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    kvh = tl.program_id(1) // row_blocks
+    rb = tl.program_id(1) % row_blocks
+    split = tl.program_id(2)
+    q_begin = tl.load(cu_q_ptr + seq).to(tl.int64)
+    q_len = tl.load(cu_q_ptr + seq + 1).to(tl.int64) - q_begin
+    kv_len = tl.load(kv_lens_ptr + seq).to(tl.int64)
+    rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)  # packed (query head of this KV head, query token) pairs
+    g = rows // T
+    t = rows % T
+    h = kvh * heads_per_kv + g  # query head of each row
+    mask_m = (g < heads_per_kv) & (t < q_len)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < Dh
+    q = tl.load(q_ptr + (q_begin + t[:, None]) * q_n + h[:, None] * q_h + offs_d[None, :] * q_d,
+                mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
+    q_pos = kv_len - q_len + t  # absolute position of each row's query
+    m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N  # keys of this split, tile aligned
+    lo = split * per_split
+    hi = tl.minimum(kv_len, lo + per_split)  # the last query sees key kv_len - 1 at most
+    qk_scale = scale * 1.4426950408889634  # exp -> exp2
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        page = tl.load(tables_ptr + seq * t_s + (offs_n // page_size) * t_p, mask=mask_n, other=0).to(tl.int64)
+        within = offs_n % page_size
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_ptr + page[:, None] * k_p + within[:, None] * k_o + kvh * k_h + offs_d[None, :] * k_d,
+                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale  # [BLOCK_M, BLOCK_N]
+        visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] >= kv_start) & mask_n[None, :]
+        s = tl.where(visible, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + page[:, None] * v_p + within[:, None] * v_o + kvh * v_h + offs_d[None, :] * v_d,
+                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    if SPLIT:  # partial result of this split: unnormalised acc, running max (log2 units) and sum, fp32
+        idx = ((seq * num_splits + split) * num_q_heads + h) * T + t  # [BLOCK_M] into [S, splits, Hq, T]
+        tl.store(m_ptr + idx, m_i, mask=mask_m)
+        tl.store(l_ptr + idx, l_i, mask=mask_m)
+        tl.store(acc_ptr + idx[:, None] * Dh + offs_d[None, :], acc, mask=mask_m[:, None] & mask_d[None, :])
+    else:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + (q_begin + t[:, None]) * o_n + h[:, None] * o_h + offs_d[None, :] * o_d,
+                 out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    out_ptr, m_ptr, l_ptr, acc_ptr, cu_q_ptr, num_q_heads, Dh, num_splits, o_n, o_h, o_d,
+    T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    t = tl.program_id(2)
+    q_begin = tl.load(cu_q_ptr + seq).to(tl.int64)
+    q_len = tl.load(cu_q_ptr + seq + 1).to(tl.int64) - q_begin
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = (offs_s < num_splits) & ((offs_s * 0 + t) < q_len)  # rows past q_len hold no partial results
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < Dh
+    idx = ((seq * num_splits + offs_s) * num_q_heads + h) * T + t  # [BLOCK_S]
+    m = tl.load(m_ptr + idx, mask=mask_s, other=-float("inf"))
+    l = tl.load(l_ptr + idx, mask=mask_s, other=0.0)
+    acc = tl.load(acc_ptr + idx[:, None] * Dh + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :],
+                  other=0.0)  # [BLOCK_S, BLOCK_D]
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - tl.where(m_max == -float("inf"), 0.0, m_max))  # splits that saw no key weigh 0
+    denom = tl.sum(w * l, axis=0)
+    out = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom == 0.0, 1.0, denom)  # [BLOCK_D]
+    tl.store(out_ptr + (q_begin + t) * o_n + h * o_h + offs_d * o_d, out.to(out_ptr.dtype.element_ty),
+             mask=mask_d & ((offs_d * 0 + t) < q_len))
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device `index` (cached: the query is not free)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs to fill: the real count on CUDA, a fixed small value under the interpreter."""
+    if device.type != "cuda" or interpreting():
+        return _INTERPRETER_SMS
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def choose_num_splits(programs: int, max_keys: int, sms: int) -> int:
+    """KV splits per (sequence, KV head): up to ~2 programs per SM, each split >= MIN_SPLIT_KEYS keys.
+
+    `programs` = sequences x KV heads x row blocks; `max_keys` = block_tables.shape[1] x page size (host-known)."""
+    splits = (2 * sms) // max(programs, 1)
+    splits = min(splits, -(-max_keys // MIN_SPLIT_KEYS), MAX_SPLITS)
+    return max(1, splits)
+
+
+def paged_decode_attention_triton(
+    q: torch.Tensor,  # [N, Hq, Dh] packed queries, at most max_query_len per sequence
+    k_pages: torch.Tensor,  # [num_pages, page_size, Hkv, Dh] (any strides)
+    v_pages: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [S + 1]
+    kv_lens: torch.Tensor,  # [S]
+    block_tables: torch.Tensor,  # [S, max_pages]
+    scale: float,
+    max_query_len: int,
+    kv_start: int = 0,
+    *,
+    num_splits: int | None = None,  # None: choose_num_splits
+    out: torch.Tensor | None = None,  # [N, Hq, Dh]; written only at the rows of real query tokens
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Decode / verify attention: one program per (sequence, KV head, KV split) with all its query heads x
+    tokens packed into the rows of one tl.dot, so K/V are read once per KV head; flash-decoding splits fill
+    the GPU at small batch. No host sync: everything is derived from host-known shapes (graph-capturable)."""
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_seqs, num_kv_heads = kv_lens.shape[0], k_pages.shape[2]
+    heads_per_kv = num_q_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0 or q.shape[0] == 0 or max_query_len <= 0:
+        return out
+    rows = heads_per_kv * max_query_len
+    block_m = min(max(16, next_pow2(rows)), 64)
+    row_blocks = -(-rows // block_m)
+    page_size = k_pages.shape[1]
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs * num_kv_heads * row_blocks, block_tables.shape[1] * page_size,
+                                       sm_count(q.device))
+    num_splits = max(1, min(num_splits, MAX_SPLITS))
+    block_d = max(16, next_pow2(head_dim))
+    split = num_splits > 1
+    if split:  # fp32 scratch: [S, splits, Hq, T] running max / sum and [S, splits, Hq, T, Dh] partial outputs
+        m_part = torch.empty(num_seqs, num_splits, num_q_heads, max_query_len, dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty(*m_part.shape, head_dim, dtype=torch.float32, device=q.device)
+    else:
+        m_part = l_part = acc_part = out  # unused
+    _paged_decode_kernel[(num_seqs, num_kv_heads * row_blocks, num_splits)](
+        q, k_pages, v_pages, out, m_part, l_part, acc_part, cu_seqlens_q, kv_lens, block_tables,
+        scale, page_size, heads_per_kv, num_q_heads, head_dim, kv_start, num_splits, row_blocks,
+        *q.stride(), *k_pages.stride(), *v_pages.stride(), *out.stride(), *block_tables.stride(),
+        T=max_query_len, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=split,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _combine_splits_kernel[(num_seqs, num_q_heads, max_query_len)](
+            out, m_part, l_part, acc_part, cu_seqlens_q, num_q_heads, head_dim, num_splits, *out.stride(),
+            T=max_query_len, BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=block_d, num_warps=4,
+        )
+    return out
+
+
 def paged_attention_triton(
     q: torch.Tensor,  # [N, Hq, Dh] packed queries
     k_pages: torch.Tensor,  # [num_pages, page_size, Hkv, Dh] (any strides)
@@ -80,32 +260,31 @@ def paged_attention_triton(
 ) -> torch.Tensor:
     """Triton version of `paged_attention_ref`; returns [N, Hq, Dh] in q's dtype.
 
-    With `max_query_len` <= 16 (decode, verify) every sequence is one query block and nothing is read back
-    to the host, so the call can be captured in a CUDA graph."""
+    With `max_query_len` <= DECODE_MAX_QUERY (decode, verify) the decode path runs and nothing is read back to
+    the host, so the call can be captured in a CUDA graph."""
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_pages.shape[2]
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"query heads {num_q_heads} must be a multiple of kv heads {num_kv_heads}")
     check_same_device(q, k_pages, v_pages, cu_seqlens_q, kv_lens, block_tables)
+    bounds: list[int] | None = None
+    if max_query_len is None or max_query_len > DECODE_MAX_QUERY:
+        bounds = cu_seqlens_q.tolist()  # host sync: prefill only
+        max_query_len = max((bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)), default=0)
+    if max_query_len <= DECODE_MAX_QUERY:
+        return paged_decode_attention_triton(q, k_pages, v_pages, cu_seqlens_q, kv_lens, block_tables, scale,
+                                             max_query_len, kv_start)
     out = torch.empty_like(q)
-    num_seqs = kv_lens.shape[0]
-    if max_query_len is not None and max_query_len <= 16:
-        block_m = 16
-        block_seq_t = torch.arange(num_seqs, dtype=torch.int32, device=q.device)
-        block_row_t = torch.zeros(num_seqs, dtype=torch.int32, device=q.device)
-    else:
-        bounds = cu_seqlens_q.tolist()
-        max_q = max((bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)), default=0)
-        block_m = 16 if max_q <= 16 else 64
-        block_seq, block_row = [], []
-        for seq in range(len(bounds) - 1):
-            for row in range(0, bounds[seq + 1] - bounds[seq], block_m):
-                block_seq.append(seq)
-                block_row.append(row)
-        block_seq_t = torch.tensor(block_seq, dtype=torch.int32).to(q.device)
-        block_row_t = torch.tensor(block_row, dtype=torch.int32).to(q.device)
-    if block_seq_t.numel() == 0 or q.shape[0] == 0:
+    block_m = 64
+    block_seq, block_row = [], []
+    for seq in range(len(bounds) - 1):
+        for row in range(0, bounds[seq + 1] - bounds[seq], block_m):
+            block_seq.append(seq)
+            block_row.append(row)
+    if not block_seq or q.shape[0] == 0:
         return out
+    block_seq_t = torch.tensor(block_seq, dtype=torch.int32).to(q.device)
+    block_row_t = torch.tensor(block_row, dtype=torch.int32).to(q.device)
     _paged_attention_kernel[(block_seq_t.numel(), num_q_heads)](
         q, k_pages, v_pages, out, cu_seqlens_q, kv_lens, block_tables, block_seq_t, block_row_t,
         scale, k_pages.shape[1], num_q_heads // num_kv_heads, head_dim, kv_start,

@@ -32,6 +32,14 @@ def test_paged_attention_interpreter():
 
 
 @ku.interp_only
+@pytest.mark.parametrize("kv_start", [0, 1])
+def test_paged_attention_prefill_interpreter(kv_start):
+    """More than 16 new tokens in a sequence: the prefill kernel (query blocks x query heads)."""
+    _check([20, 3, 0, 70], [25, 9, 2, 75], 4, 2, 8, 4, torch.float32, "cpu", torch.Generator().manual_seed(7), 2e-3,
+           kv_start=kv_start)
+
+
+@ku.interp_only
 def test_paged_attention_kv_start_interpreter():
     """The MTP drafter masks key 0; a query that sees no key at all (position 0) gets zeros."""
     _check([3, 1, 6, 1], [7, 9, 6, 1], 4, 2, 8, 4, torch.float32, "cpu", torch.Generator().manual_seed(6), 2e-3,
