@@ -166,9 +166,9 @@ def replay_state_update_triton(
     dt_softplus: bool = True,
     dt_limit: DtLimit = NO_DT_LIMIT,
     z: torch.Tensor | None = None,  # [B, T, H, P]
-    block_p: int = 16,  # 16 rows x 1 warp measured best on H200 (bench/kernels.py sweep)
+    block_p: int = 16,  # 16 rows x 1 warp, outputs by reductions: best on H100 (bench/kernels.py sweep)
     num_warps: int = 1,
-    dot_outputs: bool = True,  # outputs by tl.dot (True) or by T reductions over the state tile
+    dot_outputs: bool = False,  # outputs by tl.dot (True) or by T reductions over the state tile
 ) -> torch.Tensor:
     """One verify step by replay; returns y [B, T, H, P]. Updates state_pool and cache in place."""
     batch, tokens, heads, head_dim = x.shape

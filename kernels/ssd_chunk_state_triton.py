@@ -29,11 +29,14 @@ class WalkConfig:
     num_stages: int = 2
 
 
-def walk_config(head_dim: int, state_size: int, num_seqs: int, heads: int) -> WalkConfig:
+def walk_config(head_dim: int, state_size: int, chunk_size: int) -> WalkConfig:
     """Fixed (not autotuned: in pool mode a rerun would read its own output) tile choice per problem size."""
     if interpreting():
         return WalkConfig(16, 16, 4, 1)
-    return WalkConfig(16, min(64, max(16, state_size)), 4, 2)
+    # H100 sweep (bench/kernels.py --sweep-walk): 16 x 64 tiles; 2 warps for chunk 128 (Nano-9B-v2: 0.81 vs
+    # 0.94 ms with 4 warps at 1x8192), 4 warps for chunk 256 (mamba2-2.7b: 0.61 vs 0.72 ms)
+    warps = 2 if chunk_size <= 128 else 4
+    return WalkConfig(16, min(64, max(16, state_size)), warps, 2)
 
 
 @triton.jit

@@ -119,7 +119,7 @@ def ssd_scan_varlen_triton(
             HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
         )
     if num_seqs:
-        walk = walk or walk_config(head_dim, state_size, num_seqs, heads)
+        walk = walk or walk_config(head_dim, state_size, chunk_size)
         tiles = triton.cdiv(head_dim, walk.block_p) * triton.cdiv(state_size, walk.block_n)
         chunk_state_walk_kernel[(tiles, num_seqs, heads)](
             x, dtc, cum, B, init, init_rows, states, final, final_rows, kept, kept_rows,
