@@ -19,15 +19,21 @@ from hybridserve.kernels.triton_utils import interpreting
 def _scan_configs() -> list[triton.Config]:
     """Autotune space on the GPU; one small config under the interpreter (tests)."""
     if interpreting():
-        return [triton.Config({"BLOCK_M": 16, "HEADS": heads}, num_warps=4, num_stages=1) for heads in (2, 1)]
-    return [triton.Config({"BLOCK_M": m, "HEADS": heads}, num_warps=w, num_stages=s)
-            for m in (64, 128) for heads in (1, 2, 4) for w in (4, 8) for s in (2,)]
+        return [triton.Config({"BLOCK_M": 16, "HEADS": heads, "BLOCK_P": 16}, num_warps=4, num_stages=1)
+                for heads in (2, 1)]
+    # BLOCK_P 0 = the whole head_dim in one (power-of-two padded) tile; 16 / 32 loop over it (80 = 5 x 16)
+    return [triton.Config({"BLOCK_M": m, "HEADS": heads, "BLOCK_P": p}, num_warps=4 if m == 64 else 8, num_stages=2)
+            for m in (64, 128) for heads in (1, 2, 4) for p in (0, 16, 32)]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
     """Keep configs whose HEADS divides the group's head count and whose BLOCK_M fits the chunk."""
     per_group, chunk = int(named_args["heads_per_group"]), int(kwargs.get("QBLOCK", 0) or named_args.get("QBLOCK", 0))
     kept = [c for c in configs if per_group % c.kwargs["HEADS"] == 0 and (chunk == 0 or c.kwargs["BLOCK_M"] <= chunk)]
+    full = max(16, triton.next_power_of_2(int(named_args["P"])))  # BLOCK_P 0: one tile over the whole head_dim
+    kept = [triton.Config({**c.kwargs, "BLOCK_P": c.kwargs["BLOCK_P"] or full}, num_warps=c.num_warps,
+                          num_stages=c.num_stages) for c in kept]
+    kept = list({str(c): c for c in kept}.values())
     kept = kept or configs[-1:]
     return kept[:1] if interpreting() else kept  # the interpreter runs one config (HEADS=2 where it divides)
 
@@ -40,7 +46,7 @@ def chunk_scan_kernel(
     P, N, H, NC, heads_per_group,
     x_t, x_h, x_p, B_t, B_g, B_n, C_t, C_g, C_n, y_t, y_h, y_p,
     CHUNK: tl.constexpr, QBLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_M: tl.constexpr, HEADS: tl.constexpr, HAS_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEADS: tl.constexpr, HAS_D: tl.constexpr,  # BLOCK_P: head_dim tile, looped over P
 ):
     pid_m = tl.program_id(0)
     c = tl.program_id(1)
@@ -53,9 +59,8 @@ def chunk_scan_kernel(
     if m0 < length:  # short chunks (a sequence's first or last) leave later row blocks idle
         offs_m = m0 + tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, QBLOCK)  # every key of the chunk
-        offs_p = tl.arange(0, BLOCK_P)
         offs_n = tl.arange(0, BLOCK_N)
-        mask_m, mask_k, mask_p, mask_n = offs_m < length, offs_k < length, offs_p < P, offs_n < N
+        mask_m, mask_k, mask_n = offs_m < length, offs_k < length, offs_n < N
         Cm = tl.load(C_ptr + (start + offs_m[:, None]) * C_t + g * C_g + offs_n[None, :] * C_n,
                      mask=mask_m[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
         BkT = tl.load(B_ptr + (start + offs_k[None, :]) * B_t + g * B_g + offs_n[:, None] * B_n,
@@ -68,18 +73,26 @@ def chunk_scan_kernel(
             cum_m = tl.load(cum_ptr + row + offs_m, mask=offs_m < QBLOCK, other=0.0)  # [BLOCK_M]
             cum_k = tl.load(cum_ptr + row + offs_k)  # [QBLOCK]
             dt_k = tl.load(dtc_ptr + row + offs_k)
-            S_in = tl.load(states_ptr + (c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N + offs_n[:, None],
-                           mask=mask_p[None, :] & mask_n[:, None], other=0.0)  # [BLOCK_N, BLOCK_P]
-            x_base = x_ptr + start * x_t + h * x_h
-            xk = tl.load(x_base + offs_k[:, None] * x_t + offs_p[None, :] * x_p,
-                         mask=mask_k[:, None] & mask_p[None, :], other=0.0)  # [QBLOCK, BLOCK_P]
             decay = tl.exp(tl.where(causal, cum_m[:, None] - cum_k[None, :], -float("inf")))
             w = cb * decay * dt_k[None, :]  # [BLOCK_M, QBLOCK]
-            acc = tl.dot(Cm, S_in.to(Cm.dtype)) * tl.exp(cum_m)[:, None]  # [BLOCK_M, BLOCK_P]
-            acc += tl.dot(w.to(xk.dtype), xk)
+            w = w.to(x_ptr.dtype.element_ty)
+            x_base = x_ptr + start * x_t + h * x_h
+            scale_m = tl.exp(cum_m)[:, None]
+            D_h = 0.0
             if HAS_D:
-                xm = tl.load(x_base + offs_m[:, None] * x_t + offs_p[None, :] * x_p,
-                             mask=mask_m[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
-                acc += xm * tl.load(D_ptr + h).to(tl.float32)
-            y_ptrs = y_ptr + (start + offs_m[:, None]) * y_t + h * y_h + offs_p[None, :] * y_p
-            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_p[None, :])
+                D_h = tl.load(D_ptr + h).to(tl.float32)
+            for p0 in range(0, P, BLOCK_P):  # w and cb are reused by every head_dim tile
+                offs_p = p0 + tl.arange(0, BLOCK_P)
+                mask_p = offs_p < P
+                S_in = tl.load(states_ptr + (c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N
+                               + offs_n[:, None], mask=mask_p[None, :] & mask_n[:, None], other=0.0)  # [BN, BP]
+                xk = tl.load(x_base + offs_k[:, None] * x_t + offs_p[None, :] * x_p,
+                             mask=mask_k[:, None] & mask_p[None, :], other=0.0)  # [QBLOCK, BLOCK_P]
+                acc = tl.dot(Cm, S_in.to(Cm.dtype)) * scale_m  # [BLOCK_M, BLOCK_P]
+                acc += tl.dot(w, xk)
+                if HAS_D:
+                    xm = tl.load(x_base + offs_m[:, None] * x_t + offs_p[None, :] * x_p,
+                                 mask=mask_m[:, None] & mask_p[None, :], other=0.0).to(tl.float32)
+                    acc += xm * D_h
+                y_ptrs = y_ptr + (start + offs_m[:, None]) * y_t + h * y_h + offs_p[None, :] * y_p
+                tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_p[None, :])

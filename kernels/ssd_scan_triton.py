@@ -137,7 +137,7 @@ def ssd_scan_varlen_triton(
             x, dtc, cum, B, C, D if D is not None else A, states, y, meta.chunk_start, meta.chunk_len,
             head_dim, state_size, heads, num_chunks, heads // groups,
             *x.stride(), *B.stride(), *C.stride(), *y.stride(),
-            CHUNK=chunk_size, QBLOCK=qblock, BLOCK_N=block_n, BLOCK_P=max(16, next_pow2(head_dim)),
+            CHUNK=chunk_size, QBLOCK=qblock, BLOCK_N=block_n,
             HAS_D=D is not None,
         )
     if pooled:

@@ -107,7 +107,7 @@ def _check_pool(lens, starts, heads, head_dim, groups, state, chunk, state_block
 def test_ssd_scan_pool_mode_interpreter():
     gen = torch.Generator().manual_seed(1)
     _check_pool([5, 40, 0, 23], [0, 7, 3, 33], 4, 12, 2, 16, 16, 32, torch.float32, torch.float32, "cpu", gen, 2e-3)
-    _check_pool([37, 19], [9, 0], 2, 16, 1, 16, 16, 16, torch.float32, torch.bfloat16, "cpu", gen, 2e-3)
+    _check_pool([37, 19], [9, 0], 2, 40, 1, 16, 16, 16, torch.float32, torch.bfloat16, "cpu", gen, 2e-3)
 
 
 def test_ssd_scan_pool_mode_reference():
