@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hybridserve.kernels.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
-from hybridserve.kernels.gated_rmsnorm import gated_rmsnorm_ref, rmsnorm_ref
+from hybridserve.kernels.gated_rmsnorm import add_rmsnorm_ref, gated_rmsnorm_ref, relu2_ref, rmsnorm_ref
 from hybridserve.kernels.paged_attention import paged_attention_ref, write_kv_pages
 from hybridserve.kernels.replay_state import replay_state_update_ref
 from hybridserve.kernels.ssd_scan import ssd_scan_varlen_ref
@@ -69,13 +69,17 @@ paged_attention = _dispatch(paged_attention_ref, "paged_attention_triton", "page
 write_kv = _dispatch(write_kv_pages, "paged_attention_triton", "write_kv_pages_triton")
 gated_rmsnorm = _dispatch(gated_rmsnorm_ref, "gated_rmsnorm_triton", "gated_rmsnorm_triton")
 rmsnorm = _dispatch(rmsnorm_ref, "gated_rmsnorm_triton", "rmsnorm_triton")
+add_rmsnorm = _dispatch(add_rmsnorm_ref, "gated_rmsnorm_triton", "add_rmsnorm_triton")
+relu2 = _dispatch(relu2_ref, "gated_rmsnorm_triton", "relu2_triton")
 
 __all__ = [
+    "add_rmsnorm",
     "causal_conv1d_update",
     "causal_conv1d_varlen",
     "gated_rmsnorm",
     "multi_token_state_update",
     "paged_attention",
+    "relu2",
     "replay_state_update",
     "rmsnorm",
     "selective_state_update",

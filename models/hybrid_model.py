@@ -14,7 +14,7 @@ from torch import nn
 from hybridserve.models.attention import Attention
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
-from hybridserve.models.layers import MLP, MoE, RMSNorm
+from hybridserve.models.layers import MLP, MoE, RMSNorm, residual_stack
 from hybridserve.models.mamba_mixer import Mamba2Mixer
 from hybridserve.models.mtp import MTPHead
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the state cache depends on models.config; avoid the import 
 
 
 class Block(nn.Module):
-    """norm -> mixer -> residual add."""
+    """norm -> mixer -> residual add (`residual_stack` runs the add fused with the next block's norm)."""
 
     def __init__(self, config: ModelConfig, kind: str, index: int = 0) -> None:
         super().__init__()
@@ -62,18 +62,17 @@ class HybridLM(nn.Module):
         """input_ids: [N] packed new tokens -> final-normed hidden states [N, hidden]."""
         hidden = self.embeddings(input_ids)
         residual_dtype = torch.float32 if self.config.residual_in_fp32 else hidden.dtype
-        for index, block in enumerate(self.layers):
-            residual = hidden.to(residual_dtype)
-            normed = block.norm(hidden.to(block.norm.weight.dtype))
+
+        def mix(index: int, normed: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+            block = self.layers[index]
             if block.kind == "mamba":
                 replay = cache.replay_cache(index) if batch.spec_rollback == "replay" else None
-                out = block.mixer(normed, batch, *cache.mamba(index), replay)
-            elif block.kind == "attention":
-                out = block.mixer(normed, batch, *cache.kv(index))
-            else:
-                out = block.mixer(normed)
-            hidden = residual + out
-        return self.norm_f(hidden.to(self.norm_f.weight.dtype))
+                return block.mixer(normed, batch, *cache.mamba(index), replay)
+            if block.kind == "attention":
+                return block.mixer(normed, batch, *cache.kv(index))
+            return block.mixer(normed)
+
+        return residual_stack(hidden, [block.norm for block in self.layers], self.norm_f, residual_dtype, mix)
 
     @torch.inference_mode()
     def mtp_forward(

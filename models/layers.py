@@ -1,6 +1,9 @@
-"""Dense building blocks of the hybrid models: RMSNorm, relu2 MLP, NemotronH mixture of experts."""
+"""Dense building blocks of the hybrid models: RMSNorm, the pre-norm residual stack, relu2 MLP, NemotronH
+mixture of experts."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,9 +29,26 @@ class RMSNorm(nn.Module):
         return ops.rmsnorm(x, self.weight, self.eps)
 
 
-def relu2(x: torch.Tensor) -> torch.Tensor:
-    """Squared ReLU, NemotronH's MLP activation."""
-    return torch.square(F.relu(x))
+def residual_stack(
+    hidden: torch.Tensor,  # [N, hidden] the stream entering the first block
+    norms: Sequence[RMSNorm],  # each block's pre-norm
+    final_norm: RMSNorm,
+    residual_dtype: torch.dtype,  # fp32 with residual_in_fp32, else the hidden dtype
+    mixer: Callable[[int, torch.Tensor], torch.Tensor],  # (block index, normed [N, hidden]) -> [N, hidden]
+) -> torch.Tensor:
+    """x = x + mixer_i(norm_i(x)) per block, then final_norm(x) -> [N, hidden] in final_norm's dtype; each
+    residual add runs fused with the norm after it (one kernel per block on CUDA, same math as unfused)."""
+    chain = [*norms, final_norm]  # the norm before each block, then the final one
+    residual = hidden.to(residual_dtype)
+    normed = chain[0](hidden.to(chain[0].weight.dtype))
+    for index, norm in enumerate(chain[1:]):
+        normed, residual = ops.add_rmsnorm(mixer(index, normed), residual, norm.weight, norm.eps)
+    return normed
+
+
+def relu2(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """Squared ReLU, NemotronH's MLP activation (one kernel on CUDA); `inplace` overwrites x (a fresh buffer)."""
+    return ops.relu2(x, out=x if inplace else None)
 
 
 class MLP(nn.Module):
@@ -40,7 +60,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
-        return self.down_proj(relu2(self.up_proj(x)))
+        return self.down_proj(relu2(self.up_proj(x), inplace=True))
 
 
 class TopkRouter(nn.Module):
@@ -93,7 +113,7 @@ class MoE(nn.Module):
         routed = torch.zeros(latent.shape, dtype=torch.float32, device=x.device)
         for expert in ids.unique().tolist():
             token_idx, rank = torch.where(ids == expert)
-            h = relu2(F.linear(latent[token_idx], self.experts.up_proj[expert]))
+            h = relu2(F.linear(latent[token_idx], self.experts.up_proj[expert]), inplace=True)
             h = F.linear(h, self.experts.down_proj[expert])
             routed.index_add_(0, token_idx, (h * weights[token_idx, rank, None]).float())
         return self.fc2_latent_proj(routed.to(x.dtype)) + self.shared_experts(x)

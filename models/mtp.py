@@ -18,7 +18,7 @@ from torch import nn
 from hybridserve.models.attention import Attention
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
-from hybridserve.models.layers import MLP, MoE, RMSNorm
+from hybridserve.models.layers import MLP, MoE, RMSNorm, residual_stack
 
 if TYPE_CHECKING:
     from hybridserve.statepool.state_cache import StateCache
@@ -74,11 +74,13 @@ class MTPHead(nn.Module):
         hidden = first.eh_proj(fused)
         residual_dtype = torch.float32 if self.config.residual_in_fp32 else hidden.dtype
         num_layers = self.config.num_layers
-        for i, layer in enumerate(self.layers):
-            normed = layer.norm(hidden.to(dtype))
+
+        def mix(i: int, normed: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+            layer = self.layers[i]
             if layer.kind == "attention":
-                out = layer.mixer(normed, batch, *cache.kv(num_layers + i))
-            else:
-                out = layer.mixer(normed)
-            hidden = hidden.to(residual_dtype) + out
-        return self.layers[-1].final_layernorm(hidden.to(dtype))
+                return layer.mixer(normed, batch, *cache.kv(num_layers + i))
+            return layer.mixer(normed)
+
+        # the norms' inputs are cast to each norm's weight dtype, which is eh_proj's: one model dtype
+        norms = [layer.norm for layer in self.layers]
+        return residual_stack(hidden, norms, self.layers[-1].final_layernorm, residual_dtype, mix)
