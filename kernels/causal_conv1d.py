@@ -6,7 +6,7 @@ Keeping W = K-1+K_spec columns lets speculative decoding roll back by reading at
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -32,13 +32,55 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     raise ValueError(f"unsupported conv activation {activation!r}; expected 'silu' or None")
 
 
+def _is_int(t: torch.Tensor) -> bool:
+    """True for integer (index) tensors."""
+    return not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+
+
+def check_conv_pool_args(
+    x: torch.Tensor,  # [T, D]
+    cu_seqlens: torch.Tensor,  # [S + 1]
+    initial_windows: torch.Tensor | None,
+    window_width: int | None,
+    conv_pool: torch.Tensor | None,  # [rows, D, W]
+    slots: torch.Tensor | None,  # [S]
+    boundary_rows: torch.Tensor | None,  # [K]
+) -> None:
+    """Raise ValueError on a malformed conv_pool / slots / boundary_rows combination (shared by ref and Triton)."""
+    if conv_pool is None:
+        raise ValueError("slots and boundary_rows are only used together with conv_pool")
+    if initial_windows is not None:
+        raise ValueError("pass either initial_windows or conv_pool (with slots), not both")
+    if conv_pool.dim() != 3 or conv_pool.shape[1] != x.shape[1] or not conv_pool.is_floating_point():
+        raise ValueError(f"conv_pool must be a float [rows, D={x.shape[1]}, W] tensor, got {conv_pool.dtype} "
+                         f"{tuple(conv_pool.shape)}")
+    if window_width is not None and window_width != conv_pool.shape[2]:
+        raise ValueError(f"window_width {window_width} disagrees with conv_pool's width {conv_pool.shape[2]}")
+    num_seqs = cu_seqlens.numel() - 1
+    if slots is None:
+        raise ValueError("slots is required with conv_pool (the pool row of each sequence)")
+    if slots.dim() != 1 or slots.numel() != num_seqs or not _is_int(slots):
+        raise ValueError(f"slots must be an integer [S={num_seqs}] tensor, got {slots.dtype} {tuple(slots.shape)}")
+    if boundary_rows is not None and (boundary_rows.dim() != 1 or not _is_int(boundary_rows)):
+        raise ValueError(f"boundary_rows must be an integer [K] tensor, got {boundary_rows.dtype} "
+                         f"{tuple(boundary_rows.shape)}")
+
+
+def check_boundary_rows(boundary_rows: torch.Tensor | None, num_boundaries: int) -> None:
+    """Raise ValueError when boundary_rows does not have one entry per state_block boundary crossed."""
+    if boundary_rows is not None and boundary_rows.numel() != num_boundaries:
+        raise ValueError(f"boundary_rows has {boundary_rows.numel()} entries but the sequences cross "
+                         f"{num_boundaries} state_block boundaries")
+
+
 @dataclass(frozen=True)
 class ConvVarlenOutput:
-    """What one varlen prefill conv returns."""
+    """What one varlen prefill conv returns. When the call was given `conv_pool`, the windows went straight into
+    the pool and `final_windows` / `boundary_windows` are empty ([0, D, W])."""
 
     y: torch.Tensor  # [T, D] activated conv output, dtype of x
-    final_windows: torch.Tensor  # [S, D, W] fp32, the last W inputs of each sequence
-    boundary_windows: torch.Tensor  # [K, D, W] fp32, windows at absolute multiples of state_block
+    final_windows: torch.Tensor  # [S, D, W] fp32, the last W inputs of each sequence ([0, D, W] with conv_pool)
+    boundary_windows: torch.Tensor  # [K, D, W] fp32, windows at absolute multiples of state_block (same)
     boundary_seq: torch.Tensor  # [K] int64, sequence of each boundary window
     boundary_pos: torch.Tensor  # [K] int64, absolute token count at that boundary
 
@@ -53,8 +95,31 @@ def causal_conv1d_varlen_ref(
     window_width: int | None = None,  # W when initial_windows is None (default K-1)
     start_positions: torch.Tensor | None = None,  # [S] absolute position of each sequence's first token
     state_block: int | None = None,  # also return the windows at absolute multiples of this
+    *,
+    conv_pool: torch.Tensor | None = None,  # [rows, D, W] any float dtype / strides: windows read and written here
+    slots: torch.Tensor | None = None,  # [S] int64 pool row of each sequence (initial window if resumed, final)
+    boundary_rows: torch.Tensor | None = None,  # [K] int64 pool row of each boundary window, -1 = don't write
 ) -> ConvVarlenOutput:
-    """Prefill conv per sequence (fp32 math)."""
+    """Prefill conv per sequence (fp32 math). With `conv_pool`, resumed sequences (start_positions > 0) read
+    their initial window from conv_pool[slots], and the final / boundary windows are written into the pool
+    (slot rows distinct, and distinct from the boundary rows)."""
+    if conv_pool is not None or slots is not None or boundary_rows is not None:
+        check_conv_pool_args(x, cu_seqlens, initial_windows, window_width, conv_pool, slots, boundary_rows)
+        assert conv_pool is not None and slots is not None  # checked above
+        num_seqs = cu_seqlens.numel() - 1
+        resumed = torch.zeros(num_seqs, dtype=torch.bool, device=x.device)
+        if start_positions is not None:
+            resumed = start_positions.to(x.device) > 0
+        windows = torch.where(resumed[:, None, None], conv_pool[slots].float(), 0.0)  # [S, D, W]
+        out = causal_conv1d_varlen_ref(x, weight, bias, cu_seqlens, windows, activation, None, start_positions,
+                                       state_block)
+        check_boundary_rows(boundary_rows, out.boundary_seq.numel())
+        conv_pool[slots] = out.final_windows.to(conv_pool.dtype)
+        if boundary_rows is not None:
+            keep = boundary_rows >= 0
+            conv_pool[boundary_rows[keep]] = out.boundary_windows[keep].to(conv_pool.dtype)
+        empty = torch.empty(0, x.shape[1], conv_pool.shape[2], dtype=torch.float32, device=x.device)
+        return replace(out, final_windows=empty, boundary_windows=empty)
     kernel = weight.shape[1]
     num_seqs = cu_seqlens.numel() - 1
     if initial_windows is not None:

@@ -2,7 +2,9 @@
 and the decode / verify update on a strided window pool (in place, padded slots skipped).
 
 A token's K inputs come from the packed x when they belong to its sequence and from the sequence's initial
-window otherwise, so prefill needs no concatenation. Reference and contract: `hybridserve.kernels.causal_conv1d`.
+window otherwise, so prefill needs no concatenation. In pool mode (`conv_pool`, `slots`, `boundary_rows`) the
+initial windows are read from, and the final / boundary windows written to, the pool rows through its strides.
+Reference and contract: `hybridserve.kernels.causal_conv1d`.
 """
 
 from __future__ import annotations
@@ -11,28 +13,45 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.kernels.causal_conv1d import ConvVarlenOutput
+from hybridserve.kernels.causal_conv1d import ConvVarlenOutput, check_boundary_rows, check_conv_pool_args
 from hybridserve.kernels.triton_utils import check_same_device, next_pow2
 
 
 @triton.jit
-def _history(x_ptr, win_ptr, begin, seq, rel, offs_d, mask, x_t, x_d, w_s, w_d, w_w, W, HAS_INIT: tl.constexpr):
-    """Input at relative position `rel` of a sequence (rel < 0: column W + rel of its initial window)."""
+def _window_row(seq, rows_ptr, start_ptr, HAS_ROWS: tl.constexpr, GATED: tl.constexpr):
+    """(row of the sequence's initial window, whether to read it): row = rows[seq] or seq; read unless GATED
+    and the sequence starts at position 0 (fresh: zeros)."""
+    row = seq
+    if HAS_ROWS:
+        row = tl.load(rows_ptr + seq).to(tl.int64)
+    resumed = 1  # an int flag: the interpreter rejects masks built from scalar booleans
+    if GATED:
+        resumed = (tl.load(start_ptr + seq) > 0).to(tl.int32)
+    return row, resumed
+
+
+@triton.jit
+def _history(x_ptr, win_ptr, begin, row, resumed, rel, offs_d, mask, x_t, x_d, w_s, w_d, w_w, W,
+             HAS_INIT: tl.constexpr):
+    """Input at relative position `rel` of a sequence (rel < 0: column W + rel of window row `row`, or 0)."""
     from_x = rel >= 0
     val = tl.load(x_ptr + (begin + tl.maximum(rel, 0)) * x_t + offs_d * x_d, mask=mask & from_x, other=0.0)
+    val = val.to(tl.float32)
     if HAS_INIT:
         col = W + tl.minimum(rel, 0)
-        old = tl.load(win_ptr + seq * w_s + offs_d * w_d + col * w_w, mask=mask & (rel < 0), other=0.0)
-        val = tl.where(from_x, val, old)
-    return val.to(tl.float32)
+        use = mask & (rel < 0) & (rel * 0 + resumed > 0)
+        old = tl.load(win_ptr + row * w_s + offs_d * w_d + col * w_w, mask=use, other=0.0)
+        val = tl.where(from_x, val, old.to(tl.float32))
+    return val
 
 
 @triton.jit
 def _conv_varlen_kernel(
-    x_ptr, w_ptr, bias_ptr, win_ptr, y_ptr, cu_ptr, token_seq_ptr,
+    x_ptr, w_ptr, bias_ptr, win_ptr, rows_ptr, start_ptr, y_ptr, cu_ptr, token_seq_ptr,
     T, D, W, x_t, x_d, w_s, w_d, w_w, wt_d, wt_k, y_t, y_d,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, SILU: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_INIT: tl.constexpr, HAS_ROWS: tl.constexpr, GATED: tl.constexpr,
+    SILU: tl.constexpr,
 ):
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
@@ -44,10 +63,12 @@ def _conv_varlen_kernel(
         if t < T:
             seq = tl.load(token_seq_ptr + t).to(tl.int64)
             begin = tl.load(cu_ptr + seq).to(tl.int64)
+            row, resumed = _window_row(seq, rows_ptr, start_ptr, HAS_ROWS, GATED)
             acc = bias
             for k in tl.static_range(K):
                 rel = offs_d * 0 + (t - begin - (K - 1) + k)  # [BLOCK_D], same value
-                v = _history(x_ptr, win_ptr, begin, seq, rel, offs_d, mask_d, x_t, x_d, w_s, w_d, w_w, W, HAS_INIT)
+                v = _history(x_ptr, win_ptr, begin, row, resumed, rel, offs_d, mask_d, x_t, x_d, w_s, w_d, w_w, W,
+                             HAS_INIT)
                 acc += v * tl.load(w_ptr + offs_d * wt_d + k * wt_k, mask=mask_d, other=0.0).to(tl.float32)
             if SILU:
                 acc = acc * tl.sigmoid(acc)
@@ -56,22 +77,53 @@ def _conv_varlen_kernel(
 
 @triton.jit
 def _window_gather_kernel(
-    x_ptr, win_ptr, out_ptr, cu_ptr, out_seq_ptr, out_len_ptr,
-    D, W, x_t, x_d, w_s, w_d, w_w,
-    BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, HAS_INIT: tl.constexpr,
+    x_ptr, win_ptr, rows_ptr, start_ptr, out_ptr, out_row_ptr, cu_ptr, out_seq_ptr, out_len_ptr,
+    D, W, x_t, x_d, w_s, w_d, w_w, o_s, o_d, o_w,
+    BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr, HAS_INIT: tl.constexpr, HAS_ROWS: tl.constexpr,
+    GATED: tl.constexpr, HAS_OUT_ROWS: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
-    """out[i] = the W inputs before relative position out_len[i] of sequence out_seq[i]: [D, W] fp32."""
+    """Row out_row[i] (or i; -1 skips) of out = the W inputs before relative position out_len[i] of sequence
+    out_seq[i]: [D, W], cast to out's dtype. IN_PLACE: out may be the row the window is read from."""
     i = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_w = tl.arange(0, BLOCK_W)
     seq = tl.load(out_seq_ptr + i).to(tl.int64)
     length = tl.load(out_len_ptr + i).to(tl.int64)
     begin = tl.load(cu_ptr + seq).to(tl.int64)
+    out_row = i.to(tl.int64)
+    if HAS_OUT_ROWS:
+        out_row = tl.load(out_row_ptr + i).to(tl.int64)
+    row, resumed = _window_row(seq, rows_ptr, start_ptr, HAS_ROWS, GATED)
     rel = length - W + offs_w  # [BLOCK_W]
-    mask = (offs_d[:, None] < D) & (offs_w[None, :] < W)
-    vals = _history(x_ptr, win_ptr, begin, seq, rel[None, :], offs_d[:, None], mask, x_t, x_d, w_s, w_d, w_w, W,
-                    HAS_INIT)
-    tl.store(out_ptr + i * D * W + offs_d[:, None] * W + offs_w[None, :], vals, mask=mask)
+    mask = (offs_d[:, None] < D) & (offs_w[None, :] < W) & (offs_w[None, :] * 0 + out_row >= 0)
+    vals = _history(x_ptr, win_ptr, begin, row, resumed, rel[None, :], offs_d[:, None], mask, x_t, x_d, w_s, w_d,
+                    w_w, W, HAS_INIT)
+    if IN_PLACE:
+        # the tile's columns shift by `length`: every thread must have read the old window before any overwrites it
+        tl.debug_barrier()
+    dst = out_ptr + tl.maximum(out_row, 0) * o_s + offs_d[:, None] * o_d + offs_w[None, :] * o_w
+    tl.store(dst, vals.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_gather(
+    x: torch.Tensor, src: torch.Tensor | None, src_rows: torch.Tensor | None, gate: torch.Tensor | None,
+    out: torch.Tensor, out_rows: torch.Tensor | None, cu_seqlens: torch.Tensor, out_seq: torch.Tensor,
+    out_len: torch.Tensor, width: int, in_place: bool,
+) -> None:
+    """Write len(out_seq) windows into out ([N, D, W], rows out_rows or 0..N-1); src holds initial windows."""
+    num, channels = out_seq.numel(), x.shape[1]
+    if num == 0:
+        return
+    block_d = min(256, next_pow2(channels))
+    dummy = cu_seqlens
+    _window_gather_kernel[(num, triton.cdiv(channels, block_d))](
+        x, src if src is not None else out, src_rows if src_rows is not None else dummy,
+        gate if gate is not None else dummy, out, out_rows if out_rows is not None else dummy, cu_seqlens,
+        out_seq, out_len, channels, width, *x.stride(), *(src.stride() if src is not None else (0, 0, 0)),
+        *out.stride(), BLOCK_D=block_d, BLOCK_W=next_pow2(width), HAS_INIT=src is not None,
+        HAS_ROWS=src_rows is not None, GATED=gate is not None, HAS_OUT_ROWS=out_rows is not None,
+        IN_PLACE=in_place, num_warps=4,
+    )
 
 
 def causal_conv1d_varlen_triton(
@@ -84,59 +136,95 @@ def causal_conv1d_varlen_triton(
     window_width: int | None = None,
     start_positions: torch.Tensor | None = None,  # [S]
     state_block: int | None = None,
+    *,
+    conv_pool: torch.Tensor | None = None,  # [rows, D, W] any float dtype / strides: windows read and written here
+    slots: torch.Tensor | None = None,  # [S] int64 pool row of each sequence (initial window if resumed, final)
+    boundary_rows: torch.Tensor | None = None,  # [K] int64 pool row of each boundary window, -1 = don't write
 ) -> ConvVarlenOutput:
-    """Triton version of `causal_conv1d_varlen_ref`; same outputs (windows in fp32)."""
+    """Triton version of `causal_conv1d_varlen_ref`; same outputs (windows in fp32). With conv_pool the kernels
+    read and write the pool rows themselves (no gather / scatter copies)."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported conv activation {activation!r}; expected 'silu' or None")
+    pooled = conv_pool is not None or slots is not None or boundary_rows is not None
+    if pooled:
+        check_conv_pool_args(x, cu_seqlens, initial_windows, window_width, conv_pool, slots, boundary_rows)
+        assert conv_pool is not None and slots is not None  # checked above
     num_tokens, channels = x.shape
     kernel = weight.shape[1]
     num_seqs = cu_seqlens.numel() - 1
-    width = initial_windows.shape[-1] if initial_windows is not None else (window_width or kernel - 1)
+    if conv_pool is not None:
+        width = conv_pool.shape[2]
+    else:
+        width = initial_windows.shape[-1] if initial_windows is not None else (window_width or kernel - 1)
     if width < kernel - 1:
         raise ValueError(f"conv window width {width} is smaller than conv_kernel-1 = {kernel - 1}")
     if state_block is not None and state_block <= 0:
         raise ValueError(f"state_block must be positive, got {state_block}")
-    check_same_device(x, weight, bias, cu_seqlens, initial_windows)
+    check_same_device(x, weight, bias, cu_seqlens, initial_windows, conv_pool, slots, boundary_rows,
+                      start_positions if pooled else None)
     dev = x.device
+    # where the initial windows come from: the pool rows of resumed sequences, the given windows, or zeros
+    if conv_pool is not None:
+        src = conv_pool if start_positions is not None else None  # no start positions: every sequence is fresh
+        src_rows, gate = slots, start_positions
+    else:
+        src, src_rows, gate = initial_windows, None, None
+    # which windows to gather: the final one of each sequence, then every state_block boundary crossed
+    b_seq: list[int] = []
+    b_pos: list[int] = []
+    b_len: list[int] = []
+    lens: list[int] = []
+    if state_block is not None or not pooled:
+        lens = [int(n) for n in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()]
+    if state_block is not None:
+        starts = [0] * num_seqs if start_positions is None else [int(p) for p in start_positions.tolist()]
+        for seq in range(num_seqs):
+            first = -(-(starts[seq] + 1) // state_block) * state_block
+            for pos in range(first, starts[seq] + lens[seq] + 1, state_block):
+                b_seq.append(seq)
+                b_pos.append(pos)
+                b_len.append(pos - starts[seq])
+    if pooled:
+        check_boundary_rows(boundary_rows, len(b_seq))
     y = torch.empty(num_tokens, channels, dtype=x.dtype, device=dev)
-    win = initial_windows if initial_windows is not None else y
-    w_strides = initial_windows.stride() if initial_windows is not None else (0, 0, 0)
     block_d = min(256, next_pow2(channels))
     if num_tokens:
         token_seq = torch.searchsorted(cu_seqlens[1:], torch.arange(num_tokens, device=dev), right=True)
         block_t = 8
         _conv_varlen_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_d))](
-            x, weight, bias if bias is not None else weight, win, y, cu_seqlens, token_seq,
-            num_tokens, channels, width, *x.stride(), *w_strides, *weight.stride(), *y.stride(),
-            K=kernel, BLOCK_T=block_t, BLOCK_D=block_d, HAS_BIAS=bias is not None,
-            HAS_INIT=initial_windows is not None, SILU=activation is not None, num_warps=4,
+            x, weight, bias if bias is not None else weight, src if src is not None else y,
+            src_rows if src_rows is not None else cu_seqlens, gate if gate is not None else cu_seqlens, y,
+            cu_seqlens, token_seq, num_tokens, channels, width, *x.stride(),
+            *(src.stride() if src is not None else (0, 0, 0)), *weight.stride(), *y.stride(),
+            K=kernel, BLOCK_T=block_t, BLOCK_D=block_d, HAS_BIAS=bias is not None, HAS_INIT=src is not None,
+            HAS_ROWS=src_rows is not None, GATED=gate is not None, SILU=activation is not None, num_warps=4,
         )
-    # which windows to gather: the final one of each sequence, then every state_block boundary crossed
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    starts = [0] * num_seqs if start_positions is None else [int(p) for p in start_positions.tolist()]
-    out_seq, out_len = list(range(num_seqs)), [int(n) for n in lens]
-    b_seq, b_pos = [], []
-    if state_block is not None:
-        for seq in range(num_seqs):
-            first = -(-(starts[seq] + 1) // state_block) * state_block
-            for pos in range(first, starts[seq] + out_len[seq] + 1, state_block):
-                b_seq.append(seq)
-                b_pos.append(pos)
-                out_seq.append(seq)
-                out_len.append(pos - starts[seq])
-    windows = torch.empty(len(out_seq), channels, width, dtype=torch.float32, device=dev)
-    if out_seq:
-        _window_gather_kernel[(len(out_seq), triton.cdiv(channels, block_d))](
-            x, win, windows, cu_seqlens, torch.tensor(out_seq, dtype=torch.int32).to(dev),
-            torch.tensor(out_len, dtype=torch.int32).to(dev), channels, width, *x.stride(), *w_strides,
-            BLOCK_D=block_d, BLOCK_W=next_pow2(width), HAS_INIT=initial_windows is not None, num_warps=4,
-        )
+    b_seq_t = torch.tensor(b_seq, dtype=torch.int64, device=dev)
+    b_pos_t = torch.tensor(b_pos, dtype=torch.int64, device=dev)
+
+    def _idx(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32).to(dev)
+
+    if conv_pool is not None:
+        # boundaries first: they may read a sequence's initial window from the slot row its final window overwrites
+        if boundary_rows is not None and b_seq:
+            _launch_gather(x, src, src_rows, gate, conv_pool, boundary_rows, cu_seqlens, _idx(b_seq),
+                           _idx(b_len), width, in_place=False)
+        _launch_gather(x, src, src_rows, gate, conv_pool, slots, cu_seqlens,
+                       torch.arange(num_seqs, dtype=torch.int32, device=dev), cu_seqlens[1:] - cu_seqlens[:-1],
+                       width, in_place=True)
+        empty = torch.empty(0, channels, width, dtype=torch.float32, device=dev)
+        return ConvVarlenOutput(y=y, final_windows=empty, boundary_windows=empty, boundary_seq=b_seq_t,
+                                boundary_pos=b_pos_t)
+    windows = torch.empty(num_seqs + len(b_seq), channels, width, dtype=torch.float32, device=dev)
+    _launch_gather(x, src, None, None, windows, None, cu_seqlens, _idx(list(range(num_seqs)) + b_seq),
+                   _idx(lens + b_len), width, in_place=False)
     return ConvVarlenOutput(
         y=y,
         final_windows=windows[:num_seqs],
         boundary_windows=windows[num_seqs:],
-        boundary_seq=torch.tensor(b_seq, dtype=torch.int64, device=dev),
-        boundary_pos=torch.tensor(b_pos, dtype=torch.int64, device=dev),
+        boundary_seq=b_seq_t,
+        boundary_pos=b_pos_t,
     )
 
 
