@@ -62,7 +62,7 @@ class Mamba2Mixer(nn.Module):
         projected = self.in_proj(hidden)
         gate, xBC, dt = projected.split([cfg.intermediate_size, cfg.conv_dim, heads], dim=-1)
         conv_weight = self.conv1d.weight[:, 0, :]  # [D, K]
-        A = -torch.exp(self.A_log.float())
+        A = self._decay_rates()
         y = torch.empty(hidden.shape[0], heads, head_dim, dtype=hidden.dtype, device=hidden.device)
         nd = batch.num_decode
         if nd:
@@ -106,6 +106,14 @@ class Mamba2Mixer(nn.Module):
             eps=self.norm_eps,
         )
         return self.out_proj(normed)
+
+    def _decay_rates(self) -> torch.Tensor:
+        """A = -exp(A_log) in fp32 [H], cached until A_log changes (saves 2-3 tiny kernels per layer and step)."""
+        key = (self.A_log.data_ptr(), self.A_log._version, self.A_log.device)
+        if getattr(self, "_A_key", None) != key:
+            self._A_cache = -torch.exp(self.A_log.float())
+            self._A_key = key
+        return self._A_cache
 
     def _decode(
         self,
