@@ -27,14 +27,15 @@ def _scan_configs() -> list[triton.Config]:
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    """Keep configs whose HEADS divides the group's head count and whose BLOCK_M fits the chunk."""
-    per_group, chunk = int(named_args["heads_per_group"]), int(kwargs.get("QBLOCK", 0) or named_args.get("QBLOCK", 0))
-    kept = [c for c in configs if per_group % c.kwargs["HEADS"] == 0 and (chunk == 0 or c.kwargs["BLOCK_M"] <= chunk)]
-    full = max(16, triton.next_power_of_2(int(named_args["P"])))  # BLOCK_P 0: one tile over the whole head_dim
-    kept = [triton.Config({**c.kwargs, "BLOCK_P": c.kwargs["BLOCK_P"] or full}, num_warps=c.num_warps,
-                          num_stages=c.num_stages) for c in kept]
+    """Fit the configs to the problem: HEADS must divide the group's head count (HEADS=1 always does), BLOCK_M is
+    capped at the chunk, BLOCK_P 0 becomes the whole (power-of-two padded) head_dim."""
+    per_group = int(named_args["heads_per_group"])
+    chunk = int(kwargs.get("QBLOCK") or named_args.get("QBLOCK") or 16)
+    full = max(16, triton.next_power_of_2(int(named_args["P"])))
+    kept = [triton.Config({**c.kwargs, "BLOCK_M": min(c.kwargs["BLOCK_M"], chunk),
+                           "BLOCK_P": c.kwargs["BLOCK_P"] or full}, num_warps=c.num_warps, num_stages=c.num_stages)
+            for c in configs if per_group % c.kwargs["HEADS"] == 0]
     kept = list({str(c): c for c in kept}.values())
-    kept = kept or configs[-1:]
     return kept[:1] if interpreting() else kept  # the interpreter runs one config (HEADS=2 where it divides)
 
 

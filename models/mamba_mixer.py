@@ -72,11 +72,16 @@ class Mamba2Mixer(nn.Module):
             slots = batch.state_slots[nd:]
             starts = batch.context_lens[nd:]
             block = batch.state_block if batch.checkpoint_rows is not None else None
-            conv = ops.causal_conv1d_varlen(  # windows read from / written to the conv pool by the kernel
-                xBC, conv_weight, self.conv1d.bias, batch.prefill_cu_seqlens(),
-                start_positions=starts, state_block=block, conv_pool=conv_pool, slots=slots,
-                boundary_rows=batch.checkpoint_rows,
+            resumed = (starts > 0)[:, None, None]
+            windows = torch.where(resumed, conv_pool[slots].float(), 0.0)
+            conv = ops.causal_conv1d_varlen(
+                xBC, conv_weight, self.conv1d.bias, batch.prefill_cu_seqlens(), windows,
+                start_positions=starts, state_block=block,
             )
+            conv_pool[slots] = conv.final_windows.to(conv_pool.dtype)
+            if batch.checkpoint_rows is not None:
+                keep = batch.checkpoint_rows >= 0
+                conv_pool[batch.checkpoint_rows[keep]] = conv.boundary_windows[keep].to(conv_pool.dtype)
             conv_out = conv.y
             tokens = conv_out.shape[0]
             x, B, C = conv_out.split([cfg.intermediate_size, groups_state, groups_state], dim=-1)
