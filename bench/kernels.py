@@ -27,8 +27,6 @@ from decode_step import bench_decode_step  # noqa: E402
 from peer import load_peer  # noqa: E402
 
 from hybridserve.kernels.replay_state_update import ReplayCache, replay_state_update_triton  # noqa: E402
-from hybridserve.kernels.ssd_chunk_scan_triton import chunk_scan_kernel  # noqa: E402
-from hybridserve.kernels.ssd_chunk_state_triton import WalkConfig  # noqa: E402
 from hybridserve.kernels.ssd_scan_meta import chunk_metadata  # noqa: E402
 from hybridserve.kernels.ssd_scan_triton import ssd_scan_varlen_triton  # noqa: E402
 from hybridserve.kernels.state_update_triton import (  # noqa: E402
@@ -85,12 +83,7 @@ def ceilings(quick: bool) -> dict[str, float]:
     return {"copy_GBps": 2 * n * 4 / copy_ms / 1e6, "bf16_matmul_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
 
 
-WALK_SWEEP = [WalkConfig(p, n, w, st) for p, n, w, st in (
-    (16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 4, 2), (32, 64, 4, 2), (16, 32, 2, 2), (16, 32, 4, 3), (32, 32, 4, 2),
-    (32, 128, 4, 2), (16, 64, 2, 2), (16, 128, 8, 2))]
-
-
-def bench_ssd(peer: dict | None, ceil: dict, quick: bool, sweep_walk: bool = False) -> list[dict]:
+def bench_ssd(peer: dict | None, ceil: dict, quick: bool) -> list[dict]:
     """Tokens/s per layer of our varlen scan (with kept states) vs mamba_chunk_scan_combined."""
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -111,20 +104,13 @@ def bench_ssd(peer: dict | None, ceil: dict, quick: bool, sweep_walk: bool = Fal
                                               meta=meta)
 
             ours_ms = median_ms(ours, quick)
-            best = getattr(chunk_scan_kernel, "best_config", None)
+            best = None
             io_bytes = tokens * (2 * heads * head_dim * 2 + 2 * groups * state * 2 + heads * 2)
             io_bytes += (tokens // STATE_BLOCK + num_seqs) * heads * head_dim * state * 4
             flops = tokens * heads * (4 * head_dim * state + 2 * chunk * head_dim + 2 * chunk * state // (heads // groups))
             floor_ms = max(io_bytes / ceil["copy_GBps"] / 1e6, flops / ceil["bf16_matmul_TFLOPs"] / 1e9)
             row = {"config": name, "seqs": num_seqs, "seqlen": seqlen, "ours_ms": ours_ms,
                    "ours_Mtok_s": tokens / ours_ms / 1e3, "floor_ms": floor_ms, "scan_config": str(best)}
-            if sweep_walk and seqlen == 8192:
-                row["walk_sweep_ms"] = {
-                    f"p{w.block_p}_n{w.block_n}_w{w.num_warps}_s{w.num_stages}": median_ms(
-                        lambda w=w: ssd_scan_varlen_triton(x, dt, A, B, C, cu, chunk, D=D, dt_bias=bias,
-                                                           state_block=STATE_BLOCK, meta=meta, walk=w), quick)
-                    for w in WALK_SWEEP}
-                print(f"walk sweep {name}: {row['walk_sweep_ms']}", flush=True)
             if peer is not None:
                 xb, dtb, Bb, Cb = (t.view(num_seqs, seqlen, *t.shape[1:]) for t in (x, dt, B, C))
 
@@ -284,7 +270,6 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="shorter timing loops")
     parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: ssd ssu ssu_sweep verify decode attention")
-    parser.add_argument("--sweep-walk", action="store_true", help="also sweep the SSD state-walk launch shapes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA device")
@@ -298,7 +283,7 @@ def main() -> None:
     result["ceilings"] = ceil = ceilings(args.quick)
     print(f"{device}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s",
           flush=True)
-    sections = {"ssd": lambda: bench_ssd(peer, ceil, args.quick, args.sweep_walk),
+    sections = {"ssd": lambda: bench_ssd(peer, ceil, args.quick),
                 "ssu": lambda: bench_state_update(peer, ceil, args.quick),
                 "ssu_sweep": lambda: sweep_state_update(ceil, args.quick),
                 "verify": lambda: bench_verify(peer, ceil, args.quick),

@@ -62,7 +62,7 @@ class Mamba2Mixer(nn.Module):
         projected = self.in_proj(hidden)
         gate, xBC, dt = projected.split([cfg.intermediate_size, cfg.conv_dim, heads], dim=-1)
         conv_weight = self.conv1d.weight[:, 0, :]  # [D, K]
-        A = self._decay_rates()
+        A = -torch.exp(self.A_log.float())
         y = torch.empty(hidden.shape[0], heads, head_dim, dtype=hidden.dtype, device=hidden.device)
         nd = batch.num_decode
         if nd:
@@ -71,17 +71,14 @@ class Mamba2Mixer(nn.Module):
             xBC, dt = xBC[nd * batch.decode_len :], dt[nd * batch.decode_len :]
             slots = batch.state_slots[nd:]
             starts = batch.context_lens[nd:]
-            block = batch.state_block if batch.checkpoint_rows is not None else None
             resumed = (starts > 0)[:, None, None]
             windows = torch.where(resumed, conv_pool[slots].float(), 0.0)
+            block = batch.state_block if batch.checkpoint_rows is not None else None
             conv = ops.causal_conv1d_varlen(
                 xBC, conv_weight, self.conv1d.bias, batch.prefill_cu_seqlens(), windows,
                 start_positions=starts, state_block=block,
             )
             conv_pool[slots] = conv.final_windows.to(conv_pool.dtype)
-            if batch.checkpoint_rows is not None:
-                keep = batch.checkpoint_rows >= 0
-                conv_pool[batch.checkpoint_rows[keep]] = conv.boundary_windows[keep].to(conv_pool.dtype)
             conv_out = conv.y
             tokens = conv_out.shape[0]
             x, B, C = conv_out.split([cfg.intermediate_size, groups_state, groups_state], dim=-1)
@@ -96,12 +93,13 @@ class Mamba2Mixer(nn.Module):
                 D=self.D,
                 dt_bias=self.dt_bias,
                 dt_limit=cfg.dt_limit,
+                initial_states=torch.where(resumed[..., None], ssm_pool[slots].float(), 0.0),
                 start_positions=starts,
                 state_block=block,
-                state_pool=ssm_pool,  # resumed rows start from their slot; final and kept states go to the pool
-                slots=slots,
-                checkpoint_rows=batch.checkpoint_rows,
             )
+            ssm_pool[slots] = scan.final_states.to(ssm_pool.dtype)
+            if batch.checkpoint_rows is not None:
+                _write_checkpoints(batch, conv.boundary_windows, scan.chunk_states, conv_pool, ssm_pool)
             y[nd * batch.decode_len :] = scan.y
         normed = ops.gated_rmsnorm(
             y.reshape(-1, cfg.intermediate_size),
@@ -111,14 +109,6 @@ class Mamba2Mixer(nn.Module):
             eps=self.norm_eps,
         )
         return self.out_proj(normed)
-
-    def _decay_rates(self) -> torch.Tensor:
-        """A = -exp(A_log) in fp32 [H], cached until A_log changes (saves 2-3 tiny kernels per layer and step)."""
-        key = (self.A_log.data_ptr(), self.A_log._version, self.A_log.device)
-        if getattr(self, "_A_key", None) != key:
-            self._A_cache = -torch.exp(self.A_log.float())
-            self._A_key = key
-        return self._A_cache
 
     def _decode(
         self,
@@ -157,3 +147,24 @@ class Mamba2Mixer(nn.Module):
                 raise RuntimeError("a replay verify step needs the layer's ReplayCache and num_replay")
             y = ops.replay_state_update(ssm_pool, replay, slots, batch.num_replay, *args, **kwargs)
         return y.reshape(rows, cfg.num_heads, cfg.head_dim)
+
+
+def _write_checkpoints(
+    batch: ForwardBatch,
+    windows: torch.Tensor,  # [num_boundaries, conv_dim, W] conv windows at the boundaries
+    states: torch.Tensor,  # [num_boundaries, H, P, N] SSM states at the same boundaries
+    conv_pool: torch.Tensor,  # [rows, conv_dim, W]
+    ssm_pool: torch.Tensor,  # [rows, H, P, N]
+) -> None:
+    """Store the boundary states the engine kept into their checkpoint rows (no host sync)."""
+    expected = batch.num_checkpoint_boundaries
+    if windows.shape[0] != expected or states.shape[0] != expected:
+        raise RuntimeError(
+            f"the engine planned {expected} checkpoint boundaries, the kernels returned {windows.shape[0]} conv "
+            f"windows and {states.shape[0]} scan states: they disagree on the state_block boundaries"
+        )
+    rows = batch.checkpoint_rows  # one row per boundary, -1 = not kept
+    assert rows is not None  # the caller checks
+    keep = rows >= 0
+    conv_pool[rows[keep]] = windows[keep].to(conv_pool.dtype)
+    ssm_pool[rows[keep]] = states[keep].to(ssm_pool.dtype)
