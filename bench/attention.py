@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from cuda_graph import capture
+
 HQ, HKV, DH, PAGE = 40, 8, 128, 16
 BATCHES = (1, 32, 128)
 CONTEXTS = (512, 4096, 32768)  # cached tokens before the T new ones
@@ -136,15 +138,7 @@ def variant_fns(inp: AttnInputs, compiled_flex: bool) -> dict[str, Callable[[], 
 
 def _graph_ms(fn: Callable[[], Any], median_ms: Callable[..., float], quick: bool) -> float:
     """Median time of fn replayed as a CUDA graph (no launch overhead, as in the decode step)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return median_ms(graph.replay, quick)
+    return median_ms(capture(fn).replay, quick)
 
 
 def io_bytes(inp: AttnInputs) -> tuple[int, int]:

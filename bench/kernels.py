@@ -23,6 +23,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cuda_graph import capture  # noqa: E402
 from decode_step import bench_decode_step  # noqa: E402
 from peer import load_peer  # noqa: E402
 
@@ -48,15 +49,7 @@ def median_ms(fn: Callable[[], Any], quick: bool) -> float:
 
 def graph_ms(fn: Callable[[], Any], quick: bool) -> float:
     """Median time of fn replayed as a CUDA graph (no Python launch overhead, as in the decode step)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return median_ms(graph.replay, quick)
+    return median_ms(capture(fn).replay, quick)
 
 
 def profile(fn: Callable[[], Any], label: str) -> str:

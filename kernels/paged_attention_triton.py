@@ -27,6 +27,20 @@ _INTERPRETER_SMS = 4  # SM count assumed under the interpreter / off CUDA (keeps
 
 
 @triton.jit
+def _online_softmax_step(s, v, offs_n, q_pos, kv_start, mask_n, m_i, l_i, acc):
+    """One key tile of causal online softmax (base 2): mask the scores s [M, N], fold p @ v [N, D] into acc."""
+    visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] >= kv_start) & mask_n[None, :]
+    s = tl.where(visible, s, -float("inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, tables_ptr, block_seq_ptr, block_row_ptr,
     scale, page_size, heads_per_kv, Dh, kv_start,
@@ -61,18 +75,10 @@ def _paged_attention_kernel(
         kv_mask = mask_n[None, :] & mask_d[:, None]
         kT = tl.load(k_ptr + page[None, :] * k_p + within[None, :] * k_o + kvh * k_h + offs_d[:, None] * k_d,
                      mask=kv_mask, other=0.0)  # [BLOCK_D, BLOCK_N]
-        s = tl.dot(q, kT.to(q.dtype)) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] >= kv_start) & mask_n[None, :]
-        s = tl.where(visible, s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + page[:, None] * v_p + within[:, None] * v_o + kvh * v_h + offs_d[None, :] * v_d,
                     mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(tl.dot(q, kT.to(q.dtype)) * qk_scale, v, offs_n, q_pos, kv_start,
+                                             mask_n, m_i, l_i, acc)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_begin + offs_m[:, None]) * o_n + h * o_h + offs_d[None, :] * o_d,
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
@@ -117,18 +123,10 @@ def _paged_decode_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_ptr + page[:, None] * k_p + within[:, None] * k_o + kvh * k_h + offs_d[None, :] * k_d,
                     mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale  # [BLOCK_M, BLOCK_N]
-        visible = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] >= kv_start) & mask_n[None, :]
-        s = tl.where(visible, s, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + page[:, None] * v_p + within[:, None] * v_o + kvh * v_h + offs_d[None, :] * v_d,
                     mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale, v, offs_n, q_pos,
+                                             kv_start, mask_n, m_i, l_i, acc)
     if SPLIT:  # partial result of this split: unnormalised acc, running max (log2 units) and sum, fp32
         idx = ((seq * num_splits + split) * num_q_heads + h) * T + t  # [BLOCK_M] into [S, splits, Hq, T]
         tl.store(m_ptr + idx, m_i, mask=mask_m)

@@ -163,8 +163,10 @@ def _write_checkpoints(
             f"the engine planned {expected} checkpoint boundaries, the kernels returned {windows.shape[0]} conv "
             f"windows and {states.shape[0]} scan states: they disagree on the state_block boundaries"
         )
-    rows = batch.checkpoint_rows  # one row per boundary, -1 = not kept
+    rows = batch.checkpoint_rows
     assert rows is not None  # the caller checks
-    keep = rows >= 0
-    conv_pool[rows[keep]] = windows[keep].to(conv_pool.dtype)
-    ssm_pool[rows[keep]] = states[keep].to(ssm_pool.dtype)
+    if batch.checkpoint_index is not None:
+        windows = windows.index_select(0, batch.checkpoint_index)
+        states = states.index_select(0, batch.checkpoint_index)
+    conv_pool.index_copy_(0, rows, windows.to(conv_pool.dtype))
+    ssm_pool.index_copy_(0, rows, states.to(ssm_pool.dtype))
