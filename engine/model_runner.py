@@ -127,6 +127,7 @@ def _checkpoint_fields(
         "num_checkpoint_boundaries": len(slots),
         "checkpoint_rows": as_tensor([s for _, s in kept]),
         "checkpoint_index": None if len(kept) == len(slots) else as_tensor([i for i, _ in kept]),
+        "boundary_rows": as_tensor(slots),
     }
 
 

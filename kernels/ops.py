@@ -22,8 +22,12 @@ from hybridserve.kernels.replay_state import replay_state_update_ref
 from hybridserve.kernels.ssd_scan import ssd_scan_varlen_ref
 from hybridserve.kernels.state_update import multi_token_state_update_ref, selective_state_update_ref
 
-# HYBRIDSERVE_KERNELS=reference forces the torch references everywhere (debugging, A/B checks)
-_FORCE_REFERENCE = os.environ.get("HYBRIDSERVE_KERNELS", "") == "reference"
+# HYBRIDSERVE_KERNELS=reference forces the torch references everywhere (debugging, A/B checks);
+# HYBRIDSERVE_KERNELS=interpret runs the Triton kernels on CPU tensors under TRITON_INTERPRET=1, so the whole
+# engine can be checked against the references without a GPU (slow: tiny models only)
+_KERNEL_MODE = os.environ.get("HYBRIDSERVE_KERNELS", "")
+_FORCE_REFERENCE = _KERNEL_MODE == "reference"
+_INTERPRET_ON_CPU = _KERNEL_MODE == "interpret" and os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
 @functools.cache
@@ -48,7 +52,7 @@ def _dispatch(reference: Callable[..., Any], module: str, name: str) -> Callable
 
     @functools.wraps(reference)
     def op(first: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if first.is_cuda and triton_available():
+        if (first.is_cuda and triton_available()) or _INTERPRET_ON_CPU:
             return _triton_fn(module, name)(first, *args, **kwargs)
         return reference(first, *args, **kwargs)
 

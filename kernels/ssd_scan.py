@@ -26,6 +26,7 @@ class SSDScanOutput:
     final_states: torch.Tensor  # [S, H, P, N] fp32, the state after each sequence's last token
     chunk_states: torch.Tensor  # [K, H, P, N] fp32, state at every kept chunk end (absolute multiple of
     # chunk_size, and of state_block when given), in sequence then position order
+    # (with a `state_pool` both are written into the pool instead and come back with 0 rows)
     chunk_state_seq: torch.Tensor  # [K] int64, the sequence each chunk state belongs to
     chunk_state_pos: torch.Tensor  # [K] int64, absolute token count at that chunk end
 
@@ -42,6 +43,25 @@ def process_dt(
     if dt_limit != NO_DT_LIMIT:
         dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
     return dt
+
+
+def check_pool_args(
+    state_pool: torch.Tensor,  # [rows, H, P, N]
+    slots: torch.Tensor | None,  # [S]
+    checkpoint_rows: torch.Tensor | None,  # [K]
+    initial_states: torch.Tensor | None,
+    num_seqs: int,
+) -> None:
+    """Validate the pool-mode arguments of the scan (reference and Triton share the contract)."""
+    if initial_states is not None:
+        raise ValueError("pass either initial_states or state_pool (which supplies them through slots), not both")
+    if state_pool.dim() != 4:
+        raise ValueError(f"state_pool must be [rows, H, P, N], got shape {tuple(state_pool.shape)}")
+    if slots is None or slots.dim() != 1 or slots.numel() != num_seqs:
+        got = None if slots is None else tuple(slots.shape)
+        raise ValueError(f"state_pool needs slots with one pool row per sequence ({num_seqs}), got {got}")
+    if checkpoint_rows is not None and checkpoint_rows.dim() != 1:
+        raise ValueError(f"checkpoint_rows must be 1-D (one row per kept state), got {tuple(checkpoint_rows.shape)}")
 
 
 def _expand_groups(t: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -90,8 +110,30 @@ def ssd_scan_varlen_ref(
     initial_states: torch.Tensor | None = None,  # [S, H, P, N]; None means zeros
     start_positions: torch.Tensor | None = None,  # [S] absolute position of each sequence's first token
     state_block: int | None = None,  # keep only chunk-end states at multiples of this (None: every chunk end)
+    state_pool: torch.Tensor | None = None,  # [rows, H, P, N] read/write states here (see `check_pool_args`)
+    slots: torch.Tensor | None = None,  # [S] pool row of each sequence
+    checkpoint_rows: torch.Tensor | None = None,  # [K] pool row of each kept state, -1 = not written
 ) -> SSDScanOutput:
-    """Reference varlen SSD scan with chunk-aligned intermediate states (fp32 math)."""
+    """Reference varlen SSD scan with chunk-aligned intermediate states (fp32 math).
+
+    With `state_pool`, a sequence with start_positions > 0 starts from state_pool[slots[s]] (zeros otherwise),
+    its final state goes to state_pool[slots[s]] and kept state k to state_pool[checkpoint_rows[k]]."""
+    if state_pool is not None:
+        check_pool_args(state_pool, slots, checkpoint_rows, initial_states, cu_seqlens.numel() - 1)
+        assert slots is not None  # checked above
+        resumed = torch.zeros_like(slots, dtype=torch.bool) if start_positions is None else start_positions > 0
+        init = torch.where(resumed[:, None, None, None], state_pool[slots.long()].float(), 0.0)
+        out = ssd_scan_varlen_ref(x, dt, A, B, C, cu_seqlens, chunk_size, D, dt_bias, dt_softplus, dt_limit, init,
+                                  start_positions, state_block)
+        state_pool[slots.long()] = out.final_states.to(state_pool.dtype)
+        if checkpoint_rows is not None:
+            if checkpoint_rows.numel() != out.chunk_states.shape[0]:
+                raise ValueError(f"checkpoint_rows has {checkpoint_rows.numel()} entries for "
+                                 f"{out.chunk_states.shape[0]} kept states")
+            keep = checkpoint_rows >= 0
+            state_pool[checkpoint_rows[keep].long()] = out.chunk_states[keep].to(state_pool.dtype)
+        return SSDScanOutput(out.y, out.final_states[:0], out.chunk_states[:0], out.chunk_state_seq,
+                             out.chunk_state_pos)
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     keep_every = chunk_size if state_block is None else state_block

@@ -28,6 +28,8 @@ class ForwardBatch:
     num_checkpoint_boundaries: int = 0
     checkpoint_rows: torch.Tensor | None = None  # [K] int64
     checkpoint_index: torch.Tensor | None = None  # [K] int64, None when every boundary is kept
+    boundary_rows: torch.Tensor | None = None  # [num_checkpoint_boundaries] int64 state row per boundary, -1 = skip
+    # (the same rows, one per boundary: the SSD scan writes its chunk-end states straight into them)
     # Speculative verify of the decode rows: "intermediate" keeps every token's SSM state in
     # `intermediate_states` (layer -> [num_decode, decode_len, H, P, N]) and leaves the slot untouched;
     # "replay" folds `num_replay` tokens of the previous verify into the slot first (kernels/replay_state.py).

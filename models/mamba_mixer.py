@@ -93,13 +93,14 @@ class Mamba2Mixer(nn.Module):
                 D=self.D,
                 dt_bias=self.dt_bias,
                 dt_limit=cfg.dt_limit,
-                initial_states=torch.where(resumed[..., None], ssm_pool[slots].float(), 0.0),
                 start_positions=starts,
                 state_block=block,
+                state_pool=ssm_pool,  # resumed rows start from their slot; final and kept states go to the pool
+                slots=slots,
+                checkpoint_rows=batch.boundary_rows if block is not None else None,
             )
-            ssm_pool[slots] = scan.final_states.to(ssm_pool.dtype)
             if batch.checkpoint_rows is not None:
-                _write_checkpoints(batch, conv.boundary_windows, scan.chunk_states, conv_pool, ssm_pool)
+                _write_conv_checkpoints(batch, conv.boundary_windows, conv_pool)
             y[nd * batch.decode_len :] = scan.y
         normed = ops.gated_rmsnorm(
             y.reshape(-1, cfg.intermediate_size),
@@ -149,24 +150,21 @@ class Mamba2Mixer(nn.Module):
         return y.reshape(rows, cfg.num_heads, cfg.head_dim)
 
 
-def _write_checkpoints(
+def _write_conv_checkpoints(
     batch: ForwardBatch,
     windows: torch.Tensor,  # [num_boundaries, conv_dim, W] conv windows at the boundaries
-    states: torch.Tensor,  # [num_boundaries, H, P, N] SSM states at the same boundaries
     conv_pool: torch.Tensor,  # [rows, conv_dim, W]
-    ssm_pool: torch.Tensor,  # [rows, H, P, N]
 ) -> None:
-    """Store the boundary states the engine kept into their checkpoint rows (no host sync)."""
+    """Store the boundary conv windows the engine kept into their checkpoint rows (no host sync); the scan
+    wrote the SSM states at the same boundaries itself."""
     expected = batch.num_checkpoint_boundaries
-    if windows.shape[0] != expected or states.shape[0] != expected:
+    if windows.shape[0] != expected:
         raise RuntimeError(
-            f"the engine planned {expected} checkpoint boundaries, the kernels returned {windows.shape[0]} conv "
-            f"windows and {states.shape[0]} scan states: they disagree on the state_block boundaries"
+            f"the engine planned {expected} checkpoint boundaries, the conv returned {windows.shape[0]} windows: "
+            "they disagree on the state_block boundaries"
         )
     rows = batch.checkpoint_rows
     assert rows is not None  # the caller checks
     if batch.checkpoint_index is not None:
         windows = windows.index_select(0, batch.checkpoint_index)
-        states = states.index_select(0, batch.checkpoint_index)
     conv_pool.index_copy_(0, rows, windows.to(conv_pool.dtype))
-    ssm_pool.index_copy_(0, rows, states.to(ssm_pool.dtype))

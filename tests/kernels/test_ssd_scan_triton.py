@@ -45,7 +45,7 @@ def test_ssd_scan_interpreter():
     gen = torch.Generator().manual_seed(0)
     # a fresh sequence, two resumed mid-chunk, an empty one; chunk 16, kept states every 32 tokens
     _check([5, 40, 0, 23], [0, 7, 3, 33], 4, 12, 2, 16, 16, 32, torch.float32, "cpu", gen, 2e-3)
-    _check([20, 33], [0, 0], 2, 16, 1, 16, 16, None, torch.float32, "cpu", gen, 2e-3, with_init=False)
+    _check([20, 33], [0, 0], 2, 16, 1, 32, 16, None, torch.float32, "cpu", gen, 2e-3, with_init=False)
     # the tiny test checkpoints' shapes: chunk 8, state 8 (blocks padded to the 16 tl.dot needs)
     _check([11, 6], [0, 5], 4, 16, 2, 8, 8, 8, torch.float32, "cpu", gen, 2e-3)
 
@@ -61,3 +61,92 @@ def test_ssd_scan_gpu(shape, lens, starts):
     heads, head_dim, groups, state, chunk, block = shape
     gen = torch.Generator().manual_seed(sum(lens))
     _check(lens, starts, heads, head_dim, groups, state, chunk, block, torch.bfloat16, "cuda", gen, 3e-2)
+
+
+def _check_pool(lens, starts, heads, head_dim, groups, state, chunk, state_block, dtype, pool_dtype, device, gen, tol,
+                scan=ssd_scan_varlen_triton):
+    """Pool mode: initial states read from slot rows (resumed sequences only), final states written back to
+    them and kept states to checkpoint rows (-1 skipped), through a strided view; every other row untouched."""
+    total = sum(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=device)
+    def r(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+    x, dt = r(total, heads, head_dim), r(total, heads, scale=0.5)
+    B, C = r(total, groups, state), r(total, groups, state)
+    A = -(torch.rand(heads, generator=gen) * 2 + 0.1).to(device)
+    D, bias = torch.randn(heads, generator=gen).to(device), (torch.randn(heads, generator=gen) * 0.5).to(device)
+    rows = 3 * len(lens) + 8
+    backing = torch.randn(rows, 2, heads, head_dim, state, generator=gen).to(device=device, dtype=pool_dtype)
+    pool = backing[:, 1]  # strided per-layer view of a request-major cache
+    slots = torch.randperm(rows, generator=gen)[: len(lens)].to(device)
+    sp = torch.tensor(starts, device=device)
+    init = torch.where((sp > 0)[:, None, None, None], pool[slots].float(), 0.0)
+    kw = dict(D=D, dt_bias=bias, dt_limit=(0.001, 5.0), start_positions=sp, state_block=state_block)
+    ref = ssd_scan_varlen_ref(x, dt, A, B, C, cu, chunk, initial_states=init, **kw)
+    num_kept = ref.chunk_states.shape[0]
+    free = [r_ for r_ in range(rows) if r_ not in set(slots.tolist())]
+    ckpt = torch.tensor(free[:num_kept], device=device)
+    ckpt[::2] = -1  # every other kept state is not wanted
+    before = pool.clone()
+    got = scan(x, dt, A, B, C, cu, chunk, state_pool=pool, slots=slots, checkpoint_rows=ckpt, **kw)
+    ku.assert_close(got.y, ref.y, tol, "y")
+    assert got.final_states.shape[0] == 0 and got.chunk_states.shape[0] == 0
+    state_tol = max(tol, ku.TOL[pool_dtype])
+    for s in range(len(lens)):
+        ku.assert_close(pool[slots[s]].float(), ref.final_states[s], state_tol, f"final state {s} in the pool")
+    written = set(slots.tolist())
+    for k in range(num_kept):
+        if int(ckpt[k]) >= 0:
+            ku.assert_close(pool[ckpt[k]].float(), ref.chunk_states[k], state_tol, f"kept state {k} in the pool")
+            written.add(int(ckpt[k]))
+    untouched = [r_ for r_ in range(rows) if r_ not in written]
+    assert torch.equal(pool[untouched], before[untouched]), "the scan wrote pool rows it was not given"
+
+
+@ku.interp_only
+def test_ssd_scan_pool_mode_interpreter():
+    gen = torch.Generator().manual_seed(1)
+    _check_pool([5, 40, 0, 23], [0, 7, 3, 33], 4, 12, 2, 16, 16, 32, torch.float32, torch.float32, "cpu", gen, 2e-3)
+    _check_pool([37, 19], [9, 0], 2, 40, 1, 16, 16, 16, torch.float32, torch.bfloat16, "cpu", gen, 2e-3)
+
+
+def test_ssd_scan_pool_mode_reference():
+    gen = torch.Generator().manual_seed(2)
+    _check_pool([5, 40, 23], [0, 7, 33], 4, 12, 2, 16, 16, 32, torch.float32, torch.float32, "cpu", gen, 1e-5,
+                scan=ssd_scan_varlen_ref)
+
+
+def test_ssd_scan_pool_mode_errors():
+    x, dt, A = torch.zeros(4, 2, 4), torch.zeros(4, 2), -torch.ones(2)
+    B = C = torch.zeros(4, 1, 4)
+    cu, pool = torch.tensor([0, 4]), torch.zeros(3, 2, 4, 4)
+    with pytest.raises(ValueError, match="slots"):
+        ssd_scan_varlen_ref(x, dt, A, B, C, cu, 4, state_pool=pool)
+    with pytest.raises(ValueError, match="not both"):
+        ssd_scan_varlen_ref(x, dt, A, B, C, cu, 4, state_pool=pool, slots=torch.tensor([0]),
+                            initial_states=torch.zeros(1, 2, 4, 4))
+    with pytest.raises(ValueError, match="checkpoint_rows"):
+        ssd_scan_varlen_ref(x, dt, A, B, C, cu, 4, state_pool=pool, slots=torch.tensor([0]),
+                            checkpoint_rows=torch.tensor([1, 2]))
+
+
+@ku.gpu
+@ku.cuda_only
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_ssd_scan_pool_mode_gpu(pool_dtype):
+    gen = torch.Generator().manual_seed(3)
+    _check_pool([1000, 37, 513], [0, 300, 129], 128, 80, 8, 128, 128, 256, torch.bfloat16, pool_dtype, "cuda", gen,
+                3e-2)
+
+
+@ku.gpu
+@ku.cuda_only
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_ssd_scan_tiny_shapes_gpu(dtype, tol):
+    """The tiny parity checkpoints' shapes (4 heads x 16 x 8 state, 2 groups, chunk 8): every block is padded
+    to the 16 tl.dot needs; fp32 runs without TF32, so it matches the reference closely."""
+    gen = torch.Generator().manual_seed(4)
+    _check([3, 40, 17, 90], [0, 0, 0, 0], 4, 16, 2, 8, 8, None, dtype, "cuda", gen, tol, with_init=False)
+    _check([11, 6, 1, 30], [0, 5, 16, 19], 4, 16, 2, 8, 8, 8, dtype, "cuda", gen, tol)
+    for pool_dtype in (torch.float32, torch.bfloat16):
+        _check_pool([11, 6, 1, 30], [0, 5, 16, 19], 4, 16, 2, 8, 8, 16, dtype, pool_dtype, "cuda", gen, tol)
