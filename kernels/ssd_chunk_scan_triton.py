@@ -22,8 +22,10 @@ def _scan_configs() -> list[triton.Config]:
         return [triton.Config({"BLOCK_M": 16, "HEADS": heads, "BLOCK_P": 16}, num_warps=4, num_stages=1)
                 for heads in (2, 1)]
     # BLOCK_P 0 = the whole head_dim in one (power-of-two padded) tile; 16 / 32 loop over it (80 = 5 x 16)
-    return [triton.Config({"BLOCK_M": m, "HEADS": heads, "BLOCK_P": p}, num_warps=4 if m == 64 else 8, num_stages=2)
-            for m in (64, 128) for heads in (1, 2, 4) for p in (0, 16, 32)]
+    configs = [triton.Config({"BLOCK_M": m, "HEADS": heads, "BLOCK_P": p}, num_warps=4 if m == 64 else 8,
+                             num_stages=2) for m in (64, 128) for heads in (1, 2, 4, 8) for p in (0, 16, 32)]
+    return configs + [triton.Config({"BLOCK_M": 64, "HEADS": heads, "BLOCK_P": p}, num_warps=8, num_stages=2)
+                      for heads in (4, 8) for p in (16, 32)]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:

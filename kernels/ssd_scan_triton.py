@@ -120,15 +120,18 @@ def ssd_scan_varlen_triton(
             HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
         )
     if num_seqs:
-        walk = walk or walk_config(head_dim, state_size, chunk_size)
+        walk = walk or walk_config(head_dim, state_size, chunk_size, heads // groups)
+        if (heads // groups) % walk.heads:
+            raise ValueError(f"WalkConfig.heads ({walk.heads}) must divide the heads per group ({heads // groups})")
         tiles = triton.cdiv(head_dim, walk.block_p) * triton.cdiv(state_size, walk.block_n)
-        chunk_state_walk_kernel[(tiles, num_seqs, heads)](
+        chunk_state_walk_kernel[(tiles, num_seqs, heads // walk.heads)](
             x, dtc, cum, B, init, init_rows, states, final, final_rows, kept, kept_rows,
             meta.chunk_start, meta.chunk_len, meta.seq_chunk_ptr, meta.keep_idx,
             head_dim, state_size, heads, num_chunks, heads // groups,
             *x.stride(), *B.stride(), *_strides(init), *_strides(final), *_strides(kept),
-            CHUNK=chunk_size, QBLOCK=qblock, HAS_INIT=pooled or initial_states is not None, DOT_PRECISION=precision,
-            BLOCK_P=walk.block_p, BLOCK_N=walk.block_n, num_warps=walk.num_warps, num_stages=walk.num_stages,
+            CHUNK=chunk_size, QBLOCK=qblock, HAS_INIT=pooled or initial_states is not None,
+            HAS_KEPT=not pooled or checkpoint_rows is not None, DOT_PRECISION=precision,
+            BLOCK_P=walk.block_p, BLOCK_N=walk.block_n, HEADS=walk.heads, num_warps=walk.num_warps, num_stages=walk.num_stages,
         )
     if num_chunks:
         def grid_scan(meta_: dict) -> tuple[int, int, int]:

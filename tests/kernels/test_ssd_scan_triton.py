@@ -64,7 +64,7 @@ def test_ssd_scan_gpu(shape, lens, starts):
 
 
 def _check_pool(lens, starts, heads, head_dim, groups, state, chunk, state_block, dtype, pool_dtype, device, gen, tol,
-                scan=ssd_scan_varlen_triton):
+                scan=ssd_scan_varlen_triton, checkpoints=True):
     """Pool mode: initial states read from slot rows (resumed sequences only), final states written back to
     them and kept states to checkpoint rows (-1 skipped), through a strided view; every other row untouched."""
     total = sum(lens)
@@ -87,8 +87,11 @@ def _check_pool(lens, starts, heads, head_dim, groups, state, chunk, state_block
     free = [r_ for r_ in range(rows) if r_ not in set(slots.tolist())]
     ckpt = torch.tensor(free[:num_kept], device=device)
     ckpt[::2] = -1  # every other kept state is not wanted
+    if not checkpoints:  # no rows at all: the scan keeps nothing (and must not read past an empty row list)
+        ckpt[:] = -1
     before = pool.clone()
-    got = scan(x, dt, A, B, C, cu, chunk, state_pool=pool, slots=slots, checkpoint_rows=ckpt, **kw)
+    got = scan(x, dt, A, B, C, cu, chunk, state_pool=pool, slots=slots, checkpoint_rows=ckpt if checkpoints else None,
+               **kw)
     ku.assert_close(got.y, ref.y, tol, "y")
     assert got.final_states.shape[0] == 0 and got.chunk_states.shape[0] == 0
     state_tol = max(tol, ku.TOL[pool_dtype])
@@ -108,6 +111,8 @@ def test_ssd_scan_pool_mode_interpreter():
     gen = torch.Generator().manual_seed(1)
     _check_pool([5, 40, 0, 23], [0, 7, 3, 33], 4, 12, 2, 16, 16, 32, torch.float32, torch.float32, "cpu", gen, 2e-3)
     _check_pool([37, 19], [9, 0], 2, 40, 1, 16, 16, 16, torch.float32, torch.bfloat16, "cpu", gen, 2e-3)
+    _check_pool([37, 19], [9, 0], 2, 40, 1, 16, 16, None, torch.float32, torch.float32, "cpu", gen, 2e-3,
+                checkpoints=False)
 
 
 def test_ssd_scan_pool_mode_reference():
@@ -150,3 +155,38 @@ def test_ssd_scan_tiny_shapes_gpu(dtype, tol):
     _check([11, 6, 1, 30], [0, 5, 16, 19], 4, 16, 2, 8, 8, 8, dtype, "cuda", gen, tol)
     for pool_dtype in (torch.float32, torch.bfloat16):
         _check_pool([11, 6, 1, 30], [0, 5, 16, 19], 4, 16, 2, 8, 8, 16, dtype, pool_dtype, "cuda", gen, tol)
+    for _ in range(20):  # no checkpoint rows: nothing kept, nothing read past them (the engine's plain prefill)
+        _check_pool([11, 6, 1, 30], [0, 5, 16, 19], 4, 16, 2, 8, 8, None, dtype, dtype, "cuda", gen, tol,
+                    checkpoints=False)
+    torch.cuda.synchronize()
+
+
+@ku.interp_only
+def test_ssd_scan_walk_shapes_interpreter():
+    """The state walk with several heads stacked in one program and half-height head_dim tiles."""
+    from hybridserve.kernels.ssd_chunk_state_triton import WalkConfig
+
+    gen = torch.Generator().manual_seed(5)
+    for walk in (WalkConfig(8, 16, 4, 1, heads=2), WalkConfig(16, 32, 4, 1, heads=4), WalkConfig(16, 16, 4, 1)):
+        lens, starts = [9, 30], [0, 21]
+        total = sum(lens)
+        cu = torch.tensor([0, 9, 39])
+        x, dt = torch.randn(total, 4, 24, generator=gen), torch.randn(total, 4, generator=gen) * 0.5
+        B, C = torch.randn(total, 1, 32, generator=gen), torch.randn(total, 1, 32, generator=gen)
+        A = -(torch.rand(4, generator=gen) + 0.1)
+        init = torch.randn(2, 4, 24, 32, generator=gen)
+        kw = dict(initial_states=init, start_positions=torch.tensor(starts), state_block=16)
+        ref = ssd_scan_varlen_ref(x, dt, A, B, C, cu, 8, **kw)
+        got = ssd_scan_varlen_triton(x, dt, A, B, C, cu, 8, walk=walk, **kw)
+        ku.assert_close(got.y, ref.y, 2e-3, f"y {walk}")
+        ku.assert_close(got.final_states, ref.final_states, 2e-3, f"final {walk}")
+        ku.assert_close(got.chunk_states, ref.chunk_states, 2e-3, f"kept {walk}")
+
+
+def test_walk_config_errors():
+    from hybridserve.kernels.ssd_chunk_state_triton import WalkConfig
+
+    with pytest.raises(ValueError, match="power of two"):
+        WalkConfig(block_p=24)
+    with pytest.raises(ValueError, match="rows of a tl.dot"):
+        WalkConfig(block_p=4, heads=2)

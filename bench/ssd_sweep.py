@@ -1,0 +1,92 @@
+"""Launch-shape sweep of the SSD scan on the GPU: the state walk's fixed tile choice (`WalkConfig`: heads per
+program, BLOCK_P x BLOCK_N, warps) and the output kernel's autotune timings, at the issue-3 shapes.
+
+    python bench/ssd_sweep.py [--out bench/results/<device>/ssd_sweep.json] [--quick]
+
+The walk is not autotuned (in pool mode a rerun reads its own output), so `walk_config` encodes what this finds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernels import CONFIGS, STATE_BLOCK  # noqa: E402
+
+from hybridserve.kernels.ssd_chunk_scan_triton import chunk_scan_kernel  # noqa: E402
+from hybridserve.kernels.ssd_chunk_state_triton import WalkConfig  # noqa: E402
+from hybridserve.kernels.ssd_scan_meta import chunk_metadata  # noqa: E402
+from hybridserve.kernels.ssd_scan_triton import ssd_scan_varlen_triton  # noqa: E402
+
+
+def walk_space(heads_per_group: int) -> list[WalkConfig]:
+    """Tiles of 16..128 stacked rows (heads x block_p) by 32..128 state columns, 2..8 warps."""
+    space = []
+    for block_p, heads, block_n, warps in itertools.product((16, 32), (1, 2, 4, 8), (32, 64, 128), (2, 4, 8)):
+        rows = block_p * heads
+        if heads_per_group % heads or rows > 128 or rows * block_n > 64 * 128:
+            continue
+        if (rows <= 32 and warps == 8) or (rows >= 64 and warps == 2):
+            continue
+        space.append(WalkConfig(block_p, block_n, warps, 2, heads=heads))
+    return space
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    rep = 40 if args.quick else 200
+    rows: list[dict] = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (heads, head_dim, groups, state, chunk) in CONFIGS.items():
+        for num_seqs, seqlen in ((1, 8192), (1, 32768)):
+            tokens = num_seqs * seqlen
+            def r(*shape, scale=1.0):
+                return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+            x, dt = r(tokens, heads, head_dim), r(tokens, heads, scale=0.5)
+            B, C = r(tokens, groups, state), r(tokens, groups, state)
+            A = -torch.rand(heads, device="cuda", generator=gen) * 4 - 0.5
+            D, bias = torch.randn(heads, device="cuda"), torch.randn(heads, device="cuda") * 0.5
+            cu = torch.arange(0, tokens + 1, seqlen, device="cuda")
+            meta = chunk_metadata(cu, None, chunk, STATE_BLOCK, x.device)
+            reference = None
+            for walk in walk_space(heads // groups):
+                def run(walk=walk):
+                    return ssd_scan_varlen_triton(x, dt, A, B, C, cu, chunk, D=D, dt_bias=bias,
+                                                  state_block=STATE_BLOCK, meta=meta, walk=walk)
+                out = run()
+                if reference is None:
+                    reference = out.final_states.clone()
+                err = float((out.final_states - reference).norm() / reference.norm())
+                ms = float(do_bench(run, warmup=10, rep=rep, return_mode="median"))
+                rows.append({"config": name, "seqs": num_seqs, "seqlen": seqlen, "walk": walk.__dict__, "ms": ms,
+                             "final_rel_diff": err})
+                print(f"{name} {num_seqs}x{seqlen} {walk} {ms:.3f} ms (diff {err:.1e})", flush=True)
+    timings = {str(k): v for k, v in getattr(chunk_scan_kernel, "configs_timings", {}).items()} if hasattr(
+        chunk_scan_kernel, "configs_timings") else {}
+    result = {"device": torch.cuda.get_device_name(), "walk": rows, "output_kernel_last_autotune": timings}
+    best: dict[str, dict] = {}
+    for row in rows:
+        key = f"{row['config']} {row['seqs']}x{row['seqlen']}"
+        if key not in best or row["ms"] < best[key]["ms"]:
+            best[key] = row
+    for key, row in best.items():
+        print(f"best {key}: {row['walk']} {row['ms']:.3f} ms")
+    result["best"] = best
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
