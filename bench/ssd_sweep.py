@@ -28,16 +28,14 @@ from hybridserve.kernels.ssd_scan_triton import ssd_scan_varlen_triton  # noqa: 
 
 
 def walk_space(heads_per_group: int) -> list[WalkConfig]:
-    """Tiles of 16..128 stacked rows (heads x block_p) by 32..128 state columns, 2..8 warps."""
-    space = []
-    for block_p, heads, block_n, warps in itertools.product((16, 32), (1, 2, 4, 8), (32, 64, 128), (2, 4, 8)):
-        rows = block_p * heads
-        if heads_per_group % heads or rows > 128 or rows * block_n > 64 * 128:
-            continue
-        if (rows <= 32 and warps == 8) or (rows >= 64 and warps == 2):
-            continue
-        space.append(WalkConfig(block_p, block_n, warps, 2, heads=heads))
-    return space
+    """The state-walk tiles that led an earlier full sweep (16..128 stacked rows x 32..128 state columns)."""
+    shapes = [(2, 16, 64, 2), (2, 16, 128, 4), (1, 32, 128, 4), (4, 16, 128, 4), (8, 16, 64, 8), (2, 16, 32, 4),
+              (1, 16, 64, 2)]
+    return [WalkConfig(block_p, block_n, warps, 2, heads=heads) for heads, block_p, block_n, warps in shapes
+            if heads_per_group % heads == 0]
+
+
+SEGMENTS = (4, 8, 16, 32, 1 << 20)  # chunks per walk segment (the last: one segment per sequence)
 
 
 def main() -> None:
@@ -49,7 +47,7 @@ def main() -> None:
     rows: list[dict] = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, (heads, head_dim, groups, state, chunk) in CONFIGS.items():
-        for num_seqs, seqlen in ((1, 8192), (1, 32768)):
+        for num_seqs, seqlen in ((1, 8192), (4, 2048), (1, 32768)):
             tokens = num_seqs * seqlen
             def r(*shape, scale=1.0):
                 return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
@@ -58,10 +56,10 @@ def main() -> None:
             A = -torch.rand(heads, device="cuda", generator=gen) * 4 - 0.5
             D, bias = torch.randn(heads, device="cuda"), torch.randn(heads, device="cuda") * 0.5
             cu = torch.arange(0, tokens + 1, seqlen, device="cuda")
-            meta = chunk_metadata(cu, None, chunk, STATE_BLOCK, x.device)
             reference = None
-            for walk in walk_space(heads // groups):
-                def run(walk=walk):
+            for walk, segment_chunks in itertools.product(walk_space(heads // groups), SEGMENTS):
+                meta = chunk_metadata(cu, None, chunk, STATE_BLOCK, x.device, segment_chunks)
+                def run(walk=walk, meta=meta):
                     return ssd_scan_varlen_triton(x, dt, A, B, C, cu, chunk, D=D, dt_bias=bias,
                                                   state_block=STATE_BLOCK, meta=meta, walk=walk)
                 out = run()
@@ -69,9 +67,10 @@ def main() -> None:
                     reference = out.final_states.clone()
                 err = float((out.final_states - reference).norm() / reference.norm())
                 ms = float(do_bench(run, warmup=10, rep=rep, return_mode="median"))
-                rows.append({"config": name, "seqs": num_seqs, "seqlen": seqlen, "walk": walk.__dict__, "ms": ms,
+                rows.append({"config": name, "seqs": num_seqs, "seqlen": seqlen, "walk": walk.__dict__,
+                             "segment_chunks": segment_chunks, "ms": ms,
                              "final_rel_diff": err})
-                print(f"{name} {num_seqs}x{seqlen} {walk} {ms:.3f} ms (diff {err:.1e})", flush=True)
+                print(f"{name} {num_seqs}x{seqlen} {walk} seg {segment_chunks} {ms:.3f} ms (diff {err:.1e})", flush=True)
     timings = {str(k): v for k, v in getattr(chunk_scan_kernel, "configs_timings", {}).items()} if hasattr(
         chunk_scan_kernel, "configs_timings") else {}
     result = {"device": torch.cuda.get_device_name(), "walk": rows, "output_kernel_last_autotune": timings}
@@ -81,7 +80,7 @@ def main() -> None:
         if key not in best or row["ms"] < best[key]["ms"]:
             best[key] = row
     for key, row in best.items():
-        print(f"best {key}: {row['walk']} {row['ms']:.3f} ms")
+        print(f"best {key}: {row['walk']} seg {row['segment_chunks']} {row['ms']:.3f} ms")
     result["best"] = best
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -50,25 +50,27 @@ def walk_config(head_dim: int, state_size: int, chunk_size: int, heads_per_group
 
 @triton.jit
 def chunk_state_walk_kernel(
-    x_ptr, dtc_ptr, cum_ptr, B_ptr, init_ptr, init_rows_ptr, states_ptr, final_ptr, final_rows_ptr,
-    kept_ptr, kept_rows_ptr, chunk_start_ptr, chunk_len_ptr, seq_chunk_ptr, keep_idx_ptr,
+    x_ptr, dtc_ptr, cum_ptr, B_ptr, init_ptr, init_rows_ptr, states_ptr, seg_end_ptr,
+    kept_ptr, kept_rows_ptr, kept_local_ptr, chunk_start_ptr, chunk_len_ptr, seg_chunk_ptr, seg_seq_ptr,
+    seg_first_ptr, keep_idx_ptr,
     P, N, H, NC, heads_per_group,
     x_t, x_h, x_p, B_t, B_g, B_n,
     i_r, i_h, i_p, i_n,  # initial-state strides (row, head, P, N)
-    f_r, f_h, f_p, f_n,  # final-state strides
     k_r, k_h, k_p, k_n,  # kept-state strides
     CHUNK: tl.constexpr, QBLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HEADS: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_KEPT: tl.constexpr, DOT_PRECISION: tl.constexpr,  # "ieee" for fp32, else "tf32"
 ):
-    """Per (P x N tile, sequence, HEADS heads of one group): store the state entering each chunk (x's dtype,
-    for the output kernel) in a contiguous [C, H, P, N] buffer, the kept chunk-end states into
-    kept[kept_rows[k]] and the final state into final[final_rows[s]] (each cast to its buffer's dtype; a row
-    of -1 is skipped). Row r of the tile is head h0 + r // BLOCK_P, head_dim index p0 + r % BLOCK_P."""
+    """Per (P x N tile, segment, HEADS heads of one group): walk the segment's chunks from the sequence's initial
+    state (a first segment) or from zeros (later segments: `chunk_state_join_kernel` adds the true start state
+    afterwards). Stores the state entering each chunk (x's dtype) in a contiguous [C, H, P, N] buffer, the
+    segment's end state (fp32) in seg_end[segment], and kept chunk-end states: straight into kept[kept_rows[k]]
+    in a first segment, into the fp32 kept_local[k] otherwise (the join completes them). Row r of the tile is
+    head h0 + r // BLOCK_P, head_dim index p0 + r % BLOCK_P."""
     ROWS: tl.constexpr = HEADS * BLOCK_P
     n_blocks = tl.cdiv(N, BLOCK_N)
     pid_p = tl.program_id(0) // n_blocks
     pid_n = tl.program_id(0) % n_blocks
-    s = tl.program_id(1)
+    seg = tl.program_id(1)
     h0 = tl.program_id(2) * HEADS
     g = h0 // heads_per_group  # HEADS divides heads_per_group: all rows read the same B
     offs_r = tl.arange(0, ROWS)
@@ -77,25 +79,28 @@ def chunk_state_walk_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_pn = (offs_p < P)[:, None] & (offs_n < N)[None, :]
     rows_out = head_r[:, None] * P * N + offs_p[:, None] * N + offs_n[None, :]  # [ROWS, BLOCK_N] in [H, P, N]
+    s = tl.load(seg_seq_ptr + seg)
+    first_flag = tl.load(seg_first_ptr + seg)  # 1 in a sequence's first segment
+    is_first = first_flag != 0
     state = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     if HAS_INIT:
         init_row = tl.load(init_rows_ptr + s).to(tl.int64)  # -1: a fresh sequence starts from zeros
+        use_init = is_first & (init_row >= 0)
         state = tl.load(init_ptr + tl.maximum(init_row, 0) * i_r + head_r[:, None] * i_h + offs_p[:, None] * i_p
-                        + offs_n[None, :] * i_n, mask=mask_pn & (offs_p * 0 + init_row >= 0)[:, None],
+                        + offs_n[None, :] * i_n, mask=mask_pn & (offs_p * 0 + use_init.to(tl.int32) > 0)[:, None],
                         other=0.0).to(tl.float32)
     offs_q = tl.arange(0, QBLOCK)  # CHUNK padded to the 16 tl.dot needs
     offs_h = h0 + tl.arange(0, HEADS)
-    c0 = tl.load(seq_chunk_ptr + s)
-    c1 = tl.load(seq_chunk_ptr + s + 1)
-    # chunks of one sequence are contiguous: the first may be short, the rest are CHUNK long (the last may be
-    # short); computing starts from the loop index keeps the loads independent of earlier loads (pipelinable)
-    begin = tl.load(chunk_start_ptr + c0, mask=c1 > c0, other=0).to(tl.int64)
-    first = tl.load(chunk_len_ptr + c0, mask=c1 > c0, other=0)
-    seq_len = tl.load(chunk_start_ptr + c1 - 1, mask=c1 > c0, other=0).to(tl.int64) - begin + tl.load(
-        chunk_len_ptr + c1 - 1, mask=c1 > c0, other=0)
+    c0 = tl.load(seg_chunk_ptr + seg)
+    c1 = tl.load(seg_chunk_ptr + seg + 1)
+    # a segment's chunks are contiguous: the first may be short, the rest are CHUNK long (the last may be short);
+    # computing starts from the loop index keeps the loads independent of earlier loads (pipelinable)
+    begin = tl.load(chunk_start_ptr + c0).to(tl.int64)
+    first = tl.load(chunk_len_ptr + c0)
+    seg_len = tl.load(chunk_start_ptr + c1 - 1).to(tl.int64) - begin + tl.load(chunk_len_ptr + c1 - 1)
     for i in range(0, c1 - c0):
         offset = tl.where(i == 0, 0, first + (i - 1) * CHUNK).to(tl.int64)
-        length = tl.minimum(tl.where(i == 0, first, CHUNK), seq_len - offset)
+        length = tl.minimum(tl.where(i == 0, first, CHUNK), seg_len - offset)
         start = begin + offset
         c = tl.cast(c0 + i, tl.int64)
         tl.store(states_ptr + c * H * P * N + rows_out, state.to(states_ptr.dtype.element_ty), mask=mask_pn)
@@ -116,9 +121,70 @@ def chunk_state_walk_kernel(
         if HAS_KEPT:  # without it keep_idx may index past kept_rows (a pool-mode call that keeps nothing)
             k = tl.load(keep_idx_ptr + c)
             kept_row = tl.load(kept_rows_ptr + tl.maximum(k, 0), mask=k >= 0, other=-1).to(tl.int64)
+            direct = (offs_p * 0 + (is_first & (kept_row >= 0)).to(tl.int32)) > 0
             tl.store(kept_ptr + tl.maximum(kept_row, 0) * k_r + head_r[:, None] * k_h + offs_p[:, None] * k_p
-                     + offs_n[None, :] * k_n, state.to(kept_ptr.dtype.element_ty),
-                     mask=mask_pn & (offs_p * 0 + kept_row >= 0)[:, None])
+                     + offs_n[None, :] * k_n, state.to(kept_ptr.dtype.element_ty), mask=mask_pn & direct[:, None])
+            later = (offs_p * 0 + ((first_flag == 0) & (kept_row >= 0)).to(tl.int32)) > 0
+            tl.store(kept_local_ptr + tl.maximum(k, 0).to(tl.int64) * H * P * N + rows_out, state,
+                     mask=mask_pn & later[:, None])
+    tl.store(seg_end_ptr + tl.cast(seg, tl.int64) * H * P * N + rows_out, state, mask=mask_pn)
+
+
+@triton.jit
+def chunk_state_join_kernel(
+    cum_ptr, init_ptr, init_rows_ptr, seg_end_ptr, corr_ptr, seg_decay_ptr, final_ptr, final_rows_ptr,
+    kept_ptr, kept_rows_ptr, kept_local_ptr, seg_chunk_ptr, seq_seg_ptr, keep_idx_ptr,
+    P, N, H, NC,
+    i_r, i_h, i_p, i_n, f_r, f_h, f_p, f_n, k_r, k_h, k_p, k_n,
+    QBLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HEADS: tl.constexpr,
+    HAS_INIT: tl.constexpr, HAS_KEPT: tl.constexpr,
+):
+    """Per (P x N tile, sequence, HEADS heads): walk the sequence's segments in order carrying the true state.
+    For every segment after the first: store its true start state in corr[segment] (x's dtype) and, per chunk,
+    the decay from the segment start to the chunk start in seg_decay[h, c] (the output kernel adds
+    seg_decay * corr to the chunk's walked state), and complete its kept states. Stores every final state."""
+    ROWS: tl.constexpr = HEADS * BLOCK_P
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    pid_p = tl.program_id(0) // n_blocks
+    pid_n = tl.program_id(0) % n_blocks
+    s = tl.program_id(1)
+    h0 = tl.program_id(2) * HEADS
+    offs_r = tl.arange(0, ROWS)
+    head_r = h0 + offs_r // BLOCK_P
+    offs_p = pid_p * BLOCK_P + offs_r % BLOCK_P
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_pn = (offs_p < P)[:, None] & (offs_n < N)[None, :]
+    rows_out = head_r[:, None] * P * N + offs_p[:, None] * N + offs_n[None, :]
+    lead = (offs_r % BLOCK_P == 0) & (offs_r * 0 + pid_p + pid_n == 0)  # one seg_decay writer per head
+    k0 = tl.load(seq_seg_ptr + s)
+    k1 = tl.load(seq_seg_ptr + s + 1)
+    state = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)  # true start of the current segment (0 for the first:
+    # its walk already started from the initial state); an empty sequence keeps its initial state
+    if HAS_INIT:
+        init_row = tl.load(init_rows_ptr + s).to(tl.int64)
+        use_init = (k1 == k0) & (init_row >= 0)
+        state = tl.load(init_ptr + tl.maximum(init_row, 0) * i_r + head_r[:, None] * i_h + offs_p[:, None] * i_p
+                        + offs_n[None, :] * i_n, mask=mask_pn & (offs_p * 0 + use_init.to(tl.int32) > 0)[:, None],
+                        other=0.0).to(tl.float32)
+    for seg in range(k0, k1):
+        seg64 = tl.cast(seg, tl.int64)
+        decay = tl.full([ROWS], 1.0, dtype=tl.float32)  # from the segment start to the current chunk start
+        if seg > k0:
+            tl.store(corr_ptr + seg64 * H * P * N + rows_out, state.to(corr_ptr.dtype.element_ty), mask=mask_pn)
+            for c in range(tl.load(seg_chunk_ptr + seg), tl.load(seg_chunk_ptr + seg + 1)):
+                tl.store(seg_decay_ptr + head_r.to(tl.int64) * NC + c, decay, mask=lead)
+                decay = decay * tl.exp(tl.load(cum_ptr + (head_r.to(tl.int64) * NC + c) * QBLOCK + QBLOCK - 1))
+                if HAS_KEPT:
+                    k = tl.load(keep_idx_ptr + c)
+                    kept_row = tl.load(kept_rows_ptr + tl.maximum(k, 0), mask=k >= 0, other=-1).to(tl.int64)
+                    if kept_row >= 0:
+                        local = tl.load(kept_local_ptr + k.to(tl.int64) * H * P * N + rows_out, mask=mask_pn,
+                                        other=0.0)
+                        tl.store(kept_ptr + kept_row * k_r + head_r[:, None] * k_h + offs_p[:, None] * k_p
+                                 + offs_n[None, :] * k_n, (local + decay[:, None] * state).to(
+                                     kept_ptr.dtype.element_ty), mask=mask_pn)
+        end = tl.load(seg_end_ptr + seg64 * H * P * N + rows_out, mask=mask_pn, other=0.0)
+        state = end + decay[:, None] * state
     final_row = tl.load(final_rows_ptr + s).to(tl.int64)
     tl.store(final_ptr + tl.maximum(final_row, 0) * f_r + head_r[:, None] * f_h + offs_p[:, None] * f_p
              + offs_n[None, :] * f_n, state.to(final_ptr.dtype.element_ty),

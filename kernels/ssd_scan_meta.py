@@ -1,5 +1,6 @@
 """Logical-chunk metadata for the varlen SSD scan: where each chunk starts, how long it is, which sequence
-owns it and whether its end state is kept (an absolute multiple of state_block).
+owns it and whether its end state is kept (an absolute multiple of state_block); and the *segments* (runs of
+up to `segment_chunks` chunks of one sequence) the state walk runs in parallel before a short pass joins them.
 
 Built on the host from cu_seqlens / start_positions (one sync); callers that launch many layers with the
 same batch build it once and pass it to every scan.
@@ -25,6 +26,13 @@ class ChunkMeta:
     keep_idx: torch.Tensor  # [C] row in the kept-states output of the chunk's end state, -1 if not kept
     kept_seq: torch.Tensor  # [K] int64 sequence of each kept state
     kept_pos: torch.Tensor  # [K] int64 absolute token count at each kept chunk end
+    num_segments: int
+    segment_chunks: int
+    seg_chunk_ptr: torch.Tensor  # [G + 1] chunks of segment j are seg_chunk_ptr[j] .. seg_chunk_ptr[j+1]-1
+    seg_seq: torch.Tensor  # [G] sequence of each segment
+    seg_first: torch.Tensor  # [G] 1 for a sequence's first segment (its walk starts from the initial state)
+    seq_seg_ptr: torch.Tensor  # [S + 1] segments of sequence s
+    chunk_seg: torch.Tensor  # [C] segment of the chunk, -1 in a first segment (no start-state correction)
 
 
 def chunk_metadata(
@@ -33,10 +41,14 @@ def chunk_metadata(
     chunk_size: int,
     state_block: int | None,
     device: torch.device,
+    segment_chunks: int = 16,
 ) -> ChunkMeta:
-    """Split every sequence at absolute multiples of chunk_size; keep ends at multiples of state_block."""
+    """Split every sequence at absolute multiples of chunk_size; keep ends at multiples of state_block; group
+    each sequence's chunks into segments of segment_chunks."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if segment_chunks <= 0:
+        raise ValueError(f"segment_chunks must be positive, got {segment_chunks}")
     keep_every = chunk_size if state_block is None else state_block
     if keep_every % chunk_size != 0:
         raise ValueError(f"state_block ({state_block}) must be a multiple of chunk_size ({chunk_size})")
@@ -68,6 +80,16 @@ def chunk_metadata(
             else:
                 keep_idx.append(-1)
         seq_ptr.append(len(chunk_start))
+    seg_ptr, seg_seq, seg_first, seq_seg_ptr, chunk_seg = [0], [], [], [0], []
+    for seq in range(num_seqs):
+        for first in range(seq_ptr[seq], seq_ptr[seq + 1], segment_chunks):
+            last = min(first + segment_chunks, seq_ptr[seq + 1])
+            is_first = first == seq_ptr[seq]
+            chunk_seg.extend([-1 if is_first else len(seg_seq)] * (last - first))
+            seg_ptr.append(last)
+            seg_seq.append(seq)
+            seg_first.append(int(is_first))
+        seq_seg_ptr.append(len(seg_seq))
 
     def i32(values: list[int]) -> torch.Tensor:
         return torch.tensor(values if values else [0], dtype=torch.int32).to(device, non_blocking=True)
@@ -82,4 +104,11 @@ def chunk_metadata(
         keep_idx=i32(keep_idx),
         kept_seq=torch.tensor(kept_seq, dtype=torch.int64).to(device),
         kept_pos=torch.tensor(kept_pos, dtype=torch.int64).to(device),
+        num_segments=len(seg_seq),
+        segment_chunks=segment_chunks,
+        seg_chunk_ptr=i32(seg_ptr),
+        seg_seq=i32(seg_seq),
+        seg_first=i32(seg_first),
+        seq_seg_ptr=i32(seq_seg_ptr),
+        chunk_seg=i32(chunk_seg),
     )

@@ -16,7 +16,12 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.ssd_chunk_scan_triton import chunk_scan_kernel
-from hybridserve.kernels.ssd_chunk_state_triton import WalkConfig, chunk_state_walk_kernel, walk_config
+from hybridserve.kernels.ssd_chunk_state_triton import (
+    WalkConfig,
+    chunk_state_join_kernel,
+    chunk_state_walk_kernel,
+    walk_config,
+)
 from hybridserve.kernels.ssd_scan import NO_DT_LIMIT, DtLimit, SSDScanOutput, check_pool_args
 from hybridserve.kernels.ssd_scan_meta import ChunkMeta, chunk_metadata
 from hybridserve.kernels.triton_utils import check_same_device, finite_limits, next_pow2, process_dt_tl
@@ -69,7 +74,8 @@ def ssd_scan_varlen_triton(
     slots: torch.Tensor | None = None,  # [S] pool row of each sequence (pool mode)
     checkpoint_rows: torch.Tensor | None = None,  # [K] pool row of each kept state, -1 = skip (pool mode)
     meta: ChunkMeta | None = None,  # precomputed chunk metadata (skips a host sync), from `chunk_metadata`
-    walk: WalkConfig | None = None,  # state-walk launch shape (benchmark sweeps); None: `walk_config`
+    walk: WalkConfig | None = None,
+    segment_chunks: int = 16,  # chunks per walk segment (walked in parallel, then joined), when meta is None  # state-walk launch shape (benchmark sweeps); None: `walk_config`
 ) -> SSDScanOutput:
     """Triton version of `ssd_scan_varlen_ref`: same arguments, same outputs (fp32 states). In pool mode the
     kernels read initial states from and write final / kept states to the pool rows directly."""
@@ -83,7 +89,7 @@ def ssd_scan_varlen_triton(
     if state_pool is not None:
         check_pool_args(state_pool, slots, checkpoint_rows, initial_states, cu_seqlens.numel() - 1)
     if meta is None:
-        meta = chunk_metadata(cu_seqlens, start_positions, chunk_size, state_block, x.device)
+        meta = chunk_metadata(cu_seqlens, start_positions, chunk_size, state_block, x.device, segment_chunks)
     num_seqs, num_chunks, num_kept = meta.num_seqs, meta.num_chunks, meta.num_kept
     dev = x.device
     y = torch.empty_like(x)
@@ -119,26 +125,43 @@ def ssd_scan_varlen_triton(
             QBLOCK=qblock, BLOCK_H=16, num_warps=4,
             HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
         )
-    if num_seqs:
-        walk = walk or walk_config(head_dim, state_size, chunk_size, heads // groups)
-        if (heads // groups) % walk.heads:
-            raise ValueError(f"WalkConfig.heads ({walk.heads}) must divide the heads per group ({heads // groups})")
-        tiles = triton.cdiv(head_dim, walk.block_p) * triton.cdiv(state_size, walk.block_n)
-        chunk_state_walk_kernel[(tiles, num_seqs, heads // walk.heads)](
-            x, dtc, cum, B, init, init_rows, states, final, final_rows, kept, kept_rows,
-            meta.chunk_start, meta.chunk_len, meta.seq_chunk_ptr, meta.keep_idx,
+    num_segments = meta.num_segments
+    seg_end = torch.empty(max(num_segments, 1), heads, head_dim, state_size, dtype=torch.float32, device=dev)
+    # true start states of later segments (x's dtype, added by the output kernel) and the decay to each chunk
+    split = num_segments > num_seqs  # some sequence has more than one segment
+    corr = torch.empty(num_segments if split else 1, heads, head_dim, state_size, dtype=x.dtype, device=dev)
+    seg_decay = torch.empty(heads, max(num_chunks, 1), dtype=torch.float32, device=dev)
+    has_kept = not pooled or checkpoint_rows is not None
+    kept_local = torch.empty(max(num_kept, 1) if split and has_kept else 1, heads, head_dim, state_size,
+                             dtype=torch.float32, device=dev)
+    walk = walk or walk_config(head_dim, state_size, chunk_size, heads // groups)
+    if (heads // groups) % walk.heads:
+        raise ValueError(f"WalkConfig.heads ({walk.heads}) must divide the heads per group ({heads // groups})")
+    tiles = triton.cdiv(head_dim, walk.block_p) * triton.cdiv(state_size, walk.block_n)
+    has_init = pooled or initial_states is not None
+    shape = dict(BLOCK_P=walk.block_p, BLOCK_N=walk.block_n, HEADS=walk.heads, QBLOCK=qblock, HAS_INIT=has_init,
+                 HAS_KEPT=has_kept, num_warps=walk.num_warps)
+    if num_segments:
+        chunk_state_walk_kernel[(tiles, num_segments, heads // walk.heads)](
+            x, dtc, cum, B, init, init_rows, states, seg_end, kept, kept_rows, kept_local,
+            meta.chunk_start, meta.chunk_len, meta.seg_chunk_ptr, meta.seg_seq, meta.seg_first, meta.keep_idx,
             head_dim, state_size, heads, num_chunks, heads // groups,
-            *x.stride(), *B.stride(), *_strides(init), *_strides(final), *_strides(kept),
-            CHUNK=chunk_size, QBLOCK=qblock, HAS_INIT=pooled or initial_states is not None,
-            HAS_KEPT=not pooled or checkpoint_rows is not None, DOT_PRECISION=precision,
-            BLOCK_P=walk.block_p, BLOCK_N=walk.block_n, HEADS=walk.heads, num_warps=walk.num_warps, num_stages=walk.num_stages,
+            *x.stride(), *B.stride(), *_strides(init), *_strides(kept),
+            CHUNK=chunk_size, DOT_PRECISION=precision, num_stages=walk.num_stages, **shape,
+        )
+    if num_seqs:
+        chunk_state_join_kernel[(tiles, num_seqs, heads // walk.heads)](
+            cum, init, init_rows, seg_end, corr, seg_decay, final, final_rows, kept, kept_rows, kept_local,
+            meta.seg_chunk_ptr, meta.seq_seg_ptr, meta.keep_idx, head_dim, state_size, heads, num_chunks,
+            *_strides(init), *_strides(final), *_strides(kept), num_stages=1, **shape,
         )
     if num_chunks:
         def grid_scan(meta_: dict) -> tuple[int, int, int]:
             return (triton.cdiv(qblock, meta_["BLOCK_M"]), num_chunks, heads // meta_["HEADS"])
 
         chunk_scan_kernel[grid_scan](
-            x, dtc, cum, B, C, D if D is not None else A, states, y, meta.chunk_start, meta.chunk_len,
+            x, dtc, cum, B, C, D if D is not None else A, states, corr, seg_decay, meta.chunk_seg, y,
+            meta.chunk_start, meta.chunk_len,
             head_dim, state_size, heads, num_chunks, heads // groups,
             *x.stride(), *B.stride(), *C.stride(), *y.stride(),
             CHUNK=chunk_size, QBLOCK=qblock, BLOCK_N=block_n,

@@ -13,7 +13,8 @@ from hybridserve.kernels.ssd_scan import ssd_scan_varlen_ref  # noqa: E402
 from hybridserve.kernels.ssd_scan_triton import ssd_scan_varlen_triton  # noqa: E402
 
 
-def _check(lens, starts, heads, head_dim, groups, state, chunk, state_block, dtype, device, gen, tol, with_init=True):
+def _check(lens, starts, heads, head_dim, groups, state, chunk, state_block, dtype, device, gen, tol, with_init=True,
+           segment_chunks=16):
     total = sum(lens)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=device)
     def r(*shape, scale=1.0):
@@ -30,7 +31,7 @@ def _check(lens, starts, heads, head_dim, groups, state, chunk, state_block, dty
               start_positions=sp,
               state_block=state_block)
     ref = ssd_scan_varlen_ref(x, dt, A, B, C, cu, chunk, **kw)
-    got = ssd_scan_varlen_triton(x, dt, A, B, C, cu, chunk, **kw)
+    got = ssd_scan_varlen_triton(x, dt, A, B, C, cu, chunk, segment_chunks=segment_chunks, **kw)
     ku.assert_close(got.y, ref.y, tol, "y")
     ku.assert_close(got.final_states, ref.final_states, tol, "final states")
     assert torch.equal(got.chunk_state_seq.cpu(), ref.chunk_state_seq.cpu())
@@ -50,6 +51,22 @@ def test_ssd_scan_interpreter():
     _check([11, 6], [0, 5], 4, 16, 2, 8, 8, 8, torch.float32, "cpu", gen, 2e-3)
 
 
+@ku.interp_only
+@pytest.mark.parametrize("segment_chunks", [1, 2, 3])
+def test_ssd_scan_segments_interpreter(segment_chunks):
+    """Sequences walked in segments of a few chunks (in parallel from zeros) and joined: y, final and kept
+    states (kept ends inside later segments are completed by the join), in plain and pool mode."""
+    gen = torch.Generator().manual_seed(10 + segment_chunks)
+    _check([5, 40, 0, 23, 61], [0, 7, 3, 33, 0], 4, 12, 2, 16, 8, 16, torch.float32, "cpu", gen, 2e-3,
+           segment_chunks=segment_chunks)
+    _check([30, 3], [0, 0], 2, 16, 1, 16, 8, None, torch.float32, "cpu", gen, 2e-3, with_init=False,
+           segment_chunks=segment_chunks)
+    _check_pool([5, 40, 0, 23, 61], [0, 7, 3, 33, 0], 4, 12, 2, 16, 8, 16, torch.float32, torch.float32, "cpu", gen,
+                2e-3, segment_chunks=segment_chunks)
+    _check_pool([37, 19], [9, 0], 2, 40, 1, 16, 8, None, torch.float32, torch.float32, "cpu", gen, 2e-3,
+                checkpoints=False, segment_chunks=segment_chunks)
+
+
 @ku.gpu
 @ku.cuda_only
 @pytest.mark.parametrize(
@@ -60,11 +77,13 @@ def test_ssd_scan_interpreter():
 def test_ssd_scan_gpu(shape, lens, starts):
     heads, head_dim, groups, state, chunk, block = shape
     gen = torch.Generator().manual_seed(sum(lens))
-    _check(lens, starts, heads, head_dim, groups, state, chunk, block, torch.bfloat16, "cuda", gen, 3e-2)
+    for segment_chunks in (3, 16):  # joined segments of 3 chunks, and (mostly) one segment per sequence
+        _check(lens, starts, heads, head_dim, groups, state, chunk, block, torch.bfloat16, "cuda", gen, 3e-2,
+               segment_chunks=segment_chunks)
 
 
 def _check_pool(lens, starts, heads, head_dim, groups, state, chunk, state_block, dtype, pool_dtype, device, gen, tol,
-                scan=ssd_scan_varlen_triton, checkpoints=True):
+                scan=ssd_scan_varlen_triton, checkpoints=True, segment_chunks=None):
     """Pool mode: initial states read from slot rows (resumed sequences only), final states written back to
     them and kept states to checkpoint rows (-1 skipped), through a strided view; every other row untouched."""
     total = sum(lens)
@@ -90,8 +109,9 @@ def _check_pool(lens, starts, heads, head_dim, groups, state, chunk, state_block
     if not checkpoints:  # no rows at all: the scan keeps nothing (and must not read past an empty row list)
         ckpt[:] = -1
     before = pool.clone()
+    extra = {} if segment_chunks is None else {"segment_chunks": segment_chunks}
     got = scan(x, dt, A, B, C, cu, chunk, state_pool=pool, slots=slots, checkpoint_rows=ckpt if checkpoints else None,
-               **kw)
+               **kw, **extra)
     ku.assert_close(got.y, ref.y, tol, "y")
     assert got.final_states.shape[0] == 0 and got.chunk_states.shape[0] == 0
     state_tol = max(tol, ku.TOL[pool_dtype])
@@ -141,7 +161,7 @@ def test_ssd_scan_pool_mode_errors():
 def test_ssd_scan_pool_mode_gpu(pool_dtype):
     gen = torch.Generator().manual_seed(3)
     _check_pool([1000, 37, 513], [0, 300, 129], 128, 80, 8, 128, 128, 256, torch.bfloat16, pool_dtype, "cuda", gen,
-                3e-2)
+                3e-2, segment_chunks=2)
 
 
 @ku.gpu
@@ -154,7 +174,9 @@ def test_ssd_scan_tiny_shapes_gpu(dtype, tol):
     _check([3, 40, 17, 90], [0, 0, 0, 0], 4, 16, 2, 8, 8, None, dtype, "cuda", gen, tol, with_init=False)
     _check([11, 6, 1, 30], [0, 5, 16, 19], 4, 16, 2, 8, 8, 8, dtype, "cuda", gen, tol)
     for pool_dtype in (torch.float32, torch.bfloat16):
-        _check_pool([11, 6, 1, 30], [0, 5, 16, 19], 4, 16, 2, 8, 8, 16, dtype, pool_dtype, "cuda", gen, tol)
+        for segment_chunks in (1, 16):
+            _check_pool([11, 6, 1, 30], [0, 5, 16, 19], 4, 16, 2, 8, 8, 16, dtype, pool_dtype, "cuda", gen, tol,
+                        segment_chunks=segment_chunks)
     for _ in range(20):  # no checkpoint rows: nothing kept, nothing read past them (the engine's plain prefill)
         _check_pool([11, 6, 1, 30], [0, 5, 16, 19], 4, 16, 2, 8, 8, None, dtype, dtype, "cuda", gen, tol,
                     checkpoints=False)
