@@ -23,19 +23,18 @@ from kernels import CONFIGS, STATE_BLOCK  # noqa: E402
 
 from hybridserve.kernels.ssd_chunk_scan_triton import chunk_scan_kernel  # noqa: E402
 from hybridserve.kernels.ssd_chunk_state_triton import WalkConfig  # noqa: E402
-from hybridserve.kernels.ssd_scan_meta import chunk_metadata  # noqa: E402
+from hybridserve.kernels.ssd_scan_meta import WHOLE_SEQUENCE, chunk_metadata  # noqa: E402
 from hybridserve.kernels.ssd_scan_triton import ssd_scan_varlen_triton  # noqa: E402
 
 
 def walk_space(heads_per_group: int) -> list[WalkConfig]:
-    """The state-walk tiles that led an earlier full sweep (16..128 stacked rows x 32..128 state columns)."""
-    shapes = [(2, 16, 64, 2), (2, 16, 128, 4), (1, 32, 128, 4), (4, 16, 128, 4), (8, 16, 64, 8), (2, 16, 32, 4),
-              (1, 16, 64, 2)]
+    """The state-walk tiles that led earlier, wider sweeps (16..128 stacked rows x 32..128 state columns)."""
+    shapes = [(1, 32, 128, 4), (2, 16, 128, 4), (8, 16, 64, 8)]
     return [WalkConfig(block_p, block_n, warps, 2, heads=heads) for heads, block_p, block_n, warps in shapes
             if heads_per_group % heads == 0]
 
 
-SEGMENTS = (4, 8, 16, 32, 1 << 20)  # chunks per walk segment (the last: one segment per sequence)
+SEGMENTS = (8, 16, 32, WHOLE_SEQUENCE)  # chunks per walk segment (the last: one segment per sequence)
 
 
 def main() -> None:

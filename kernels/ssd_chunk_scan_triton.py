@@ -41,7 +41,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
     return kept[:1] if interpreting() else kept  # the interpreter runs one config (HEADS=2 where it divides)
 
 
-@triton.autotune(configs=_scan_configs(), key=["P", "N", "CHUNK", "heads_per_group"],
+@triton.autotune(configs=_scan_configs(), key=["P", "N", "CHUNK", "heads_per_group", "HAS_SEGMENTS"],
                  prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def chunk_scan_kernel(
@@ -50,7 +50,8 @@ def chunk_scan_kernel(
     P, N, H, NC, heads_per_group,
     x_t, x_h, x_p, B_t, B_g, B_n, C_t, C_g, C_n, y_t, y_h, y_p,
     CHUNK: tl.constexpr, QBLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_M: tl.constexpr, HEADS: tl.constexpr, HAS_D: tl.constexpr, DOT_PRECISION: tl.constexpr,  # BLOCK_P: head_dim tile, looped over P
+    BLOCK_M: tl.constexpr, HEADS: tl.constexpr, HAS_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SEGMENTS: tl.constexpr,  # BLOCK_P: head_dim tile, looped over P
 ):
     pid_m = tl.program_id(0)
     c = tl.program_id(1)
@@ -84,7 +85,9 @@ def chunk_scan_kernel(
             x_base = x_ptr + start * x_t + h * x_h
             scale_m = tl.exp(cum_m)[:, None]
             D_h = 0.0
-            seg_decay = tl.load(seg_decay_ptr + h.to(tl.int64) * NC + c, mask=seg >= 0, other=0.0)
+            seg_decay = 0.0
+            if HAS_SEGMENTS:
+                seg_decay = tl.load(seg_decay_ptr + h.to(tl.int64) * NC + c, mask=seg >= 0, other=0.0)
             if HAS_D:
                 D_h = tl.load(D_ptr + h).to(tl.float32)
             for p0 in range(0, P, BLOCK_P):  # w and cb are reused by every head_dim tile
@@ -92,9 +95,11 @@ def chunk_scan_kernel(
                 mask_p = offs_p < P
                 S_in = tl.load(states_ptr + (c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N
                                + offs_n[:, None], mask=mask_p[None, :] & mask_n[:, None], other=0.0)  # [BN, BP]
-                corr = tl.load(corr_ptr + (tl.maximum(seg, 0).to(tl.int64) * H + h) * P * N + offs_p[None, :] * N
-                               + offs_n[:, None], mask=mask_p[None, :] & (mask_n & (offs_n * 0 + seg >= 0))[:, None], other=0.0)
-                S_in = S_in.to(tl.float32) + seg_decay * corr.to(tl.float32)
+                if HAS_SEGMENTS:  # a later segment's walk started from zeros: add its decayed true start state
+                    corr = tl.load(corr_ptr + (tl.maximum(seg, 0).to(tl.int64) * H + h) * P * N + offs_p[None, :] * N
+                                   + offs_n[:, None], mask=mask_p[None, :] & (mask_n & (offs_n * 0 + seg >= 0))[:, None],
+                                   other=0.0)
+                    S_in = (S_in.to(tl.float32) + seg_decay * corr.to(tl.float32)).to(S_in.dtype)
                 xk = tl.load(x_base + offs_k[:, None] * x_t + offs_p[None, :] * x_p,
                              mask=mask_k[:, None] & mask_p[None, :], other=0.0)  # [QBLOCK, BLOCK_P]
                 acc = tl.dot(Cm, S_in.to(Cm.dtype), input_precision=DOT_PRECISION) * scale_m  # [BLOCK_M, BLOCK_P]

@@ -42,10 +42,9 @@ def walk_config(head_dim: int, state_size: int, chunk_size: int, heads_per_group
     """Fixed (not autotuned: in pool mode a rerun would read its own output) tile choice per problem size."""
     if interpreting():
         return WalkConfig(16, 16, 4, 1, heads=2 if heads_per_group % 2 == 0 else 1)
-    # H100 sweep (bench/kernels.py --sweep-walk): 16 x 64 tiles; 2 warps for chunk 128 (Nano-9B-v2: 0.81 vs
-    # 0.94 ms with 4 warps at 1x8192), 4 warps for chunk 256 (mamba2-2.7b: 0.61 vs 0.72 ms)
-    warps = 2 if chunk_size <= 128 else 4
-    return WalkConfig(16, min(64, max(16, state_size)), warps, 2)
+    # H100 sweep (bench/ssd_sweep.py, bench/results/h100/ssd_sweep.json): one head, 32 x 128 tiles, 4 warps was
+    # best or within 3 % of it at every shape of both models (Nano-9B-v2 1x8192: 0.82 ms vs 0.90-1.07 ms)
+    return WalkConfig(32, min(128, max(16, triton.next_power_of_2(state_size))), 4, 2)
 
 
 @triton.jit

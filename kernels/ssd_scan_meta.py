@@ -13,6 +13,11 @@ from dataclasses import dataclass
 import torch
 
 
+# one walk segment per sequence: the H100 sweep found no shape where splitting the walk paid for the join
+# (bench/results/h100/ssd_sweep.json); callers may still pass segment_chunks
+WHOLE_SEQUENCE = 1 << 30
+
+
 @dataclass(frozen=True)
 class ChunkMeta:
     """Device tensors (int32 unless noted) describing the logical chunks of one packed batch."""
@@ -41,14 +46,15 @@ def chunk_metadata(
     chunk_size: int,
     state_block: int | None,
     device: torch.device,
-    segment_chunks: int = 16,
+    segment_chunks: int = 0,
 ) -> ChunkMeta:
     """Split every sequence at absolute multiples of chunk_size; keep ends at multiples of state_block; group
     each sequence's chunks into segments of segment_chunks."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if segment_chunks <= 0:
-        raise ValueError(f"segment_chunks must be positive, got {segment_chunks}")
+    segment_chunks = segment_chunks or WHOLE_SEQUENCE
+    if segment_chunks < 0:
+        raise ValueError(f"segment_chunks must be positive (0: one segment per sequence), got {segment_chunks}")
     keep_every = chunk_size if state_block is None else state_block
     if keep_every % chunk_size != 0:
         raise ValueError(f"state_block ({state_block}) must be a multiple of chunk_size ({chunk_size})")

@@ -23,7 +23,7 @@ from hybridserve.kernels.ssd_chunk_state_triton import (
     walk_config,
 )
 from hybridserve.kernels.ssd_scan import NO_DT_LIMIT, DtLimit, SSDScanOutput, check_pool_args
-from hybridserve.kernels.ssd_scan_meta import ChunkMeta, chunk_metadata
+from hybridserve.kernels.ssd_scan_meta import WHOLE_SEQUENCE, ChunkMeta, chunk_metadata
 from hybridserve.kernels.triton_utils import check_same_device, finite_limits, next_pow2, process_dt_tl
 
 
@@ -74,8 +74,8 @@ def ssd_scan_varlen_triton(
     slots: torch.Tensor | None = None,  # [S] pool row of each sequence (pool mode)
     checkpoint_rows: torch.Tensor | None = None,  # [K] pool row of each kept state, -1 = skip (pool mode)
     meta: ChunkMeta | None = None,  # precomputed chunk metadata (skips a host sync), from `chunk_metadata`
-    walk: WalkConfig | None = None,
-    segment_chunks: int = 16,  # chunks per walk segment (walked in parallel, then joined), when meta is None  # state-walk launch shape (benchmark sweeps); None: `walk_config`
+    walk: WalkConfig | None = None,  # state-walk launch shape (benchmark sweeps); None: `walk_config`
+    segment_chunks: int = WHOLE_SEQUENCE,  # chunks per walk segment (walked in parallel, then joined), meta None
 ) -> SSDScanOutput:
     """Triton version of `ssd_scan_varlen_ref`: same arguments, same outputs (fp32 states). In pool mode the
     kernels read initial states from and write final / kept states to the pool rows directly."""
@@ -165,7 +165,7 @@ def ssd_scan_varlen_triton(
             head_dim, state_size, heads, num_chunks, heads // groups,
             *x.stride(), *B.stride(), *C.stride(), *y.stride(),
             CHUNK=chunk_size, QBLOCK=qblock, BLOCK_N=block_n,
-            HAS_D=D is not None, DOT_PRECISION=precision,
+            HAS_D=D is not None, DOT_PRECISION=precision, HAS_SEGMENTS=split,
         )
     if pooled:
         final, kept, num_seqs, num_kept = state_pool[:0], state_pool[:0], 0, 0
