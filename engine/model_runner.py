@@ -126,7 +126,6 @@ def _checkpoint_fields(
         "state_block": state_block,
         "num_checkpoint_boundaries": len(slots),
         "checkpoint_rows": as_tensor([s for _, s in kept]),
-        "checkpoint_index": None if len(kept) == len(slots) else as_tensor([i for i, _ in kept]),
         "boundary_rows": as_tensor(slots),
     }
 

@@ -22,14 +22,12 @@ class ForwardBatch:
     block_tables: torch.Tensor  # [S, max_pages] int64 KV pages of each sequence
     slot_mapping: torch.Tensor  # [N] int64 KV slot (page * page_size + offset) of each new token
     # Prefix-cache checkpoints. The prefill sequences cross `num_checkpoint_boundaries` multiples of
-    # state_block in (context, context + new] (sequence then position order); the Mamba layers write the
-    # state at boundary checkpoint_index[k] (None: boundary k) into state row checkpoint_rows[k].
+    # state_block in (context, context + new] (sequence then position order); the Mamba kernels write the conv
+    # window and SSM state at boundary k straight into state row boundary_rows[k] (-1: not kept).
     state_block: int | None = None
     num_checkpoint_boundaries: int = 0
-    checkpoint_rows: torch.Tensor | None = None  # [K] int64
-    checkpoint_index: torch.Tensor | None = None  # [K] int64, None when every boundary is kept
-    boundary_rows: torch.Tensor | None = None  # [num_checkpoint_boundaries] int64 state row per boundary, -1 = skip
-    # (the same rows, one per boundary: the SSD scan writes its chunk-end states straight into them)
+    checkpoint_rows: torch.Tensor | None = None  # [K] int64 the kept rows (set only when K > 0)
+    boundary_rows: torch.Tensor | None = None  # [num_checkpoint_boundaries] int64 row per boundary, -1 = skip
     # Speculative verify of the decode rows: "intermediate" keeps every token's SSM state in
     # `intermediate_states` (layer -> [num_decode, decode_len, H, P, N]) and leaves the slot untouched;
     # "replay" folds `num_replay` tokens of the previous verify into the slot first (kernels/replay_state.py).

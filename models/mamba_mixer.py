@@ -71,14 +71,13 @@ class Mamba2Mixer(nn.Module):
             xBC, dt = xBC[nd * batch.decode_len :], dt[nd * batch.decode_len :]
             slots = batch.state_slots[nd:]
             starts = batch.context_lens[nd:]
-            resumed = (starts > 0)[:, None, None]
-            windows = torch.where(resumed, conv_pool[slots].float(), 0.0)
             block = batch.state_block if batch.checkpoint_rows is not None else None
-            conv = ops.causal_conv1d_varlen(
-                xBC, conv_weight, self.conv1d.bias, batch.prefill_cu_seqlens(), windows,
-                start_positions=starts, state_block=block,
+            boundary_rows = batch.boundary_rows if block is not None else None
+            conv = ops.causal_conv1d_varlen(  # windows read from / written to the conv pool by the kernel
+                xBC, conv_weight, self.conv1d.bias, batch.prefill_cu_seqlens(),
+                start_positions=starts, state_block=block, conv_pool=conv_pool, slots=slots,
+                boundary_rows=boundary_rows,
             )
-            conv_pool[slots] = conv.final_windows.to(conv_pool.dtype)
             conv_out = conv.y
             tokens = conv_out.shape[0]
             x, B, C = conv_out.split([cfg.intermediate_size, groups_state, groups_state], dim=-1)
@@ -97,10 +96,8 @@ class Mamba2Mixer(nn.Module):
                 state_block=block,
                 state_pool=ssm_pool,  # resumed rows start from their slot; final and kept states go to the pool
                 slots=slots,
-                checkpoint_rows=batch.boundary_rows if block is not None else None,
+                checkpoint_rows=boundary_rows,
             )
-            if batch.checkpoint_rows is not None:
-                _write_conv_checkpoints(batch, conv.boundary_windows, conv_pool)
             y[nd * batch.decode_len :] = scan.y
         normed = ops.gated_rmsnorm(
             y.reshape(-1, cfg.intermediate_size),
@@ -149,22 +146,3 @@ class Mamba2Mixer(nn.Module):
             y = ops.replay_state_update(ssm_pool, replay, slots, batch.num_replay, *args, **kwargs)
         return y.reshape(rows, cfg.num_heads, cfg.head_dim)
 
-
-def _write_conv_checkpoints(
-    batch: ForwardBatch,
-    windows: torch.Tensor,  # [num_boundaries, conv_dim, W] conv windows at the boundaries
-    conv_pool: torch.Tensor,  # [rows, conv_dim, W]
-) -> None:
-    """Store the boundary conv windows the engine kept into their checkpoint rows (no host sync); the scan
-    wrote the SSM states at the same boundaries itself."""
-    expected = batch.num_checkpoint_boundaries
-    if windows.shape[0] != expected:
-        raise RuntimeError(
-            f"the engine planned {expected} checkpoint boundaries, the conv returned {windows.shape[0]} windows: "
-            "they disagree on the state_block boundaries"
-        )
-    rows = batch.checkpoint_rows
-    assert rows is not None  # the caller checks
-    if batch.checkpoint_index is not None:
-        windows = windows.index_select(0, batch.checkpoint_index)
-    conv_pool.index_copy_(0, rows, windows.to(conv_pool.dtype))

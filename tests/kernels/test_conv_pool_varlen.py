@@ -120,10 +120,12 @@ def _check_both_impls_agree(seqs: list[tuple[int, int]], channels: int, kernel: 
     x = _representable(torch.randn(sum(lens), channels, generator=gen), pool_dtype).to(device)
     weight = torch.randn(channels, kernel, generator=gen).to(device)
     bias = torch.randn(channels, generator=gen).to(device)
-    pool = torch.randn(4 * len(lens) + 16, channels, width, generator=gen).to(device=device, dtype=pool_dtype)
-    slots = torch.arange(len(lens), device=device) * 2
     num_bounds = causal_conv1d_varlen_ref(x, weight, bias, cu, None, window_width=width, start_positions=starts,
                                           state_block=4).boundary_seq.numel()
+    # rows: 2 per sequence (slots at the even ones), then one per boundary, then spare rows nobody may touch
+    pool = torch.randn(2 * len(lens) + num_bounds + 8, channels, width, generator=gen).to(device=device,
+                                                                                          dtype=pool_dtype)
+    slots = torch.arange(len(lens), device=device) * 2
     rows = torch.arange(num_bounds, device=device) + 2 * len(lens)
     rows[::2] = -1
     pools = []
