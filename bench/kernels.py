@@ -76,6 +76,21 @@ def ceilings(quick: bool) -> dict[str, float]:
     return {"copy_GBps": 2 * n * 4 / copy_ms / 1e6, "bf16_matmul_TFLOPs": 2 * 8192**3 / mm_ms / 1e9}
 
 
+def ssd_inputs(heads: int, head_dim: int, groups: int, state: int, num_seqs: int, seqlen: int,
+               gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Random bf16 scan inputs for num_seqs sequences of seqlen tokens: x, dt, A, B, C, D, dt_bias, cu_seqlens."""
+    tokens = num_seqs * seqlen
+
+    def r(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
+
+    x, dt = r(tokens, heads, head_dim), r(tokens, heads, scale=0.5)
+    B, C = r(tokens, groups, state), r(tokens, groups, state)
+    A = -torch.rand(heads, device="cuda", generator=gen) * 4 - 0.5
+    D, bias = torch.randn(heads, device="cuda"), torch.randn(heads, device="cuda") * 0.5
+    return x, dt, A, B, C, D, bias, torch.arange(0, tokens + 1, seqlen, device="cuda")
+
+
 def bench_ssd(peer: dict | None, ceil: dict, quick: bool) -> list[dict]:
     """Tokens/s per layer of our varlen scan (with kept states) vs mamba_chunk_scan_combined."""
     rows = []
@@ -83,13 +98,7 @@ def bench_ssd(peer: dict | None, ceil: dict, quick: bool) -> list[dict]:
     for name, (heads, head_dim, groups, state, chunk) in CONFIGS.items():
         for num_seqs, seqlen in ((1, 8192), (4, 2048), (1, 32768)):
             tokens = num_seqs * seqlen
-            def r(*shape, scale=1.0):
-                return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
-            x, dt = r(tokens, heads, head_dim), r(tokens, heads, scale=0.5)
-            B, C = r(tokens, groups, state), r(tokens, groups, state)
-            A = -torch.rand(heads, device="cuda", generator=gen) * 4 - 0.5
-            D, bias = torch.randn(heads, device="cuda"), torch.randn(heads, device="cuda") * 0.5
-            cu = torch.arange(0, tokens + 1, seqlen, device="cuda")
+            x, dt, A, B, C, D, bias, cu = ssd_inputs(heads, head_dim, groups, state, num_seqs, seqlen, gen)
             meta = chunk_metadata(cu, None, chunk, STATE_BLOCK, x.device)
 
             def ours():

@@ -19,7 +19,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels import CONFIGS, STATE_BLOCK  # noqa: E402
+from kernels import CONFIGS, STATE_BLOCK, ssd_inputs  # noqa: E402
 
 from hybridserve.kernels.ssd_chunk_scan_triton import chunk_scan_kernel  # noqa: E402
 from hybridserve.kernels.ssd_chunk_state_triton import WalkConfig  # noqa: E402
@@ -47,14 +47,7 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, (heads, head_dim, groups, state, chunk) in CONFIGS.items():
         for num_seqs, seqlen in ((1, 8192), (4, 2048), (1, 32768)):
-            tokens = num_seqs * seqlen
-            def r(*shape, scale=1.0):
-                return (torch.randn(*shape, device="cuda", generator=gen) * scale).to(torch.bfloat16)
-            x, dt = r(tokens, heads, head_dim), r(tokens, heads, scale=0.5)
-            B, C = r(tokens, groups, state), r(tokens, groups, state)
-            A = -torch.rand(heads, device="cuda", generator=gen) * 4 - 0.5
-            D, bias = torch.randn(heads, device="cuda"), torch.randn(heads, device="cuda") * 0.5
-            cu = torch.arange(0, tokens + 1, seqlen, device="cuda")
+            x, dt, A, B, C, D, bias, cu = ssd_inputs(heads, head_dim, groups, state, num_seqs, seqlen, gen)
             reference = None
             for walk, segment_chunks in itertools.product(walk_space(heads // groups), SEGMENTS):
                 meta = chunk_metadata(cu, None, chunk, STATE_BLOCK, x.device, segment_chunks)

@@ -77,7 +77,7 @@ class DecodeGraphs:
 
     def bucket_for(self, batch: ForwardBatch) -> int | None:
         """The bucket that replays this batch, or None when it must run eagerly."""
-        if not self.graphs or batch.num_decode != batch.num_seqs or batch.checkpoint_rows is not None:
+        if not self.graphs or batch.num_decode != batch.num_seqs or batch.boundary_rows is not None:
             return None
         if batch.decode_len != 1 or batch.spec_rollback is not None:  # speculative verify steps run eagerly
             return None

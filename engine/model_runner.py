@@ -119,16 +119,9 @@ def _checkpoint_fields(
     state_block: int | None, slots: list[int], as_tensor: Callable[[list], torch.Tensor]
 ) -> dict[str, object]:
     """ForwardBatch checkpoint fields from one slot (or -1) per boundary; nothing when none is kept."""
-    kept = [(i, s) for i, s in enumerate(slots) if s >= 0]
-    if state_block is None or not kept:
+    if state_block is None or all(s < 0 for s in slots):
         return {}
-    return {
-        "state_block": state_block,
-        "num_checkpoint_boundaries": len(slots),
-        "checkpoint_rows": as_tensor([s for _, s in kept]),
-        "boundary_rows": as_tensor(slots),
-    }
-
+    return {"state_block": state_block, "num_checkpoint_boundaries": len(slots), "boundary_rows": as_tensor(slots)}
 
 def _verify_fields(verify: VerifyInputs | None, num_decode: int, device: torch.device) -> dict[str, object]:
     if verify is None or num_decode == 0:

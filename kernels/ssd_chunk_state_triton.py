@@ -48,6 +48,32 @@ def walk_config(head_dim: int, state_size: int, chunk_size: int, heads_per_group
 
 
 @triton.jit
+def _state_tile(P, N, HEADS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile of the [H, P, N] state: axis 0 picks the (P, N) block, axis 2 the HEADS heads. Row r
+    is head h0 + r // BLOCK_P, head_dim index p0 + r % BLOCK_P. Returns the rows' heads and head_dim indices,
+    the tile's state indices, its mask, its offsets in a contiguous [H, P, N] state and whether it is block 0."""
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    pid_p = tl.program_id(0) // n_blocks
+    pid_n = tl.program_id(0) % n_blocks
+    offs_r = tl.arange(0, HEADS * BLOCK_P)
+    head_r = tl.program_id(2) * HEADS + offs_r // BLOCK_P  # [ROWS]
+    offs_p = pid_p * BLOCK_P + offs_r % BLOCK_P
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_pn = (offs_p < P)[:, None] & (offs_n < N)[None, :]
+    rows_out = head_r[:, None] * P * N + offs_p[:, None] * N + offs_n[None, :]  # [ROWS, BLOCK_N]
+    return head_r, offs_p, offs_n, mask_pn, rows_out, pid_p + pid_n == 0
+
+
+@triton.jit
+def _load_init(init_ptr, init_rows_ptr, s, use, head_r, offs_p, offs_n, mask_pn, i_r, i_h, i_p, i_n):
+    """Sequence s's initial state tile in fp32 where `use` and its row is >= 0 (zeros otherwise)."""
+    init_row = tl.load(init_rows_ptr + s).to(tl.int64)  # -1: a fresh sequence starts from zeros
+    on = (offs_p * 0 + (use & (init_row >= 0)).to(tl.int32)) > 0
+    return tl.load(init_ptr + tl.maximum(init_row, 0) * i_r + head_r[:, None] * i_h + offs_p[:, None] * i_p
+                   + offs_n[None, :] * i_n, mask=mask_pn & on[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def chunk_state_walk_kernel(
     x_ptr, dtc_ptr, cum_ptr, B_ptr, init_ptr, init_rows_ptr, states_ptr, seg_end_ptr,
     kept_ptr, kept_rows_ptr, kept_local_ptr, chunk_start_ptr, chunk_len_ptr, seg_chunk_ptr, seg_seq_ptr,
@@ -66,28 +92,16 @@ def chunk_state_walk_kernel(
     in a first segment, into the fp32 kept_local[k] otherwise (the join completes them). Row r of the tile is
     head h0 + r // BLOCK_P, head_dim index p0 + r % BLOCK_P."""
     ROWS: tl.constexpr = HEADS * BLOCK_P
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    pid_p = tl.program_id(0) // n_blocks
-    pid_n = tl.program_id(0) % n_blocks
+    head_r, offs_p, offs_n, mask_pn, rows_out, _ = _state_tile(P, N, HEADS, BLOCK_P, BLOCK_N)
     seg = tl.program_id(1)
     h0 = tl.program_id(2) * HEADS
     g = h0 // heads_per_group  # HEADS divides heads_per_group: all rows read the same B
-    offs_r = tl.arange(0, ROWS)
-    head_r = h0 + offs_r // BLOCK_P  # [ROWS]
-    offs_p = pid_p * BLOCK_P + offs_r % BLOCK_P
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_pn = (offs_p < P)[:, None] & (offs_n < N)[None, :]
-    rows_out = head_r[:, None] * P * N + offs_p[:, None] * N + offs_n[None, :]  # [ROWS, BLOCK_N] in [H, P, N]
     s = tl.load(seg_seq_ptr + seg)
     first_flag = tl.load(seg_first_ptr + seg)  # 1 in a sequence's first segment
     is_first = first_flag != 0
     state = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     if HAS_INIT:
-        init_row = tl.load(init_rows_ptr + s).to(tl.int64)  # -1: a fresh sequence starts from zeros
-        use_init = is_first & (init_row >= 0)
-        state = tl.load(init_ptr + tl.maximum(init_row, 0) * i_r + head_r[:, None] * i_h + offs_p[:, None] * i_p
-                        + offs_n[None, :] * i_n, mask=mask_pn & (offs_p * 0 + use_init.to(tl.int32) > 0)[:, None],
-                        other=0.0).to(tl.float32)
+        state = _load_init(init_ptr, init_rows_ptr, s, is_first, head_r, offs_p, offs_n, mask_pn, i_r, i_h, i_p, i_n)
     offs_q = tl.arange(0, QBLOCK)  # CHUNK padded to the 16 tl.dot needs
     offs_h = h0 + tl.arange(0, HEADS)
     c0 = tl.load(seg_chunk_ptr + seg)
@@ -143,28 +157,15 @@ def chunk_state_join_kernel(
     the decay from the segment start to the chunk start in seg_decay[h, c] (the output kernel adds
     seg_decay * corr to the chunk's walked state), and complete its kept states. Stores every final state."""
     ROWS: tl.constexpr = HEADS * BLOCK_P
-    n_blocks = tl.cdiv(N, BLOCK_N)
-    pid_p = tl.program_id(0) // n_blocks
-    pid_n = tl.program_id(0) % n_blocks
+    head_r, offs_p, offs_n, mask_pn, rows_out, block0 = _state_tile(P, N, HEADS, BLOCK_P, BLOCK_N)
     s = tl.program_id(1)
-    h0 = tl.program_id(2) * HEADS
-    offs_r = tl.arange(0, ROWS)
-    head_r = h0 + offs_r // BLOCK_P
-    offs_p = pid_p * BLOCK_P + offs_r % BLOCK_P
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_pn = (offs_p < P)[:, None] & (offs_n < N)[None, :]
-    rows_out = head_r[:, None] * P * N + offs_p[:, None] * N + offs_n[None, :]
-    lead = (offs_r % BLOCK_P == 0) & (offs_r * 0 + pid_p + pid_n == 0)  # one seg_decay writer per head
+    lead = (offs_p % BLOCK_P == 0) & ((offs_p * 0 + block0.to(tl.int32)) > 0)  # one seg_decay writer per head
     k0 = tl.load(seq_seg_ptr + s)
     k1 = tl.load(seq_seg_ptr + s + 1)
     state = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)  # true start of the current segment (0 for the first:
     # its walk already started from the initial state); an empty sequence keeps its initial state
     if HAS_INIT:
-        init_row = tl.load(init_rows_ptr + s).to(tl.int64)
-        use_init = (k1 == k0) & (init_row >= 0)
-        state = tl.load(init_ptr + tl.maximum(init_row, 0) * i_r + head_r[:, None] * i_h + offs_p[:, None] * i_p
-                        + offs_n[None, :] * i_n, mask=mask_pn & (offs_p * 0 + use_init.to(tl.int32) > 0)[:, None],
-                        other=0.0).to(tl.float32)
+        state = _load_init(init_ptr, init_rows_ptr, s, k1 == k0, head_r, offs_p, offs_n, mask_pn, i_r, i_h, i_p, i_n)
     for seg in range(k0, k1):
         seg64 = tl.cast(seg, tl.int64)
         decay = tl.full([ROWS], 1.0, dtype=tl.float32)  # from the segment start to the current chunk start

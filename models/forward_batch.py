@@ -26,8 +26,8 @@ class ForwardBatch:
     # window and SSM state at boundary k straight into state row boundary_rows[k] (-1: not kept).
     state_block: int | None = None
     num_checkpoint_boundaries: int = 0
-    checkpoint_rows: torch.Tensor | None = None  # [K] int64 the kept rows (set only when K > 0)
     boundary_rows: torch.Tensor | None = None  # [num_checkpoint_boundaries] int64 row per boundary, -1 = skip
+    # (None when no boundary is kept)
     # Speculative verify of the decode rows: "intermediate" keeps every token's SSM state in
     # `intermediate_states` (layer -> [num_decode, decode_len, H, P, N]) and leaves the slot untouched;
     # "replay" folds `num_replay` tokens of the previous verify into the slot first (kernels/replay_state.py).

@@ -71,8 +71,8 @@ class Mamba2Mixer(nn.Module):
             xBC, dt = xBC[nd * batch.decode_len :], dt[nd * batch.decode_len :]
             slots = batch.state_slots[nd:]
             starts = batch.context_lens[nd:]
-            block = batch.state_block if batch.checkpoint_rows is not None else None
-            boundary_rows = batch.boundary_rows if block is not None else None
+            boundary_rows = batch.boundary_rows  # None: no checkpoint is kept in this batch
+            block = batch.state_block if boundary_rows is not None else None
             conv = ops.causal_conv1d_varlen(  # windows read from / written to the conv pool by the kernel
                 xBC, conv_weight, self.conv1d.bias, batch.prefill_cu_seqlens(),
                 start_positions=starts, state_block=block, conv_pool=conv_pool, slots=slots,

@@ -13,16 +13,24 @@ from hybridserve.kernels.ssd_scan import ssd_scan_varlen_ref  # noqa: E402
 from hybridserve.kernels.ssd_scan_triton import ssd_scan_varlen_triton  # noqa: E402
 
 
-def _check(lens, starts, heads, head_dim, groups, state, chunk, state_block, dtype, device, gen, tol, with_init=True,
-           segment_chunks=16):
+def _inputs(lens, heads, head_dim, groups, state, dtype, device, gen):
+    """Random scan inputs for packed sequences of the given lengths: cu_seqlens, x, dt, A, B, C, D, dt_bias."""
     total = sum(lens)
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=device)
+
     def r(*shape, scale=1.0):
         return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
     x, dt = r(total, heads, head_dim), r(total, heads, scale=0.5)
     B, C = r(total, groups, state), r(total, groups, state)
     A = -(torch.rand(heads, generator=gen) * 2 + 0.1).to(device)
     D, bias = torch.randn(heads, generator=gen).to(device), (torch.randn(heads, generator=gen) * 0.5).to(device)
+    return cu, x, dt, A, B, C, D, bias
+
+
+def _check(lens, starts, heads, head_dim, groups, state, chunk, state_block, dtype, device, gen, tol, with_init=True,
+           segment_chunks=16):
+    cu, x, dt, A, B, C, D, bias = _inputs(lens, heads, head_dim, groups, state, dtype, device, gen)
     # initial states as a strided view of a request-major pool, zero for fresh sequences
     pool = torch.randn(len(lens), 2, heads, head_dim, state, generator=gen).to(device)
     init = pool[:, 1] * (torch.tensor(starts, device=device) > 0).float()[:, None, None, None]
@@ -86,14 +94,7 @@ def _check_pool(lens, starts, heads, head_dim, groups, state, chunk, state_block
                 scan=ssd_scan_varlen_triton, checkpoints=True, segment_chunks=None):
     """Pool mode: initial states read from slot rows (resumed sequences only), final states written back to
     them and kept states to checkpoint rows (-1 skipped), through a strided view; every other row untouched."""
-    total = sum(lens)
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), device=device)
-    def r(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
-    x, dt = r(total, heads, head_dim), r(total, heads, scale=0.5)
-    B, C = r(total, groups, state), r(total, groups, state)
-    A = -(torch.rand(heads, generator=gen) * 2 + 0.1).to(device)
-    D, bias = torch.randn(heads, generator=gen).to(device), (torch.randn(heads, generator=gen) * 0.5).to(device)
+    cu, x, dt, A, B, C, D, bias = _inputs(lens, heads, head_dim, groups, state, dtype, device, gen)
     rows = 3 * len(lens) + 8
     backing = torch.randn(rows, 2, heads, head_dim, state, generator=gen).to(device=device, dtype=pool_dtype)
     pool = backing[:, 1]  # strided per-layer view of a request-major cache
