@@ -29,7 +29,11 @@ from peer import load_peer  # noqa: E402
 
 from hybridserve.kernels.replay_state_update import ReplayCache, replay_state_update_triton  # noqa: E402
 from hybridserve.kernels.ssd_scan_meta import chunk_metadata  # noqa: E402
-from hybridserve.kernels.ssd_scan_triton import ssd_scan_varlen_triton  # noqa: E402
+from hybridserve.kernels.ssd_scan_triton import (  # noqa: E402
+    OUTPUT_KERNELS,
+    default_output_kernel,
+    ssd_scan_varlen_triton,
+)
 from hybridserve.kernels.state_update_triton import (  # noqa: E402
     multi_token_state_update_triton,
     selective_state_update_triton,
@@ -101,18 +105,20 @@ def bench_ssd(peer: dict | None, ceil: dict, quick: bool) -> list[dict]:
             x, dt, A, B, C, D, bias, cu = ssd_inputs(heads, head_dim, groups, state, num_seqs, seqlen, gen)
             meta = chunk_metadata(cu, None, chunk, STATE_BLOCK, x.device)
 
-            def ours():
+            def ours(output_kernel: str | None = None):
                 return ssd_scan_varlen_triton(x, dt, A, B, C, cu, chunk, D=D, dt_bias=bias, state_block=STATE_BLOCK,
-                                              meta=meta)
+                                              meta=meta, output_kernel=output_kernel)
 
             ours_ms = median_ms(ours, quick)
-            best = None
+            other = next(k for k in OUTPUT_KERNELS if k != default_output_kernel(chunk))
+            other_ms = median_ms(lambda: ours(other), quick)
             io_bytes = tokens * (2 * heads * head_dim * 2 + 2 * groups * state * 2 + heads * 2)
             io_bytes += (tokens // STATE_BLOCK + num_seqs) * heads * head_dim * state * 4
             flops = tokens * heads * (4 * head_dim * state + 2 * chunk * head_dim + 2 * chunk * state // (heads // groups))
             floor_ms = max(io_bytes / ceil["copy_GBps"] / 1e6, flops / ceil["bf16_matmul_TFLOPs"] / 1e9)
             row = {"config": name, "seqs": num_seqs, "seqlen": seqlen, "ours_ms": ours_ms,
-                   "ours_Mtok_s": tokens / ours_ms / 1e3, "floor_ms": floor_ms, "scan_config": str(best)}
+                   "ours_Mtok_s": tokens / ours_ms / 1e3, "floor_ms": floor_ms,
+                   "output_kernel": default_output_kernel(chunk), f"with_{other}_output_ms": other_ms}
             if peer is not None:
                 xb, dtb, Bb, Cb = (t.view(num_seqs, seqlen, *t.shape[1:]) for t in (x, dt, B, C))
 
@@ -120,13 +126,14 @@ def bench_ssd(peer: dict | None, ceil: dict, quick: bool) -> list[dict]:
                     return peer["mamba_chunk_scan_combined"](xb, dtb, A, Bb, Cb, chunk, D=D, dt_bias=bias,
                                                              dt_softplus=True, return_final_states=True)
 
-                peer_ms = median_ms(theirs, quick)
+                peer_runs = sorted(median_ms(theirs, quick) for _ in range(3))  # the median of three timings
+                peer_ms = peer_runs[1]
                 y_peer, final_peer = theirs()
                 out = ours()
                 err = float((out.y.float() - y_peer.reshape(out.y.shape).float()).norm() / y_peer.float().norm())
-                row.update(peer_ms=peer_ms, peer_Mtok_s=tokens / peer_ms / 1e3, speedup=peer_ms / ours_ms,
+                row.update(peer_ms=peer_ms, peer_ms_runs=peer_runs, peer_Mtok_s=tokens / peer_ms / 1e3, speedup=peer_ms / ours_ms,
                            y_rel_diff_vs_peer=err)
-            if name == "nemotron-nano-9b-v2" and num_seqs == 1 and seqlen == 8192:
+            if num_seqs == 1 and seqlen == 8192:
                 row["profile_ours"] = profile(ours, f"ours {name} 1x8192")
                 if peer is not None:
                     row["profile_peer"] = profile(theirs, f"mamba_ssm {name} 1x8192")

@@ -5,7 +5,9 @@ short so later chunk ends land on absolute multiples of chunk_size, exactly as t
   1. chunk cumsum (here): dt bias / softplus / limit and the in-chunk cumsum of dt * A, per (head, chunk).
   2. state walk (`ssd_chunk_state_triton`): the state entering every chunk, the kept chunk-end states and the
      final states, written straight into the caller's state pool rows when one is given.
-  3. outputs (`ssd_chunk_scan_triton`): y = exp(cum) * C S_in^T + (causal, decayed C B^T * dt) x + D x.
+  3. outputs: y = exp(cum) * C S_in^T + (causal, decayed C B^T * dt) x + D x, by one of two kernels:
+     `ssd_chunk_scan_triton` (C B^T over the whole chunk, shared by several heads) or `ssd_chunk_output_triton`
+     (the chunk walked in sub-blocks with the state in registers); `default_output_kernel` picks by chunk size.
 Reference and contract: `hybridserve.kernels.ssd_scan.ssd_scan_varlen_ref`.
 """
 
@@ -15,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.ssd_chunk_output_triton import chunk_output_kernel
 from hybridserve.kernels.ssd_chunk_scan_triton import chunk_scan_kernel
 from hybridserve.kernels.ssd_chunk_state_triton import (
     WalkConfig,
@@ -76,9 +79,13 @@ def ssd_scan_varlen_triton(
     meta: ChunkMeta | None = None,  # precomputed chunk metadata (skips a host sync), from `chunk_metadata`
     walk: WalkConfig | None = None,  # state-walk launch shape (benchmark sweeps); None: `walk_config`
     segment_chunks: int = WHOLE_SEQUENCE,  # chunks per walk segment (walked in parallel, then joined), meta None
+    output_kernel: str | None = None,  # "blocked" or "dense" (see `OUTPUT_KERNELS`); None: by chunk size
 ) -> SSDScanOutput:
     """Triton version of `ssd_scan_varlen_ref`: same arguments, same outputs (fp32 states). In pool mode the
     kernels read initial states from and write final / kept states to the pool rows directly."""
+    output_kernel = output_kernel or default_output_kernel(chunk_size)
+    if output_kernel not in OUTPUT_KERNELS:
+        raise ValueError(f"output_kernel must be one of {OUTPUT_KERNELS}, got {output_kernel!r}")
     num_tokens, heads, head_dim = x.shape
     groups, state_size = B.shape[1], B.shape[2]
     if chunk_size <= 0 or chunk_size & (chunk_size - 1):
@@ -156,10 +163,14 @@ def ssd_scan_varlen_triton(
             *_strides(init), *_strides(final), *_strides(kept), num_stages=1, **shape,
         )
     if num_chunks:
-        def grid_scan(meta_: dict) -> tuple[int, int, int]:
+        blocked = output_kernel == "blocked"
+
+        def grid(meta_: dict) -> tuple[int, int, int]:
+            if blocked:  # (head_dim tile, chunk, head)
+                return (triton.cdiv(head_dim, meta_["BLOCK_P"]), num_chunks, heads)
             return (triton.cdiv(qblock, meta_["BLOCK_M"]), num_chunks, heads // meta_["HEADS"])
 
-        chunk_scan_kernel[grid_scan](
+        (chunk_output_kernel if blocked else chunk_scan_kernel)[grid](
             x, dtc, cum, B, C, D if D is not None else A, states, corr, seg_decay, meta.chunk_seg, y,
             meta.chunk_start, meta.chunk_len,
             head_dim, state_size, heads, num_chunks, heads // groups,
@@ -173,6 +184,17 @@ def ssd_scan_varlen_triton(
         y=y, final_states=final[:num_seqs], chunk_states=kept[:num_kept], chunk_state_seq=meta.kept_seq,
         chunk_state_pos=meta.kept_pos,
     )
+
+
+OUTPUT_KERNELS = ("blocked", "dense")
+
+
+def default_output_kernel(chunk_size: int) -> str:
+    """The output kernel measured faster for this chunk size on the H100 (bench/results/h100/README.md): the
+    dense one (`ssd_chunk_scan_triton`) at chunk 128 (Nano-9B-v2: 441 vs 545 us per 8192 tokens), the blocked one
+    (`ssd_chunk_output_triton`) at chunk 256, where the dense one's [BLOCK_M, chunk] C B^T tile spills
+    (mamba2-2.7b: 171 vs 507 us)."""
+    return "blocked" if chunk_size >= 256 else "dense"
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int, int]:

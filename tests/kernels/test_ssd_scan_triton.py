@@ -29,7 +29,7 @@ def _inputs(lens, heads, head_dim, groups, state, dtype, device, gen):
 
 
 def _check(lens, starts, heads, head_dim, groups, state, chunk, state_block, dtype, device, gen, tol, with_init=True,
-           segment_chunks=16):
+           segment_chunks=16, output_kernel=None):
     cu, x, dt, A, B, C, D, bias = _inputs(lens, heads, head_dim, groups, state, dtype, device, gen)
     # initial states as a strided view of a request-major pool, zero for fresh sequences
     pool = torch.randn(len(lens), 2, heads, head_dim, state, generator=gen).to(device)
@@ -39,8 +39,9 @@ def _check(lens, starts, heads, head_dim, groups, state, chunk, state_block, dty
               start_positions=sp,
               state_block=state_block)
     ref = ssd_scan_varlen_ref(x, dt, A, B, C, cu, chunk, **kw)
-    got = ssd_scan_varlen_triton(x, dt, A, B, C, cu, chunk, segment_chunks=segment_chunks, **kw)
-    ku.assert_close(got.y, ref.y, tol, "y")
+    got = ssd_scan_varlen_triton(x, dt, A, B, C, cu, chunk, segment_chunks=segment_chunks,
+                                 output_kernel=output_kernel, **kw)
+    ku.assert_close(got.y, ref.y, tol, f"y ({output_kernel or 'default'} output kernel)")
     ku.assert_close(got.final_states, ref.final_states, tol, "final states")
     assert torch.equal(got.chunk_state_seq.cpu(), ref.chunk_state_seq.cpu())
     assert torch.equal(got.chunk_state_pos.cpu(), ref.chunk_state_pos.cpu())
@@ -49,26 +50,36 @@ def _check(lens, starts, heads, head_dim, groups, state, chunk, state_block, dty
         ku.assert_close(got.chunk_states[i], ref.chunk_states[i], tol, f"chunk state {i}")
 
 
+OUTPUT_KERNELS = ["dense", "blocked"]
+
+
 @ku.interp_only
-def test_ssd_scan_interpreter():
+@pytest.mark.parametrize("output_kernel", OUTPUT_KERNELS)
+def test_ssd_scan_interpreter(output_kernel):
     gen = torch.Generator().manual_seed(0)
+    kw = dict(output_kernel=output_kernel)
     # a fresh sequence, two resumed mid-chunk, an empty one; chunk 16, kept states every 32 tokens
-    _check([5, 40, 0, 23], [0, 7, 3, 33], 4, 12, 2, 16, 16, 32, torch.float32, "cpu", gen, 2e-3)
-    _check([20, 33], [0, 0], 2, 16, 1, 32, 16, None, torch.float32, "cpu", gen, 2e-3, with_init=False)
+    _check([5, 40, 0, 23], [0, 7, 3, 33], 4, 12, 2, 16, 16, 32, torch.float32, "cpu", gen, 2e-3, **kw)
+    _check([20, 33], [0, 0], 2, 16, 1, 32, 16, None, torch.float32, "cpu", gen, 2e-3, with_init=False, **kw)
     # the tiny test checkpoints' shapes: chunk 8, state 8 (blocks padded to the 16 tl.dot needs)
-    _check([11, 6], [0, 5], 4, 16, 2, 8, 8, 8, torch.float32, "cpu", gen, 2e-3)
+    _check([11, 6], [0, 5], 4, 16, 2, 8, 8, 8, torch.float32, "cpu", gen, 2e-3, **kw)
+    # chunk 64 = four 16-token sub-blocks of the blocked kernel (its in-chunk state carry), short first chunks
+    _check([70, 130, 9], [0, 21, 50], 4, 12, 2, 16, 64, 64, torch.float32, "cpu", gen, 2e-3, **kw)
 
 
 @ku.interp_only
+@pytest.mark.parametrize("output_kernel", OUTPUT_KERNELS)
 @pytest.mark.parametrize("segment_chunks", [1, 2, 3])
-def test_ssd_scan_segments_interpreter(segment_chunks):
+def test_ssd_scan_segments_interpreter(segment_chunks, output_kernel):
     """Sequences walked in segments of a few chunks (in parallel from zeros) and joined: y, final and kept
     states (kept ends inside later segments are completed by the join), in plain and pool mode."""
     gen = torch.Generator().manual_seed(10 + segment_chunks)
     _check([5, 40, 0, 23, 61], [0, 7, 3, 33, 0], 4, 12, 2, 16, 8, 16, torch.float32, "cpu", gen, 2e-3,
-           segment_chunks=segment_chunks)
+           segment_chunks=segment_chunks, output_kernel=output_kernel)
     _check([30, 3], [0, 0], 2, 16, 1, 16, 8, None, torch.float32, "cpu", gen, 2e-3, with_init=False,
-           segment_chunks=segment_chunks)
+           segment_chunks=segment_chunks, output_kernel=output_kernel)
+    _check([70, 41], [0, 13], 2, 16, 1, 16, 32, 32, torch.float32, "cpu", gen, 2e-3,
+           segment_chunks=segment_chunks, output_kernel=output_kernel)
     _check_pool([5, 40, 0, 23, 61], [0, 7, 3, 33, 0], 4, 12, 2, 16, 8, 16, torch.float32, torch.float32, "cpu", gen,
                 2e-3, segment_chunks=segment_chunks)
     _check_pool([37, 19], [9, 0], 2, 40, 1, 16, 8, None, torch.float32, torch.float32, "cpu", gen, 2e-3,
@@ -82,12 +93,13 @@ def test_ssd_scan_segments_interpreter(segment_chunks):
     [(128, 80, 8, 128, 128, 256), (80, 64, 1, 128, 256, 256)],  # Nano-9B-v2 (chunk 128), mamba2-2.7b (256)
 )
 @pytest.mark.parametrize("lens,starts", [([1000, 37, 513], [0, 300, 129]), ([2048], [0])])
-def test_ssd_scan_gpu(shape, lens, starts):
+@pytest.mark.parametrize("output_kernel", OUTPUT_KERNELS)
+def test_ssd_scan_gpu(shape, lens, starts, output_kernel):
     heads, head_dim, groups, state, chunk, block = shape
     gen = torch.Generator().manual_seed(sum(lens))
     for segment_chunks in (3, 16):  # joined segments of 3 chunks, and (mostly) one segment per sequence
         _check(lens, starts, heads, head_dim, groups, state, chunk, block, torch.bfloat16, "cuda", gen, 3e-2,
-               segment_chunks=segment_chunks)
+               segment_chunks=segment_chunks, output_kernel=output_kernel)
 
 
 def _check_pool(lens, starts, heads, head_dim, groups, state, chunk, state_block, dtype, pool_dtype, device, gen, tol,
@@ -172,8 +184,10 @@ def test_ssd_scan_tiny_shapes_gpu(dtype, tol):
     """The tiny parity checkpoints' shapes (4 heads x 16 x 8 state, 2 groups, chunk 8): every block is padded
     to the 16 tl.dot needs; fp32 runs without TF32, so it matches the reference closely."""
     gen = torch.Generator().manual_seed(4)
-    _check([3, 40, 17, 90], [0, 0, 0, 0], 4, 16, 2, 8, 8, None, dtype, "cuda", gen, tol, with_init=False)
-    _check([11, 6, 1, 30], [0, 5, 16, 19], 4, 16, 2, 8, 8, 8, dtype, "cuda", gen, tol)
+    for output_kernel in OUTPUT_KERNELS:
+        _check([3, 40, 17, 90], [0, 0, 0, 0], 4, 16, 2, 8, 8, None, dtype, "cuda", gen, tol, with_init=False,
+               output_kernel=output_kernel)
+        _check([11, 6, 1, 30], [0, 5, 16, 19], 4, 16, 2, 8, 8, 8, dtype, "cuda", gen, tol, output_kernel=output_kernel)
     for pool_dtype in (torch.float32, torch.bfloat16):
         for segment_chunks in (1, 16):
             _check_pool([11, 6, 1, 30], [0, 5, 16, 19], 4, 16, 2, 8, 8, 16, dtype, pool_dtype, "cuda", gen, tol,
@@ -204,6 +218,19 @@ def test_ssd_scan_walk_shapes_interpreter():
         ku.assert_close(got.y, ref.y, 2e-3, f"y {walk}")
         ku.assert_close(got.final_states, ref.final_states, 2e-3, f"final {walk}")
         ku.assert_close(got.chunk_states, ref.chunk_states, 2e-3, f"kept {walk}")
+
+
+def test_output_kernel_errors():
+    x, dt, A = torch.zeros(4, 2, 16), torch.zeros(4, 2), -torch.ones(2)
+    B = C = torch.zeros(4, 1, 16)
+    with pytest.raises(ValueError, match="output_kernel must be one of"):
+        ssd_scan_varlen_triton(x, dt, A, B, C, torch.tensor([0, 4]), 16, output_kernel="fast")
+
+
+def test_default_output_kernel():
+    from hybridserve.kernels.ssd_scan_triton import default_output_kernel
+
+    assert default_output_kernel(128) == "dense" and default_output_kernel(256) == "blocked"
 
 
 def test_walk_config_errors():
