@@ -137,13 +137,15 @@ def chunk_state_walk_kernel(
         state = decay[:, None] * state + tl.dot(xs, Bq, input_precision=DOT_PRECISION)
         if HAS_KEPT:  # without it keep_idx may index past kept_rows (a pool-mode call that keeps nothing)
             k = tl.load(keep_idx_ptr + c)
-            kept_row = tl.load(kept_rows_ptr + tl.maximum(k, 0), mask=k >= 0, other=-1).to(tl.int64)
-            direct = (offs_p * 0 + (is_first & (kept_row >= 0)).to(tl.int32)) > 0
-            tl.store(kept_ptr + tl.maximum(kept_row, 0) * k_r + head_r[:, None] * k_h + offs_p[:, None] * k_p
-                     + offs_n[None, :] * k_n, state.to(kept_ptr.dtype.element_ty), mask=mask_pn & direct[:, None])
-            later = (offs_p * 0 + ((first_flag == 0) & (kept_row >= 0)).to(tl.int32)) > 0
-            tl.store(kept_local_ptr + tl.maximum(k, 0).to(tl.int64) * H * P * N + rows_out, state,
-                     mask=mask_pn & later[:, None])
+            # scalar branches: chunks that keep nothing (most) skip the address math of a whole tile
+            if k >= 0:
+                kept_row = tl.load(kept_rows_ptr + k).to(tl.int64)
+                if kept_row >= 0:
+                    if is_first:
+                        tl.store(kept_ptr + kept_row * k_r + head_r[:, None] * k_h + offs_p[:, None] * k_p
+                                 + offs_n[None, :] * k_n, state.to(kept_ptr.dtype.element_ty), mask=mask_pn)
+                    else:
+                        tl.store(kept_local_ptr + k.to(tl.int64) * H * P * N + rows_out, state, mask=mask_pn)
     tl.store(seg_end_ptr + tl.cast(seg, tl.int64) * H * P * N + rows_out, state, mask=mask_pn)
 
 
