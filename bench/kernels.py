@@ -110,13 +110,14 @@ def bench_ssd(peer: dict | None, ceil: dict, quick: bool) -> list[dict]:
                                               meta=meta, output_kernel=output_kernel)
 
             ours_ms = median_ms(ours, quick)
+            ours_graph_ms = graph_ms(ours, quick)  # GPU time alone: no Python launch overhead
             other = next(k for k in OUTPUT_KERNELS if k != default_output_kernel(chunk))
             other_ms = median_ms(lambda: ours(other), quick)
             io_bytes = tokens * (2 * heads * head_dim * 2 + 2 * groups * state * 2 + heads * 2)
             io_bytes += (tokens // STATE_BLOCK + num_seqs) * heads * head_dim * state * 4
             flops = tokens * heads * (4 * head_dim * state + 2 * chunk * head_dim + 2 * chunk * state // (heads // groups))
             floor_ms = max(io_bytes / ceil["copy_GBps"] / 1e6, flops / ceil["bf16_matmul_TFLOPs"] / 1e9)
-            row = {"config": name, "seqs": num_seqs, "seqlen": seqlen, "ours_ms": ours_ms,
+            row = {"config": name, "seqs": num_seqs, "seqlen": seqlen, "ours_ms": ours_ms, "ours_graph_ms": ours_graph_ms,
                    "ours_Mtok_s": tokens / ours_ms / 1e3, "floor_ms": floor_ms,
                    "output_kernel": default_output_kernel(chunk), f"with_{other}_output_ms": other_ms}
             if peer is not None:
@@ -131,8 +132,9 @@ def bench_ssd(peer: dict | None, ceil: dict, quick: bool) -> list[dict]:
                 y_peer, final_peer = theirs()
                 out = ours()
                 err = float((out.y.float() - y_peer.reshape(out.y.shape).float()).norm() / y_peer.float().norm())
+                peer_graph_ms = graph_ms(theirs, quick)
                 row.update(peer_ms=peer_ms, peer_ms_runs=peer_runs, peer_Mtok_s=tokens / peer_ms / 1e3, speedup=peer_ms / ours_ms,
-                           y_rel_diff_vs_peer=err)
+                           peer_graph_ms=peer_graph_ms, speedup_graph=peer_graph_ms / ours_graph_ms, y_rel_diff_vs_peer=err)
             if num_seqs == 1 and seqlen == 8192:
                 row["profile_ours"] = profile(ours, f"ours {name} 1x8192")
                 if peer is not None:
@@ -140,7 +142,9 @@ def bench_ssd(peer: dict | None, ceil: dict, quick: bool) -> list[dict]:
             rows.append(row)
             print(f"ssd {name:20s} {num_seqs}x{seqlen:<6d} ours {row['ours_Mtok_s']:7.2f} Mtok/s "
                   f"({ours_ms:.3f} ms, floor {floor_ms:.3f} ms)"
-                  + (f"  peer {row['peer_Mtok_s']:6.2f} Mtok/s  x{row['speedup']:.2f}" if "peer_ms" in row else ""),
+                  + (f"  peer {row['peer_Mtok_s']:6.2f} Mtok/s  x{row['speedup']:.2f}; as CUDA graphs "
+                     f"{ours_graph_ms:.3f} vs {row['peer_graph_ms']:.3f} ms x{row['speedup_graph']:.2f}"
+                     if "peer_ms" in row else ""),
                   flush=True)
             del x, dt, B, C
     return rows

@@ -2,6 +2,7 @@
 program, BLOCK_P x BLOCK_N, warps) and the output kernel's autotune timings, at the issue-3 shapes.
 
     python bench/ssd_sweep.py [--out bench/results/<device>/ssd_sweep.json] [--quick]
+    python bench/ssd_sweep.py --kernel-times [--out ...]   # per-kernel GPU time of a few walk tiles, whole sequences
 
 The walk is not autotuned (in pool mode a rerun reads its own output), so `walk_config` encodes what this finds.
 """
@@ -13,6 +14,7 @@ import itertools
 import json
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 from triton.testing import do_bench
@@ -37,11 +39,52 @@ def walk_space(heads_per_group: int) -> list[WalkConfig]:
 SEGMENTS = (8, 16, 32, WHOLE_SEQUENCE)  # chunks per walk segment (the last: one segment per sequence)
 
 
+def kernel_times(fn: Callable[[], object], calls: int = 10) -> dict[str, float]:
+    """Mean GPU time per call of each kernel fn launches, in us (torch.profiler)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return {e.key: round(e.device_time_total / calls, 1) for e in prof.key_averages()
+            if e.device_time_total > 0 and "elementwise" not in e.key}
+
+
+TILE_CHOICES = [None, WalkConfig(32, 128, 4, 2), WalkConfig(64, 128, 8, 2), WalkConfig(64, 128, 4, 2),
+                WalkConfig(16, 128, 4, 2)]  # None: `walk_config`'s pick
+
+
+def sweep_kernel_times() -> list[dict]:
+    """Walk, join and output kernel times for a few walk tiles at every shape (one segment per sequence)."""
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (heads, head_dim, groups, state, chunk) in CONFIGS.items():
+        for num_seqs, seqlen in ((1, 8192), (4, 2048), (1, 32768)):
+            x, dt, A, B, C, D, bias, cu = ssd_inputs(heads, head_dim, groups, state, num_seqs, seqlen, gen)
+            meta = chunk_metadata(cu, None, chunk, STATE_BLOCK, x.device)
+            for walk in TILE_CHOICES:
+                def run(walk=walk):
+                    return ssd_scan_varlen_triton(x, dt, A, B, C, cu, chunk, D=D, dt_bias=bias,
+                                                  state_block=STATE_BLOCK, meta=meta, walk=walk)
+                row = {"config": name, "seqs": num_seqs, "seqlen": seqlen, "walk": str(walk), "us": kernel_times(run)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--kernel-times", action="store_true", help="per-kernel times of a few walk tiles only")
     args = parser.parse_args()
+    if args.kernel_times:
+        result = {"device": torch.cuda.get_device_name(), "kernel_times": sweep_kernel_times()}
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1))
+        return
     rep = 40 if args.quick else 200
     rows: list[dict] = []
     gen = torch.Generator(device="cuda").manual_seed(0)

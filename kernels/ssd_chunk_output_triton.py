@@ -23,8 +23,9 @@ def _output_configs() -> list[triton.Config]:
     """Autotune space on the GPU; one small config under the interpreter (tests)."""
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_P": 16}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_P": p}, num_warps=w, num_stages=s)
-            for m in (32, 64) for p in (16, 32, 64) for w in (4, 8) for s in (1, 2)]
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_P": p}, num_warps=w, num_stages=s)
+               for m in (32, 64) for p in (16, 32, 64) for w in (4, 8) for s in (1, 2)]
+    return configs + [triton.Config({"BLOCK_M": 128, "BLOCK_P": p}, num_warps=8, num_stages=2) for p in (32, 64)]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
