@@ -16,6 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.ssd_chunk_state_triton import segment_start_term
 from hybridserve.kernels.triton_utils import interpreting
 
 
@@ -62,11 +63,8 @@ def chunk_output_kernel(
     state = tl.load(states_ptr + (c.to(tl.int64) * H + h) * P * N + offs_p[:, None] * N + offs_n[None, :],
                     mask=mask_pn, other=0.0).to(tl.float32)
     if HAS_SEGMENTS:  # a later segment's walk started from zeros: add its decayed true start state
-        seg = tl.load(chunk_seg_ptr + c)
-        seg_decay = tl.load(seg_decay_ptr + h.to(tl.int64) * NC + c, mask=seg >= 0, other=0.0)
-        corr = tl.load(corr_ptr + (tl.maximum(seg, 0).to(tl.int64) * H + h) * P * N + offs_p[:, None] * N
-                       + offs_n[None, :], mask=mask_pn & (offs_p * 0 + seg >= 0)[:, None], other=0.0)
-        state += seg_decay * corr.to(tl.float32)
+        state += segment_start_term(corr_ptr, seg_decay_ptr, chunk_seg_ptr, c, h, H, P, N, NC, offs_p[:, None],
+                                    offs_n[None, :], mask_pn)
     D_h = 0.0
     if HAS_D:
         D_h = tl.load(D_ptr + h).to(tl.float32)

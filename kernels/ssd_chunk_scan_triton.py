@@ -13,6 +13,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.ssd_chunk_state_triton import segment_start_term
 from hybridserve.kernels.triton_utils import interpreting
 
 
@@ -60,7 +61,6 @@ def chunk_scan_kernel(
     h0 = g * heads_per_group + (tl.program_id(2) % head_blocks) * HEADS
     start = tl.load(chunk_start_ptr + c).to(tl.int64)
     length = tl.load(chunk_len_ptr + c)
-    seg = tl.load(chunk_seg_ptr + c)  # >= 0: the walk started this chunk's segment from zeros; add its start state
     m0 = pid_m * BLOCK_M
     if m0 < length:  # short chunks (a sequence's first or last) leave later row blocks idle
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -85,9 +85,6 @@ def chunk_scan_kernel(
             x_base = x_ptr + start * x_t + h * x_h
             scale_m = tl.exp(cum_m)[:, None]
             D_h = 0.0
-            seg_decay = 0.0
-            if HAS_SEGMENTS:
-                seg_decay = tl.load(seg_decay_ptr + h.to(tl.int64) * NC + c, mask=seg >= 0, other=0.0)
             if HAS_D:
                 D_h = tl.load(D_ptr + h).to(tl.float32)
             for p0 in range(0, P, BLOCK_P):  # w and cb are reused by every head_dim tile
@@ -96,10 +93,9 @@ def chunk_scan_kernel(
                 S_in = tl.load(states_ptr + (c.to(tl.int64) * H + h) * P * N + offs_p[None, :] * N
                                + offs_n[:, None], mask=mask_p[None, :] & mask_n[:, None], other=0.0)  # [BN, BP]
                 if HAS_SEGMENTS:  # a later segment's walk started from zeros: add its decayed true start state
-                    corr = tl.load(corr_ptr + (tl.maximum(seg, 0).to(tl.int64) * H + h) * P * N + offs_p[None, :] * N
-                                   + offs_n[:, None], mask=mask_p[None, :] & (mask_n & (offs_n * 0 + seg >= 0))[:, None],
-                                   other=0.0)
-                    S_in = (S_in.to(tl.float32) + seg_decay * corr.to(tl.float32)).to(S_in.dtype)
+                    S_in = (S_in.to(tl.float32) + segment_start_term(
+                        corr_ptr, seg_decay_ptr, chunk_seg_ptr, c, h, H, P, N, NC, offs_p[None, :], offs_n[:, None],
+                        mask_p[None, :] & mask_n[:, None])).to(S_in.dtype)
                 xk = tl.load(x_base + offs_k[:, None] * x_t + offs_p[None, :] * x_p,
                              mask=mask_k[:, None] & mask_p[None, :], other=0.0)  # [QBLOCK, BLOCK_P]
                 acc = tl.dot(Cm, S_in.to(Cm.dtype), input_precision=DOT_PRECISION) * scale_m  # [BLOCK_M, BLOCK_P]

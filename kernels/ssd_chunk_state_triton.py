@@ -78,6 +78,18 @@ def _load_init(init_ptr, init_rows_ptr, s, use, head_r, offs_p, offs_n, mask_pn,
 
 
 @triton.jit
+def segment_start_term(corr_ptr, seg_decay_ptr, chunk_seg_ptr, c, h, H, P, N, NC, p_idx, n_idx, mask):
+    """What an output kernel adds to chunk c's walked entry state of head h when the chunk's walk segment started
+    from zeros (not its sequence's first): seg_decay[h, c] * corr[segment], fp32, shaped like the broadcast
+    (p_idx, n_idx) state indices; zeros for chunks of first segments."""
+    seg = tl.load(chunk_seg_ptr + c)  # >= 0: the walk started this chunk's segment from zeros
+    seg_decay = tl.load(seg_decay_ptr + h.to(tl.int64) * NC + c, mask=seg >= 0, other=0.0)
+    corr = tl.load(corr_ptr + (tl.maximum(seg, 0).to(tl.int64) * H + h) * P * N + p_idx * N + n_idx,
+                   mask=mask & (p_idx * 0 + seg >= 0), other=0.0)
+    return seg_decay * corr.to(tl.float32)
+
+
+@triton.jit
 def chunk_state_walk_kernel(
     x_ptr, dtc_ptr, cum_ptr, B_ptr, init_ptr, init_rows_ptr, states_ptr, seg_end_ptr,
     kept_ptr, kept_rows_ptr, kept_local_ptr, chunk_start_ptr, chunk_len_ptr, seg_chunk_ptr, seg_seq_ptr,
