@@ -24,8 +24,10 @@ def _output_configs() -> list[triton.Config]:
     """Autotune space on the GPU; one small config under the interpreter (tests)."""
     if interpreting():
         return [triton.Config({"BLOCK_M": 16, "BLOCK_P": 16}, num_warps=4, num_stages=1)]
+    # no 32-row sub-blocks with num_stages=2: Triton 3.6 on the H100 miscompiles them (y off by ~8 % relative to
+    # the reference at both real shapes; 64 and 128 rows with 2 stages are exact); `test_output_configs_gpu` checks
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_P": p}, num_warps=w, num_stages=s)
-               for m in (32, 64) for p in (16, 32, 64) for w in (4, 8) for s in (1, 2)]
+               for m in (32, 64) for p in (16, 32, 64) for w in (4, 8) for s in (1, 2) if m > 32 or s == 1]
     return configs + [triton.Config({"BLOCK_M": 128, "BLOCK_P": p}, num_warps=8, num_stages=2) for p in (32, 64)]
 
 

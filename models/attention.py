@@ -8,6 +8,7 @@ from torch import nn
 from hybridserve.kernels import ops
 from hybridserve.models.config import AttentionConfig
 from hybridserve.models.forward_batch import ForwardBatch
+from hybridserve.models.layers import Linear
 
 
 class Attention(nn.Module):
@@ -18,10 +19,10 @@ class Attention(nn.Module):
         self.config = config
         self.kv_start = kv_start  # keys before this position are never attended (1 for the MTP drafter)
         self.scale = config.head_dim**-0.5
-        self.q_proj = nn.Linear(hidden_size, config.num_heads * config.head_dim, bias=config.bias)
-        self.k_proj = nn.Linear(hidden_size, config.num_kv_heads * config.head_dim, bias=config.bias)
-        self.v_proj = nn.Linear(hidden_size, config.num_kv_heads * config.head_dim, bias=config.bias)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, hidden_size, bias=config.bias)
+        self.q_proj = Linear(hidden_size, config.num_heads * config.head_dim, bias=config.bias)
+        self.k_proj = Linear(hidden_size, config.num_kv_heads * config.head_dim, bias=config.bias)
+        self.v_proj = Linear(hidden_size, config.num_kv_heads * config.head_dim, bias=config.bias)
+        self.o_proj = Linear(config.num_heads * config.head_dim, hidden_size, bias=config.bias)
 
     def forward(
         self,

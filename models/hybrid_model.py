@@ -14,7 +14,7 @@ from torch import nn
 from hybridserve.models.attention import Attention
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
-from hybridserve.models.layers import MLP, MoE, RMSNorm, residual_stack
+from hybridserve.models.layers import MLP, Linear, MoE, RMSNorm, residual_stack
 from hybridserve.models.mamba_mixer import Mamba2Mixer
 from hybridserve.models.mtp import MTPHead
 
@@ -52,7 +52,7 @@ class HybridLM(nn.Module):
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, kind, i) for i, kind in enumerate(config.layer_types))
         self.norm_f = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp = MTPHead(config) if config.has_mtp else None
         for p in self.parameters():
             p.requires_grad_(False)

@@ -17,6 +17,14 @@ def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state-dict keys) whose forward goes through `ops.linear`, so decode-sized
+    inputs on CUDA take the skinny Triton kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """Plain RMSNorm (fp32 statistics)."""
 
@@ -56,8 +64,8 @@ class MLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
         return self.down_proj(relu2(self.up_proj(x), inplace=True))
@@ -104,8 +112,8 @@ class MoE(nn.Module):
         self.fc1_latent_proj: nn.Module = nn.Identity()
         self.fc2_latent_proj: nn.Module = nn.Identity()
         if config.latent_size is not None:
-            self.fc1_latent_proj = nn.Linear(hidden_size, config.latent_size, bias=bias)
-            self.fc2_latent_proj = nn.Linear(config.latent_size, hidden_size, bias=bias)
+            self.fc1_latent_proj = Linear(hidden_size, config.latent_size, bias=bias)
+            self.fc2_latent_proj = Linear(config.latent_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
         weights, ids = self.gate(x)

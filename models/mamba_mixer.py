@@ -15,6 +15,7 @@ from hybridserve.kernels import ops
 from hybridserve.kernels.replay_state import ReplayCache
 from hybridserve.models.config import MambaConfig
 from hybridserve.models.forward_batch import ForwardBatch
+from hybridserve.models.layers import Linear
 
 
 class _Conv1dWeights(nn.Module):
@@ -40,13 +41,13 @@ class Mamba2Mixer(nn.Module):
         self.config = config
         self.norm_eps = norm_eps
         self.layer_index = layer_index  # key of this layer's states in ForwardBatch.intermediate_states
-        self.in_proj = nn.Linear(hidden_size, config.in_proj_size, bias=config.proj_bias)
+        self.in_proj = Linear(hidden_size, config.in_proj_size, bias=config.proj_bias)
         self.conv1d = _Conv1dWeights(config.conv_dim, config.conv_kernel, config.use_conv_bias)
         self.dt_bias = nn.Parameter(torch.empty(config.num_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(config.num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(config.num_heads), requires_grad=False)
         self.norm = _GatedNormWeights(config.intermediate_size)
-        self.out_proj = nn.Linear(config.intermediate_size, hidden_size, bias=config.proj_bias)
+        self.out_proj = Linear(config.intermediate_size, hidden_size, bias=config.proj_bias)
 
     def forward(
         self,

@@ -18,7 +18,7 @@ from torch import nn
 from hybridserve.models.attention import Attention
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
-from hybridserve.models.layers import MLP, MoE, RMSNorm, residual_stack
+from hybridserve.models.layers import MLP, Linear, MoE, RMSNorm, residual_stack
 
 if TYPE_CHECKING:
     from hybridserve.statepool.state_cache import StateCache
@@ -34,7 +34,7 @@ class MTPLayer(nn.Module):
         if first:
             self.enorm = RMSNorm(hidden, config.norm_eps)
             self.hnorm = RMSNorm(hidden, config.norm_eps)
-            self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
+            self.eh_proj = Linear(2 * hidden, hidden, bias=False)
         self.norm = RMSNorm(hidden, config.norm_eps)
         if kind == "attention":
             assert config.attention is not None  # ModelConfig validation guarantees it

@@ -65,6 +65,8 @@ def test_ssd_scan_interpreter(output_kernel):
     _check([11, 6], [0, 5], 4, 16, 2, 8, 8, 8, torch.float32, "cpu", gen, 2e-3, **kw)
     # chunk 64 = four 16-token sub-blocks of the blocked kernel (its in-chunk state carry), short first chunks
     _check([70, 130, 9], [0, 21, 50], 4, 12, 2, 16, 64, 64, torch.float32, "cpu", gen, 2e-3, **kw)
+    # head_dim 40: not a power of two (as Nano-9B-v2's 80), the last head_dim tile is partly masked
+    _check([37, 19], [9, 0], 2, 40, 1, 16, 16, 32, torch.float32, "cpu", gen, 2e-3, **kw)
 
 
 @ku.interp_only
@@ -240,3 +242,33 @@ def test_walk_config_errors():
         WalkConfig(block_p=24)
     with pytest.raises(ValueError, match="rows of a tl.dot"):
         WalkConfig(block_p=4, heads=2)
+
+
+@ku.gpu
+@ku.cuda_only
+@pytest.mark.parametrize(
+    "output_kernel,shape",
+    [("dense", (128, 80, 8, 128, 128)), ("blocked", (128, 80, 8, 128, 128)), ("blocked", (80, 64, 1, 128, 256))],
+)
+def test_output_configs_gpu(output_kernel, shape, monkeypatch):
+    """Every config of the output kernel's autotune space (after its prune) against the reference, so that the
+    autotuner can never pick a miscompiled one (Triton 3.6 got 32-row blocked sub-blocks with 2 stages wrong)."""
+    from hybridserve.kernels import ssd_chunk_output_triton as blocked_mod
+    from hybridserve.kernels import ssd_chunk_scan_triton as dense_mod
+
+    module, kernel = ((blocked_mod, blocked_mod.chunk_output_kernel) if output_kernel == "blocked"
+                      else (dense_mod, dense_mod.chunk_scan_kernel))
+    heads, head_dim, groups, state, chunk = shape
+    gen = torch.Generator().manual_seed(6)
+    lens, starts = [600, 37, 300], [0, 300, 129]
+    cu, x, dt, A, B, C, D, bias = _inputs(lens, heads, head_dim, groups, state, torch.bfloat16, "cuda", gen)
+    kw = dict(D=D, dt_bias=bias, start_positions=torch.tensor(starts, device="cuda"), state_block=2 * chunk)
+    ref = ssd_scan_varlen_ref(x, dt, A, B, C, cu, chunk, **kw).y
+    named = {"P": head_dim, "heads_per_group": heads // groups}
+    configs = module._prune(kernel.configs, named, QBLOCK=chunk)
+    monkeypatch.setattr(kernel, "early_config_prune", None)
+    for config in configs:
+        monkeypatch.setattr(kernel, "configs", [config])
+        monkeypatch.setattr(kernel, "cache", {})
+        got = ssd_scan_varlen_triton(x, dt, A, B, C, cu, chunk, output_kernel=output_kernel, **kw).y
+        ku.assert_close(got, ref, 1e-2, f"y with {config}")
