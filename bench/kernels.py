@@ -4,7 +4,8 @@ Decode-time kernels (state update, verify) are timed as CUDA-graph replays, as t
     python bench/kernels.py [--out bench/results/<device>/kernels.json] [--quick]
 
 Measures device copy bandwidth and bf16 matmul TFLOP/s, then the rows of issue 3: SSD scan, single-token state
-update, T=4 verify, and the whole-model decode step (bench/decode_step.py). Every figure is the median of many
+update, T=4 verify, the whole-model decode step (bench/decode_step.py) and the decode projections
+(bench/skinny_linear.py). Every figure is the median of many
 runs (triton.testing.do_bench) and is printed beside its floor (bytes / copy bandwidth or flops / matmul peak).
 """
 
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_graph import capture  # noqa: E402
 from decode_step import bench_decode_step  # noqa: E402
 from peer import load_peer  # noqa: E402
+from skinny_linear import bench_skinny_linear  # noqa: E402
 
 from hybridserve.kernels.replay_state_update import ReplayCache, replay_state_update_triton  # noqa: E402
 from hybridserve.kernels.ssd_scan_meta import chunk_metadata  # noqa: E402
@@ -282,7 +284,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="shorter timing loops")
-    parser.add_argument("--skip", nargs="*", default=[], help="sections to skip: ssd ssu ssu_sweep verify decode attention")
+    parser.add_argument("--skip", nargs="*", default=[],
+                        help="sections to skip: ssd ssu ssu_sweep verify decode linear attention")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/kernels.py needs a CUDA device")
@@ -301,6 +304,7 @@ def main() -> None:
                 "ssu_sweep": lambda: sweep_state_update(ceil, args.quick),
                 "verify": lambda: bench_verify(peer, ceil, args.quick),
                 "decode": lambda: bench_decode_step(ceil, median_ms, args.quick),
+                "linear": lambda: bench_skinny_linear(ceil, args.quick),
                 "attention": lambda: _attention(ceil, args.quick)}
     for name, run in sections.items():
         if name in args.skip:
