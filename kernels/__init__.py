@@ -3,7 +3,8 @@
 `<op>.py` holds the pure-torch reference (the CPU path and the oracle for every Triton kernel);
 `<op>_triton.py` beside it holds the Triton kernel(s) and launcher with the same signature, imported only
 on the GPU path (and by the interpreter tests) so a CPU install needs no triton. `ops` picks between them.
-`replay_state_update` (speculative-decoding verify by replay) is Triton with its torch oracle in one file.
+`replay_state_update` (speculative-decoding verify by replay) and `skinny_linear_triton` (decode projections,
+oracle torch's linear) hold the Triton kernel and its torch oracle in one file.
 """
 
 from hybridserve.kernels.causal_conv1d import ConvVarlenOutput, causal_conv1d_update_ref, causal_conv1d_varlen_ref
