@@ -43,7 +43,8 @@ def triton_available() -> bool:
 
 
 @functools.cache
-def _triton_fn(module: str, name: str) -> Callable[..., Any]:
+def _triton_fn(module: str, name: str) -> Any:
+    """`name` (a launcher, or a constant such as a kernel's row limit) from a Triton kernel module."""
     return getattr(importlib.import_module(f"hybridserve.kernels.{module}"), name)
 
 
@@ -62,15 +63,15 @@ def _dispatch(reference: Callable[..., Any], module: str, name: str) -> Callable
 # the skinny Triton linear beat cuBLAS only for large weights on the H100 (bench/results/h100/skinny_linear.json:
 # 4-11 % faster from the 45.9M-element mamba out_proj up, 2-17 % slower on the attention projections <= 22.9M)
 SKINNY_MIN_WEIGHT = 32 * 1024 * 1024  # weight elements
-SKINNY_MAX_ROWS = 16  # rows of x (`skinny_linear_triton.MAX_ROWS`)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T + bias: the skinny Triton kernel for a decode step's few rows against a large half-precision
-    weight on CUDA (it streams the weight closer to copy bandwidth than cuBLAS), torch's linear otherwise."""
-    rows = x.numel() // max(x.shape[-1], 1)
-    if (x.is_cuda and triton_available() and rows <= SKINNY_MAX_ROWS and weight.numel() >= SKINNY_MIN_WEIGHT
-            and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)):
+    """x @ weight^T + bias: the skinny Triton kernel for a decode step's few rows (up to its MAX_ROWS) against a
+    large half-precision weight on CUDA (it streams the weight closer to copy bandwidth than cuBLAS), torch's
+    linear otherwise."""
+    if (x.is_cuda and triton_available() and weight.numel() >= SKINNY_MIN_WEIGHT and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and x.numel() <= _triton_fn("skinny_linear_triton", "MAX_ROWS") * x.shape[-1]):
         return _triton_fn("skinny_linear_triton", "skinny_linear_triton")(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 

@@ -64,7 +64,7 @@ def skinny_linear_triton(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:
     """x @ weight^T + bias in x's dtype (fp32 accumulation), [..., N]."""
-    if x.shape[-1] != weight.shape[1] or weight.dim() != 2:
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x [..., {x.shape[-1]}] does not match weight {tuple(weight.shape)} (want [N, K])")
     rows = x.numel() // max(x.shape[-1], 1)
     if rows > MAX_ROWS:
