@@ -5,7 +5,7 @@ At the start of a verify step the slot holds the state *before* the previous ste
 those tokens' x, B, processed dt and dA cumsum; `num_accepted` says how many of them were kept. The step
   1. precompute (grid B x H): processes the new dt, its cumsum, CB = C B^T with one tl.dot, scaled by
      exp(cum_t - cum_j) dt_j and causally masked; stores dt / cumsum / B for the next step;
-  2. main (grid P-blocks x B x H): replays the accepted tokens into the state with one tl.dot, writes the
+  2. main (grid P-blocks x H x B): replays the accepted tokens into the state with one tl.dot, writes the
      state once, computes the T outputs with two tl.dots (C S^T decayed, CB_scaled x) and stores x;
   3. flips each slot's buffer index (B, dt, cumsum are double-buffered because heads share B).
 State traffic per step: one read and (when something was accepted) one write, versus 1 + T for the
@@ -76,8 +76,8 @@ def _replay_main_kernel(
     DOT_OUT: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
-    b = tl.program_id(1)
-    h = tl.program_id(2)
+    h = tl.program_id(1)  # heads before sequences: programs launched together share one slot's state rows
+    b = tl.program_id(2)
     g = h // heads_per_group
     offs_t = tl.arange(0, BLOCK_T)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -190,7 +190,7 @@ def replay_state_update_triton(
         HAS_LIMIT=has_limit, num_warps=4,
     )
     zz = z if z is not None else x
-    _replay_main_kernel[(triton.cdiv(head_dim, block_p), batch, heads)](
+    _replay_main_kernel[(triton.cdiv(head_dim, block_p), heads, batch)](
         state_pool, slots, num_accepted, x, zz, C, D if D is not None else A, y, cbs, cache.buf,
         cache.prev_x, cache.prev_B, cache.prev_dt, cache.prev_cum,
         tokens, heads, head_dim, state, heads // groups,

@@ -32,8 +32,10 @@ def _state_update_kernel(
     HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, HAS_INTER: tl.constexpr,
     DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, WRITE_FINAL: tl.constexpr,
 ):
-    b = tl.program_id(1)
-    h = tl.program_id(2)
+    # heads vary faster than sequences across the grid: programs launched together stream through one slot's
+    # contiguous [H, P, N] state instead of touching every slot of the batch at once (bench/results/h100)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
     g = h // heads_per_group
     slot = tl.load(slots_ptr + b).to(tl.int64)
     A = tl.load(A_ptr + h).to(tl.float32)
@@ -103,14 +105,6 @@ def _block_p(head_dim: int, state_size: int, batch: int, heads: int) -> int:
     return min(16, next_pow2(head_dim))
 
 
-def _tiles(head_dim: int, block_p: int, batch: int, heads: int) -> int:
-    """Row blocks per program. Measured on H100 (bench/kernels.py sweep, fp32 and bf16 state): one block per
-    program is best up to ~4K (sequence, head) pairs (b=32: 92 / 85 % of copy); from ~8K pairs one program per
-    whole head (5 blocks of 16 rows for head_dim 80) shares the per-head set-up and wins (b=128: 85 -> 90 %
-    fp32, 81 -> 86 % bf16)."""
-    return triton.cdiv(head_dim, block_p) if batch * heads >= 8192 else 1
-
-
 def multi_token_state_update_triton(
     state_pool: torch.Tensor,  # [num_slots, H, P, N] (any strides)
     slots: torch.Tensor,  # [B] int, -1 = padded row
@@ -129,7 +123,7 @@ def multi_token_state_update_triton(
     out: torch.Tensor | None = None,  # [B, T, H, P] optional output buffer
     block_p: int | None = None,  # rows of state per tile (power of two); None: chosen by size
     num_warps: int | None = None,
-    tiles: int | None = None,  # row tiles per program; None: chosen by size
+    tiles: int = 1,  # row tiles per program (launch-shape sweeps)
 ) -> torch.Tensor:
     """Triton version of `multi_token_state_update_ref`; returns y [B, T, H, P] in x's dtype."""
     batch, tokens, heads, head_dim = x.shape
@@ -147,8 +141,9 @@ def multi_token_state_update_triton(
     inter = intermediate_states if intermediate_states is not None else state_pool
     i_strides = intermediate_states.stride() if intermediate_states is not None else (0, 0, 0, 0, 0)
     block_p = _block_p(head_dim, state_size, batch, heads) if block_p is None else block_p
-    tiles = _tiles(head_dim, block_p, batch, heads) if tiles is None else tiles
-    grid = (triton.cdiv(head_dim, block_p * tiles), batch, heads)
+    if tiles <= 0:
+        raise ValueError(f"tiles must be >= 1, got {tiles}")
+    grid = (triton.cdiv(head_dim, block_p * tiles), heads, batch)  # batch last: see the kernel
     _state_update_kernel[grid](
         state_pool, slots, x, dt, A, B, C, D if D is not None else A, dt_bias if dt_bias is not None else A,
         zz, y, inter,

@@ -81,6 +81,13 @@ def test_state_update_tiles_interpreter(tiles, tokens):
            tiles=tiles)
 
 
+def test_state_update_rejects_bad_tiles():
+    gen = torch.Generator().manual_seed(0)
+    pool, slots, x, z, dt, A, B, C, D, bias = _inputs(2, 1, 2, 8, 1, 16, torch.float32, torch.float32, "cpu", gen)
+    with pytest.raises(ValueError, match="tiles"):
+        multi_token_state_update_triton(pool, slots, x, dt, A, B, C, tiles=0)
+
+
 @ku.gpu
 @ku.cuda_only
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
