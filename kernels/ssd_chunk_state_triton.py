@@ -2,7 +2,8 @@
 and the final state of every sequence.
 
 One program per (tile of the [P, N] state, sequence, head) walks the sequence's chunks in order from its
-initial state, S <- exp(sum dA) S + x^T (B dt exp(cum_end - cum)) with one tl.dot per chunk. The running state
+initial state, S <- exp(sum dA) S + (x * w)^T B with one tl.dot per chunk, where the token weights
+w = dt exp(cum_end - cum) come precomputed from the chunk-cumsum kernel. The running state
 never leaves registers, so per-chunk local states cost no memory traffic. Splitting N as well as P gives a
 single long sequence enough programs to fill the GPU. Initial, final and kept states are addressed through
 row indices and strides, so they can live in the caller's state pool (checkpoint slots) directly.
@@ -28,6 +29,10 @@ class WalkConfig:
     num_warps: int = 4
     num_stages: int = 2
     heads: int = 1  # heads stacked into the rows of one tl.dot: B is read once for all of them
+    # B's tile addresses computed once before the chunk loop (fewer instructions per chunk, more registers held):
+    # a win with 8 warps on 64-row tiles (mamba2-2.7b 1x8192 on H100: 124 -> 113 us), a loss with 4 warps on
+    # 32-row tiles (Nano-9B-v2: 214 -> 351 us)
+    hoist_b_addresses: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_p", "block_n", "heads"):
@@ -47,7 +52,7 @@ def walk_config(head_dim: int, state_size: int, chunk_size: int, heads_per_group
     # (Nano-9B-v2, head_dim 80: 293 us, the best of the swept tiles)
     block_n = min(128, max(16, triton.next_power_of_2(state_size)))
     if head_dim <= 64:
-        return WalkConfig(max(16, triton.next_power_of_2(head_dim)), block_n, 8, 2)
+        return WalkConfig(max(16, triton.next_power_of_2(head_dim)), block_n, 8, 2, hoist_b_addresses=True)
     return WalkConfig(32, block_n, 4, 2)
 
 
@@ -91,7 +96,7 @@ def segment_start_term(corr_ptr, seg_decay_ptr, chunk_seg_ptr, c, h, H, P, N, NC
 
 @triton.jit
 def chunk_state_walk_kernel(
-    x_ptr, dtc_ptr, cum_ptr, B_ptr, init_ptr, init_rows_ptr, states_ptr, seg_end_ptr,
+    x_ptr, wscale_ptr, cum_ptr, B_ptr, init_ptr, init_rows_ptr, states_ptr, seg_end_ptr,
     kept_ptr, kept_rows_ptr, kept_local_ptr, chunk_start_ptr, chunk_len_ptr, seg_chunk_ptr, seg_seq_ptr,
     seg_first_ptr, keep_idx_ptr,
     P, N, H, NC, heads_per_group,
@@ -100,6 +105,7 @@ def chunk_state_walk_kernel(
     k_r, k_h, k_p, k_n,  # kept-state strides
     CHUNK: tl.constexpr, QBLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, HEADS: tl.constexpr,
     HAS_INIT: tl.constexpr, HAS_KEPT: tl.constexpr, DOT_PRECISION: tl.constexpr,  # "ieee" for fp32, else "tf32"
+    HOIST_B: tl.constexpr,  # WalkConfig.hoist_b_addresses
 ):
     """Per (P x N tile, segment, HEADS heads of one group): walk the segment's chunks from the sequence's initial
     state (a first segment) or from zeros (later segments: `chunk_state_join_kernel` adds the true start state
@@ -127,24 +133,29 @@ def chunk_state_walk_kernel(
     begin = tl.load(chunk_start_ptr + c0).to(tl.int64)
     first = tl.load(chunk_len_ptr + c0)
     seg_len = tl.load(chunk_start_ptr + c1 - 1).to(tl.int64) - begin + tl.load(chunk_len_ptr + c1 - 1)
+    # the tiles' addresses relative to the chunk start, computed once: in the loop only a scalar offset moves
+    x_tile = x_ptr + offs_q[None, :].to(tl.int64) * x_t + head_r[:, None] * x_h + offs_p[:, None] * x_p
+    if HOIST_B:
+        B_tile = B_ptr + offs_q[:, None].to(tl.int64) * B_t + g * B_g + offs_n[None, :] * B_n
+    mask_xp, mask_bn = (offs_p < P)[:, None], (offs_n < N)[None, :]
     for i in range(0, c1 - c0):
         offset = tl.where(i == 0, 0, first + (i - 1) * CHUNK).to(tl.int64)
-        length = tl.minimum(tl.where(i == 0, first, CHUNK), seg_len - offset)
+        length = tl.minimum(tl.where(i == 0, first, CHUNK), seg_len - offset).to(tl.int32)  # 32-bit mask compares
         start = begin + offset
         c = tl.cast(c0 + i, tl.int64)
         tl.store(states_ptr + c * H * P * N + rows_out, state.to(states_ptr.dtype.element_ty), mask=mask_pn)
         mask_q = offs_q < length
         row = (offs_h[:, None].to(tl.int64) * NC + c) * QBLOCK  # [HEADS, 1] this chunk's dt / cumsum rows
-        dt_q = tl.load(dtc_ptr + row + offs_q[None, :])  # [HEADS, QBLOCK]
-        cum_q = tl.load(cum_ptr + row + offs_q[None, :])
+        scale = tl.load(wscale_ptr + row + offs_q[None, :])  # [HEADS, QBLOCK] decay to the chunk end, times dt
         total = tl.load(cum_ptr + row + QBLOCK - 1)  # [HEADS, 1]
-        scale = tl.exp(total - cum_q) * dt_q  # [HEADS, QBLOCK] decay to the chunk end, times dt
         scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (HEADS, BLOCK_P, QBLOCK)), (ROWS, QBLOCK))
         decay = tl.reshape(tl.broadcast_to(tl.exp(total), (HEADS, BLOCK_P)), (ROWS,))
-        xT = tl.load(x_ptr + (start + offs_q[None, :]) * x_t + head_r[:, None] * x_h + offs_p[:, None] * x_p,
-                     mask=(offs_p < P)[:, None] & mask_q[None, :], other=0.0)  # [ROWS, QBLOCK]
-        Bq = tl.load(B_ptr + (start + offs_q[:, None]) * B_t + g * B_g + offs_n[None, :] * B_n,
-                     mask=mask_q[:, None] & (offs_n < N)[None, :], other=0.0)  # [QBLOCK, BLOCK_N]
+        xT = tl.load(x_tile + start * x_t, mask=mask_xp & mask_q[None, :], other=0.0)  # [ROWS, QBLOCK]
+        if HOIST_B:
+            Bq = tl.load(B_tile + start * B_t, mask=mask_q[:, None] & mask_bn, other=0.0)  # [QBLOCK, BLOCK_N]
+        else:
+            Bq = tl.load(B_ptr + (start + offs_q[:, None]) * B_t + g * B_g + offs_n[None, :] * B_n,
+                         mask=mask_q[:, None] & mask_bn, other=0.0)
         xs = (xT.to(tl.float32) * scale).to(Bq.dtype)
         state = decay[:, None] * state + tl.dot(xs, Bq, input_precision=DOT_PRECISION)
         if HAS_KEPT:  # without it keep_idx may index past kept_rows (a pool-mode call that keeps nothing)

@@ -32,12 +32,13 @@ from hybridserve.kernels.triton_utils import check_same_device, finite_limits, n
 
 @triton.jit
 def _chunk_cumsum_kernel(
-    dt_ptr, A_ptr, bias_ptr, dt_out_ptr, cum_ptr, chunk_start_ptr, chunk_len_ptr, H, NC, dt_lo, dt_hi, dt_t, dt_h,
+    dt_ptr, A_ptr, bias_ptr, dt_out_ptr, cum_ptr, wscale_ptr, chunk_start_ptr, chunk_len_ptr, H, NC, dt_lo, dt_hi, dt_t, dt_h,
     QBLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
-    """Processed dt and the in-chunk cumsum of dt * A for every (head, chunk): [H, NC, QBLOCK] fp32 each,
-    with dt = 0 past the chunk's end so the cumsum stays flat there (its last entry is the chunk total)."""
+    """Processed dt, the in-chunk cumsum of dt * A and the state walk's token weights exp(total - cum) * dt for
+    every (head, chunk): [H, NC, QBLOCK] fp32 each, with dt = 0 past the chunk's end so the cumsum stays flat
+    there (its last entry is the chunk total) and the weights are 0 there."""
     c = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_q = tl.arange(0, QBLOCK)
@@ -53,9 +54,12 @@ def _chunk_cumsum_kernel(
     dt = tl.where(mask, dt, 0.0)  # [QBLOCK, BLOCK_H]
     A = tl.load(A_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
     cum = tl.cumsum(dt * A[None, :], axis=0)
+    total = tl.sum(tl.where(offs_q[:, None] == QBLOCK - 1, cum, 0.0), axis=0)  # [BLOCK_H] the cumsum's last entry
     out = (offs_h[None, :].to(tl.int64) * NC + c) * QBLOCK + offs_q[:, None]
     tl.store(dt_out_ptr + out, dt, mask=mask_h[None, :])
     tl.store(cum_ptr + out, cum, mask=mask_h[None, :])
+    # computed once here instead of in every state-walk program of the head (one per state tile)
+    tl.store(wscale_ptr + out, tl.exp(total[None, :] - cum) * dt, mask=mask_h[None, :])
 
 
 def ssd_scan_varlen_triton(
@@ -126,9 +130,10 @@ def ssd_scan_varlen_triton(
     qblock = max(16, chunk_size)
     dtc = torch.empty(heads, max(num_chunks, 1), qblock, dtype=torch.float32, device=dev)
     cum = torch.empty_like(dtc)
+    wscale = torch.empty_like(dtc)  # the walk's per-token weights: decay to the chunk end times dt
     if num_chunks:
         _chunk_cumsum_kernel[(num_chunks, triton.cdiv(heads, 16))](
-            dt, A, bias, dtc, cum, meta.chunk_start, meta.chunk_len, heads, num_chunks, lo, hi, *dt.stride(),
+            dt, A, bias, dtc, cum, wscale, meta.chunk_start, meta.chunk_len, heads, num_chunks, lo, hi, *dt.stride(),
             QBLOCK=qblock, BLOCK_H=16, num_warps=4,
             HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
         )
@@ -150,11 +155,12 @@ def ssd_scan_varlen_triton(
                  HAS_KEPT=has_kept, num_warps=walk.num_warps)
     if num_segments:
         chunk_state_walk_kernel[(tiles, num_segments, heads // walk.heads)](
-            x, dtc, cum, B, init, init_rows, states, seg_end, kept, kept_rows, kept_local,
+            x, wscale, cum, B, init, init_rows, states, seg_end, kept, kept_rows, kept_local,
             meta.chunk_start, meta.chunk_len, meta.seg_chunk_ptr, meta.seg_seq, meta.seg_first, meta.keep_idx,
             head_dim, state_size, heads, num_chunks, heads // groups,
             *x.stride(), *B.stride(), *_strides(init), *_strides(kept),
-            CHUNK=chunk_size, DOT_PRECISION=precision, num_stages=walk.num_stages, **shape,
+            CHUNK=chunk_size, DOT_PRECISION=precision, num_stages=walk.num_stages, HOIST_B=walk.hoist_b_addresses,
+            **shape,
         )
     if num_seqs:
         chunk_state_join_kernel[(tiles, num_seqs, heads // walk.heads)](

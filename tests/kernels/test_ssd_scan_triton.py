@@ -202,11 +202,13 @@ def test_ssd_scan_tiny_shapes_gpu(dtype, tol):
 
 @ku.interp_only
 def test_ssd_scan_walk_shapes_interpreter():
-    """The state walk with several heads stacked in one program and half-height head_dim tiles."""
+    """The state walk with several heads stacked in one program, half-height head_dim tiles and B's addresses
+    computed before the chunk loop."""
     from hybridserve.kernels.ssd_chunk_state_triton import WalkConfig
 
     gen = torch.Generator().manual_seed(5)
-    for walk in (WalkConfig(8, 16, 4, 1, heads=2), WalkConfig(16, 32, 4, 1, heads=4), WalkConfig(16, 16, 4, 1)):
+    for walk in (WalkConfig(8, 16, 4, 1, heads=2), WalkConfig(16, 32, 4, 1, heads=4), WalkConfig(16, 16, 4, 1),
+                 WalkConfig(16, 16, 4, 1, hoist_b_addresses=True)):
         lens, starts = [9, 30], [0, 21]
         total = sum(lens)
         cu = torch.tensor([0, 9, 39])
