@@ -32,7 +32,12 @@ from peer import load_peer  # noqa: E402
 
 from hybridserve.kernels.ssd_scan_meta import chunk_metadata  # noqa: E402
 from hybridserve.kernels.ssd_scan_triton import ssd_scan_varlen_triton  # noqa: E402
-from hybridserve.kernels.state_update_triton import selective_state_update_triton  # noqa: E402
+from hybridserve.kernels.replay_state import ReplayCache  # noqa: E402
+from hybridserve.kernels.replay_state_update import replay_state_update_triton  # noqa: E402
+from hybridserve.kernels.state_update_triton import (  # noqa: E402
+    multi_token_state_update_triton,
+    selective_state_update_triton,
+)
 
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats")
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum",
@@ -40,7 +45,9 @@ METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum",
 SSD_CASES = {"ssd-nano": ("nemotron-nano-9b-v2", 1, 8192), "ssd-2.7b": ("mamba2-2.7b", 1, 8192)}
 SSU_CASES = {"ssu-fp32-128": (torch.float32, 128), "ssu-fp32-256": (torch.float32, 256),
              "ssu-bf16-256": (torch.bfloat16, 256)}
+VERIFY_CASES = {"verify-replay-128": 128, "verify-intermediate-128": 128}  # T = 4, fp32 state, ours only
 CASES = [f"{name}-{side}" for name in (*SSD_CASES, *SSU_CASES) for side in ("ours", "peer")]
+CASES += [f"{name}-ours" for name in VERIFY_CASES]
 
 
 def case_fn(case: str) -> Callable[[], Any]:
@@ -67,7 +74,26 @@ def case_fn(case: str) -> Callable[[], Any]:
                 t["pool"], t["slots"], t["x"][:, 0], t["dt"][:, 0], t["A"], t["B"][:, 0], t["C"][:, 0], D=t["D"],
                 dt_bias=t["bias"], z=t["z"][:, 0])
         return _peer_step(peer, t, 0)
+    if name in VERIFY_CASES and peer is None:
+        return _verify_fn(name, VERIFY_CASES[name], gen)
     raise ValueError(f"unknown case {case!r}; choose from {CASES}")
+
+
+def _verify_fn(name: str, batch: int, gen: torch.Generator, tokens: int = 4) -> Callable[[], Any]:
+    """A T-token verify step as bench/kernels.py times it: replay (2 of the last 4 tokens accepted) or the
+    intermediate-state method writing every token's state."""
+    t = _ssu_inputs(batch, tokens, torch.float32, gen)
+    kw = dict(D=t["D"], dt_bias=t["bias"], z=t["z"])
+    if name == "verify-intermediate-128":
+        inter = torch.empty(batch, tokens, *t["pool"].shape[1:], device="cuda", dtype=torch.float32)
+        return lambda: multi_token_state_update_triton(t["pool"], t["slots"], t["x"], t["dt"], t["A"], t["B"],
+                                                       t["C"], intermediate_states=inter, write_final_state=False,
+                                                       **kw)
+    heads, head_dim, groups, state, _ = CONFIGS["nemotron-nano-9b-v2"]
+    cache = ReplayCache.allocate(batch, tokens, heads, head_dim, groups, state, torch.bfloat16, "cuda")
+    accepted = torch.full((batch,), 2, dtype=torch.int32, device="cuda")
+    return lambda: replay_state_update_triton(t["pool"], cache, t["slots"], accepted, t["x"], t["dt"], t["A"],
+                                              t["B"], t["C"], **kw)
 
 
 def run_case(case: str) -> None:

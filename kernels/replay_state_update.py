@@ -3,8 +3,9 @@ state plus the previous step's inputs; no per-token states are materialised.
 
 At the start of a verify step the slot holds the state *before* the previous step's T tokens and a ring of
 those tokens' x, B, processed dt and dA cumsum; `num_accepted` says how many of them were kept. The step
-  1. precompute (grid B x H): processes the new dt, its cumsum, CB = C B^T with one tl.dot, scaled by
-     exp(cum_t - cum_j) dt_j and causally masked; stores dt / cumsum / B for the next step;
+  1. precompute (grid B x groups x head blocks): CB = C B^T with one tl.dot per group, then for every head the
+     processed new dt, its cumsum and CB scaled by exp(cum_t - cum_j) dt_j, causally masked; stores dt / cumsum
+     / B for the next step;
   2. main (grid P-blocks x H x B): replays the accepted tokens into the state with one tl.dot, writes the
      state once, computes the T outputs with two tl.dots (C S^T decayed, CB_scaled x) and stores x;
   3. flips each slot's buffer index (B, dt, cumsum are double-buffered because heads share B).
@@ -30,39 +31,49 @@ def _replay_precompute_kernel(
     T, H, N, heads_per_group, dt_lo, dt_hi,
     dt_b, dt_t, dt_h, B_b, B_t, B_g, B_n, C_b, C_t, C_g, C_n,
     pB_s, pB_i, pB_t, pB_g, pB_n, pdt_s, pdt_i, pdt_t, pdt_h,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, HEADS: tl.constexpr,
     HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
+    """Per (sequence, group, HEADS heads of the group): C B^T once for the group (it does not depend on the
+    head), then every head's processed dt, cumsum and decay-scaled causal CBs, all heads at once as
+    [HEADS, BLOCK_T, BLOCK_T] tensors."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    g = h // heads_per_group
+    g = tl.program_id(1)
+    head_in_group = tl.program_id(2) * HEADS + tl.arange(0, HEADS)  # [HEADS]
+    offs_h = g * heads_per_group + head_in_group
     offs_t = tl.arange(0, BLOCK_T)
     offs_n = tl.arange(0, BLOCK_N)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     valid_t = (offs_t * 0 + slot) >= 0
     mask_t = (offs_t < T) & valid_t
+    mask_h = head_in_group < heads_per_group
     slot = tl.maximum(slot, 0)
     wb = 1 - tl.load(buf_ptr + slot)  # write into the inactive buffer
-    bias = 0.0
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + h).to(tl.float32)
-    dt = tl.load(dt_ptr + b * dt_b + offs_t * dt_t + h * dt_h, mask=mask_t, other=0.0).to(tl.float32)
-    dt = tl.where(mask_t, process_dt_tl(dt, bias, DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi), 0.0)
-    cum = tl.cumsum(dt * tl.load(A_ptr + h).to(tl.float32), axis=0)  # [BLOCK_T]
-    p_off = slot * pdt_s + wb * pdt_i + offs_t * pdt_t + h * pdt_h
-    tl.store(pdt_ptr + p_off, dt, mask=mask_t)
-    tl.store(pcum_ptr + p_off, cum, mask=mask_t)
     mask_tn = mask_t[:, None] & (offs_n < N)[None, :]
     Bm = tl.load(B_ptr + b * B_b + offs_t[:, None] * B_t + g * B_g + offs_n[None, :] * B_n, mask=mask_tn, other=0.0)
     Cm = tl.load(C_ptr + b * C_b + offs_t[:, None] * C_t + g * C_g + offs_n[None, :] * C_n, mask=mask_tn, other=0.0)
     cb = tl.dot(Cm.to(tl.float32), tl.trans(Bm.to(tl.float32)))  # [BLOCK_T, BLOCK_T]
-    causal = offs_t[:, None] >= offs_t[None, :]
-    cbs = tl.where(causal, cb * tl.exp(tl.where(causal, cum[:, None] - cum[None, :], 0.0)) * dt[None, :], 0.0)
-    base = cbs_ptr + (b * H + h) * BLOCK_T * BLOCK_T
-    tl.store(base + offs_t[:, None] * BLOCK_T + offs_t[None, :], cbs)
-    if h % heads_per_group == 0:  # one head per group keeps B for the next step's replay
+    if tl.program_id(2) == 0:  # one program per group keeps B for the next step's replay
         tl.store(pB_ptr + slot * pB_s + wb * pB_i + offs_t[:, None] * pB_t + g * pB_g + offs_n[None, :] * pB_n,
                  Bm, mask=mask_tn)
+    mask_ht = mask_h[:, None] & mask_t[None, :]  # [HEADS, BLOCK_T]
+    bias = tl.zeros([HEADS], dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + b * dt_b + offs_t[None, :] * dt_t + offs_h[:, None] * dt_h, mask=mask_ht,
+                 other=0.0).to(tl.float32)
+    dt = tl.where(mask_ht, process_dt_tl(dt, bias[:, None], DT_SOFTPLUS, HAS_LIMIT, dt_lo, dt_hi), 0.0)
+    A = tl.load(A_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+    cum = tl.cumsum(dt * A[:, None], axis=1)  # [HEADS, BLOCK_T]
+    p_off = slot * pdt_s + wb * pdt_i + offs_t[None, :] * pdt_t + offs_h[:, None] * pdt_h
+    tl.store(pdt_ptr + p_off, dt, mask=mask_ht)
+    tl.store(pcum_ptr + p_off, cum, mask=mask_ht)
+    causal = (offs_t[:, None] >= offs_t[None, :])[None, :, :]  # [1, BLOCK_T(t), BLOCK_T(j)]
+    decay = tl.exp(tl.where(causal, cum[:, :, None] - cum[:, None, :], 0.0))  # [HEADS, BLOCK_T, BLOCK_T]
+    cbs = tl.where(causal, cb[None, :, :] * decay * dt[:, None, :], 0.0)
+    square = offs_t[:, None] * BLOCK_T + offs_t[None, :]
+    base = cbs_ptr + ((b * H + offs_h) * BLOCK_T * BLOCK_T)[:, None, None]
+    tl.store(base + square[None, :, :], cbs, mask=mask_h[:, None, None])
 
 
 @triton.jit
@@ -166,13 +177,15 @@ def replay_state_update_triton(
     dt_softplus: bool = True,
     dt_limit: DtLimit = NO_DT_LIMIT,
     z: torch.Tensor | None = None,  # [B, T, H, P]
-    block_p: int = 16,  # 16 rows x 1 warp, outputs by reductions: best on H100 (bench/kernels.py sweep)
-    num_warps: int = 1,
-    dot_outputs: bool = False,  # outputs by tl.dot (True) or by T reductions over the state tile
+    block_p: int = 32,  # 32 rows x 2 warps, outputs by tl.dot: best on H100 at batch 128 (bench/kernels.py sweep)
+    num_warps: int = 2,
+    dot_outputs: bool = True,  # outputs by tl.dot (True) or by T reductions over the state tile
 ) -> torch.Tensor:
     """One verify step by replay; returns y [B, T, H, P]. Updates state_pool and cache in place."""
     batch, tokens, heads, head_dim = x.shape
     groups, state = B.shape[2], B.shape[3]
+    if groups == 0 or heads % groups:
+        raise ValueError(f"B and C have {groups} groups; it must divide the {heads} heads")
     if cache.prev_x.shape[1] != tokens:
         raise ValueError(f"replay cache holds {cache.prev_x.shape[1]} tokens per step, the step has {tokens}")
     check_same_device(state_pool, slots, num_accepted, x, dt, A, B, C, D, dt_bias, z, cache.prev_x)
@@ -182,12 +195,14 @@ def replay_state_update_triton(
     block_t, block_n = max(16, next_pow2(tokens)), max(16, next_pow2(state))
     cbs = torch.empty(batch, heads, block_t, block_t, dtype=torch.float32, device=x.device)
     lo, hi, has_limit = finite_limits(dt_limit)
-    _replay_precompute_kernel[(batch, heads)](
+    heads_per_group = heads // groups
+    heads_per_program = min(16, next_pow2(heads_per_group))
+    _replay_precompute_kernel[(batch, groups, triton.cdiv(heads_per_group, heads_per_program))](
         slots, dt, A, dt_bias if dt_bias is not None else A, B, C, cbs, cache.buf, cache.prev_B, cache.prev_dt,
-        cache.prev_cum, tokens, heads, state, heads // groups, lo, hi,
+        cache.prev_cum, tokens, heads, state, heads_per_group, lo, hi,
         *dt.stride(), *B.stride(), *C.stride(), *cache.prev_B.stride(), *cache.prev_dt.stride(),
-        BLOCK_T=block_t, BLOCK_N=block_n, HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus,
-        HAS_LIMIT=has_limit, num_warps=4,
+        BLOCK_T=block_t, BLOCK_N=block_n, HEADS=heads_per_program, HAS_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit, num_warps=4,
     )
     zz = z if z is not None else x
     _replay_main_kernel[(triton.cdiv(head_dim, block_p), heads, batch)](

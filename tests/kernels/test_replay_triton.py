@@ -48,6 +48,23 @@ def test_replay_interpreter(dot_outputs):
     _run(3, 3, 4, 12, 2, 8, torch.float32, torch.float32, "cpu", gen, 2e-3, dot_outputs)
 
 
+@ku.interp_only
+@pytest.mark.parametrize("heads,groups", [(6, 2), (20, 1)])
+def test_replay_head_blocks_interpreter(heads, groups):
+    """The precompute's head blocks: 3 heads per group (a masked block of 4), 20 (blocks of 16, the last short)."""
+    gen = torch.Generator().manual_seed(9)
+    _run(2, 2, heads, 4, groups, 8, torch.float32, torch.float32, "cpu", gen, 2e-3)
+
+
+def test_replay_rejects_groups_not_dividing_heads():
+    pool = torch.zeros(2, 3, 4, 8)
+    cache = ReplayCache.allocate(2, 2, 3, 4, 2, 8, torch.float32, "cpu")
+    x, dt = torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3)
+    B = C = torch.zeros(1, 2, 2, 8)
+    with pytest.raises(ValueError, match="must divide"):
+        replay_state_update_triton(pool, cache, torch.tensor([0]), torch.tensor([0]), x, dt, torch.zeros(3), B, C)
+
+
 @ku.gpu
 @ku.cuda_only
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
