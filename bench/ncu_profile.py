@@ -148,7 +148,8 @@ def profile_case(ncu: str, case: str, workdir: Path) -> list[dict[str, Any]]:
     cmd += ["--metrics", ",".join(METRICS), sys.executable, str(Path(__file__).resolve()), "--case", case]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"ncu failed for {case} (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise RuntimeError(f"ncu failed for {case} (exit {done.returncode}):\n"
+                           f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
     details = subprocess.run([ncu, "--import", str(report), "--csv", "--page", "details", "--print-units", "base"],
                              capture_output=True, text=True, check=True).stdout
     return parse_details(details)

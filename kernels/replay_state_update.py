@@ -127,7 +127,8 @@ def _replay_main_kernel(
     coef = tl.where(keep, tl.exp(tl.where(keep, cum_last - pcum, 0.0)) * pdt, 0.0)  # [BLOCK_T]
     state = tl.exp(cum_last) * state + tl.dot(pxT, pB * coef[:, None])
     tl.debug_barrier()  # other layouts read these addresses above: all reads land before any write
-    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask_p[:, None] & (mask_n & (offs_n * 0 + k > 0))[None, :])
+    write_n = mask_n & (offs_n * 0 + k > 0)  # nothing accepted: the checkpoint stays as it is
+    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=mask_p[:, None] & write_n[None, :])
     # 2. outputs of the T new tokens, transposed ([BP, BT]) so the state tile is the dot's natural A operand:
     #    y_t = exp(cum_t) S C_t + sum_j CBs[t, j] x_j (+ D x_t, z gate)
     x32 = xT.to(tl.float32)
@@ -208,7 +209,7 @@ def replay_state_update_triton(
     _replay_main_kernel[(triton.cdiv(head_dim, block_p), heads, batch)](
         state_pool, slots, num_accepted, x, zz, C, D if D is not None else A, y, cbs, cache.buf,
         cache.prev_x, cache.prev_B, cache.prev_dt, cache.prev_cum,
-        tokens, heads, head_dim, state, heads // groups,
+        tokens, heads, head_dim, state, heads_per_group,
         *state_pool.stride(), *x.stride(), *zz.stride(), *C.stride(), *y.stride(),
         *cache.prev_x.stride(), *cache.prev_B.stride(), *cache.prev_dt.stride(),
         BLOCK_T=block_t, BLOCK_P=block_p, BLOCK_N=block_n, HAS_D=D is not None, HAS_Z=z is not None,

@@ -32,7 +32,8 @@ from hybridserve.kernels.triton_utils import check_same_device, finite_limits, n
 
 @triton.jit
 def _chunk_cumsum_kernel(
-    dt_ptr, A_ptr, bias_ptr, dt_out_ptr, cum_ptr, wscale_ptr, chunk_start_ptr, chunk_len_ptr, H, NC, dt_lo, dt_hi, dt_t, dt_h,
+    dt_ptr, A_ptr, bias_ptr, dt_out_ptr, cum_ptr, wscale_ptr, chunk_start_ptr, chunk_len_ptr, H, NC, dt_lo, dt_hi,
+    dt_t, dt_h,
     QBLOCK: tl.constexpr, BLOCK_H: tl.constexpr,
     HAS_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr,
 ):
