@@ -24,11 +24,11 @@ from pathlib import Path
 import grpc
 import torch
 
-from hybridserve.decode_worker.state_receiver import ReceiveBuffers, StateAssembly, receive_stream
-from hybridserve.prefill_worker.state_sender import StateHeader, encode_state_streams
+from hybridserve.transfer.grpc_receiver import ReceiveBuffers, StateAssembly, receive_stream
+from hybridserve.transfer.grpc_sender import StateHeader, encode_state_streams
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
-from hybridserve.proto.state_wire import add_decode_worker_servicer, push_state_stub
-from hybridserve.statepool.request_state import StateTensorSpec
+from hybridserve.transfer.grpc_wire import add_decode_worker_servicer, push_state_stub
+from hybridserve.transfer.state_layout import StateTensorSpec
 
 MAMBA_LAYERS, CONV_DIM, CONV_WIDTH = 27, 128 * 80 + 2 * 8 * 128, 3
 HEADS, HEAD_DIM, STATE = 128, 80, 128

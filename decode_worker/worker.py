@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from hybridserve.decode_worker.state_receiver import (
+from hybridserve.transfer.grpc_receiver import (
     ReceiveBuffers,
     StateAssembly,
     TransferError,
@@ -26,16 +26,17 @@ from hybridserve.decode_worker.state_receiver import (
     receive_stream,
 )
 from hybridserve.engine.config import EngineConfig
-from hybridserve.engine.engine_loop import EngineLoop
+from hybridserve.worker_runtime.engine_loop import EngineLoop
 from hybridserve.engine.handoff import CapacityError
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.models.fingerprint import model_fingerprint
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
-from hybridserve.engine.cache_event_feed import CacheEventFeed
-from hybridserve.engine.worker_metrics import WorkerMetrics
+from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
+from hybridserve.worker_runtime.health import health_fields
+from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
 from hybridserve.proto.channels import start_server, worker_threads
 from hybridserve.proto.convert import sampling_from_proto, token_event
-from hybridserve.proto.state_wire import add_decode_worker_servicer
+from hybridserve.transfer.grpc_wire import add_decode_worker_servicer
 
 logger = logging.getLogger(__name__)
 
@@ -260,17 +261,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def CacheEvents(self, request, context):  # noqa: N802
         yield from self.worker.events.stream(request.since_sequence, context, request.snapshot)
-
-
-def health_fields(worker_id: str, engine: LLMEngine, metrics_port: int) -> dict:
-    """What the router needs besides load: cache geometry (to hash prompts as the pool does), limits, metrics."""
-    pages, slots = engine.pool.pages, engine.pool.slots
-    return dict(
-        worker_id=worker_id, block_size=engine.pool.block_size, state_block=engine.state_block,
-        metrics_port=metrics_port, max_model_len=engine.max_model_len,
-        total_state_slots=slots.capacity if slots is not None else 0,
-        total_kv_pages=pages.capacity if pages is not None else 0,
-    )
 
 
 def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context: grpc.ServicerContext,

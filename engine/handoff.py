@@ -14,7 +14,7 @@ import torch
 
 from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.statepool.pool import NO_HIT
-from hybridserve.statepool.request_state import (
+from hybridserve.transfer.state_layout import (
     StateTensorSpec,
     iter_request_state,
     request_state_specs,

@@ -17,18 +17,18 @@ from pathlib import Path
 
 import grpc
 
-from hybridserve.engine.cache_event_feed import CacheEventFeed
+from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
 from hybridserve.engine.config import EngineConfig
-from hybridserve.engine.engine_loop import EngineLoop
-from hybridserve.engine.worker_metrics import WorkerMetrics
+from hybridserve.worker_runtime.engine_loop import EngineLoop
+from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.decode_worker.worker import health_fields
+from hybridserve.worker_runtime.health import health_fields
 from hybridserve.models.fingerprint import model_fingerprint
-from hybridserve.prefill_worker.state_sender import DEFAULT_CHUNK_BYTES, StateHeader, encode_state_streams
+from hybridserve.transfer.grpc_sender import DEFAULT_CHUNK_BYTES, StateHeader, encode_state_streams
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.proto.channels import insecure_channel, start_server, worker_threads
 from hybridserve.proto.convert import sampling_from_proto
-from hybridserve.proto.state_wire import push_state_stub
+from hybridserve.transfer.grpc_wire import push_state_stub
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from checkpoints import mamba2, nemotron_h, random_prompts
 from hybridserve import LLM, SamplingParams
 from hybridserve.decode_worker.worker import DecodeWorker
 from hybridserve.engine.config import EngineConfig
-from hybridserve.prefill_worker.state_sender import StateHeader, encode_state
+from hybridserve.transfer.grpc_sender import StateHeader, encode_state
 from hybridserve.prefill_worker.worker import PrefillWorker
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.proto.convert import sampling_to_proto

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridserve.decode_worker.state_receiver import TransferError, check_manifest, receive_state
-from hybridserve.prefill_worker.state_sender import StateHeader, encode_state
+from hybridserve.transfer.grpc_receiver import TransferError, check_manifest, receive_state
+from hybridserve.transfer.grpc_sender import StateHeader, encode_state
 from hybridserve.proto import worker_pb2
-from hybridserve.statepool.request_state import StateTensorSpec
+from hybridserve.transfer.state_layout import StateTensorSpec
 
 HEADER = StateHeader(ticket="t-1", request_id="r-1", model_fingerprint="fp", num_tokens=9, first_token=5, num_cached_tokens=0)
 
@@ -111,8 +111,8 @@ def test_stream_must_start_with_manifest() -> None:
 def test_striped_streams_reassemble_exactly() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from hybridserve.decode_worker.state_receiver import StateAssembly, receive_stream
-    from hybridserve.prefill_worker.state_sender import encode_state_streams
+    from hybridserve.transfer.grpc_receiver import StateAssembly, receive_stream
+    from hybridserve.transfer.grpc_sender import encode_state_streams
 
     specs, tensors = _state()
     streams = encode_state_streams(HEADER, specs, _parts(tensors), chunk_bytes=100, pre_encoded=True, num_streams=3)
@@ -125,7 +125,7 @@ def test_striped_streams_reassemble_exactly() -> None:
         assert shared[0].same_state(manifest)
         return shared[0]
 
-    from hybridserve.proto.state_wire import decode_state_chunk
+    from hybridserve.transfer.grpc_wire import decode_state_chunk
 
     def consume(stream):
         wire = (m if isinstance(m, bytes) else m.SerializeToString() for m in stream)
@@ -141,8 +141,8 @@ def test_striped_streams_reassemble_exactly() -> None:
 
 
 def test_a_stripe_with_another_streams_chunk_is_refused() -> None:
-    from hybridserve.decode_worker.state_receiver import StateAssembly, receive_stream
-    from hybridserve.prefill_worker.state_sender import encode_state_streams
+    from hybridserve.transfer.grpc_receiver import StateAssembly, receive_stream
+    from hybridserve.transfer.grpc_sender import encode_state_streams
 
     specs, tensors = _state()
     # few chunks, so the producer never waits on the stream this test reads second

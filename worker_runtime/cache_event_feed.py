@@ -12,7 +12,7 @@ from collections import deque
 
 import grpc
 
-from hybridserve.engine.engine_loop import EngineLoop
+from hybridserve.worker_runtime.engine_loop import EngineLoop
 from hybridserve.proto import common_pb2
 
 _KINDS = {

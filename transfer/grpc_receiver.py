@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import crc32c
 import torch
 
-from hybridserve.prefill_worker.state_sender import StreamDigest
+from hybridserve.transfer.digest import StreamDigest
 from hybridserve.proto import worker_pb2
-from hybridserve.proto.state_wire import RawStateData
-from hybridserve.statepool.request_state import StateTensorSpec
+from hybridserve.transfer.grpc_wire import RawStateData
+from hybridserve.transfer.state_layout import StateTensorSpec
 
 
 class TransferError(Exception):

@@ -15,8 +15,9 @@ import crc32c
 import torch
 
 from hybridserve.proto import worker_pb2
-from hybridserve.proto.state_wire import encode_data_chunk
-from hybridserve.statepool.request_state import StateTensorSpec
+from hybridserve.transfer.digest import StreamDigest
+from hybridserve.transfer.grpc_wire import encode_data_chunk
+from hybridserve.transfer.state_layout import StateTensorSpec
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: well under gRPC's default 4 MiB message limit
 
@@ -64,16 +65,6 @@ def _ready(host: torch.Tensor, event: torch.cuda.Event | None) -> memoryview:
     if event is not None:
         event.synchronize()
     return _as_bytes(host)
-
-
-class StreamDigest:
-    """crc32c over the chunks' crc32c values (little-endian u32, in order): one pass over the data per side."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def add(self, chunk_crc: int) -> None:
-        self.value = crc32c.crc32c(chunk_crc.to_bytes(4, "little"), self.value)
 
 
 def _chunked(views: Iterable[memoryview], chunk_bytes: int) -> Iterator[memoryview | bytes]:
@@ -144,7 +135,7 @@ def encode_state(
     pre_encoded: bool = False,
 ) -> Iterator[worker_pb2.StateChunk | bytes]:
     """One PushState stream: manifest, data chunks of at most `chunk_bytes`, trailer. With `pre_encoded`
-    data chunks come as their wire bytes (one copy; send them through `state_wire.push_state_stub`)."""
+    data chunks come as their wire bytes (one copy; send them through `grpc_wire.push_state_stub`)."""
     return encode_state_streams(header, specs, parts, chunk_bytes, pre_encoded, num_streams=1)[0]
 
 

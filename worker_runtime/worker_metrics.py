@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from hybridserve.engine.engine_loop import EngineLoop
+from hybridserve.worker_runtime.engine_loop import EngineLoop
 from hybridserve.engine.spec_decode import SpecMetrics
 
 logger = logging.getLogger(__name__)
