@@ -25,7 +25,8 @@ import grpc
 import torch
 
 from hybridserve.transfer.grpc_receiver import ReceiveBuffers, StateAssembly, receive_stream
-from hybridserve.transfer.grpc_sender import StateHeader, encode_state_streams
+from hybridserve.transfer.grpc_sender import encode_state_streams
+from hybridserve.transfer.manifest import StateHeader
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.transfer.grpc_wire import add_decode_worker_servicer, push_state_stub
 from hybridserve.transfer.state_layout import StateTensorSpec

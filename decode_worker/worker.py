@@ -18,13 +18,10 @@ from pathlib import Path
 
 import grpc
 
-from hybridserve.transfer.grpc_receiver import (
-    ReceiveBuffers,
-    StateAssembly,
-    TransferError,
-    check_manifest,
-    receive_stream,
-)
+from hybridserve.transfer.grpc_receiver import StateAssembly, receive_stream
+from hybridserve.transfer.manifest import TransferError, check_manifest
+from hybridserve.transfer.planes import TransferConfig
+from hybridserve.transfer.receiver import LandedState, StateReceiver
 from hybridserve.engine.config import EngineConfig
 from hybridserve.worker_runtime.engine_loop import EngineLoop
 from hybridserve.engine.handoff import CapacityError
@@ -58,7 +55,8 @@ class DecodeWorker:
     """Engine loop + gRPC server for the decode role."""
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
-                 worker_id: str | None = None, metrics_port: int | None = 0) -> None:
+                 worker_id: str | None = None, metrics_port: int | None = 0,
+                 transfer: TransferConfig | None = None) -> None:
         self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:8]}"
         self.engine = LLMEngine(model_dir, config)
         self.fingerprint = model_fingerprint(
@@ -69,7 +67,8 @@ class DecodeWorker:
         self.metrics = WorkerMetrics(self.loop, "decode")
         self._metrics_port = metrics_port  # None: no /metrics server
         self._reservations: dict[str, Reservation] = {}
-        self.receive_buffers = ReceiveBuffers(pin_memory=self.engine.config.torch_device.type == "cuda")
+        self.transfer = transfer or TransferConfig()
+        self.receiver = StateReceiver(self.transfer, self.engine.config.torch_device)
         self._lock = threading.Lock()
         self._host, self._port = host, port
         self._server: grpc.Server | None = None
@@ -88,7 +87,8 @@ class DecodeWorker:
         self._reaper.start()
         if self._metrics_port is not None:
             self.metrics.start(self._host, self._metrics_port)
-        logger.info("decode worker %s serving on %s", self.worker_id, self.address)
+        logger.info("decode worker %s serving on %s (transfer planes %s)", self.worker_id, self.address,
+                    self.receiver.planes)
         return self.address
 
     def stop(self, grace: float = 1.0) -> None:
@@ -97,6 +97,7 @@ class DecodeWorker:
             self._server.stop(grace).wait()
         self.metrics.stop()
         self.loop.stop()
+        self.receiver.close()
 
     # ---- reservations --------------------------------------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: list[int], sampling, timeout_s: float) -> Reservation:
@@ -123,22 +124,36 @@ class DecodeWorker:
         """The receive buffer shared by the parallel streams of one reservation's state."""
         with self._lock:
             if reservation.assembly is None:
-                reservation.assembly = StateAssembly(manifest, specs, self.receive_buffers)
+                reservation.assembly = StateAssembly(manifest, specs, self.receiver.host_buffers)
             elif not reservation.assembly.same_state(manifest):
                 raise TransferError("INVALID_ARGUMENT", "the streams of one state carry different manifests")
             return reservation.assembly
 
-    def commit(self, reservation: Reservation, received) -> None:
-        """Install the state unless the reservation was cancelled meanwhile (abort, expiry)."""
-        manifest = received.manifest
+    def check_manifest(self, reservation: Reservation, manifest, chunked: bool) -> list:
+        """The state specs a manifest for `reservation` must match; TransferError otherwise.
+        `chunked`: the manifest heads a gRPC stream (its chunk fields must add up)."""
+        specs = self.loop.call(lambda: self.engine.state_specs(reservation.num_tokens))
+        check_manifest(manifest, reservation.ticket, self.fingerprint, reservation.num_tokens, specs, chunked)
+        if manifest.request_id != reservation.request_id:
+            raise TransferError("FAILED_PRECONDITION", "manifest request_id does not match the ticket")
+        return specs
+
+    def commit(self, reservation: Reservation, landed: LandedState) -> None:
+        """Install a landed, checked state unless the reservation was cancelled meanwhile (abort, expiry).
+        The loop's share is one short step: device-local copies into the reserved pages and slot."""
+        manifest = landed.manifest
         with self._lock:
             if self._reservations.get(reservation.ticket) is not reservation:
+                landed.release()
                 raise TransferError("FAILED_PRECONDITION", f"reservation for {reservation.request_id} was cancelled")
 
         def install() -> None:
-            first = self.engine.commit_reservation(
-                reservation.request_id, received.tensors, manifest.first_token, manifest.num_cached_tokens
-            )
+            try:
+                first = self.engine.commit_reservation(
+                    reservation.request_id, landed.tensors, manifest.first_token, manifest.num_cached_tokens
+                )
+            finally:
+                landed.release()  # the copies out of the landing buffer are queued: it may be reused after them
             reservation.stream.put(first)  # on the loop thread: ahead of any output of a later step
 
         self.loop.call(install)
@@ -200,37 +215,37 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def PushState(self, request_iterator, context):  # noqa: N802
         reservation: Reservation | None = None
-        engine = self.worker.engine
 
         def open_assembly(manifest):
             nonlocal reservation
             reservation = self.worker.take(manifest.ticket)
-            specs = self.worker.loop.call(lambda: engine.state_specs(reservation.num_tokens))
-            check_manifest(manifest, reservation.ticket, self.worker.fingerprint, reservation.num_tokens, specs)
-            if manifest.request_id != reservation.request_id:
-                raise TransferError("FAILED_PRECONDITION", "manifest request_id does not match the ticket")
+            specs = self.worker.check_manifest(reservation, manifest, chunked=True)
             return self.worker.assembly_for(reservation, manifest, specs)
 
-        try:
+        def land() -> tuple[bool, int]:
             assembly, complete, num_bytes = receive_stream(request_iterator, open_assembly)
             if complete:
-                try:
-                    self.worker.commit(reservation, assembly.result())
-                finally:
-                    assembly.release()
-        except TransferError as exc:
-            if reservation is not None:
-                self.worker.cancel(reservation, exc)
-            _abort(context, exc.code, str(exc))
-        except grpc.RpcError as exc:  # the sender went away mid-stream
-            if reservation is not None:
-                self.worker.cancel(reservation, ConnectionError(f"state stream broke: {exc}"))
-            raise
-        except Exception as exc:
-            if reservation is not None:
-                self.worker.cancel(reservation, exc)
-            _abort(context, "INTERNAL", f"state import failed: {exc}")
+                self.worker.commit(reservation, self.worker.receiver.land_host(assembly))
+            return complete, num_bytes
+
+        complete, num_bytes = _handle_transfer(self.worker, context, lambda: reservation, land)
         return worker_pb2.PushStateResponse(committed=complete, bytes_received=num_bytes)
+
+    def OfferState(self, request, context):  # noqa: N802
+        reservation: Reservation | None = None
+
+        def land() -> tuple[bool, int]:
+            nonlocal reservation
+            reservation = self.worker.take(request.manifest.ticket)
+            specs = self.worker.check_manifest(reservation, request.manifest, chunked=False)
+            self.worker.commit(reservation, self.worker.receiver.land_offer(request, specs))
+            return True, request.manifest.total_bytes
+
+        complete, num_bytes = _handle_transfer(self.worker, context, lambda: reservation, land)
+        return worker_pb2.PushStateResponse(committed=complete, bytes_received=num_bytes)
+
+    def TransferInfo(self, request, context):  # noqa: N802
+        return self.worker.receiver.transfer_info()
 
     def StreamTokens(self, request, context):  # noqa: N802
         try:
@@ -261,6 +276,26 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def CacheEvents(self, request, context):  # noqa: N802
         yield from self.worker.events.stream(request.since_sequence, context, request.snapshot)
+
+
+def _handle_transfer(worker: DecodeWorker, context: grpc.ServicerContext, reservation, land):
+    """Run one transfer's landing + commit; any failure cancels the reservation (its token stream gets the
+    error) and answers with the failure's own gRPC status."""
+    try:
+        return land()
+    except TransferError as exc:
+        if (r := reservation()) is not None:
+            worker.cancel(r, exc)
+        _abort(context, exc.code, str(exc))
+    except grpc.RpcError as exc:  # the sender went away mid-stream
+        if (r := reservation()) is not None:
+            worker.cancel(r, ConnectionError(f"state stream broke: {exc}"))
+        raise
+    except Exception as exc:
+        if (r := reservation()) is not None:
+            worker.cancel(r, exc)
+        _abort(context, "INTERNAL", f"state import failed: {exc}")
+    return False, 0
 
 
 def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context: grpc.ServicerContext,

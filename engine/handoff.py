@@ -1,7 +1,8 @@
 """Moving a request's state between engines: export after prefill, reserve + commit on the decode side.
 
 Prefill side: a request added with `hold_state=True` keeps its pages and slot after its first token;
-`export_state` gathers them (device copies) and releases the request, whose full blocks stay cached.
+`export_state` gathers them (queued device copies, into a staging buffer when given one) and releases the
+request, whose full blocks stay cached. Moving the bytes is `hybridserve.transfer`'s job.
 Decode side: `reserve` admits a request with pages and a slot for its prompt but schedules nothing;
 `commit` writes the received tensors into them and lets the request join the running batch.
 """
@@ -18,6 +19,7 @@ from hybridserve.transfer.state_layout import (
     StateTensorSpec,
     iter_request_state,
     request_state_specs,
+    stage_request_state,
     write_request_state,
 )
 
@@ -38,18 +40,23 @@ def state_specs(engine, num_tokens: int) -> list[StateTensorSpec]:
     return request_state_specs(engine.cache, num_tokens, engine.model_config.hidden_size, engine.config.torch_dtype)
 
 
-def export_state(engine, request: Request) -> ExportedState:
-    """Gather a held request's state and release it."""
+def export_state(engine, request: Request, into: dict[str, torch.Tensor] | None = None) -> ExportedState:
+    """Gather a held request's state and release it. `into`: views of a staging buffer (from
+    `transfer.state_layout.state_views`) to copy into, queued on the device, instead of fresh copies."""
     try:
         if request.last_hidden is None:
             raise RuntimeError(f"request {request.request_id} has no hidden state to export")
         num_tokens = request.num_computed_tokens
+        specs = state_specs(engine, num_tokens)
+        if into is not None:
+            stage_request_state(engine.cache, request.page_ids, request.state_slot, num_tokens, request.last_hidden, into)
+            return ExportedState(specs, [into[spec.name] for spec in specs], num_tokens)
         parts = [
             part for _, _, part in iter_request_state(
                 engine.cache, request.page_ids, request.state_slot, num_tokens, request.last_hidden
             )
         ]
-        return ExportedState(state_specs(engine, num_tokens), parts, num_tokens)
+        return ExportedState(specs, parts, num_tokens)
     finally:
         engine.pool.release(request)
 
@@ -70,7 +77,8 @@ def commit(engine, request: Request, tensors: dict[str, torch.Tensor], first_tok
     write_request_state(engine.cache, request.page_ids, request.state_slot, num_tokens, tensors)
     request.num_computed_tokens = num_tokens
     request.num_cached_tokens = num_cached_tokens
-    request.last_hidden = tensors["hidden"].to(engine.config.torch_device)
+    # a copy: the received tensors view a landing buffer that is reused once this commit is queued
+    request.last_hidden = tensors["hidden"].to(engine.config.torch_device, copy=True)
     if engine.cache.hidden_states.shape[0] and request.state_slot is not None:  # the MTP drafter's carry
         engine.cache.hidden_states[request.state_slot] = request.last_hidden.to(engine.cache.hidden_states.dtype)
     request.output_token_ids.append(first_token)

@@ -176,12 +176,13 @@ class LLMEngine:
     def state_specs(self, num_tokens: int) -> list[StateTensorSpec]:
         return handoff.state_specs(self, num_tokens)
 
-    def export_state(self, request_id: str) -> handoff.ExportedState:
-        """Gather a finished `hold_state` request's state (device copies) and release its pages and slot."""
+    def export_state(self, request_id: str, into: dict[str, torch.Tensor] | None = None) -> handoff.ExportedState:
+        """Gather a finished `hold_state` request's state (device copies, into `into`'s views when given) and
+        release its pages and slot."""
         request = self._held.pop(request_id, None)
         if request is None:
             raise ValueError(f"no held state for request {request_id!r}")
-        return handoff.export_state(self, request)
+        return handoff.export_state(self, request, into)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Pages and a slot for a request whose prefill runs elsewhere; CapacityError when full now."""

@@ -1,8 +1,10 @@
-"""Checksums of a state in transit: per-stream digests over chunk crc32c values (host bytes)."""
+"""Checksums of a state in transit: gRPC stream digests over chunk crc32c values (host bytes) and a device
+digest of the whole staged state (computed on the GPU on both ends of every plane)."""
 
 from __future__ import annotations
 
 import crc32c
+import torch
 
 
 class StreamDigest:
@@ -13,3 +15,36 @@ class StreamDigest:
 
     def add(self, chunk_crc: int) -> None:
         self.value = crc32c.crc32c(chunk_crc.to_bytes(4, "little"), self.value)
+
+
+_DIGEST_ROW_WORDS = 4096  # words per row of the 2-D view the digest sums over
+
+
+def device_digest(data: torch.Tensor) -> int:
+    """A 64-bit position-sensitive checksum of a flat uint8 tensor, computed where the bytes live (on the GPU
+    for device planes: no host copy). Not cryptographic: it catches corruption, truncation and reordering.
+
+    The bytes are read as int32 words in rows of 4096; the digest mixes the total, the row sums weighted by
+    row number and the column sums weighted by column number (all int64, wrapping, so the reduction order of
+    the device does not matter).
+    """
+    if data.dtype != torch.uint8 or data.dim() != 1:
+        raise ValueError(f"device_digest takes a flat uint8 tensor, got {data.dtype} {tuple(data.shape)}")
+    nbytes = data.numel()
+    whole = nbytes - nbytes % 4
+    words = data[:whole].view(torch.int32)  # storage offsets of staged states are 256-byte aligned
+    tail = int.from_bytes(bytes(data[whole:].tolist()), "little") if whole != nbytes else 0
+    rows = -(-words.numel() // _DIGEST_ROW_WORDS)
+    if words.numel() % _DIGEST_ROW_WORDS:
+        padded = torch.zeros(rows * _DIGEST_ROW_WORDS, dtype=torch.int32, device=data.device)
+        padded[: words.numel()] = words
+        words = padded
+    grid = words.view(rows, _DIGEST_ROW_WORDS)  # [rows, 4096]
+    row_sums = grid.sum(dim=1, dtype=torch.int64)  # [rows]
+    col_sums = grid.sum(dim=0, dtype=torch.int64)  # [4096]
+    row_weights = torch.arange(1, rows + 1, dtype=torch.int64, device=data.device)
+    col_weights = torch.arange(1, _DIGEST_ROW_WORDS + 1, dtype=torch.int64, device=data.device) * 0x9E3779B1
+    mixed = torch.stack([row_sums.sum(), (row_sums * row_weights).sum(), (col_sums * col_weights).sum()])
+    total, by_row, by_col = (int(v) for v in mixed.tolist())  # one device->host sync
+    value = (total * 0x100000001B3) ^ (by_row * 0xC2B2AE3D27D4EB4F) ^ by_col ^ (tail << 7) ^ nbytes
+    return value & 0xFFFFFFFFFFFFFFFF

@@ -18,17 +18,10 @@ import crc32c
 import torch
 
 from hybridserve.transfer.digest import StreamDigest
+from hybridserve.transfer.manifest import TransferError
 from hybridserve.proto import worker_pb2
 from hybridserve.transfer.grpc_wire import RawStateData
-from hybridserve.transfer.state_layout import StateTensorSpec
-
-
-class TransferError(Exception):
-    """A state stream that must not be committed; `code` names the gRPC status to answer with."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code  # "INVALID_ARGUMENT" | "DATA_LOSS" | "FAILED_PRECONDITION"
+from hybridserve.transfer.state_layout import StateTensorSpec, state_views
 
 
 @dataclass(frozen=True)
@@ -36,37 +29,6 @@ class ReceivedState:
     manifest: worker_pb2.StateManifest
     tensors: dict[str, torch.Tensor]  # CPU tensors, views of one received buffer
     num_bytes: int
-
-
-def check_manifest(
-    manifest: worker_pb2.StateManifest, ticket: str, fingerprint: str, num_tokens: int, specs: list[StateTensorSpec]
-) -> None:
-    """Raise TransferError unless the manifest describes exactly the state the reservation expects."""
-    if manifest.ticket != ticket:
-        raise TransferError("FAILED_PRECONDITION", f"manifest ticket {manifest.ticket!r} is not {ticket!r}")
-    if manifest.model_fingerprint != fingerprint:
-        raise TransferError(
-            "FAILED_PRECONDITION",
-            f"state is from model {manifest.model_fingerprint!r}, this worker serves {fingerprint!r}",
-        )
-    if manifest.num_tokens != num_tokens:
-        raise TransferError("INVALID_ARGUMENT", f"manifest has {manifest.num_tokens} tokens, reserved {num_tokens}")
-    got = [(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in manifest.tensors]
-    want = [(s.name, s.dtype_name, s.shape, s.nbytes) for s in specs]
-    if got != want:
-        raise TransferError(
-            "INVALID_ARGUMENT",
-            f"manifest tensors {got} do not match the expected {want}: prefill and decode workers need the same "
-            "model, dtype and speculative_config (MTP adds drafter KV, speculation widens the conv windows)",
-        )
-    total = sum(s.nbytes for s in specs)
-    if manifest.total_bytes != total:
-        raise TransferError("INVALID_ARGUMENT", "manifest total_bytes does not match its tensors")
-    streams = max(manifest.num_streams, 1)
-    if manifest.stream_index >= streams:
-        raise TransferError("INVALID_ARGUMENT", f"stream_index {manifest.stream_index} of {streams} streams")
-    if total and (manifest.chunk_bytes == 0 or manifest.num_chunks != -(-total // manifest.chunk_bytes)):
-        raise TransferError("INVALID_ARGUMENT", "manifest chunk_bytes / num_chunks do not describe total_bytes")
 
 
 class ReceiveBuffers:
@@ -141,14 +103,7 @@ class StateAssembly:
             self._storage = None
 
     def result(self) -> ReceivedState:
-        tensors: dict[str, torch.Tensor] = {}
-        start = 0
-        for spec in self.specs:
-            raw = self.buffer[start : start + spec.nbytes]
-            if start % raw.new_empty((), dtype=spec.dtype).element_size():
-                raw = raw.clone()  # dtype views need element-aligned offsets
-            tensors[spec.name] = raw.view(spec.dtype).reshape(spec.shape)
-            start += spec.nbytes
+        tensors = state_views(self.buffer, self.specs)
         return ReceivedState(manifest=self.manifest, tensors=tensors, num_bytes=self.manifest.total_bytes)
 
 

@@ -9,29 +9,17 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import crc32c
 import torch
 
 from hybridserve.proto import worker_pb2
 from hybridserve.transfer.digest import StreamDigest
+from hybridserve.transfer.manifest import StateHeader, build_manifest
 from hybridserve.transfer.grpc_wire import encode_data_chunk
 from hybridserve.transfer.state_layout import StateTensorSpec
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: well under gRPC's default 4 MiB message limit
-
-
-@dataclass(frozen=True)
-class StateHeader:
-    """What the manifest says besides the tensor specs."""
-
-    ticket: str
-    request_id: str
-    model_fingerprint: str
-    num_tokens: int
-    first_token: int
-    num_cached_tokens: int
 
 
 def _as_bytes(host: torch.Tensor) -> memoryview:
@@ -89,25 +77,6 @@ def _chunked(views: Iterable[memoryview], chunk_bytes: int) -> Iterator[memoryvi
         yield bytes(carry)
 
 
-def _manifest(header: StateHeader, specs: list[StateTensorSpec], chunk_bytes: int, num_streams: int) -> worker_pb2.StateManifest:
-    total = sum(spec.nbytes for spec in specs)
-    return worker_pb2.StateManifest(
-        ticket=header.ticket,
-        request_id=header.request_id,
-        model_fingerprint=header.model_fingerprint,
-        num_tokens=header.num_tokens,
-        first_token=header.first_token,
-        num_cached_tokens=header.num_cached_tokens,
-        tensors=[
-            worker_pb2.TensorSpec(name=s.name, dtype=s.dtype_name, shape=list(s.shape), nbytes=s.nbytes) for s in specs
-        ],
-        total_bytes=total,
-        num_chunks=-(-total // chunk_bytes),
-        chunk_bytes=chunk_bytes,
-        num_streams=num_streams,
-    )
-
-
 def _data_messages(
     specs: list[StateTensorSpec], parts: Iterable[torch.Tensor], chunk_bytes: int, pre_encoded: bool
 ) -> Iterator[tuple[int, int, worker_pb2.StateChunk | bytes]]:
@@ -152,7 +121,7 @@ def encode_state_streams(
     A producer thread reads the parts once and deals the chunks out; its failure fails every stream."""
     if chunk_bytes <= 0 or num_streams <= 0:
         raise ValueError(f"chunk_bytes and num_streams must be positive, got {chunk_bytes}, {num_streams}")
-    manifest = _manifest(header, specs, chunk_bytes, num_streams)
+    manifest = build_manifest(header, specs, chunk_bytes, num_streams)
     if num_streams == 1:
         return [_single_stream(manifest, _data_messages(specs, parts, chunk_bytes, pre_encoded))]
     queues: list[queue.Queue] = [queue.Queue(maxsize=_STRIPE_QUEUE) for _ in range(num_streams)]

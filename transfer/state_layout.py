@@ -93,3 +93,44 @@ def write_request_state(
             raise ValueError("the model has Mamba layers but the request holds no state slot")
         cache.conv_states[slot] = tensors["conv"].to(device=cache.conv_states.device, dtype=cache.conv_states.dtype)
         cache.ssm_states[slot] = tensors["ssm"].to(device=cache.ssm_states.device, dtype=cache.ssm_states.dtype)
+
+
+def state_nbytes(specs: list[StateTensorSpec]) -> int:
+    """Bytes of the whole state: its tensors concatenated in transfer order."""
+    return sum(spec.nbytes for spec in specs)
+
+
+def state_views(buffer: torch.Tensor, specs: list[StateTensorSpec]) -> dict[str, torch.Tensor]:
+    """The named tensors of a state laid out back to back in a flat uint8 buffer (views, no copies where the
+    offsets are element-aligned, which arena ranges and the transfer order guarantee for these dtypes)."""
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < state_nbytes(specs):
+        raise ValueError(f"a state of {state_nbytes(specs)} bytes needs a flat uint8 buffer at least that long")
+    tensors: dict[str, torch.Tensor] = {}
+    start = 0
+    for spec in specs:
+        raw = buffer[start : start + spec.nbytes]
+        if (raw.storage_offset()) % torch.empty((), dtype=spec.dtype).element_size():
+            raw = raw.clone()  # dtype views need element-aligned offsets
+        tensors[spec.name] = raw.view(spec.dtype).reshape(spec.shape)
+        start += spec.nbytes
+    return tensors
+
+
+def stage_request_state(
+    cache: StateCache, page_ids: list[int], slot: int | None, num_tokens: int, hidden: torch.Tensor,
+    out: dict[str, torch.Tensor],
+) -> None:
+    """Copy a request's state into `out` (views of a staging buffer, from `state_views`): queued device
+    copies, no host sync; the pages and slot may be released right after (later writes queue behind)."""
+    n_attn = cache.k_pages.shape[1]
+    if "kv.k" in out:
+        pages, offsets = _token_index(page_ids, num_tokens, cache.layout.page_size, cache.k_pages.device)
+        for name, pool in (("kv.k", cache.k_pages), ("kv.v", cache.v_pages)):
+            for layer in range(n_attn):
+                out[name][layer].copy_(pool[pages, layer, offsets])  # [L, Hkv, Dh]
+    if "conv" in out:
+        if slot is None:
+            raise ValueError("the model has Mamba layers but the request holds no state slot")
+        out["conv"].copy_(cache.conv_states[slot])
+        out["ssm"].copy_(cache.ssm_states[slot])
+    out["hidden"].copy_(hidden)

@@ -11,6 +11,7 @@ from test_disaggregated import Cluster
 from hybridserve import LLM, SamplingParams
 from hybridserve.engine.config import EngineConfig
 from hybridserve.prefill_worker.worker import PrefillWorker
+from hybridserve.transfer.planes import TransferConfig
 from hybridserve.decode_worker.worker import DecodeWorker
 from hybridserve.router.orchestrator import Orchestrator
 
@@ -21,7 +22,7 @@ class SpecCluster(Cluster):
     def __init__(self, model_dir, rollback: str) -> None:  # noqa: D107 - one prefill, one decode worker
         spec = {"method": "mtp", "num_speculative_tokens": 3, "rollback": rollback}
         config = EngineConfig(prefill_chunk_size=16, max_num_seqs=4, page_size=8, speculative_config=spec)
-        self.prefill = [PrefillWorker(model_dir, config, chunk_bytes=512)]
+        self.prefill = [PrefillWorker(model_dir, config, transfer=TransferConfig(grpc_chunk_bytes=512))]
         self.decode = [DecodeWorker(model_dir, config)]
         for w in self.prefill + self.decode:
             w.start()
@@ -52,7 +53,7 @@ def test_prefill_and_decode_must_agree_on_speculation() -> None:
     plain = EngineConfig(prefill_chunk_size=16, max_num_seqs=4, page_size=8)
     spec = EngineConfig(prefill_chunk_size=16, max_num_seqs=4, page_size=8,
                         speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    prefill, decode = PrefillWorker(model_dir, plain, chunk_bytes=512), DecodeWorker(model_dir, spec)
+    prefill, decode = PrefillWorker(model_dir, plain, transfer=TransferConfig(grpc_chunk_bytes=512)), DecodeWorker(model_dir, spec)
     for w in (prefill, decode):
         w.start()
     try:

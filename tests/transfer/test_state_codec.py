@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridserve.transfer.grpc_receiver import TransferError, check_manifest, receive_state
-from hybridserve.transfer.grpc_sender import StateHeader, encode_state
+from hybridserve.transfer.grpc_receiver import receive_state
+from hybridserve.transfer.manifest import TransferError, check_manifest
+from hybridserve.transfer.grpc_sender import encode_state
+from hybridserve.transfer.manifest import StateHeader
 from hybridserve.proto import worker_pb2
 from hybridserve.transfer.state_layout import StateTensorSpec
 

@@ -40,7 +40,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class StateManifest(_message.Message):
-    __slots__ = ("ticket", "request_id", "model_fingerprint", "num_tokens", "first_token", "num_cached_tokens", "tensors", "total_bytes", "num_chunks", "chunk_bytes", "num_streams", "stream_index")
+    __slots__ = ("ticket", "request_id", "model_fingerprint", "num_tokens", "first_token", "num_cached_tokens", "tensors", "total_bytes", "num_chunks", "chunk_bytes", "num_streams", "stream_index", "device_digest")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class StateManifest(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     NUM_STREAMS_FIELD_NUMBER: _ClassVar[int]
     STREAM_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     ticket: str
     request_id: str
     model_fingerprint: str
@@ -65,7 +66,8 @@ class StateManifest(_message.Message):
     chunk_bytes: int
     num_streams: int
     stream_index: int
-    def __init__(self, ticket: _Optional[str] = ..., request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., num_streams: _Optional[int] = ..., stream_index: _Optional[int] = ...) -> None: ...
+    device_digest: int
+    def __init__(self, ticket: _Optional[str] = ..., request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., num_streams: _Optional[int] = ..., stream_index: _Optional[int] = ..., device_digest: _Optional[int] = ...) -> None: ...
 
 class StateData(_message.Message):
     __slots__ = ("index", "payload", "crc32c")
@@ -101,6 +103,34 @@ class PushStateResponse(_message.Message):
     bytes_received: int
     def __init__(self, committed: _Optional[bool] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
+class StateOffer(_message.Message):
+    __slots__ = ("manifest", "plane", "source_id", "source_descriptor", "offset")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    PLANE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    manifest: StateManifest
+    plane: str
+    source_id: str
+    source_descriptor: bytes
+    offset: int
+    def __init__(self, manifest: _Optional[_Union[StateManifest, _Mapping]] = ..., plane: _Optional[str] = ..., source_id: _Optional[str] = ..., source_descriptor: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class TransferInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TransferInfoResponse(_message.Message):
+    __slots__ = ("planes", "host_id", "device")
+    PLANES_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    planes: _containers.RepeatedScalarFieldContainer[str]
+    host_id: str
+    device: str
+    def __init__(self, planes: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
 class StreamTokensRequest(_message.Message):
     __slots__ = ("request_id", "ticket")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -134,13 +164,15 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ..., decode_address: _Optional[str] = ..., ticket: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "num_cached_tokens", "bytes_sent", "transfer_seconds")
+    __slots__ = ("first_token", "num_cached_tokens", "bytes_sent", "transfer_seconds", "plane")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PLANE_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     num_cached_tokens: int
     bytes_sent: int
     transfer_seconds: float
-    def __init__(self, first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., transfer_seconds: _Optional[float] = ...) -> None: ...
+    plane: str
+    def __init__(self, first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., plane: _Optional[str] = ...) -> None: ...

@@ -45,6 +45,16 @@ class DecodeWorkerStub:
                 request_serializer=hybridserve_dot_v1_dot_worker__pb2.StateChunk.SerializeToString,
                 response_deserializer=hybridserve_dot_v1_dot_worker__pb2.PushStateResponse.FromString,
                 _registered_method=True)
+        self.OfferState = channel.unary_unary(
+                '/hybridserve.v1.DecodeWorker/OfferState',
+                request_serializer=hybridserve_dot_v1_dot_worker__pb2.StateOffer.SerializeToString,
+                response_deserializer=hybridserve_dot_v1_dot_worker__pb2.PushStateResponse.FromString,
+                _registered_method=True)
+        self.TransferInfo = channel.unary_unary(
+                '/hybridserve.v1.DecodeWorker/TransferInfo',
+                request_serializer=hybridserve_dot_v1_dot_worker__pb2.TransferInfoRequest.SerializeToString,
+                response_deserializer=hybridserve_dot_v1_dot_worker__pb2.TransferInfoResponse.FromString,
+                _registered_method=True)
         self.StreamTokens = channel.unary_stream(
                 '/hybridserve.v1.DecodeWorker/StreamTokens',
                 request_serializer=hybridserve_dot_v1_dot_worker__pb2.StreamTokensRequest.SerializeToString,
@@ -82,6 +92,18 @@ class DecodeWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PushState(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OfferState(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TransferInfo(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -129,6 +151,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.PushState,
                     request_deserializer=hybridserve_dot_v1_dot_worker__pb2.StateChunk.FromString,
                     response_serializer=hybridserve_dot_v1_dot_worker__pb2.PushStateResponse.SerializeToString,
+            ),
+            'OfferState': grpc.unary_unary_rpc_method_handler(
+                    servicer.OfferState,
+                    request_deserializer=hybridserve_dot_v1_dot_worker__pb2.StateOffer.FromString,
+                    response_serializer=hybridserve_dot_v1_dot_worker__pb2.PushStateResponse.SerializeToString,
+            ),
+            'TransferInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.TransferInfo,
+                    request_deserializer=hybridserve_dot_v1_dot_worker__pb2.TransferInfoRequest.FromString,
+                    response_serializer=hybridserve_dot_v1_dot_worker__pb2.TransferInfoResponse.SerializeToString,
             ),
             'StreamTokens': grpc.unary_stream_rpc_method_handler(
                     servicer.StreamTokens,
@@ -210,6 +242,60 @@ class DecodeWorker:
             '/hybridserve.v1.DecodeWorker/PushState',
             hybridserve_dot_v1_dot_worker__pb2.StateChunk.SerializeToString,
             hybridserve_dot_v1_dot_worker__pb2.PushStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OfferState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridserve.v1.DecodeWorker/OfferState',
+            hybridserve_dot_v1_dot_worker__pb2.StateOffer.SerializeToString,
+            hybridserve_dot_v1_dot_worker__pb2.PushStateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TransferInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hybridserve.v1.DecodeWorker/TransferInfo',
+            hybridserve_dot_v1_dot_worker__pb2.TransferInfoRequest.SerializeToString,
+            hybridserve_dot_v1_dot_worker__pb2.TransferInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

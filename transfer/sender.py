@@ -1,0 +1,162 @@
+"""The prefill side of a handoff: stage the state in the registered arena, then move it over the plane the
+decode worker and this one share.
+
+Staging is a few queued device copies on the engine loop; the engine frees the request's pages and slot right
+after, so its next prefill never waits on the network. Everything else (digest, the gRPC stream or the offer
+to a device plane) runs on the calling handler thread, on a side CUDA stream, so many transfers are in flight
+at once and neither engine loop blocks on one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from hybridserve.proto import worker_pb2, worker_pb2_grpc
+from hybridserve.proto.channels import insecure_channel
+from hybridserve.transfer.arena import Arena, ArenaFull, ArenaRange
+from hybridserve.transfer.digest import device_digest
+from hybridserve.transfer.grpc_sender import encode_state_streams
+from hybridserve.transfer.grpc_wire import push_state_stub
+from hybridserve.transfer.manifest import StateHeader, build_manifest
+from hybridserve.transfer.planes import CUDA_IPC, GRPC, NIXL, PeerInfo, TransferConfig, choose_plane, device_id, host_id
+from hybridserve.transfer.state_layout import StateTensorSpec, state_nbytes, state_views
+
+logger = logging.getLogger(__name__)
+
+PUSH_TIMEOUT_S = 120.0
+
+
+@dataclass
+class StagedState:
+    """A request's state, ready to move: in an arena block (device planes possible) or in loose tensors."""
+
+    specs: list[StateTensorSpec]
+    parts: list[torch.Tensor]  # per-tensor views in transfer order
+    block: ArenaRange | None  # None: the arena had no room, the parts are copies (gRPC only)
+    ready: torch.cuda.Event | None  # recorded behind the staging copies
+
+
+# stage(out views or None) -> the parts; runs on the engine loop and releases the request
+StageFn = Callable[[dict[str, torch.Tensor] | None], list[torch.Tensor]]
+
+
+class StateSender:
+    """Owns the staging arena, the device-plane sources and the gRPC channels of one prefill worker."""
+
+    def __init__(self, config: TransferConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.arena = Arena(config.staging_bytes(device), device)
+        self.planes = config.offered(device)
+        self.sources: dict[str, object] = {}
+        if CUDA_IPC in self.planes:
+            from hybridserve.transfer.cuda_ipc import CudaIpcSource
+
+            self.sources[CUDA_IPC] = CudaIpcSource(self.arena)
+        if NIXL in self.planes:
+            from hybridserve.transfer.nixl_plane import NixlSource
+
+            self.sources[NIXL] = NixlSource(self.arena)
+        self.info = PeerInfo(tuple(self.planes), host_id(), device_id(device))
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._peers: dict[str, tuple[PeerInfo, list, object]] = {}  # address -> (info, push calls, stub)
+        self._lock = threading.Lock()
+
+    # ---- staging (the engine loop calls stage_fn) ----------------------------------------------
+    def stage(self, specs: list[StateTensorSpec], run_on_loop: Callable[[StageFn], list[torch.Tensor]],
+              stage_fn: StageFn) -> StagedState:
+        """Reserve an arena block (or fall back to loose copies), have the loop copy the state in."""
+        nbytes = state_nbytes(specs)
+        block = None
+        if self.arena.fits(nbytes):
+            try:
+                block = self.arena.allocate(nbytes, timeout=self.config.arena_wait_s)
+            except ArenaFull:
+                logger.warning("staging arena full for %d s: this state goes as loose copies over gRPC",
+                               self.config.arena_wait_s)
+        views = state_views(block.data, specs) if block is not None else None
+        try:
+            parts = run_on_loop(lambda: stage_fn(views))  # type: ignore[arg-type]
+        except BaseException:
+            if block is not None:
+                self.arena.free(block)
+            raise
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))  # the loop's stream is the default stream
+        return StagedState(specs, parts, block, ready)
+
+    # ---- moving ---------------------------------------------------------------------------------
+    def peer(self, address: str) -> tuple[PeerInfo, list, object]:
+        """TransferInfo of a decode worker (asked once), its PushState calls and its stub."""
+        with self._lock:
+            if address not in self._peers:
+                stub = worker_pb2_grpc.DecodeWorkerStub(insecure_channel(address))
+                reply = stub.TransferInfo(worker_pb2.TransferInfoRequest(), timeout=30)
+                info = PeerInfo(tuple(reply.planes), reply.host_id, reply.device)
+                calls = [push_state_stub(insecure_channel(address, ("grpc.channel_id", i)))  # own connections
+                         for i in range(self.config.grpc_streams)]
+                self._peers[address] = (info, calls, stub)
+                logger.info("state transfers to %s use %s (peer offers %s)", address,
+                            choose_plane(self.info, info), list(info.planes))
+            return self._peers[address]
+
+    def send(self, address: str, header: StateHeader, staged: StagedState) -> tuple[str, int]:
+        """Move a staged state to the decode worker at `address`; returns (plane, bytes). Frees the block."""
+        info, calls, stub = self.peer(address)
+        plane = choose_plane(self.info, info) if staged.block is not None else GRPC
+        stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+        try:
+            with stream_ctx:
+                if staged.ready is not None:
+                    torch.cuda.current_stream(self.device).wait_event(staged.ready)
+                digest = device_digest(staged.block.data) if staged.block is not None else 0
+                header = StateHeader(**{**header.__dict__, "device_digest": digest})
+                if plane == GRPC:
+                    return plane, self._push(calls, header, staged)
+                source = self.sources[plane]
+                offer = worker_pb2.StateOffer(
+                    manifest=build_manifest(header, staged.specs), plane=plane, source_id=source.source_id,
+                    source_descriptor=source.descriptor(), offset=staged.block.offset,
+                )
+                reply = stub.OfferState(offer, timeout=PUSH_TIMEOUT_S)
+                if not reply.committed:
+                    raise RuntimeError("the decode worker did not commit the state")
+                return plane, reply.bytes_received
+        finally:
+            if staged.block is not None:
+                after = None
+                if self._stream is not None:
+                    after = torch.cuda.Event()
+                    after.record(self._stream)
+                self.arena.free(staged.block, after=after)
+
+    def _push(self, calls: list, header: StateHeader, staged: StagedState) -> int:
+        streams = encode_state_streams(header, staged.specs, staged.parts, self.config.grpc_chunk_bytes,
+                                       pre_encoded=True, num_streams=len(calls))
+        if len(calls) == 1:
+            replies = [calls[0](streams[0], timeout=PUSH_TIMEOUT_S)]
+        else:
+            pending = [call.future(stream, timeout=PUSH_TIMEOUT_S) for call, stream in zip(calls, streams)]
+            replies = []
+            try:
+                replies = [f.result() for f in pending]
+            finally:
+                if len(replies) < len(pending):  # one failed: stop the others
+                    for f in pending:
+                        f.cancel()
+        if sum(r.committed for r in replies) != 1:
+            raise RuntimeError("the decode worker did not commit the state")
+        return sum(r.bytes_received for r in replies)
+
+    def close(self) -> None:
+        for source in self.sources.values():
+            source.close()  # type: ignore[attr-defined]
+
