@@ -63,7 +63,7 @@ class _Receiver(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.PushStateResponse(committed=True, bytes_received=request.manifest.total_bytes)
 
     def TransferInfo(self, request, context):  # noqa: N802
-        return self.receiver.transfer_info()
+        return self.receiver.transfer_info(request.device)
 
 
 def _serve_receiver(device: str, planes: list[str], staging_mb: int, port, ready) -> None:

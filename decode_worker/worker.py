@@ -132,7 +132,7 @@ class DecodeWorker:
     def check_manifest(self, reservation: Reservation, manifest, chunked: bool) -> list:
         """The state specs a manifest for `reservation` must match; TransferError otherwise.
         `chunked`: the manifest heads a gRPC stream (its chunk fields must add up)."""
-        specs = self.loop.call(lambda: self.engine.state_specs(reservation.num_tokens))
+        specs = self.engine.state_specs(reservation.num_tokens)  # cache geometry only: safe off the loop
         check_manifest(manifest, reservation.ticket, self.fingerprint, reservation.num_tokens, specs, chunked)
         if manifest.request_id != reservation.request_id:
             raise TransferError("FAILED_PRECONDITION", "manifest request_id does not match the ticket")
@@ -245,7 +245,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.PushStateResponse(committed=complete, bytes_received=num_bytes)
 
     def TransferInfo(self, request, context):  # noqa: N802
-        return self.worker.receiver.transfer_info()
+        return self.worker.receiver.transfer_info(request.device)
 
     def StreamTokens(self, request, context):  # noqa: N802
         try:

@@ -128,13 +128,15 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--worker-id", default=None)
     p.add_argument("--ready-file", default=None, help="write {address, pid} here once serving")
     _add_engine_options(p)
+    _add_transfer_options(p)
     p.set_defaults(func=_run_worker)
 
 
 def _run_worker(args: argparse.Namespace) -> int:
     from hybridserve.router.launch import WorkerOptions, serve_worker
 
-    options = WorkerOptions(model_dir=_model_dir(args), engine=_engine_config(args), host=args.host)
+    options = WorkerOptions(model_dir=_model_dir(args), engine=_engine_config(args), host=args.host,
+                            transfer=_transfer_config(args))
     worker_id = args.worker_id or f"{args.role}-{args.port}"
     return serve_worker(args.role, worker_id, options, args.port, args.ready_file)
 
@@ -161,7 +163,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-name", default=None, help="model id served over the API (default: checkpoint dir name)")
     p.add_argument("--max-running", type=int, default=256, help="requests the router runs at once")
     p.add_argument("--max-queued", type=int, default=512, help="requests that may wait; more get 429")
+    p.add_argument("--gpus", default=None,
+                   help="worker -> GPU placement for --no-ray: 'prefill=0,decode=1', 'prefill-0=0,decode-0=1' or "
+                   "'0,1' in start order (default: round-robin over the host's GPUs)")
     _add_engine_options(p)
+    _add_transfer_options(p)
     p.set_defaults(func=_run_serve)
 
 
@@ -174,8 +180,25 @@ def _run_serve(args: argparse.Namespace) -> int:
         use_ray=not args.no_ray, num_gpus_per_worker=args.num_gpus_per_worker,
         local_prefill_max_tokens=args.local_prefill_max_tokens, http_port=args.http_port,
         model_name=args.model_name, max_running=args.max_running, max_queued=args.max_queued,
+        transfer=_transfer_config(args), gpus=args.gpus,
     )
     return serve(options)
+
+
+def _add_transfer_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("state transfer (prefill -> decode)")
+    g.add_argument("--transfer-planes", default="cuda_ipc,grpc",
+                   help="data planes in order of preference, of cuda_ipc (same-host GPU->GPU), nixl (NIXL/UCX, "
+                   "pip install 'hybridserve[nixl]') and grpc (always the fallback) (default cuda_ipc,grpc)")
+    g.add_argument("--staging-mb", type=int, default=None,
+                   help="registered staging / landing arena per worker (default 2048 on CUDA, 256 on CPU)")
+    g.add_argument("--grpc-streams", type=int, default=2, help="parallel PushState streams per gRPC transfer")
+
+
+def _transfer_config(args: argparse.Namespace):  # noqa: ANN202 - TransferConfig, imported lazily
+    from hybridserve.transfer.planes import TransferConfig
+
+    return TransferConfig(planes=args.transfer_planes, staging_mb=args.staging_mb, grpc_streams=args.grpc_streams)
 
 
 def _add_up_down(sub: argparse._SubParsersAction) -> None:

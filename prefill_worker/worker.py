@@ -87,7 +87,7 @@ class PrefillWorker:
             first = out
         if first is None or first.finish_reason == "abort":
             raise RuntimeError(f"prefill of {request_id} was aborted")
-        specs = self.loop.call(lambda: self.engine.state_specs(len(prompt)))
+        specs = self.engine.state_specs(len(prompt))  # cache geometry only: safe off the loop thread
         try:
             staged = self.sender.stage(
                 specs, self.loop.call, lambda views: self.engine.export_state(request_id, views).parts

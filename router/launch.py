@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybridserve.engine.config import EngineConfig
+from hybridserve.transfer.planes import TransferConfig
 
 READY_TIMEOUT_S = 300.0
 
@@ -30,6 +31,7 @@ class WorkerOptions:
     model_dir: str
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
+    transfer: TransferConfig = field(default_factory=TransferConfig)
 
     def argv(self) -> list[str]:
         e = self.engine
@@ -49,6 +51,10 @@ class WorkerOptions:
             args += ["--load-format", e.load_format]
         if e.speculative is not None:
             args += ["--speculative-config", json.dumps(dataclasses.asdict(e.speculative))]
+        t = self.transfer
+        args += ["--transfer-planes", ",".join(t.planes), "--grpc-streams", str(t.grpc_streams)]
+        if t.staging_mb is not None:
+            args += ["--staging-mb", str(t.staging_mb)]
         return args
 
 
@@ -68,13 +74,15 @@ class WorkerProcess:
             self.process.wait(timeout=30)
 
 
-def start_worker_process(role: str, worker_id: str, options: WorkerOptions, port: int = 0) -> WorkerProcess:
-    """Spawn one worker and wait until it serves; raises RuntimeError with its log tail if it dies."""
+def start_worker_process(role: str, worker_id: str, options: WorkerOptions, port: int = 0,
+                         env: dict[str, str] | None = None) -> WorkerProcess:
+    """Spawn one worker (`env`: variables set for it, e.g. CUDA_VISIBLE_DEVICES) and wait until it serves;
+    raises RuntimeError with its log tail if it dies."""
     ready = Path(tempfile.mkdtemp(prefix="hybridserve-ready-")) / f"{worker_id}.json"
     log = tempfile.NamedTemporaryFile(prefix=f"hybridserve-{worker_id}-", suffix=".log", delete=False)
     argv = [sys.executable, "-m", "hybridserve", "worker", "--role", role, "--worker-id", worker_id,
             "--port", str(port), "--ready-file", str(ready), *options.argv()]
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy())
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if ready.is_file():
@@ -96,7 +104,8 @@ def serve_worker(role: str, worker_id: str, options: WorkerOptions, port: int, r
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
     cls = PrefillWorker if role == "prefill" else DecodeWorker
-    worker = cls(options.model_dir, options.engine, host=options.host, port=port, worker_id=worker_id)
+    worker = cls(options.model_dir, options.engine, host=options.host, port=port, worker_id=worker_id,
+                 transfer=options.transfer)
     address = worker.start()
     if ready_file:
         tmp = Path(ready_file).with_suffix(".tmp")

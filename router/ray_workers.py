@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from hybridserve.engine.config import EngineConfig
+from hybridserve.transfer.planes import TransferConfig
 
 logger = logging.getLogger(__name__)
 
@@ -18,7 +19,8 @@ logger = logging.getLogger(__name__)
 class WorkerActor:
     """Wrapped by `ray.remote` in `start_ray_workers`; kept a plain class so it is importable without Ray."""
 
-    def __init__(self, role: str, model_dir: str, engine: EngineConfig, worker_id: str) -> None:
+    def __init__(self, role: str, model_dir: str, engine: EngineConfig, worker_id: str,
+                 transfer: TransferConfig | None = None) -> None:
         import ray
 
         from hybridserve.decode_worker.worker import DecodeWorker
@@ -26,7 +28,7 @@ class WorkerActor:
 
         cls = PrefillWorker if role == "prefill" else DecodeWorker
         node_ip = ray.util.get_node_ip_address()
-        self.worker = cls(model_dir, engine, host="0.0.0.0", port=0, worker_id=worker_id)
+        self.worker = cls(model_dir, engine, host="0.0.0.0", port=0, worker_id=worker_id, transfer=transfer)
         bound = self.worker.start().rsplit(":", 1)[1]
         self._address = f"{node_ip}:{bound}"
         self.role = role
@@ -55,7 +57,8 @@ class RayPlacement:
 
 
 def start_ray_workers(
-    model_dir: str, engine: EngineConfig, num_prefill: int, num_decode: int, placement: RayPlacement
+    model_dir: str, engine: EngineConfig, num_prefill: int, num_decode: int, placement: RayPlacement,
+    transfer: TransferConfig | None = None,
 ) -> dict[str, list]:
     """Named actors `hybridserve-<role>-<i>` (an existing one is reused); returns {"prefill": [...], "decode": [...]}."""
     import ray
@@ -73,7 +76,7 @@ def start_ray_workers(
                 options["resources"] = {role: 1}
             if placement.detached:
                 options.update(lifetime="detached", namespace=placement.namespace)
-            actors[role].append(remote_cls.options(**options).remote(role, model_dir, engine, name))
+            actors[role].append(remote_cls.options(**options).remote(role, model_dir, engine, name, transfer))
     return actors
 
 

@@ -4,6 +4,7 @@ until interrupted."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from dataclasses import dataclass, field
@@ -11,7 +12,9 @@ from dataclasses import dataclass, field
 from hybridserve.engine.config import EngineConfig
 from hybridserve.router.app import Router, RouterOptions
 from hybridserve.router.config import AdmissionConfig, OrchestratorConfig
+from hybridserve.router.gpu_placement import assign_gpus, host_gpus, visible_devices
 from hybridserve.router.launch import WorkerOptions, start_worker_process
+from hybridserve.transfer.planes import TransferConfig
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +37,8 @@ class ServeOptions:
     model_name: str | None = None
     max_running: int = 256
     max_queued: int = 512
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    gpus: str | None = None  # --gpus placement (router/gpu_placement.py); None: round-robin on a multi-GPU host
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -58,9 +63,16 @@ class Deployment:
         if options.use_ray:
             self._start_ray()
         else:
-            worker_options = WorkerOptions(options.model_dir, options.engine)
-            for role, count in (("prefill", options.num_prefill), ("decode", options.num_decode)):
-                self._processes += [start_worker_process(role, f"{role}-{i}", worker_options) for i in range(count)]
+            worker_options = WorkerOptions(options.model_dir, options.engine, transfer=options.transfer)
+            workers = [(role, f"{role}-{i}") for role, count in (("prefill", options.num_prefill),
+                                                                 ("decode", options.num_decode)) for i in range(count)]
+            gpus = host_gpus(dict(os.environ)) if options.engine.device.startswith("cuda") else []
+            placement = assign_gpus([wid for _, wid in workers], len(gpus), options.gpus)
+            for wid, gpu in placement.items():
+                print(f"hybridserve: {wid} on GPU {gpus[gpu]}", flush=True)
+            for role, wid in workers:
+                env = {"CUDA_VISIBLE_DEVICES": visible_devices(placement[wid], gpus)} if wid in placement else None
+                self._processes.append(start_worker_process(role, wid, worker_options, env=env))
 
     def _start_ray(self) -> None:
         try:
@@ -78,7 +90,8 @@ class Deployment:
                 ray.init(namespace="hybridserve", include_dashboard=False, log_to_driver=False,
                          resources={"prefill": o.num_prefill, "decode": o.num_decode})
         self._actors = start_ray_workers(
-            o.model_dir, o.engine, o.num_prefill, o.num_decode, RayPlacement(num_gpus=o.num_gpus_per_worker)
+            o.model_dir, o.engine, o.num_prefill, o.num_decode, RayPlacement(num_gpus=o.num_gpus_per_worker),
+            o.transfer,
         )
 
     def addresses(self) -> tuple[list[str], list[str]]:

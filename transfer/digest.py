@@ -34,14 +34,17 @@ def device_digest(data: torch.Tensor) -> int:
     whole = nbytes - nbytes % 4
     words = data[:whole].view(torch.int32)  # storage offsets of staged states are 256-byte aligned
     tail = int.from_bytes(bytes(data[whole:].tolist()), "little") if whole != nbytes else 0
-    rows = -(-words.numel() // _DIGEST_ROW_WORDS)
-    if words.numel() % _DIGEST_ROW_WORDS:
-        padded = torch.zeros(rows * _DIGEST_ROW_WORDS, dtype=torch.int32, device=data.device)
-        padded[: words.numel()] = words
-        words = padded
-    grid = words.view(rows, _DIGEST_ROW_WORDS)  # [rows, 4096]
+    full = words.numel() // _DIGEST_ROW_WORDS
+    grid = words[: full * _DIGEST_ROW_WORDS].view(full, _DIGEST_ROW_WORDS)  # [rows, 4096], no copy
+    rest = words[full * _DIGEST_ROW_WORDS :]  # the short last row
     row_sums = grid.sum(dim=1, dtype=torch.int64)  # [rows]
     col_sums = grid.sum(dim=0, dtype=torch.int64)  # [4096]
+    if rest.numel():  # as if zero-padded to a whole row
+        last = torch.zeros(_DIGEST_ROW_WORDS, dtype=torch.int64, device=data.device)
+        last[: rest.numel()] = rest
+        row_sums = torch.cat([row_sums, last.sum().view(1)])
+        col_sums = col_sums + last
+    rows = row_sums.numel()
     row_weights = torch.arange(1, rows + 1, dtype=torch.int64, device=data.device)
     col_weights = torch.arange(1, _DIGEST_ROW_WORDS + 1, dtype=torch.int64, device=data.device) * 0x9E3779B1
     mixed = torch.stack([row_sums.sum(), (row_sums * row_weights).sum(), (col_sums * col_weights).sum()])

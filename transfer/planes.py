@@ -85,6 +85,18 @@ def device_id(device: torch.device) -> str:
     return f"cuda:{torch.cuda.get_device_properties(index).uuid}"
 
 
+def reachable_gpu(peer_device: str, device: torch.device) -> bool:
+    """Whether this process can map memory of the peer's GPU: it is this process's GPU or a visible peer
+    it has peer access to (the launcher keeps the host's GPUs visible; Ray hides them)."""
+    if device.type != "cuda" or not peer_device.startswith("cuda:"):
+        return False
+    own = device.index if device.index is not None else torch.cuda.current_device()
+    for index in range(torch.cuda.device_count()):
+        if f"cuda:{torch.cuda.get_device_properties(index).uuid}" == peer_device:
+            return index == own or torch.cuda.can_device_access_peer(own, index)
+    return False
+
+
 @dataclass(frozen=True)
 class PeerInfo:
     """What a worker says about itself in TransferInfo."""

@@ -20,7 +20,15 @@ from hybridserve.transfer.arena import Arena, ArenaFull, ArenaRange
 from hybridserve.transfer.digest import device_digest
 from hybridserve.transfer.grpc_receiver import ReceiveBuffers, StateAssembly
 from hybridserve.transfer.manifest import TransferError
-from hybridserve.transfer.planes import CUDA_IPC, NIXL, PeerInfo, TransferConfig, device_id, host_id
+from hybridserve.transfer.planes import (
+    CUDA_IPC,
+    NIXL,
+    PeerInfo,
+    TransferConfig,
+    device_id,
+    host_id,
+    reachable_gpu,
+)
 from hybridserve.transfer.state_layout import StateTensorSpec, state_views
 
 logger = logging.getLogger(__name__)
@@ -64,9 +72,10 @@ class StateReceiver:
         self.info = PeerInfo(tuple(self.planes), host_id(), device_id(device))
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def transfer_info(self) -> worker_pb2.TransferInfoResponse:
-        return worker_pb2.TransferInfoResponse(planes=list(self.info.planes), host_id=self.info.host_id,
-                                               device=self.info.device)
+    def transfer_info(self, peer_device: str) -> worker_pb2.TransferInfoResponse:
+        """What this worker offers a sender on `peer_device` (CUDA IPC only if that GPU is reachable here)."""
+        planes = [p for p in self.info.planes if p != CUDA_IPC or reachable_gpu(peer_device, self.device)]
+        return worker_pb2.TransferInfoResponse(planes=planes, host_id=self.info.host_id, device=self.info.device)
 
     def _stream_ctx(self):  # noqa: ANN202
         return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()

@@ -99,7 +99,7 @@ class StateSender:
         with self._lock:
             if address not in self._peers:
                 stub = worker_pb2_grpc.DecodeWorkerStub(insecure_channel(address))
-                reply = stub.TransferInfo(worker_pb2.TransferInfoRequest(), timeout=30)
+                reply = stub.TransferInfo(worker_pb2.TransferInfoRequest(device=self.info.device), timeout=30)
                 info = PeerInfo(tuple(reply.planes), reply.host_id, reply.device)
                 calls = [push_state_stub(insecure_channel(address, ("grpc.channel_id", i)))  # own connections
                          for i in range(self.config.grpc_streams)]

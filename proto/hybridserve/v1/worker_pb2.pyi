@@ -118,8 +118,10 @@ class StateOffer(_message.Message):
     def __init__(self, manifest: _Optional[_Union[StateManifest, _Mapping]] = ..., plane: _Optional[str] = ..., source_id: _Optional[str] = ..., source_descriptor: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class TransferInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("device",)
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    def __init__(self, device: _Optional[str] = ...) -> None: ...
 
 class TransferInfoResponse(_message.Message):
     __slots__ = ("planes", "host_id", "device")

@@ -1,0 +1,52 @@
+"""GPU placement of worker processes: defaults, --gpus overrides, refusals, and each process's devices."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from hybridserve.router.gpu_placement import assign_gpus, host_gpus, visible_devices
+
+WORKERS = ["prefill-0", "decode-0"]
+
+
+def test_default_puts_each_worker_on_its_own_gpu_and_wraps_round_robin() -> None:
+    assert assign_gpus(WORKERS, 2) == {"prefill-0": 0, "decode-0": 1}
+    assert assign_gpus(["prefill-0", "decode-0", "decode-1"], 2) == {"prefill-0": 0, "decode-0": 1, "decode-1": 0}
+    assert assign_gpus(WORKERS, 0) == {}  # no GPUs: nothing to place
+
+
+@pytest.mark.parametrize("spec, want", [
+    ("prefill=1,decode=0", {"prefill-0": 1, "decode-0": 0}),
+    ("prefill-0=0, decode-0=0", {"prefill-0": 0, "decode-0": 0}),
+    ("1,0", {"prefill-0": 1, "decode-0": 0}),
+])
+def test_explicit_mapping(spec: str, want: dict[str, int]) -> None:
+    assert assign_gpus(WORKERS, 2, spec) == want
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("prefill=0,decode=2", "GPU(s) [2] but this host has 2"),
+    ("0", "lists 1 GPUs for 2 workers"),
+    ("prefill=0", "leaves decode-0 without a GPU"),
+    ("router=0,prefill=0,decode=1", "'router', which is no role or worker"),
+    ("prefill=a,decode=1", "'a' is not a GPU index"),
+    ("0,decode=1", "mix no plain indices"),
+])
+def test_mappings_that_cannot_exist_are_refused(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        assign_gpus(WORKERS, 2, spec)
+
+
+def test_no_gpu_host_refuses_a_mapping() -> None:
+    with pytest.raises(ValueError, match="no GPU"):
+        assign_gpus(WORKERS, 0, "prefill=0,decode=0")
+
+
+def test_each_worker_sees_its_gpu_first_and_its_peers_after() -> None:
+    assert visible_devices(0, ["0", "1"]) == "0,1"
+    assert visible_devices(1, ["0", "1"]) == "1,0"
+    assert visible_devices(1, ["4", "5", "6"]) == "5,4,6"  # the launcher's own CUDA_VISIBLE_DEVICES is respected
+    assert host_gpus({"CUDA_VISIBLE_DEVICES": "4, 5"}) == ["4", "5"]
+    assert host_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
