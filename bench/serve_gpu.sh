@@ -1,33 +1,76 @@
 #!/usr/bin/env bash
-# Serving benchmark on one GPU: Nemotron-Nano-9B-v2 shapes, random bf16 weights (--load-format dummy), the
-# router and workers as plain processes (no Ray). Disaggregated (1 prefill + 1 decode worker) vs a single
-# worker (the decode worker prefills everything itself). Writes bench/serve.py JSON into $1.
-#   bash bench/serve_gpu.sh bench/results/h200/serve
+# Serving benchmark on the GPU: Nemotron-Nano-9B-v2 shapes, random bf16 weights (--load-format dummy), the
+# router and workers as plain processes (no Ray), bench/serve.py as the client. Writes its JSON into $1.
+#
+#   bash bench/serve_gpu.sh OUT [DEPLOYMENT ...]
+#
+# Deployments (default: all that the host's GPUs allow):
+#   colocated-1gpu      one worker that prefills and decodes, on GPU 0
+#   colocated-2gpu-dp   two such workers, GPU 0 and GPU 1; the router spreads requests over them
+#   pd-2gpu-cuda_ipc    1 prefill worker (GPU 0) + 1 decode worker (GPU 1), state over CUDA IPC
+#   pd-2gpu-grpc        the same pair, state over gRPC (through host memory)
+#   pd-1gpu             1 prefill + 1 decode worker sharing GPU 0 (CUDA IPC on one device)
+# Workloads: random 512/128 and 2048/256 prompts, rates 4, 8, 16 req/s and all at once; NUM_PROMPTS (64)
+# each, after 4 warm-up requests. WORKLOADS="512:128 2048:256" and RATES="4,8,16,inf" override.
+# bench/serve_table.py OUT then prints and writes the comparison table (OUT/table.md).
 set -euo pipefail
 OUT=${1:-bench/results/gpu/serve}
+shift || true
 mkdir -p "$OUT"
+NUM_PROMPTS=${NUM_PROMPTS:-64}
+RATES=${RATES:-4,8,16,inf}
+WORKLOADS=${WORKLOADS:-"512:128 2048:256"}
+GPUS=$(nvidia-smi --list-gpus | wc -l)
+if [ "$#" -eq 0 ]; then
+  set -- colocated-1gpu
+  if [ "$GPUS" -ge 2 ]; then set -- "$@" colocated-2gpu-dp pd-2gpu-cuda_ipc pd-2gpu-grpc; else set -- "$@" pd-1gpu; fi
+fi
 MODEL=$(mktemp -d)
 cp bench/configs/nemotron-nano-9b-v2.json "$MODEL/config.json"
 COMMON=(--no-ray --model "$MODEL" --device cuda --dtype bfloat16 --load-format dummy --gpu-memory-gb 24
-        --max-num-seqs 32 --max-model-len 2048 --http-port 8000 --port 50051)
-BENCH=(--base-url http://127.0.0.1:8000 --workload random --input-len 512 --output-len 128 --num-prompts 32
-       --request-rate 8,inf --token-range 3,1000 --warmup 4 --no-plots --result-dir "$OUT")
+        --max-num-seqs 32 --max-model-len 4096 --http-port 8000 --port 50051 -v)
+git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
+nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUT/gpus.csv"
 
-run() {
-  local name=$1; shift
-  hybridserve serve "${COMMON[@]}" "$@" > "$OUT/$name.server.log" 2>&1 &
-  local pid=$!
-  for _ in $(seq 1 150); do
-    if python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2>/dev/null; then
-      break
-    fi
-    sleep 1
-  done
-  python3 bench/serve.py "${BENCH[@]}" --result-name "$name" || true
-  kill "$pid" 2>/dev/null || true
-  wait "$pid" 2>/dev/null || true
-  sleep 2
+deployment_args() {
+  case $1 in
+    colocated-1gpu) echo --prefill-workers 0 --decode-workers 1 --gpus 0 ;;
+    colocated-2gpu-dp) echo --prefill-workers 0 --decode-workers 2 --gpus 0,1 ;;
+    pd-2gpu-cuda_ipc) echo --prefill-workers 1 --decode-workers 1 --gpus prefill=0,decode=1 --transfer-planes cuda_ipc,grpc ;;
+    pd-2gpu-grpc) echo --prefill-workers 1 --decode-workers 1 --gpus prefill=0,decode=1 --transfer-planes grpc ;;
+    pd-1gpu) echo --prefill-workers 1 --decode-workers 1 --gpus prefill=0,decode=0 --transfer-planes cuda_ipc,grpc ;;
+    *) echo "unknown deployment $1" >&2; return 2 ;;
+  esac
 }
 
-run disaggregated
-run single-worker --local-prefill-max-tokens 100000
+run() {
+  local name=$1
+  # shellcheck disable=SC2046
+  hybridserve serve "${COMMON[@]}" $(deployment_args "$name") > "$OUT/$name.server.log" 2>&1 &
+  local pid=$! up=0
+  for _ in $(seq 1 300); do
+    if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2>/dev/null; then
+      up=1; break
+    fi
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 1
+  done
+  if [ "$up" = 1 ]; then
+    for w in $WORKLOADS; do
+      local in=${w%%:*} out=${w##*:}
+      python3 bench/serve.py --base-url http://127.0.0.1:8000 --workload random --input-len "$in" \
+        --output-len "$out" --num-prompts "$NUM_PROMPTS" --request-rate "$RATES" --token-range 3,1000 \
+        --warmup 4 --no-plots --result-dir "$OUT" --result-name "$name-$in-$out" || true
+    done
+  else
+    echo "$name: the server did not come up (see $OUT/$name.server.log)" >&2
+  fi
+  kill "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+  sleep 3
+}
+
+for deployment in "$@"; do
+  run "$deployment"
+done
+python3 bench/serve_table.py "$OUT" || true

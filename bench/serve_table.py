@@ -1,0 +1,110 @@
+"""One table from the sweeps bench/serve_gpu.sh wrote: per workload and deployment, TTFT / TPOT percentiles
+and output throughput at every offered rate, and the ratios the disaggregation targets are stated in.
+
+  python bench/serve_table.py bench/results/h200x2/serve     # prints it and writes table.md / table.json there
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BASELINE = "colocated-1gpu"
+
+
+def load(result_dir: Path) -> dict[tuple[str, str], dict[str, dict]]:
+    """(deployment, workload) -> {rate tag: metrics}."""
+    table: dict[tuple[str, str], dict[str, dict]] = {}
+    for sweep in sorted(result_dir.glob("*-sweep.json")):
+        name = sweep.name.removesuffix("-sweep.json")
+        deployment, input_len, output_len = name.rsplit("-", 2)  # <deployment>-<input len>-<output len>
+        workload = f"{input_len}/{output_len}"
+        runs = json.loads(sweep.read_text())["runs"]
+        table[(deployment, workload)] = {_tag(r["request_rate"]): r["metrics"] for r in runs}
+    return table
+
+
+def _tag(rate: object) -> str:
+    return "inf" if rate in (None, "inf", float("inf")) or (isinstance(rate, str) and "inf" in rate) else f"{float(rate):g}"
+
+
+def rows(table: dict[tuple[str, str], dict[str, dict]]) -> list[dict]:
+    out = []
+    for (deployment, workload), by_rate in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        for rate, m in sorted(by_rate.items(), key=lambda kv: float("inf") if kv[0] == "inf" else float(kv[0])):
+            out.append({
+                "workload": workload, "deployment": deployment, "rate": rate, "completed": m["completed"],
+                "failed": m["failed"], "request_throughput": m["request_throughput"],
+                "output_throughput": m["output_throughput"], "ttft_p50_ms": m["ttft_ms"]["p50"],
+                "ttft_p99_ms": m["ttft_ms"]["p99"], "tpot_p50_ms": m["tpot_ms"]["p50"],
+                "tpot_p99_ms": m["tpot_ms"]["p99"], "itl_p99_ms": m["itl_ms"]["p99"],
+            })
+    return out
+
+
+def _ok(m: dict) -> bool:
+    return bool(m["completed"]) and m["ttft_ms"]["p50"] is not None
+
+
+def targets(table: dict[tuple[str, str], dict[str, dict]]) -> list[str]:
+    """The issue's done-when ratios against the co-located single-GPU worker, per workload and P/D plane."""
+    lines = []
+    for (deployment, workload), by_rate in sorted(table.items()):
+        base = table.get((BASELINE, workload))
+        if not deployment.startswith("pd-2gpu") or base is None:
+            continue
+        parts = []
+        by_rate = {r: m for r, m in by_rate.items() if _ok(m)}
+        base = {r: m for r, m in base.items() if _ok(m)}
+        if "inf" in by_rate and "inf" in base:
+            parts.append(f"all-at-once output {by_rate['inf']['output_throughput'] / base['inf']['output_throughput']:.2f}x "
+                         "(target >= 1.8x)")
+        if "8" in by_rate and "8" in base:
+            delta = by_rate["8"]["ttft_ms"]["p50"] - base["8"]["ttft_ms"]["p50"]
+            parts.append(f"TTFT p50 @8 {delta:+.0f} ms vs co-located (target <= +25 ms)")
+        if "16" in by_rate and "16" in base:
+            parts.append(f"TPOT p50 @16 {by_rate['16']['tpot_ms']['p50'] / base['16']['tpot_ms']['p50']:.2f}x "
+                         "(target <= 0.8x)")
+        dp = table.get(("colocated-2gpu-dp", workload))
+        if dp is not None:
+            dp = {r: m for r, m in dp.items() if _ok(m)}
+            ok = lambda runs: [r for r, m in runs.items() if r != "inf" and m["tpot_ms"]["p99"] <= 15 and not m["failed"]]
+            best = lambda runs: max((float(r) for r in ok(runs)), default=0.0)
+            parts.append(f"highest rate with TPOT p99 <= 15 ms: P/D {best(by_rate):g} vs 2 co-located {best(dp):g} req/s")
+        lines.append(f"- {workload} {deployment}: " + "; ".join(parts))
+    return lines
+
+
+def markdown(all_rows: list[dict], target_lines: list[str]) -> str:
+    head = ("| workload | deployment | rate | done | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
+            "| ITL p99 |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    body = "".join(
+        f"| {r['workload']} | {r['deployment']} | {r['rate']} | {r['completed']}/{r['completed'] + r['failed']} "
+        f"| {_num(r['request_throughput'], '.2f')} | {_num(r['output_throughput'], '.0f')} "
+        f"| {_num(r['ttft_p50_ms'], '.0f')} | {_num(r['ttft_p99_ms'], '.0f')} | {_num(r['tpot_p50_ms'], '.1f')} "
+        f"| {_num(r['tpot_p99_ms'], '.1f')} | {_num(r['itl_p99_ms'], '.1f')} |\n" for r in all_rows)
+    return head + body + "\n" + "\n".join(target_lines) + "\n"
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    result_dir = Path(argv[0])
+    table = load(result_dir)
+    all_rows, target_lines = rows(table), targets(table)
+    text = markdown(all_rows, target_lines)
+    print(text)
+    (result_dir / "table.md").write_text(text)
+    (result_dir / "table.json").write_text(json.dumps({"rows": all_rows, "targets": target_lines}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
