@@ -28,7 +28,7 @@ fi
 MODEL=$(mktemp -d)
 cp bench/configs/nemotron-nano-9b-v2.json "$MODEL/config.json"
 COMMON=(--no-ray --model "$MODEL" --device cuda --dtype bfloat16 --load-format dummy --gpu-memory-gb 24
-        --max-num-seqs 32 --max-model-len 4096 --http-port 8000 --port 50051 -v)
+        --max-num-seqs 32 --max-model-len 4096 --http-port 8000 --port 50051)
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUT/gpus.csv"
 
@@ -46,7 +46,7 @@ deployment_args() {
 run() {
   local name=$1
   # shellcheck disable=SC2046
-  hybridserve serve "${COMMON[@]}" $(deployment_args "$name") > "$OUT/$name.server.log" 2>&1 &
+  hybridserve -v serve "${COMMON[@]}" $(deployment_args "$name") > "$OUT/$name.server.log" 2>&1 &
   local pid=$! up=0
   for _ in $(seq 1 300); do
     if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2>/dev/null; then
