@@ -8,7 +8,9 @@
 #   colocated-1gpu      one worker that prefills and decodes, on GPU 0
 #   colocated-2gpu-dp   two such workers, GPU 0 and GPU 1; the router spreads requests over them
 #   pd-2gpu-cuda_ipc    1 prefill worker (GPU 0) + 1 decode worker (GPU 1), state over CUDA IPC
-#   pd-2gpu-grpc        the same pair, state over gRPC (through host memory)
+#   pd-2gpu-cuda_ipc-chunk4k  the same, the prefill worker taking 4096 prompt tokens per step (it runs no
+#                       decodes, so big steps cost no inter-token latency)
+#   pd-2gpu-grpc        the pair, state over gRPC (through host memory)
 #   pd-1gpu             1 prefill + 1 decode worker sharing GPU 0 (CUDA IPC on one device)
 # Workloads: random 512/128 and 2048/256 prompts, rates 4, 8, 16 req/s and all at once; NUM_PROMPTS (64)
 # each, after 4 warm-up requests. WORKLOADS="512:128 2048:256" and RATES="4,8,16,inf" override.
@@ -23,7 +25,8 @@ WORKLOADS=${WORKLOADS:-"512:128 2048:256"}
 GPUS=$(nvidia-smi --list-gpus | wc -l)
 if [ "$#" -eq 0 ]; then
   set -- colocated-1gpu
-  if [ "$GPUS" -ge 2 ]; then set -- "$@" colocated-2gpu-dp pd-2gpu-cuda_ipc pd-2gpu-grpc; else set -- "$@" pd-1gpu; fi
+  if [ "$GPUS" -ge 2 ]; then set -- "$@" colocated-2gpu-dp pd-2gpu-cuda_ipc pd-2gpu-cuda_ipc-chunk4k pd-2gpu-grpc
+  else set -- "$@" pd-1gpu; fi
 fi
 MODEL=$(mktemp -d)
 cp bench/configs/nemotron-nano-9b-v2.json "$MODEL/config.json"
@@ -37,6 +40,8 @@ deployment_args() {
     colocated-1gpu) echo --prefill-workers 0 --decode-workers 1 --gpus 0 ;;
     colocated-2gpu-dp) echo --prefill-workers 0 --decode-workers 2 --gpus 0,1 ;;
     pd-2gpu-cuda_ipc) echo --prefill-workers 1 --decode-workers 1 --gpus prefill=0,decode=1 --transfer-planes cuda_ipc,grpc ;;
+    pd-2gpu-cuda_ipc-chunk4k) echo --prefill-workers 1 --decode-workers 1 --gpus prefill=0,decode=1 --transfer-planes cuda_ipc,grpc \
+      --prefill-worker-overrides '{"prefill_chunk_size":4096}' ;;
     pd-2gpu-grpc) echo --prefill-workers 1 --decode-workers 1 --gpus prefill=0,decode=1 --transfer-planes grpc ;;
     pd-1gpu) echo --prefill-workers 1 --decode-workers 1 --gpus prefill=0,decode=0 --transfer-planes cuda_ipc,grpc ;;
     *) echo "unknown deployment $1" >&2; return 2 ;;
@@ -45,8 +50,9 @@ deployment_args() {
 
 run() {
   local name=$1
-  # shellcheck disable=SC2046
-  hybridserve -v serve "${COMMON[@]}" $(deployment_args "$name") > "$OUT/$name.server.log" 2>&1 &
+  local args
+  read -r -a args <<< "$(deployment_args "$name")"
+  hybridserve -v serve "${COMMON[@]}" "${args[@]}" > "$OUT/$name.server.log" 2>&1 &
   local pid=$! up=0
   for _ in $(seq 1 300); do
     if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2>/dev/null; then

@@ -166,6 +166,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", default=None,
                    help="worker -> GPU placement for --no-ray: 'prefill=0,decode=1', 'prefill-0=0,decode-0=1' or "
                    "'0,1' in start order (default: round-robin over the host's GPUs)")
+    p.add_argument("--prefill-worker-overrides", type=_parse_json, default=None,
+                   help="JSON of engine options that differ for prefill workers, e.g. '{\"prefill_chunk_size\": 4096}' "
+                   "(they run no decodes: big prefill steps cost no inter-token latency)")
     _add_engine_options(p)
     _add_transfer_options(p)
     p.set_defaults(func=_run_serve)
@@ -180,7 +183,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         use_ray=not args.no_ray, num_gpus_per_worker=args.num_gpus_per_worker,
         local_prefill_max_tokens=args.local_prefill_max_tokens, http_port=args.http_port,
         model_name=args.model_name, max_running=args.max_running, max_queued=args.max_queued,
-        transfer=_transfer_config(args), gpus=args.gpus,
+        transfer=_transfer_config(args), gpus=args.gpus, prefill_engine_overrides=args.prefill_worker_overrides,
     )
     return serve(options)
 

@@ -58,7 +58,7 @@ class RayPlacement:
 
 def start_ray_workers(
     model_dir: str, engine: EngineConfig, num_prefill: int, num_decode: int, placement: RayPlacement,
-    transfer: TransferConfig | None = None,
+    transfer: TransferConfig | None = None, prefill_engine: EngineConfig | None = None,
 ) -> dict[str, list]:
     """Named actors `hybridserve-<role>-<i>` (an existing one is reused); returns {"prefill": [...], "decode": [...]}."""
     import ray
@@ -76,7 +76,8 @@ def start_ray_workers(
                 options["resources"] = {role: 1}
             if placement.detached:
                 options.update(lifetime="detached", namespace=placement.namespace)
-            actors[role].append(remote_cls.options(**options).remote(role, model_dir, engine, name, transfer))
+            actors[role].append(remote_cls.options(**options).remote(
+                role, model_dir, prefill_engine if role == "prefill" and prefill_engine else engine, name, transfer))
     return actors
 
 

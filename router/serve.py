@@ -3,6 +3,7 @@ until interrupted."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -39,10 +40,23 @@ class ServeOptions:
     max_queued: int = 512
     transfer: TransferConfig = field(default_factory=TransferConfig)
     gpus: str | None = None  # --gpus placement (router/gpu_placement.py); None: round-robin on a multi-GPU host
+    # EngineConfig fields that differ for prefill workers (e.g. {"prefill_chunk_size": 4096}: a prefill worker
+    # runs no decodes, so big chunks cost no inter-token latency); validated by EngineConfig itself
+    prefill_engine_overrides: dict | None = None
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError("serve needs --decode-workers >= 1 and --prefill-workers >= 0")
+        self.engine_for("prefill")  # validates the overrides now, not in a worker process
+
+    def engine_for(self, role: str) -> EngineConfig:
+        """The engine config of a worker of `role` (prefill workers get their overrides)."""
+        if role != "prefill" or not self.prefill_engine_overrides:
+            return self.engine
+        unknown = set(self.prefill_engine_overrides) - {f.name for f in dataclasses.fields(EngineConfig)}
+        if unknown:
+            raise ValueError(f"prefill worker overrides name no EngineConfig field: {sorted(unknown)}")
+        return dataclasses.replace(self.engine, **self.prefill_engine_overrides)
 
     def router_options(self) -> RouterOptions:
         return RouterOptions(
@@ -63,7 +77,8 @@ class Deployment:
         if options.use_ray:
             self._start_ray()
         else:
-            worker_options = WorkerOptions(options.model_dir, options.engine, transfer=options.transfer)
+            role_options = {role: WorkerOptions(options.model_dir, options.engine_for(role), transfer=options.transfer)
+                            for role in ("prefill", "decode")}
             workers = [(role, f"{role}-{i}") for role, count in (("prefill", options.num_prefill),
                                                                  ("decode", options.num_decode)) for i in range(count)]
             gpus = host_gpus(dict(os.environ)) if options.engine.device.startswith("cuda") else []
@@ -72,7 +87,7 @@ class Deployment:
                 print(f"hybridserve: {wid} on GPU {gpus[gpu]}", flush=True)
             for role, wid in workers:
                 env = {"CUDA_VISIBLE_DEVICES": visible_devices(placement[wid], gpus)} if wid in placement else None
-                self._processes.append(start_worker_process(role, wid, worker_options, env=env))
+                self._processes.append(start_worker_process(role, wid, role_options[role], env=env))
 
     def _start_ray(self) -> None:
         try:
@@ -91,7 +106,7 @@ class Deployment:
                          resources={"prefill": o.num_prefill, "decode": o.num_decode})
         self._actors = start_ray_workers(
             o.model_dir, o.engine, o.num_prefill, o.num_decode, RayPlacement(num_gpus=o.num_gpus_per_worker),
-            o.transfer,
+            o.transfer, prefill_engine=o.engine_for("prefill"),
         )
 
     def addresses(self) -> tuple[list[str], list[str]]:
