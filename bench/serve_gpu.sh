@@ -13,7 +13,9 @@
 #   pd-2gpu-grpc        the pair, state over gRPC (through host memory)
 #   pd-1gpu             1 prefill + 1 decode worker sharing GPU 0 (CUDA IPC on one device)
 # Workloads: random 512/128 and 2048/256 prompts, rates 4, 8, 16 req/s and all at once; NUM_PROMPTS (64)
-# each, after 4 warm-up requests. WORKLOADS="512:128 2048:256" and RATES="4,8,16,inf" override.
+# each, after a warm-up pass of 32 all-at-once requests per workload (WARM_PASS=0 skips it: then the first
+# measured rates pay Triton's compile and autotune of new step shapes) and 4 warm-up requests.
+# WORKLOADS="512:128 2048:256" and RATES="4,8,16,inf" override.
 # bench/serve_table.py OUT then prints and writes the comparison table (OUT/table.md).
 set -euo pipefail
 OUT=${1:-bench/results/gpu/serve}
@@ -62,6 +64,13 @@ run() {
     sleep 1
   done
   if [ "$up" = 1 ]; then
+    if [ "${WARM_PASS:-1}" = 1 ]; then  # compile every step shape the workloads make before measuring
+      for w in $WORKLOADS; do
+        python3 bench/serve.py --base-url http://127.0.0.1:8000 --workload random --input-len "${w%%:*}" \
+          --output-len 8 --num-prompts 32 --request-rate inf --no-plots --no-scrape \
+          --result-dir "$(mktemp -d)" > /dev/null 2>&1 || true
+      done
+    fi
     for w in $WORKLOADS; do
       local in=${w%%:*} out=${w##*:}
       python3 bench/serve.py --base-url http://127.0.0.1:8000 --workload random --input-len "$in" \
