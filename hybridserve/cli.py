@@ -223,6 +223,7 @@ def _add_up_down(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-name", default=None, help="model id served over the API (default: checkpoint dir name)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for healthy workers")
     _add_engine_options(p)
+    _add_transfer_options(p)
     p.set_defaults(func=_run_up)
     d = sub.add_parser("down", help="remove everything `hybridserve up` deployed on a Ray cluster")
     d.add_argument("--address", required=True, help="Ray cluster address")
@@ -236,7 +237,7 @@ def _run_up(args: argparse.Namespace) -> int:
         address=args.address, model_dir=_model_dir(args), engine=_engine_config(args),
         num_prefill=args.prefill_workers, num_decode=args.decode_workers, host=args.host,
         http_port=args.http_port, grpc_port=args.grpc_port, num_gpus_per_worker=args.num_gpus_per_worker,
-        model_name=args.model_name, timeout_s=args.timeout,
+        model_name=args.model_name, timeout_s=args.timeout, transfer=_transfer_config(args),
     )
     lines = up(options)
     print(f"hybridserve: {args.prefill_workers} prefill and {args.decode_workers} decode workers ready", flush=True)

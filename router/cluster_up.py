@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from hybridserve.engine.config import EngineConfig
+from hybridserve.transfer.planes import TransferConfig
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class UpOptions:
     model_name: str | None = None
     max_restarts: int = 3
     timeout_s: float = 600.0
+    transfer: TransferConfig = field(default_factory=TransferConfig)
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -149,7 +151,8 @@ def up(options: UpOptions) -> list[str]:
     _connect(options.address)
     placement = RayPlacement(num_gpus=options.num_gpus_per_worker, max_restarts=options.max_restarts,
                              namespace=NAMESPACE, detached=True)
-    actors = start_ray_workers(options.model_dir, options.engine, options.num_prefill, options.num_decode, placement)
+    actors = start_ray_workers(options.model_dir, options.engine, options.num_prefill, options.num_decode, placement,
+                               options.transfer)
     prefill = actor_addresses(actors["prefill"], timeout=options.timeout_s)
     decode = actor_addresses(actors["decode"], timeout=options.timeout_s)
     keep = {"prefill": options.num_prefill, "decode": options.num_decode}
