@@ -282,3 +282,18 @@ def test_a_whole_state_stream_with_a_wrong_device_digest_is_refused(pair: Pair) 
     assert info.value.code() == grpc.StatusCode.DATA_LOSS
     assert list(tokens)[-1].finish_reason == "error"
     pair.check_pools()
+
+
+def test_a_state_larger_than_the_arena_goes_as_loose_copies_over_grpc() -> None:
+    """No arena room is no failure: the state is exported as copies and streamed over gRPC."""
+    from hybridserve.transfer.arena import ALIGN, Arena
+
+    pair = Pair(GRPC, "cpu")
+    try:
+        pair.prefill.sender.arena = Arena(ALIGN)  # smaller than any state of this model
+        prompt = random_prompts([30], vocab=128, seed=63)[0]
+        tokens, plane = pair.generate(prompt)
+        assert plane == GRPC and tokens == _reference(pair, [prompt])[0]
+        pair.check_pools()
+    finally:
+        pair.stop()
