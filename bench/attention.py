@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
-
 from cuda_graph import capture
+from torch.nn.attention.bias import causal_lower_right
 
 HQ, HKV, DH, PAGE = 40, 8, 128, 16
 BATCHES = (1, 32, 128)

@@ -7,8 +7,9 @@ is the weight bytes read once (embedding rows aside) over copy bandwidth, plus t
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

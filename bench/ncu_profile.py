@@ -20,24 +20,25 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels import CONFIGS, STATE_BLOCK, _peer_step, _ssu_inputs, ssd_inputs  # noqa: E402
 from peer import load_peer  # noqa: E402
 
-from hybridserve.kernels.ssd_scan_meta import chunk_metadata  # noqa: E402
-from hybridserve.kernels.ssd_scan_triton import ssd_scan_varlen_triton  # noqa: E402
 from hybridserve.kernels.replay_state import ReplayCache  # noqa: E402
 from hybridserve.kernels.replay_state_update import replay_state_update_triton  # noqa: E402
+from hybridserve.kernels.ssd_scan_meta import chunk_metadata  # noqa: E402
+from hybridserve.kernels.ssd_scan_triton import ssd_scan_varlen_triton  # noqa: E402
 from hybridserve.kernels.state_update_triton import (  # noqa: E402
     multi_token_state_update_triton,
     selective_state_update_triton,
 )
+from kernels import CONFIGS, STATE_BLOCK, _peer_step, _ssu_inputs, ssd_inputs  # noqa: E402
 
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats")
 METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_bytes.sum",

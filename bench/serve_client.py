@@ -10,7 +10,6 @@ import time
 from dataclasses import dataclass, field
 
 import httpx
-
 from serve_metrics import RequestRecord, counters_delta, parse_counters
 from serve_workloads import Session
 

@@ -47,6 +47,12 @@ def _ok(m: dict) -> bool:
     return bool(m["completed"]) and m["ttft_ms"]["p50"] is not None
 
 
+def _goodput_rate(runs: dict[str, dict]) -> float:
+    """The highest offered rate whose requests all finished with TPOT p99 <= 15 ms (0: none)."""
+    ok = [float(r) for r, m in runs.items() if r != "inf" and m["tpot_ms"]["p99"] <= 15 and not m["failed"]]
+    return max(ok, default=0.0)
+
+
 def targets(table: dict[tuple[str, str], dict[str, dict]]) -> list[str]:
     """The issue's done-when ratios against the co-located single-GPU worker, per workload and P/D plane."""
     lines = []
@@ -69,9 +75,8 @@ def targets(table: dict[tuple[str, str], dict[str, dict]]) -> list[str]:
         dp = table.get(("colocated-2gpu-dp", workload))
         if dp is not None:
             dp = {r: m for r, m in dp.items() if _ok(m)}
-            ok = lambda runs: [r for r, m in runs.items() if r != "inf" and m["tpot_ms"]["p99"] <= 15 and not m["failed"]]
-            best = lambda runs: max((float(r) for r in ok(runs)), default=0.0)
-            parts.append(f"highest rate with TPOT p99 <= 15 ms: P/D {best(by_rate):g} vs 2 co-located {best(dp):g} req/s")
+            parts.append(f"highest rate with TPOT p99 <= 15 ms: P/D {_goodput_rate(by_rate):g} "
+                         f"vs 2 co-located {_goodput_rate(dp):g} req/s")
         lines.append(f"- {workload} {deployment}: " + "; ".join(parts))
     return lines
 

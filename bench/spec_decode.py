@@ -73,7 +73,8 @@ def _oracle_accept(engine: LLMEngine, rate: float, seed: int) -> None:
 def run_config(model_dir: str, batch: int, spec: dict | None, rate: float, graphs: bool, steps: int,
                device: str = "cuda") -> dict:
     config = EngineConfig(
-        device=device, dtype="bfloat16" if device == "cuda" else "float32", max_num_seqs=batch, max_model_len=MAX_LEN, prefill_chunk_size=8192,
+        device=device, dtype="bfloat16" if device == "cuda" else "float32", max_num_seqs=batch, max_model_len=MAX_LEN,
+        prefill_chunk_size=8192,
         enable_prefix_caching=False, cuda_graphs=graphs, gpu_memory_utilization=0.97,
         num_kv_pages=batch * (MAX_LEN // 16 + 8), speculative_config=spec,
     )
@@ -83,7 +84,8 @@ def run_config(model_dir: str, batch: int, spec: dict | None, rate: float, graph
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=MAX_LEN - PROMPT_LEN - 16, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(torch.randint(3, min(1000, engine.model_config.vocab_size), (PROMPT_LEN,), generator=gen).tolist(), params, f"r{i}")
+        prompt = torch.randint(3, min(1000, engine.model_config.vocab_size), (PROMPT_LEN,), generator=gen).tolist()
+        engine.add_request(prompt, params, f"r{i}")
     while any(r.num_computed_tokens < PROMPT_LEN for r in engine._requests.values()):
         engine.step()
     for _ in range(3):  # warm-up decode / verify steps (Triton compiles)

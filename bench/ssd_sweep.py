@@ -13,20 +13,19 @@ import argparse
 import itertools
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels import CONFIGS, STATE_BLOCK, ssd_inputs  # noqa: E402
-
 from hybridserve.kernels.ssd_chunk_scan_triton import chunk_scan_kernel  # noqa: E402
 from hybridserve.kernels.ssd_chunk_state_triton import WalkConfig  # noqa: E402
 from hybridserve.kernels.ssd_scan_meta import WHOLE_SEQUENCE, chunk_metadata  # noqa: E402
 from hybridserve.kernels.ssd_scan_triton import ssd_scan_varlen_triton  # noqa: E402
+from kernels import CONFIGS, STATE_BLOCK, ssd_inputs  # noqa: E402
 
 
 def walk_space(heads_per_group: int) -> list[WalkConfig]:

@@ -24,11 +24,11 @@ from pathlib import Path
 import grpc
 import torch
 
+from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.transfer.grpc_receiver import ReceiveBuffers, StateAssembly, receive_stream
 from hybridserve.transfer.grpc_sender import encode_state_streams
-from hybridserve.transfer.manifest import StateHeader
-from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.transfer.grpc_wire import add_decode_worker_servicer, push_state_stub
+from hybridserve.transfer.manifest import StateHeader
 from hybridserve.transfer.state_layout import StateTensorSpec
 
 MAMBA_LAYERS, CONV_DIM, CONV_WIDTH = 27, 128 * 80 + 2 * 8 * 128, 3
@@ -182,13 +182,15 @@ def main() -> int:
                 "grpc_s": t, "grpc_gbps": total / t / 1e9, "raw_tcp_s": raw, "raw_tcp_gbps": total / raw / 1e9,
                 "ratio": raw / t,
             })
-            print(f"{tokens:>6} tok {total / 2**20:8.1f} MiB chunk {chunk_mib:>4} MiB x{streams}: gRPC {total / t / 1e9:6.2f} GB/s "
+            print(f"{tokens:>6} tok {total / 2**20:8.1f} MiB chunk {chunk_mib:>4} MiB x{streams}: "
+                  f"gRPC {total / t / 1e9:6.2f} GB/s "
                   f"({t * 1e3:7.1f} ms)  raw TCP {total / raw / 1e9:6.2f} GB/s  ratio {raw / t:5.2f}", flush=True)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     result = {
         "benchmark": "transfer", "device": args.device, "device_name": device_name,
         "torch": torch.__version__, "grpcio": grpc.__version__, "cpu_count": mp.cpu_count(),
-        "command": "python bench/transfer.py " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
+        "command": "python bench/transfer.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
         "rows": rows,
     }
     out = Path(args.out or f"bench/results/{'cpu' if args.device == 'cpu' else 'gpu'}/transfer.json")

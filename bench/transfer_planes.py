@@ -32,7 +32,8 @@ from hybridserve.transfer.planes import GRPC, PLANES, TransferConfig
 from hybridserve.transfer.receiver import StateReceiver
 from hybridserve.transfer.sender import StagedState, StateSender
 from hybridserve.transfer.state_layout import StateTensorSpec, state_nbytes, state_views
-from transfer import nemotron_state, raw_tcp_seconds, _serve as raw_tcp_serve
+from transfer import _serve as raw_tcp_serve
+from transfer import nemotron_state, raw_tcp_seconds
 
 MAX_MESSAGE = 64 << 20
 

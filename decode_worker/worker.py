@@ -18,22 +18,22 @@ from pathlib import Path
 
 import grpc
 
-from hybridserve.transfer.grpc_receiver import StateAssembly, receive_stream
-from hybridserve.transfer.manifest import TransferError, check_manifest
-from hybridserve.transfer.planes import TransferConfig
-from hybridserve.transfer.receiver import LandedState, StateReceiver
 from hybridserve.engine.config import EngineConfig
-from hybridserve.worker_runtime.engine_loop import EngineLoop
 from hybridserve.engine.handoff import CapacityError
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.models.fingerprint import model_fingerprint
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
-from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
-from hybridserve.worker_runtime.health import health_fields
-from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
 from hybridserve.proto.channels import start_server, worker_threads
 from hybridserve.proto.convert import sampling_from_proto, token_event
+from hybridserve.transfer.grpc_receiver import StateAssembly, receive_stream
 from hybridserve.transfer.grpc_wire import add_decode_worker_servicer
+from hybridserve.transfer.manifest import TransferError, check_manifest
+from hybridserve.transfer.planes import TransferConfig
+from hybridserve.transfer.receiver import LandedState, StateReceiver
+from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
+from hybridserve.worker_runtime.engine_loop import EngineLoop
+from hybridserve.worker_runtime.health import health_response
+from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -187,12 +187,10 @@ class DecodeWorker:
                 self.cancel(reservation, TimeoutError("no state arrived before the reservation expired"))
 
     def health(self) -> common_pb2.HealthResponse:
-        def snapshot() -> common_pb2.HealthResponse:
-            stats = self.engine.stats()
-            return common_pb2.HealthResponse(status="ok", role="decode", model_fingerprint=self.fingerprint,
-                                             **stats, **health_fields(self.worker_id, self.engine, self.metrics.port))
-
-        return self.loop.call(snapshot, timeout=10)
+        return self.loop.call(
+            lambda: health_response("decode", self.worker_id, self.fingerprint, self.engine, self.metrics.port),
+            timeout=10,
+        )
 
 
 def _abort(context: grpc.ServicerContext, code: str, message: str) -> None:
@@ -225,6 +223,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         def land() -> tuple[bool, int]:
             assembly, complete, num_bytes = receive_stream(request_iterator, open_assembly)
             if complete:
+                if reservation is None:  # open_assembly ran, so this cannot be; mypy cannot see it
+                    raise TransferError("INTERNAL", "a completed state stream without a reservation")
                 self.worker.commit(reservation, self.worker.receiver.land_host(assembly))
             return complete, num_bytes
 

@@ -25,9 +25,9 @@ from hybridserve.models.tokenizer import load_tokenizer
 from hybridserve.models.weights import dummy_model, load_model
 from hybridserve.statepool.events import CacheEvent
 from hybridserve.statepool.pool import NO_HIT, StatePool
-from hybridserve.transfer.state_layout import StateTensorSpec
 from hybridserve.statepool.sizing import PoolRequest, memory_budget_bytes, plan_cache_layout
 from hybridserve.statepool.state_cache import StateCache
+from hybridserve.transfer.state_layout import StateTensorSpec
 
 logger = logging.getLogger(__name__)
 

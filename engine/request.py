@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-
 from typing import TYPE_CHECKING
 
 import torch

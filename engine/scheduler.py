@@ -14,7 +14,6 @@ from collections import deque
 from dataclasses import dataclass
 
 from hybridserve.engine.request import Request, RequestStatus
-from hybridserve.statepool.allocators import PageAllocator, SlotAllocator
 from hybridserve.statepool.pool import StatePool
 
 
@@ -39,10 +38,6 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
 
-    def chunks(self) -> list[tuple[Request, int]]:
-        """(request, new tokens) for every scheduled request, decodes first."""
-        return [(r, 1) for r in self.decodes] + [(c.request, c.num_tokens) for c in self.prefills]
-
 
 class Scheduler:
     def __init__(self, pool: StatePool, prefill_chunk_size: int, max_num_seqs: int, decode_lookahead: int = 0) -> None:
@@ -53,14 +48,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-
-    @property
-    def pages(self) -> PageAllocator | None:
-        return self.pool.pages
-
-    @property
-    def slots(self) -> SlotAllocator | None:
-        return self.pool.slots
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridserve.engine.mtp_drafter import CatchUp, MTPDrafter
 from hybridserve.engine.model_runner import StepOutput, VerifyInputs
+from hybridserve.engine.mtp_drafter import CatchUp, MTPDrafter
 from hybridserve.engine.ngram_drafter import NgramIndex
 from hybridserve.engine.rejection import Acceptance, accept_greedy, accept_sampled
 from hybridserve.engine.request import Request

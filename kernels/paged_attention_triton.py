@@ -154,12 +154,12 @@ def _combine_splits_kernel(
     mask_d = offs_d < Dh
     idx = ((seq * num_splits + offs_s) * num_q_heads + h) * T + t  # [BLOCK_S]
     m = tl.load(m_ptr + idx, mask=mask_s, other=-float("inf"))
-    l = tl.load(l_ptr + idx, mask=mask_s, other=0.0)
+    row_sum = tl.load(l_ptr + idx, mask=mask_s, other=0.0)  # each split's softmax denominator
     acc = tl.load(acc_ptr + idx[:, None] * Dh + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :],
                   other=0.0)  # [BLOCK_S, BLOCK_D]
     m_max = tl.max(m, axis=0)
     w = tl.exp2(m - tl.where(m_max == -float("inf"), 0.0, m_max))  # splits that saw no key weigh 0
-    denom = tl.sum(w * l, axis=0)
+    denom = tl.sum(w * row_sum, axis=0)
     out = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom == 0.0, 1.0, denom)  # [BLOCK_D]
     tl.store(out_ptr + (q_begin + t) * o_n + h * o_h + offs_d * o_d, out.to(out_ptr.dtype.element_ty),
              mask=mask_d & ((offs_d * 0 + t) < q_len))

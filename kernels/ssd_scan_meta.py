@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # one walk segment per sequence: the H100 sweep found no shape where splitting the walk paid for the join
 # (bench/results/h100/ssd_sweep.json); callers may still pass segment_chunks
 WHOLE_SEQUENCE = 1 << 30

@@ -44,10 +44,6 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return sum(self.query_lens)
 
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decode
-
     def prefill_cu_seqlens(self) -> torch.Tensor:
         """Offsets of the prefill sequences' tokens, starting at 0: [S - num_decode + 1]."""
         cu = self.cu_seqlens[self.num_decode :]

@@ -16,19 +16,19 @@ from pathlib import Path
 
 import grpc
 
-from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
 from hybridserve.engine.config import EngineConfig
-from hybridserve.worker_runtime.engine_loop import EngineLoop
-from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.worker_runtime.health import health_fields
 from hybridserve.models.fingerprint import model_fingerprint
-from hybridserve.transfer.manifest import StateHeader
-from hybridserve.transfer.planes import TransferConfig
-from hybridserve.transfer.sender import StateSender
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.proto.channels import start_server, worker_threads
 from hybridserve.proto.convert import sampling_from_proto
+from hybridserve.transfer.manifest import StateHeader
+from hybridserve.transfer.planes import TransferConfig
+from hybridserve.transfer.sender import StateSender
+from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
+from hybridserve.worker_runtime.engine_loop import EngineLoop
+from hybridserve.worker_runtime.health import health_response
+from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class PrefillWorker:
         specs = self.engine.state_specs(len(prompt))  # cache geometry only: safe off the loop thread
         try:
             staged = self.sender.stage(
-                specs, self.loop.call, lambda views: self.engine.export_state(request_id, views).parts
+                specs, lambda fn: self.loop.call(fn), lambda views: self.engine.export_state(request_id, views).parts
             )
         except BaseException:
             self.loop.call(lambda: self.engine.abort(request_id))  # never leave a held state behind
@@ -121,13 +121,10 @@ class PrefillWorker:
         )
 
     def health(self) -> common_pb2.HealthResponse:
-        def snapshot() -> common_pb2.HealthResponse:
-            return common_pb2.HealthResponse(
-                status="ok", role="prefill", model_fingerprint=self.fingerprint, **self.engine.stats(),
-                **health_fields(self.worker_id, self.engine, self.metrics.port),
-            )
-
-        return self.loop.call(snapshot, timeout=10)
+        return self.loop.call(
+            lambda: health_response("prefill", self.worker_id, self.fingerprint, self.engine, self.metrics.port),
+            timeout=10,
+        )
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -141,7 +138,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except grpc.RpcError as exc:  # the decode side refused or went away
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNAVAILABLE
-            context.abort(code, f"state push to {request.decode_address} failed: {exc.details() if hasattr(exc, 'details') else exc}")
+            details = exc.details() if hasattr(exc, "details") else exc
+            context.abort(code, f"state transfer to {request.decode_address} failed: {details}")
         except RuntimeError as exc:
             context.abort(grpc.StatusCode.ABORTED, str(exc))
 

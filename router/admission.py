@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 from hybridserve.router.config import AdmissionConfig
 from hybridserve.router.metrics import RouterMetrics
@@ -74,14 +72,6 @@ class AdmissionController:
             self._running -= 1
             self._publish()
             self._cond.notify()
-
-    @contextmanager
-    def slot(self) -> Iterator[None]:
-        self.acquire()
-        try:
-            yield
-        finally:
-            self.release()
 
     def _publish(self) -> None:
         if self._metrics is not None:

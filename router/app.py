@@ -103,7 +103,8 @@ class Router:
                       f"health       {base}/health  {base}/ready",
                       f"metrics      {base}/metrics  (Prometheus http_sd of all components: {base}/targets)"]
         if self.grpc_address:
-            lines.append(f"gRPC         grpc://{self.grpc_address} (hybridserve.v1.Router/Generate, Abort, Health; reflection on)")
+            lines.append(f"gRPC         grpc://{self.grpc_address} "
+                         "(hybridserve.v1.Router/Generate, Abort, Health; reflection on)")
         return lines
 
     def stop(self) -> None:

@@ -105,11 +105,6 @@ class Orchestrator:
             raise ValueError("at least one decode worker address is needed")
         self.workers.update(list(prefill_addresses), list(decode_addresses))
 
-    @property
-    def _decode(self) -> list:
-        """Decode stubs in address order (kept for callers that talk to a worker directly)."""
-        return [h.stub for h in self.workers.snapshot()[1]]
-
     def close(self) -> None:
         for active in self._snapshot_active():
             active.cancel()

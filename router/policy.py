@@ -68,7 +68,9 @@ class RoutingPolicy:
         decode_ok = self._usable(decode, exclude)
         if not decode_ok:
             raise NoWorkerError("no decode worker is available (all failed or their circuit breakers are open)")
-        d = self._cheapest(decode_ok, lambda h: self._decode_cost(h, hits.get(h.key), n))
+        d = self._take(decode_ok, lambda h: self._decode_cost(h, hits.get(h.key), n))
+        if d is None:
+            raise NoWorkerError("no decode worker is available (all failed or their circuit breakers are open)")
         d_hit = _hit(hits.get(d.key))
         prefill_ok = self._usable(prefill, exclude)
         cfg = self.config
@@ -78,7 +80,9 @@ class RoutingPolicy:
             return self._log(Decision(d, None, "decode_prefix_hit", d_hit), prompt)
         if len(prompt) - d_hit <= cfg.local_prefill_max_tokens:
             return self._log(Decision(d, None, "short_tail", d_hit), prompt)
-        p = self._cheapest(prefill_ok, lambda h: self._prefill_cost(h, _hit(hits.get(h.key)), len(prompt)))
+        p = self._take(prefill_ok, lambda h: self._prefill_cost(h, _hit(hits.get(h.key)), len(prompt)))
+        if p is None:
+            return self._log(Decision(d, None, "no_prefill_worker", d_hit), prompt)
         p_hit = _hit(hits.get(p.key))
         reason = "prefill_cached_prefix" if p_hit > 0 else "prefill_least_cost"
         return self._log(Decision(d, p, reason, p_hit), prompt)
@@ -104,6 +108,17 @@ class RoutingPolicy:
     @staticmethod
     def _usable(handles: list[WorkerHandle], exclude: Collection[WorkerHandle]) -> list[WorkerHandle]:
         return [h for h in handles if h not in exclude and h.breaker.available()]
+
+    def _take(self, handles: list[WorkerHandle], cost) -> WorkerHandle | None:
+        """The cheapest worker whose breaker lets this request through: a half-open breaker admits one probe,
+        so a second request at the same time moves on to the next worker."""
+        candidates = list(handles)
+        while candidates:
+            chosen = self._cheapest(candidates, cost)
+            if chosen.breaker.acquire():
+                return chosen
+            candidates.remove(chosen)
+        return None
 
     def _cheapest(self, handles: list[WorkerHandle], cost) -> WorkerHandle:
         """Lowest cost; ties go round robin (the list is rotated by a counter before the stable min)."""

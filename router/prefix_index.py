@@ -93,12 +93,6 @@ class PrefixIndex:
         with self._lock:
             return len(self._nodes)
 
-    def holds(self, worker: str, block_hash: str) -> tuple[bool, bool]:
-        """(holds the block, holds the checkpoint) for one worker and block; for tests and debugging."""
-        with self._lock:
-            node = self._nodes.get(block_hash)
-            return (False, False) if node is None else (worker in node.blocks, worker in node.checkpoints)
-
     # ---- internals (lock held) -----------------------------------------------------------------
     def _apply(self, worker: str, event: common_pb2.CacheEvent) -> None:
         if event.kind in (_Kind.BLOCK_STORED, _Kind.CHECKPOINT_STORED):

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from hybridserve.proto import common_pb2, worker_pb2_grpc
+from hybridserve.proto.channels import insecure_channel
 from hybridserve.router.cache_subscriber import CacheSubscriber
 from hybridserve.router.circuit_breaker import CircuitBreaker
 from hybridserve.router.config import ResilienceConfig
-from hybridserve.proto.channels import insecure_channel
 from hybridserve.router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
@@ -99,10 +99,6 @@ class WorkerSet:
             if handle.health is not None and handle.health.block_size:
                 return int(handle.health.block_size)
         return None
-
-    def max_model_len(self) -> int | None:
-        sizes = [int(h.health.max_model_len) for h in self.all() if h.health is not None and h.health.max_model_len]
-        return min(sizes) if sizes else None
 
     def poll_once(self) -> None:
         """Refresh every worker's health in parallel."""

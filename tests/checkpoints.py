@@ -52,7 +52,7 @@ def _save(model: torch.nn.Module) -> Path:
     return directory
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def nemotron_h(pattern: str = "M*-M", seed: int = 0, **overrides: object) -> tuple[Path, NemotronHForCausalLM]:
     """(checkpoint dir, the transformers model it was written from) for a NemotronH layer pattern."""
     torch.manual_seed(seed)
@@ -61,7 +61,7 @@ def nemotron_h(pattern: str = "M*-M", seed: int = 0, **overrides: object) -> tup
     return _save(model), model
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mamba2(seed: int = 0, **overrides: object) -> tuple[Path, Mamba2ForCausalLM]:
     torch.manual_seed(seed)
     model = Mamba2ForCausalLM(Mamba2Config(**{**BASE_MAMBA2, **overrides})).eval()
@@ -88,7 +88,7 @@ def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[i
     return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def nemotron_h_mtp(
     pattern: str = "M*-M", mtp_types: tuple[str, ...] = ("attention", "mlp"), seed: int = 0
 ) -> tuple[Path, NemotronHForCausalLM]:

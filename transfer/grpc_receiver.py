@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import crc32c
 import torch
 
-from hybridserve.transfer.digest import StreamDigest
-from hybridserve.transfer.manifest import TransferError
 from hybridserve.proto import worker_pb2
+from hybridserve.transfer.digest import StreamDigest
 from hybridserve.transfer.grpc_wire import RawStateData
+from hybridserve.transfer.manifest import TransferError
 from hybridserve.transfer.state_layout import StateTensorSpec, state_views
 
 
@@ -68,9 +68,10 @@ class StateAssembly:
         self.specs = specs
         self.num_streams = max(manifest.num_streams, 1)
         self._buffers = buffers
-        self._storage = buffers.acquire(manifest.total_bytes) if buffers else torch.empty(manifest.total_bytes, dtype=torch.uint8)
-        self.buffer = self._storage[: manifest.total_bytes]
-        self._view = memoryview(self.buffer.numpy()).cast("B")
+        storage = buffers.acquire(manifest.total_bytes) if buffers else torch.empty(manifest.total_bytes, dtype=torch.uint8)
+        self._storage: torch.Tensor | None = storage
+        self.buffer = storage[: manifest.total_bytes]
+        self._view = self.buffer.numpy().data.cast("B")
         self._done: set[int] = set()
         self._lock = threading.Lock()
 
@@ -110,7 +111,9 @@ class StateAssembly:
 OpenAssembly = Callable[[worker_pb2.StateManifest], StateAssembly]
 
 
-def receive_stream(chunks: Iterable[worker_pb2.StateChunk | RawStateData], open_assembly: OpenAssembly) -> tuple[StateAssembly, bool, int]:
+def receive_stream(
+    chunks: Iterable[worker_pb2.StateChunk | RawStateData], open_assembly: OpenAssembly
+) -> tuple[StateAssembly, bool, int]:
     """Consume one stream into its assembly; returns (assembly, state complete, bytes of this stream)."""
     iterator = iter(chunks)
     first = next(iterator, None)

@@ -15,20 +15,21 @@ import torch
 
 from hybridserve.proto import worker_pb2
 from hybridserve.transfer.digest import StreamDigest
-from hybridserve.transfer.manifest import StateHeader, build_manifest
 from hybridserve.transfer.grpc_wire import encode_data_chunk
+from hybridserve.transfer.manifest import StateHeader, build_manifest
 from hybridserve.transfer.state_layout import StateTensorSpec
 
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: well under gRPC's default 4 MiB message limit
 
 
 def _as_bytes(host: torch.Tensor) -> memoryview:
-    return memoryview(host.view(torch.uint8).numpy()).cast("B").toreadonly()
+    return host.view(torch.uint8).numpy().data.cast("B").toreadonly()
 
 
 def host_parts(parts: Iterable[torch.Tensor]) -> Iterator[memoryview]:
     """Contiguous host bytes of each part, in order; CUDA parts are copied one ahead on a side stream."""
     pending: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+    event: torch.cuda.Event | None
     stream = None
     for part in parts:
         if part.device.type == "cuda":

@@ -15,7 +15,7 @@ class TransferError(Exception):
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
-        self.code = code  # "INVALID_ARGUMENT" | "DATA_LOSS" | "FAILED_PRECONDITION"
+        self.code = code  # a grpc.StatusCode name: "INVALID_ARGUMENT", "DATA_LOSS", "FAILED_PRECONDITION", ...
 
 
 @dataclass(frozen=True)

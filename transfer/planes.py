@@ -17,8 +17,11 @@ import importlib.util
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
+
+from hybridserve.transfer.arena import ArenaRange
 
 GRPC, CUDA_IPC, NIXL = "grpc", "cuda_ipc", "nixl"
 PLANES = (CUDA_IPC, NIXL, GRPC)
@@ -63,6 +66,27 @@ class TransferConfig:
         """The planes this worker takes on `device`, in preference order, gRPC always last if not listed."""
         planes = [p for p in self.planes if p != CUDA_IPC or device.type == "cuda"]
         return planes if GRPC in planes else [*planes, GRPC]
+
+
+class PlaneSource(Protocol):
+    """The sending side of a device plane: its registered arena, described for the receiver."""
+
+    plane: str
+    source_id: str
+
+    def descriptor(self) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+class PlaneSink(Protocol):
+    """The receiving side of a device plane: reads an offered range of a source into a landing block."""
+
+    plane: str
+
+    def fetch(self, source_id: str, descriptor: bytes, offset: int, block: ArenaRange) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def nixl_available() -> bool:

@@ -24,6 +24,7 @@ from hybridserve.transfer.planes import (
     CUDA_IPC,
     NIXL,
     PeerInfo,
+    PlaneSink,
     TransferConfig,
     device_id,
     host_id,
@@ -60,7 +61,7 @@ class StateReceiver:
         # CPU engines commit straight from the host buffers; the arena lands device planes (and, on CUDA,
         # gRPC states copied up from pinned memory)
         self.arena = Arena(config.staging_bytes(device), device)
-        self.sinks: dict[str, object] = {}
+        self.sinks: dict[str, PlaneSink] = {}
         if CUDA_IPC in self.planes:
             from hybridserve.transfer.cuda_ipc import CudaIpcSink
 
@@ -95,7 +96,7 @@ class StateReceiver:
         with self._stream_ctx():
             block = self._allocate(manifest.total_bytes)
             try:
-                sink.fetch(offer.source_id, offer.source_descriptor, offer.offset, block)  # type: ignore[attr-defined]
+                sink.fetch(offer.source_id, offer.source_descriptor, offer.offset, block)
                 _check_digest(manifest, block.data)
             except BaseException:
                 self.arena.free(block, after=self._event())
@@ -139,7 +140,7 @@ class StateReceiver:
 
     def close(self) -> None:
         for sink in self.sinks.values():
-            sink.close()  # type: ignore[attr-defined]
+            sink.close()
 
 
 def _check_digest(manifest: worker_pb2.StateManifest, data: torch.Tensor) -> None:

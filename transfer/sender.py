@@ -24,7 +24,17 @@ from hybridserve.transfer.digest import device_digest
 from hybridserve.transfer.grpc_sender import encode_state_streams
 from hybridserve.transfer.grpc_wire import push_state_stub
 from hybridserve.transfer.manifest import StateHeader, build_manifest
-from hybridserve.transfer.planes import CUDA_IPC, GRPC, NIXL, PeerInfo, TransferConfig, choose_plane, device_id, host_id
+from hybridserve.transfer.planes import (
+    CUDA_IPC,
+    GRPC,
+    NIXL,
+    PeerInfo,
+    PlaneSource,
+    TransferConfig,
+    choose_plane,
+    device_id,
+    host_id,
+)
 from hybridserve.transfer.state_layout import StateTensorSpec, state_nbytes, state_views
 
 logger = logging.getLogger(__name__)
@@ -44,6 +54,8 @@ class StagedState:
 
 # stage(out views or None) -> the parts; runs on the engine loop and releases the request
 StageFn = Callable[[dict[str, torch.Tensor] | None], list[torch.Tensor]]
+# runs a function on the engine loop thread and returns its result (EngineLoop.call)
+RunOnLoop = Callable[[Callable[[], list[torch.Tensor]]], list[torch.Tensor]]
 
 
 class StateSender:
@@ -54,7 +66,7 @@ class StateSender:
         self.device = device
         self.arena = Arena(config.staging_bytes(device), device)
         self.planes = config.offered(device)
-        self.sources: dict[str, object] = {}
+        self.sources: dict[str, PlaneSource] = {}
         if CUDA_IPC in self.planes:
             from hybridserve.transfer.cuda_ipc import CudaIpcSource
 
@@ -65,12 +77,12 @@ class StateSender:
             self.sources[NIXL] = NixlSource(self.arena)
         self.info = PeerInfo(tuple(self.planes), host_id(), device_id(device))
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._peers: dict[str, tuple[PeerInfo, list, object]] = {}  # address -> (info, push calls, stub)
+        # address -> (what the peer offers, its PushState calls, its stub)
+        self._peers: dict[str, tuple[PeerInfo, list, worker_pb2_grpc.DecodeWorkerStub]] = {}
         self._lock = threading.Lock()
 
     # ---- staging (the engine loop calls stage_fn) ----------------------------------------------
-    def stage(self, specs: list[StateTensorSpec], run_on_loop: Callable[[StageFn], list[torch.Tensor]],
-              stage_fn: StageFn) -> StagedState:
+    def stage(self, specs: list[StateTensorSpec], run_on_loop: RunOnLoop, stage_fn: StageFn) -> StagedState:
         """Reserve an arena block (or fall back to loose copies), have the loop copy the state in."""
         nbytes = state_nbytes(specs)
         block = None
@@ -82,7 +94,7 @@ class StateSender:
                                self.config.arena_wait_s)
         views = state_views(block.data, specs) if block is not None else None
         try:
-            parts = run_on_loop(lambda: stage_fn(views))  # type: ignore[arg-type]
+            parts = run_on_loop(lambda: stage_fn(views))
         except BaseException:
             if block is not None:
                 self.arena.free(block)
@@ -94,7 +106,7 @@ class StateSender:
         return StagedState(specs, parts, block, ready)
 
     # ---- moving ---------------------------------------------------------------------------------
-    def peer(self, address: str) -> tuple[PeerInfo, list, object]:
+    def peer(self, address: str) -> tuple[PeerInfo, list, worker_pb2_grpc.DecodeWorkerStub]:
         """TransferInfo of a decode worker (asked once), its PushState calls and its stub."""
         with self._lock:
             if address not in self._peers:
@@ -119,8 +131,8 @@ class StateSender:
                     torch.cuda.current_stream(self.device).wait_event(staged.ready)
                 digest = device_digest(staged.block.data) if staged.block is not None else 0
                 header = StateHeader(**{**header.__dict__, "device_digest": digest})
-                if plane == GRPC:
-                    return plane, self._push(calls, header, staged)
+                if plane == GRPC or staged.block is None:
+                    return GRPC, self._push(calls, header, staged)
                 source = self.sources[plane]
                 offer = worker_pb2.StateOffer(
                     manifest=build_manifest(header, staged.specs), plane=plane, source_id=source.source_id,
@@ -158,5 +170,5 @@ class StateSender:
 
     def close(self) -> None:
         for source in self.sources.values():
-            source.close()  # type: ignore[attr-defined]
+            source.close()
 

@@ -12,8 +12,8 @@ from collections import deque
 
 import grpc
 
-from hybridserve.worker_runtime.engine_loop import EngineLoop
 from hybridserve.proto import common_pb2
+from hybridserve.worker_runtime.engine_loop import EngineLoop
 
 _KINDS = {
     "block_stored": common_pb2.CacheEvent.BLOCK_STORED,

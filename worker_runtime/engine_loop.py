@@ -117,6 +117,6 @@ class EngineLoop:
                     self.engine.abort(request_id)
                 continue
             for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(out)
+                target = self._streams.get(out.request_id)
+                if target is not None:
+                    target.put(out)

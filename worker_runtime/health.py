@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.proto import common_pb2
 
 
 def health_fields(worker_id: str, engine: LLMEngine, metrics_port: int) -> dict:
@@ -14,3 +17,11 @@ def health_fields(worker_id: str, engine: LLMEngine, metrics_port: int) -> dict:
         total_state_slots=slots.capacity if slots is not None else 0,
         total_kv_pages=pages.capacity if pages is not None else 0,
     )
+
+
+def health_response(
+    role: str, worker_id: str, fingerprint: str, engine: LLMEngine, metrics_port: int
+) -> common_pb2.HealthResponse:
+    """A worker's Health answer: load from the engine plus `health_fields` (call on the engine loop)."""
+    fields: dict[str, Any] = {**engine.stats(), **health_fields(worker_id, engine, metrics_port)}
+    return common_pb2.HealthResponse(status="ok", role=role, model_fingerprint=fingerprint, **fields)

@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from hybridserve.worker_runtime.engine_loop import EngineLoop
 from hybridserve.engine.spec_decode import SpecMetrics
+from hybridserve.worker_runtime.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class _EngineGauges(Collector):
         self._role = role
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        def sample() -> dict[str, float]:
+        def sample() -> tuple[dict[str, float], SpecMetrics | None]:
             engine = self._loop.engine
             pool, stats = engine.pool, engine.stats()
             pages, slots = pool.pages, pool.slots
@@ -47,16 +48,15 @@ class _EngineGauges(Collector):
                 "queries": pool.num_queries,
                 "hits": pool.num_hits,
                 "hit_tokens": pool.num_hit_tokens,
-                "spec": dataclasses.replace(engine.spec.metrics, accepted_per_position=list(
-                    engine.spec.metrics.accepted_per_position)) if engine.spec is not None else None,
-            }
+            }, dataclasses.replace(engine.spec.metrics, accepted_per_position=list(
+                engine.spec.metrics.accepted_per_position)) if engine.spec is not None else None
 
         try:
-            v = self._loop.call(sample, timeout=SCRAPE_TIMEOUT_S)
+            v, spec = self._loop.call(sample, timeout=SCRAPE_TIMEOUT_S)
         except Exception as exc:  # a stopping loop: report nothing rather than fail the scrape
             logger.warning("worker metrics sample failed: %s", exc)
             return
-        rows = [
+        rows: list[tuple[str, str, float]] = [
             ("hybridserve_worker_running_requests", "Requests in the running batch", v["running"]),
             ("hybridserve_worker_waiting_requests", "Requests waiting for admission", v["waiting"]),
             ("hybridserve_worker_queued_prefill_tokens", "Prompt tokens of waiting requests", v["queued_prefill"]),
@@ -66,13 +66,12 @@ class _EngineGauges(Collector):
             ("hybridserve_worker_cached_blocks", "Token blocks in the prefix cache", v["blocks"]),
         ]
         yield from _role_families(GaugeMetricFamily, rows, self._role)
-        counters = [
+        counters: list[tuple[str, str, float]] = [
             ("hybridserve_worker_prefix_cache_queries", "Admissions that looked up the prefix cache", v["queries"]),
             ("hybridserve_worker_prefix_cache_hits", "Admissions that found a checkpointed prefix", v["hits"]),
             ("hybridserve_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", v["hit_tokens"]),
         ]
         yield from _role_families(CounterMetricFamily, counters, self._role)
-        spec = v["spec"]
         if spec is not None:
             yield from _spec_families(spec, self._role)
 
@@ -87,9 +86,9 @@ def _role_families(
         yield family
 
 
-def _spec_families(spec: SpecMetrics, role: str) -> Iterator[CounterMetricFamily]:
+def _spec_families(spec: SpecMetrics, role: str) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     """Speculative decoding: acceptance length = 1 + accepted / verify_steps; per-position rates."""
-    rows = [
+    rows: list[tuple[str, str, float]] = [
         ("hybridserve_worker_spec_verify_steps", "Verify passes of a request that carried drafts", spec.num_drafts),
         ("hybridserve_worker_spec_draft_tokens", "Draft tokens proposed", spec.num_draft_tokens),
         ("hybridserve_worker_spec_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens),
@@ -121,7 +120,7 @@ class WorkerMetrics:
         self.transfer_bytes = counter("hybridserve_worker_transfer_bytes", "State bytes moved prefill -> decode")
         self.transfer_seconds = counter("hybridserve_worker_transfer_seconds", "Time spent moving state")
         self.transfer_failures = counter("hybridserve_worker_transfer_failures", "State transfers that failed")
-        self._server = None
+        self._server: Any = None  # prometheus_client's WSGI server once started
         self.port = 0
 
     def observe_finished(self, prompt_tokens: int, generated: int, finish_reason: str) -> None:
@@ -139,8 +138,9 @@ class WorkerMetrics:
 
     def start(self, host: str, port: int = 0) -> int:
         """Serve /metrics over HTTP; returns the bound port."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        self.port = int(self._server.server_port)
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        self.port = int(server.server_port)
         return self.port
 
     def stop(self) -> None:

@@ -14,8 +14,17 @@ import numpy as np
 import pytest
 import serve as bench_serve
 from serve_client import ClientConfig, request_body, stream_completion
-from serve_metrics import (PREFIX_HIT_TOKENS, SPEC_ACCEPTED, SPEC_STEPS, RequestRecord, acceptance_length,
-                           distribution_ms, parse_counters, percentile, summarize)
+from serve_metrics import (
+    PREFIX_HIT_TOKENS,
+    SPEC_ACCEPTED,
+    SPEC_STEPS,
+    RequestRecord,
+    acceptance_length,
+    distribution_ms,
+    parse_counters,
+    percentile,
+    summarize,
+)
 from serve_workloads import WorkloadConfig, arrival_offsets, build_workload, sample_len
 
 

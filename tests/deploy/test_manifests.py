@@ -36,8 +36,8 @@ def _exported_metrics() -> set[str]:
     """Every series name the router's and a worker's /metrics expose, from their real registries."""
     from prometheus_client import generate_latest
 
-    from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
     from hybridserve.router.metrics import RouterMetrics
+    from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
 
     names = set()
     for registry in (RouterMetrics().registry, WorkerMetrics(_IdleLoop(), "decode").registry):

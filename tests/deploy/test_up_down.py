@@ -19,8 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from checkpoints import nemotron_h
+
 from hybridserve import LLM, SamplingParams
 
 ray = pytest.importorskip("ray")
@@ -102,7 +102,8 @@ def test_up_requests_restart_down(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     # later `ray.init()` calls of other tests join this cluster
     temp_dir = tempfile.mkdtemp(prefix="hsray-")
     try:
-        procs.append(_start_node(["--head", "--temp-dir", temp_dir, "--port", str(gcs_port), "--num-cpus", "2", "--resources", "{}",
+        procs.append(_start_node(["--head", "--temp-dir", temp_dir, "--port", str(gcs_port), "--num-cpus", "2",
+                                  "--resources", "{}",
                                   "--include-dashboard", "false",
                                   "--ray-client-server-port", str(_free_port())], tmp_path / "head.log"))
         _wait_port(gcs_port, procs[0], STEP_TIMEOUT_S)

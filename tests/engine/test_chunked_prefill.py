@@ -47,5 +47,5 @@ def test_preemption_under_page_pressure_keeps_tokens() -> None:
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert llm.engine.scheduler.num_preemptions > 0
-    assert llm.engine.scheduler.pages.num_free == 16
-    assert llm.engine.scheduler.slots.num_free == 4
+    assert llm.engine.pool.pages.num_free == 16
+    assert llm.engine.pool.slots.num_free == 4

@@ -39,7 +39,8 @@ def test_top_k_one_is_greedy() -> None:
     llm = _llm()
     prompt = random_prompts([7], vocab=128, seed=23)
     greedy = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
-    top1 = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=8, temperature=1.5, top_k=1, ignore_eos=True))
+    top1_params = SamplingParams(max_tokens=8, temperature=1.5, top_k=1, ignore_eos=True)
+    top1 = llm.generate(prompt_token_ids=prompt, sampling_params=top1_params)
     assert greedy[0].token_ids == top1[0].token_ids
 
 
@@ -54,7 +55,8 @@ def test_top_p_keeps_only_the_nucleus() -> None:
 def test_stop_token_and_eos() -> None:
     llm = _llm()
     prompt = random_prompts([6], vocab=128, seed=25)
-    free = llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    free = llm.generate(prompt_token_ids=prompt, sampling_params=greedy)[0]
     stop_at = free.token_ids[2]
     stopped = llm.generate(
         prompt_token_ids=prompt,

@@ -24,7 +24,7 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(prompts: tuple[tuple[int, ...], ...], max_tokens: int) -> list[list[int]]:
     """Plain greedy decoding without speculation (and without the prefix cache)."""
     llm = LLM(nemotron_h_mtp()[0], enable_prefix_caching=False, **{**OPTIONS, "max_num_seqs": 8})

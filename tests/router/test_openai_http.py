@@ -8,12 +8,11 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from router_cluster import MODEL_NAME
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from hybridserve.proto.convert import sampling_to_proto
-
-from router_cluster import MODEL_NAME
 
 PROMPT = "The quick brown fox jumps over the lazy dog, again and again."
 

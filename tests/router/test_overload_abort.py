@@ -9,14 +9,13 @@ import time
 import grpc
 import httpx
 import pytest
+from router_cluster import MODEL_NAME, Cluster
 
 from hybridserve import SamplingParams
 from hybridserve.proto import router_pb2, router_pb2_grpc
 from hybridserve.proto.convert import sampling_to_proto
 from hybridserve.router.config import AdmissionConfig
 from hybridserve.router.orchestrator import WorkerError
-
-from router_cluster import MODEL_NAME, Cluster
 
 STEP_DELAY_S = 0.02  # slows decoding so that a long request is still running when the client leaves
 

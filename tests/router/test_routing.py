@@ -8,7 +8,6 @@ import time
 import openai
 import pytest
 from checkpoints import random_prompts
-
 from router_cluster import MODEL_NAME, Cluster
 
 

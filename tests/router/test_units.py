@@ -61,11 +61,6 @@ def test_prompt_hashes_leave_the_last_token_to_compute() -> None:
     assert prompt_hashes([1], 4) == [] and prompt_hashes(list(range(9)), None) == []
 
 
-class _Breaker:
-    def available(self) -> bool:
-        return True
-
-
 def _handle(role: str, address: str, running: int = 0, slots: int = 8, free: int = 8, queued: int = 0) -> WorkerHandle:
     health = common_pb2.HealthResponse(status="ok", role=role, num_running=running, total_state_slots=slots,
                                        free_state_slots=free, queued_prefill_tokens=queued, block_size=BLOCK)
@@ -110,6 +105,20 @@ def test_circuit_breaker_opens_probes_and_closes() -> None:
     assert breaker.acquire()
     breaker.record_success()
     assert breaker.state == CLOSED
+
+
+def test_a_half_open_worker_gets_exactly_one_probe_through_the_policy() -> None:
+    now = [0.0]
+    policy = RoutingPolicy(RoutingConfig(), PrefixIndex())
+    flaky, steady = _handle("decode", "d0"), _handle("decode", "d1", running=6)  # flaky is the cheaper one
+    flaky.breaker = CircuitBreaker(failures=1, reset_s=1.0, clock=lambda: now[0])
+    flaky.breaker.record_failure()
+    assert policy.decide(list(range(40)), [], [flaky, steady], BLOCK).decode is steady  # open: skipped
+    now[0] = 2.0  # half-open: the first request probes it, the others go elsewhere until it answers
+    chosen = [policy.decide(list(range(40)), [], [flaky, steady], BLOCK).decode for _ in range(5)]
+    assert chosen == [flaky, steady, steady, steady, steady]
+    flaky.breaker.record_success()
+    assert policy.decide(list(range(40)), [], [flaky, steady], BLOCK).decode is flaky
 
 
 def test_admission_refuses_when_full_and_times_out() -> None:

@@ -26,7 +26,7 @@ def warm_llm(kind: str, **overrides: object) -> LLM:
     return LLM(model_dir(kind), **{**options, **overrides})
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cold_llm(kind: str) -> LLM:
     return LLM(model_dir(kind), max_model_len=MAX_MODEL_LEN, page_size=8, enable_prefix_caching=False)
 

@@ -10,20 +10,20 @@ import uuid
 from concurrent import futures
 
 import grpc
-import torch
 import pytest
+import torch
 from checkpoints import mamba2, nemotron_h, random_prompts
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.decode_worker.worker import DecodeWorker
 from hybridserve.engine.config import EngineConfig
-from hybridserve.transfer.grpc_sender import encode_state
-from hybridserve.transfer.manifest import StateHeader
 from hybridserve.prefill_worker.worker import PrefillWorker
-from hybridserve.transfer.planes import TransferConfig
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.proto.convert import sampling_to_proto
 from hybridserve.router.orchestrator import Orchestrator, WorkerError
+from hybridserve.transfer.grpc_sender import encode_state
+from hybridserve.transfer.manifest import StateHeader
+from hybridserve.transfer.planes import TransferConfig
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 CONFIG = EngineConfig(prefill_chunk_size=16, max_num_seqs=8)
@@ -31,7 +31,8 @@ CONFIG = EngineConfig(prefill_chunk_size=16, max_num_seqs=8)
 
 class Cluster:
     def __init__(self, model_dir, num_prefill: int = 1, num_decode: int = 1) -> None:
-        self.prefill = [PrefillWorker(model_dir, CONFIG, transfer=TransferConfig(grpc_chunk_bytes=512)) for _ in range(num_prefill)]
+        transfer = TransferConfig(grpc_chunk_bytes=512)
+        self.prefill = [PrefillWorker(model_dir, CONFIG, transfer=transfer) for _ in range(num_prefill)]
         self.decode = [DecodeWorker(model_dir, CONFIG) for _ in range(num_decode)]
         for w in self.prefill + self.decode:
             w.start()

@@ -9,11 +9,11 @@ from checkpoints import nemotron_h_mtp, random_prompts
 from test_disaggregated import Cluster
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.decode_worker.worker import DecodeWorker
 from hybridserve.engine.config import EngineConfig
 from hybridserve.prefill_worker.worker import PrefillWorker
-from hybridserve.transfer.planes import TransferConfig
-from hybridserve.decode_worker.worker import DecodeWorker
 from hybridserve.router.orchestrator import Orchestrator
+from hybridserve.transfer.planes import TransferConfig
 
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
@@ -53,7 +53,8 @@ def test_prefill_and_decode_must_agree_on_speculation() -> None:
     plain = EngineConfig(prefill_chunk_size=16, max_num_seqs=4, page_size=8)
     spec = EngineConfig(prefill_chunk_size=16, max_num_seqs=4, page_size=8,
                         speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    prefill, decode = PrefillWorker(model_dir, plain, transfer=TransferConfig(grpc_chunk_bytes=512)), DecodeWorker(model_dir, spec)
+    prefill = PrefillWorker(model_dir, plain, transfer=TransferConfig(grpc_chunk_bytes=512))
+    decode = DecodeWorker(model_dir, spec)
     for w in (prefill, decode):
         w.start()
     try:

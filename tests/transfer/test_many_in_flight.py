@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from concurrent import futures
 
+import test_disaggregated
 from checkpoints import nemotron_h, random_prompts
 from test_disaggregated import Cluster
 
-import test_disaggregated
 from hybridserve import SamplingParams
 from hybridserve.engine.config import EngineConfig
 

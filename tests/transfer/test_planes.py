@@ -43,7 +43,7 @@ def _decode_process(model_dir, config: EngineConfig, transfer: TransferConfig, c
     sends its address, then answers "check" (pool invariants, idle) and "stop" on the pipe."""
     worker = DecodeWorker(model_dir, config, transfer=transfer)
     conn.send(worker.start())
-    while (command := conn.recv()) != "stop":
+    while conn.recv() != "stop":
         try:
             worker.loop.call(worker.engine.pool.check)
             conn.send("" if not worker.loop.call(worker.engine.has_unfinished) else "decode worker is not idle")

@@ -119,7 +119,8 @@ def test_killed_ray_actor_restarts_and_serves_again() -> None:
         assert new_address and new_address != old_address, "the decode actor did not come back"
         orchestrator.update_workers(actor_addresses(actors["prefill"]), [new_address])
         assert _generate(orchestrator, prompt) == expected
-        health = orchestrator._decode[0].Health(common_pb2.HealthRequest(), timeout=30)
+        decode_handle = orchestrator.workers.snapshot()[1][0]
+        health = decode_handle.stub.Health(common_pb2.HealthRequest(), timeout=30)
         assert health.role == "decode" and health.status == "ok"
     finally:
         ray.shutdown()

@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridserve.transfer.grpc_receiver import receive_state
-from hybridserve.transfer.manifest import TransferError, check_manifest
-from hybridserve.transfer.grpc_sender import encode_state
-from hybridserve.transfer.manifest import StateHeader
 from hybridserve.proto import worker_pb2
+from hybridserve.transfer.grpc_receiver import receive_state
+from hybridserve.transfer.grpc_sender import encode_state
+from hybridserve.transfer.manifest import StateHeader, TransferError, check_manifest
 from hybridserve.transfer.state_layout import StateTensorSpec
 
 HEADER = StateHeader(ticket="t-1", request_id="r-1", model_fingerprint="fp", num_tokens=9, first_token=5, num_cached_tokens=0)
