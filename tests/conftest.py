@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
 # the default model is written on first use; keep test runs from touching the user's cache
 os.environ.setdefault("HYBRIDSERVE_CACHE", tempfile.mkdtemp(prefix="hybridserve-test-cache-"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,17 +1,9 @@
-"""Fixtures of the benchmark tests: bench/ and the router test helpers importable, and a live tiny server."""
+"""Fixtures of the benchmark tests: a live tiny server (bench/ and the router test helpers are on pytest's pythonpath)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-TESTS = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(TESTS / "router"))
-sys.path.insert(0, str(TESTS.parent / "bench"))
-
-from router_cluster import Cluster, tiny_model_dir  # noqa: E402
+from router_cluster import Cluster, tiny_model_dir
 
 
 @pytest.fixture(scope="module")

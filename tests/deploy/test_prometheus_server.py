@@ -12,7 +12,6 @@ import re
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,7 +26,6 @@ DASHBOARD = REPO / "deploy" / "grafana" / "hybridserve.json"
 INSTALL = PROM_DIR / "install_prometheus.sh"
 NO_APT_EXIT = 3  # install_prometheus.sh: no apt-get on this machine
 
-sys.path.insert(0, str(REPO / "tests" / "router"))
 from router_cluster import ENGINE, MODEL_NAME, Cluster, tiny_model_dir  # noqa: E402  (the router tests' cluster)
 
 INSTALL_TIMEOUT_S = 900

@@ -90,6 +90,7 @@ def _node_resources() -> dict[str, dict]:
     return {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
 
 
+@pytest.mark.slow
 def test_up_requests_restart_down(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # a throwaway cluster of this test only: Ray's token auth off for its nodes, the CLI and this driver
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")

@@ -26,6 +26,7 @@ def _run(kind: str, kernels: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["nemotron_h", "mamba2"])
 def test_triton_kernels_give_reference_tokens(kind: str) -> None:
     reference = _run(kind, "reference")

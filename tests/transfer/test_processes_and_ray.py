@@ -51,6 +51,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_serve_with_ray_actors_end_to_end() -> None:
     pytest.importorskip("ray")
     model_dir, _ = nemotron_h("M*-M*")
@@ -90,6 +91,7 @@ def test_serve_with_ray_actors_end_to_end() -> None:
             proc.kill()
 
 
+@pytest.mark.slow
 def test_killed_ray_actor_restarts_and_serves_again() -> None:
     ray = pytest.importorskip("ray")
     from hybridserve.router.ray_workers import RayPlacement, actor_addresses, start_ray_workers
