@@ -1,9 +1,39 @@
-"""Offline engine: scheduler, model runner, sampler and the `LLM` API."""
+"""Offline engine: scheduler, model runner, sampler and the `LLM` API.
 
-from hybridserve.engine.config import EngineConfig
-from hybridserve.engine.llm import LLM
-from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.outputs import RequestOutput
-from hybridserve.engine.sampling_params import SamplingParams
+Names are imported on first use (PEP 562), so importing one torch-free module of this package (as the router
+does) does not load the rest of it.
+"""
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "EngineConfig": "hybridserve.engine.config",
+    "LLM": "hybridserve.engine.llm",
+    "LLMEngine": "hybridserve.engine.llm_engine",
+    "RequestOutput": "hybridserve.engine.outputs",
+    "SamplingParams": "hybridserve.engine.sampling_params",
+}
+__all__ = [
+    "EngineConfig",
+    "LLM",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]
+
+if TYPE_CHECKING:
+    from hybridserve.engine.config import EngineConfig
+    from hybridserve.engine.llm import LLM
+    from hybridserve.engine.llm_engine import LLMEngine
+    from hybridserve.engine.outputs import RequestOutput
+    from hybridserve.engine.sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

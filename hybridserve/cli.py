@@ -133,7 +133,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from hybridserve.router.launch import WorkerOptions, serve_worker
+    from hybridserve.deploy.launch import WorkerOptions, serve_worker
 
     options = WorkerOptions(model_dir=_model_dir(args), engine=_engine_config(args), host=args.host,
                             transfer=_transfer_config(args))
@@ -175,7 +175,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from hybridserve.router.serve import ServeOptions, serve
+    from hybridserve.deploy.serve import ServeOptions, serve
 
     options = ServeOptions(
         model_dir=_model_dir(args), engine=_engine_config(args), num_prefill=args.prefill_workers,
@@ -231,7 +231,7 @@ def _add_up_down(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from hybridserve.router.cluster_up import UpOptions, up
+    from hybridserve.deploy.cluster_up import UpOptions, up
 
     options = UpOptions(
         address=args.address, model_dir=_model_dir(args), engine=_engine_config(args),
@@ -247,7 +247,7 @@ def _run_up(args: argparse.Namespace) -> int:
 
 
 def _run_down(args: argparse.Namespace) -> int:
-    from hybridserve.router.cluster_up import down
+    from hybridserve.deploy.cluster_up import down
 
     removed = down(args.address)
     print(f"hybridserve: removed {len(removed)} actors: {', '.join(removed) or 'none'}", flush=True)

@@ -1,15 +1,35 @@
 """Per-request state of the hybrid models: paged attention KV, Mamba conv/SSM slots, checkpoint slots, the
-radix prefix cache over them, cache events, and sizing from a memory budget."""
+radix prefix cache over them, cache events, and sizing from a memory budget.
 
-from hybridserve.statepool.allocators import CheckpointAllocator, PageAllocator, SlotAllocator
-from hybridserve.statepool.block_hash import ROOT_HASH, BlockHash, block_hashes, hash_block
-from hybridserve.statepool.events import CacheEvent, EventKind, EventLog
-from hybridserve.statepool.pool import CacheHit, PoolIntegrityError, StatePool
-from hybridserve.statepool.radix_cache import Node, RadixCache
-from hybridserve.statepool.state_cache import CacheLayout, StateCache
+Names are imported on first use (PEP 562), so importing one torch-free module of this package (as the router
+does) does not load the rest of it.
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "CheckpointAllocator": "hybridserve.statepool.allocators",
+    "PageAllocator": "hybridserve.statepool.allocators",
+    "SlotAllocator": "hybridserve.statepool.allocators",
+    "ROOT_HASH": "hybridserve.statepool.block_hash",
+    "BlockHash": "hybridserve.statepool.block_hash",
+    "block_hashes": "hybridserve.statepool.block_hash",
+    "hash_block": "hybridserve.statepool.block_hash",
+    "CacheEvent": "hybridserve.statepool.events",
+    "EventKind": "hybridserve.statepool.events",
+    "EventLog": "hybridserve.statepool.events",
+    "CacheHit": "hybridserve.statepool.pool",
+    "PoolIntegrityError": "hybridserve.statepool.pool",
+    "StatePool": "hybridserve.statepool.pool",
+    "Node": "hybridserve.statepool.radix_cache",
+    "RadixCache": "hybridserve.statepool.radix_cache",
+    "CacheLayout": "hybridserve.statepool.state_cache",
+    "StateCache": "hybridserve.statepool.state_cache",
+}
 __all__ = [
-    "ROOT_HASH",
     "BlockHash",
     "CacheEvent",
     "CacheHit",
@@ -20,6 +40,7 @@ __all__ = [
     "Node",
     "PageAllocator",
     "PoolIntegrityError",
+    "ROOT_HASH",
     "RadixCache",
     "SlotAllocator",
     "StateCache",
@@ -27,3 +48,18 @@ __all__ = [
     "block_hashes",
     "hash_block",
 ]
+
+if TYPE_CHECKING:
+    from hybridserve.statepool.allocators import CheckpointAllocator, PageAllocator, SlotAllocator
+    from hybridserve.statepool.block_hash import ROOT_HASH, BlockHash, block_hashes, hash_block
+    from hybridserve.statepool.events import CacheEvent, EventKind, EventLog
+    from hybridserve.statepool.pool import CacheHit, PoolIntegrityError, StatePool
+    from hybridserve.statepool.radix_cache import Node, RadixCache
+    from hybridserve.statepool.state_cache import CacheLayout, StateCache
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

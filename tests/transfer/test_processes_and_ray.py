@@ -14,10 +14,10 @@ import pytest
 from checkpoints import nemotron_h, random_prompts
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.deploy.launch import WorkerOptions, start_worker_process
 from hybridserve.engine.config import EngineConfig
 from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from hybridserve.proto.convert import sampling_to_proto
-from hybridserve.router.launch import WorkerOptions, start_worker_process
 from hybridserve.router.orchestrator import Orchestrator
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -94,7 +94,7 @@ def test_serve_with_ray_actors_end_to_end() -> None:
 @pytest.mark.slow
 def test_killed_ray_actor_restarts_and_serves_again() -> None:
     ray = pytest.importorskip("ray")
-    from hybridserve.router.ray_workers import RayPlacement, actor_addresses, start_ray_workers
+    from hybridserve.deploy.ray_workers import RayPlacement, actor_addresses, start_ray_workers
 
     model_dir, _ = nemotron_h("M*-M*")
     ray.init(num_cpus=4, resources={"prefill": 1, "decode": 1}, include_dashboard=False, log_to_driver=False,

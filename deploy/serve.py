@@ -10,11 +10,11 @@ import signal
 import threading
 from dataclasses import dataclass, field
 
+from hybridserve.deploy.gpu_placement import assign_gpus, host_gpus, visible_devices
+from hybridserve.deploy.launch import WorkerOptions, start_worker_process
 from hybridserve.engine.config import EngineConfig
 from hybridserve.router.app import Router, RouterOptions
 from hybridserve.router.config import AdmissionConfig, OrchestratorConfig
-from hybridserve.router.gpu_placement import assign_gpus, host_gpus, visible_devices
-from hybridserve.router.launch import WorkerOptions, start_worker_process
 from hybridserve.transfer.planes import TransferConfig
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class ServeOptions:
     max_running: int = 256
     max_queued: int = 512
     transfer: TransferConfig = field(default_factory=TransferConfig)
-    gpus: str | None = None  # --gpus placement (router/gpu_placement.py); None: round-robin on a multi-GPU host
+    gpus: str | None = None  # --gpus placement (deploy/gpu_placement.py); None: round-robin on a multi-GPU host
     # EngineConfig fields that differ for prefill workers (e.g. {"prefill_chunk_size": 4096}: a prefill worker
     # runs no decodes, so big chunks cost no inter-token latency); validated by EngineConfig itself
     prefill_engine_overrides: dict | None = None
@@ -95,7 +95,7 @@ class Deployment:
         except ImportError as exc:
             raise ValueError("Ray is not installed: `pip install ray`, or pass --no-ray for plain processes") from exc
 
-        from hybridserve.router.ray_workers import RayPlacement, start_ray_workers
+        from hybridserve.deploy.ray_workers import RayPlacement, start_ray_workers
 
         o = self.options
         if not ray.is_initialized():
@@ -111,7 +111,7 @@ class Deployment:
 
     def addresses(self) -> tuple[list[str], list[str]]:
         if self._actors:
-            from hybridserve.router.ray_workers import actor_addresses
+            from hybridserve.deploy.ray_workers import actor_addresses
 
             return actor_addresses(self._actors["prefill"]), actor_addresses(self._actors["decode"])
         return (

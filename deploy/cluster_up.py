@@ -76,7 +76,7 @@ class RouterActor:
     def _addresses(self) -> tuple[list[str], list[str]]:
         import ray
 
-        from hybridserve.router.ray_workers import worker_name
+        from hybridserve.deploy.ray_workers import worker_name
 
         found: dict[str, list[str]] = {"prefill": [], "decode": []}
         for role, count in zip(("prefill", "decode"), self._counts):
@@ -146,7 +146,7 @@ def up(options: UpOptions) -> list[str]:
     """Create or scale the deployment, wait until every worker is healthy; returns the endpoint lines."""
     import ray
 
-    from hybridserve.router.ray_workers import RayPlacement, actor_addresses, start_ray_workers
+    from hybridserve.deploy.ray_workers import RayPlacement, actor_addresses, start_ray_workers
 
     _connect(options.address)
     placement = RayPlacement(num_gpus=options.num_gpus_per_worker, max_restarts=options.max_restarts,

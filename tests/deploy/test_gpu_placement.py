@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from hybridserve.router.gpu_placement import assign_gpus, host_gpus, visible_devices
+from hybridserve.deploy.gpu_placement import assign_gpus, host_gpus, visible_devices
 
 WORKERS = ["prefill-0", "decode-0"]
 

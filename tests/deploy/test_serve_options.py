@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from hybridserve.deploy.serve import ServeOptions
 from hybridserve.engine.config import EngineConfig
-from hybridserve.router.serve import ServeOptions
 
 
 def test_prefill_workers_get_their_overrides_and_decode_workers_do_not() -> None:
