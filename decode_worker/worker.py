@@ -188,7 +188,9 @@ class DecodeWorker:
 
     def health(self) -> common_pb2.HealthResponse:
         return self.loop.call(
-            lambda: health_response("decode", self.worker_id, self.fingerprint, self.engine, self.metrics.port),
+            lambda: health_response(
+                "decode", self.worker_id, self.fingerprint, self.engine, self.metrics.port, self.transfer
+            ),
             timeout=10,
         )
 

@@ -6,7 +6,6 @@ once it serves, and the launcher waits for that file.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import signal
@@ -18,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridserve.config_flags import from_jsonable, to_jsonable
 from hybridserve.engine.config import EngineConfig
 from hybridserve.transfer.planes import TransferConfig
 
@@ -33,29 +33,24 @@ class WorkerOptions:
     host: str = "127.0.0.1"
     transfer: TransferConfig = field(default_factory=TransferConfig)
 
+    def config_json(self) -> str:
+        """The worker's whole configuration as one JSON object (what `hybridserve worker --worker-config`
+        takes and what the worker reports in Health.config_json)."""
+        return json.dumps({"engine": to_jsonable(self.engine), "transfer": to_jsonable(self.transfer)}, sort_keys=True)
+
     def argv(self) -> list[str]:
-        e = self.engine
-        args = [
-            "--model", self.model_dir, "--host", self.host, "--device", e.device, "--dtype", e.dtype,
-            "--prefill-chunk-size", str(e.prefill_chunk_size), "--max-num-seqs", str(e.max_num_seqs),
-            "--page-size", str(e.page_size), "--cpu-memory-gb", str(e.cpu_memory_gb),
-            "--gpu-memory-utilization", str(e.gpu_memory_utilization), "--seed", str(e.seed),
-        ]
-        if e.max_model_len is not None:
-            args += ["--max-model-len", str(e.max_model_len)]
-        if not e.enable_prefix_caching:
-            args += ["--no-prefix-caching"]
-        if e.gpu_memory_gb is not None:
-            args += ["--gpu-memory-gb", str(e.gpu_memory_gb)]
-        if e.load_format != "safetensors":
-            args += ["--load-format", e.load_format]
-        if e.speculative is not None:
-            args += ["--speculative-config", json.dumps(dataclasses.asdict(e.speculative))]
-        t = self.transfer
-        args += ["--transfer-planes", ",".join(t.planes), "--grpc-streams", str(t.grpc_streams)]
-        if t.staging_mb is not None:
-            args += ["--staging-mb", str(t.staging_mb)]
-        return args
+        return ["--model", self.model_dir, "--host", self.host, "--worker-config", self.config_json()]
+
+
+def configs_from_json(text: str) -> tuple[EngineConfig, TransferConfig]:
+    """The (engine, transfer) configs of a `--worker-config` JSON object; ValueError naming what is wrong."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--worker-config is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict) or set(data) - {"engine", "transfer"}:
+        raise ValueError('--worker-config must be a JSON object with keys "engine" and "transfer"')
+    return from_jsonable(EngineConfig, data.get("engine", {})), from_jsonable(TransferConfig, data.get("transfer", {}))
 
 
 @dataclass

@@ -17,8 +17,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class EngineConfig:
     """Knobs of the offline engine and the workers built on it."""
 
-    device: str = "cpu"
-    dtype: str = "float32"
+    device: str = "cpu"  # "cpu" or "cuda" (a worker's own GPU is cuda:0; the launcher sets CUDA_VISIBLE_DEVICES)
+    dtype: str = "float32"  # weights and activations: float32, bfloat16 or float16
     prefill_chunk_size: int = 512  # prefill tokens per step, shared by all prefilling requests
     max_num_seqs: int = 32  # concurrent requests (one Mamba state slot each)
     page_size: int = 16  # tokens per KV page

@@ -16,25 +16,10 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--prefill-chunk-size", type=int, default=512, help="prefill tokens per step (default 512)")
-    g.add_argument("--max-num-seqs", type=int, default=32, help="concurrent requests (default 32)")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
-    g.add_argument("--max-model-len", type=int, default=None, help="default: the model's limit")
-    g.add_argument("--cpu-memory-gb", type=float, default=2.0, help="state-cache budget on CPU")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--gpu-memory-gb", type=float, default=None,
-                   help="fixed GPU state-cache budget (GiB) instead of the utilization share")
-    g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
-    g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                   help="turn the radix prefix cache (KV blocks + Mamba checkpoints) off")
-    g.add_argument("--load-format", default="safetensors", choices=["safetensors", "dummy"],
-                   help="dummy: random weights from config.json alone, for benchmarks of real shapes")
-    g.add_argument("--speculative-config", type=_parse_json, default=None,
-                   help='speculative decoding as JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 3, '
-                        '"rollback": "replay"}\' (method mtp | ngram; rollback intermediate | replay)')
+    from hybridserve.config_flags import add_config_flags
+    from hybridserve.engine.config import EngineConfig
+
+    add_config_flags(p, EngineConfig, "engine (EngineConfig)", aliases={"enable_prefix_caching": ["--prefix-caching"]})
 
 
 def _parse_json(text: str) -> dict:
@@ -49,16 +34,11 @@ def _parse_json(text: str) -> dict:
     return value
 
 
-def _engine_config(args: argparse.Namespace):
+def _engine_config(args: argparse.Namespace):  # noqa: ANN202 - EngineConfig, imported lazily
+    from hybridserve.config_flags import config_from_args
     from hybridserve.engine.config import EngineConfig
 
-    return EngineConfig(
-        device=args.device, dtype=args.dtype, prefill_chunk_size=args.prefill_chunk_size,
-        max_num_seqs=args.max_num_seqs, page_size=args.page_size, max_model_len=args.max_model_len,
-        cpu_memory_gb=args.cpu_memory_gb, gpu_memory_utilization=args.gpu_memory_utilization, seed=args.seed,
-        speculative_config=args.speculative_config, load_format=args.load_format,
-        gpu_memory_gb=args.gpu_memory_gb, enable_prefix_caching=args.enable_prefix_caching,
-    )
+    return config_from_args(EngineConfig, args)
 
 
 def _model_dir(args: argparse.Namespace) -> str:
@@ -126,6 +106,9 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     p.add_argument("--worker-id", default=None)
+    p.add_argument("--worker-config", default=None,
+                   help='the whole config as JSON, {"engine": {...EngineConfig}, "transfer": {...TransferConfig}} '
+                   "(what serve's launcher passes; the engine and transfer flags are ignored then)")
     p.add_argument("--ready-file", default=None, help="write {address, pid} here once serving")
     _add_engine_options(p)
     _add_transfer_options(p)
@@ -133,10 +116,13 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from hybridserve.deploy.launch import WorkerOptions, serve_worker
+    from hybridserve.deploy.launch import WorkerOptions, configs_from_json, serve_worker
 
-    options = WorkerOptions(model_dir=_model_dir(args), engine=_engine_config(args), host=args.host,
-                            transfer=_transfer_config(args))
+    if args.worker_config:  # the whole config as one JSON object, as the launcher passes it
+        engine, transfer = configs_from_json(args.worker_config)
+    else:
+        engine, transfer = _engine_config(args), _transfer_config(args)
+    options = WorkerOptions(model_dir=_model_dir(args), engine=engine, host=args.host, transfer=transfer)
     worker_id = args.worker_id or f"{args.role}-{args.port}"
     return serve_worker(args.role, worker_id, options, args.port, args.ready_file)
 
@@ -189,19 +175,17 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 
 def _add_transfer_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("state transfer (prefill -> decode)")
-    g.add_argument("--transfer-planes", default="cuda_ipc,grpc",
-                   help="data planes in order of preference, of cuda_ipc (same-host GPU->GPU), nixl (NIXL/UCX, "
-                   "pip install 'hybridserve[nixl]') and grpc (always the fallback) (default cuda_ipc,grpc)")
-    g.add_argument("--staging-mb", type=int, default=None,
-                   help="registered staging / landing arena per worker (default 2048 on CUDA, 256 on CPU)")
-    g.add_argument("--grpc-streams", type=int, default=2, help="parallel PushState streams per gRPC transfer")
+    from hybridserve.config_flags import add_config_flags
+    from hybridserve.transfer.planes import TransferConfig
+
+    add_config_flags(p, TransferConfig, "state transfer, prefill -> decode (TransferConfig)", prefix="transfer-")
 
 
 def _transfer_config(args: argparse.Namespace):  # noqa: ANN202 - TransferConfig, imported lazily
+    from hybridserve.config_flags import config_from_args
     from hybridserve.transfer.planes import TransferConfig
 
-    return TransferConfig(planes=args.transfer_planes, staging_mb=args.staging_mb, grpc_streams=args.grpc_streams)
+    return config_from_args(TransferConfig, args, prefix="transfer-")
 
 
 def _add_up_down(sub: argparse._SubParsersAction) -> None:

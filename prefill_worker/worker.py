@@ -122,7 +122,9 @@ class PrefillWorker:
 
     def health(self) -> common_pb2.HealthResponse:
         return self.loop.call(
-            lambda: health_response("prefill", self.worker_id, self.fingerprint, self.engine, self.metrics.port),
+            lambda: health_response(
+                "prefill", self.worker_id, self.fingerprint, self.engine, self.metrics.port, self.transfer
+            ),
             timeout=10,
         )
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from hybridserve.config_flags import to_jsonable
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.proto import common_pb2
+from hybridserve.transfer.planes import TransferConfig
 
 
 def health_fields(worker_id: str, engine: LLMEngine, metrics_port: int) -> dict:
@@ -20,8 +23,10 @@ def health_fields(worker_id: str, engine: LLMEngine, metrics_port: int) -> dict:
 
 
 def health_response(
-    role: str, worker_id: str, fingerprint: str, engine: LLMEngine, metrics_port: int
+    role: str, worker_id: str, fingerprint: str, engine: LLMEngine, metrics_port: int, transfer: TransferConfig
 ) -> common_pb2.HealthResponse:
-    """A worker's Health answer: load from the engine plus `health_fields` (call on the engine loop)."""
+    """A worker's Health answer: load from the engine, `health_fields`, and the config it runs with (call on
+    the engine loop)."""
     fields: dict[str, Any] = {**engine.stats(), **health_fields(worker_id, engine, metrics_port)}
-    return common_pb2.HealthResponse(status="ok", role=role, model_fingerprint=fingerprint, **fields)
+    config = json.dumps({"engine": to_jsonable(engine.config), "transfer": to_jsonable(transfer)}, sort_keys=True)
+    return common_pb2.HealthResponse(status="ok", role=role, model_fingerprint=fingerprint, config_json=config, **fields)
