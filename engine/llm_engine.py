@@ -20,7 +20,7 @@ from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.engine.spec_memory import spec_working_bytes, write_checkpoint_hidden
-from hybridserve.models.config import ModelConfig
+from hybridserve.models.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
 from hybridserve.models.tokenizer import load_tokenizer
 from hybridserve.models.weights import dummy_model, load_model
 from hybridserve.statepool.events import CacheEvent
@@ -31,7 +31,6 @@ from hybridserve.transfer.state_layout import StateTensorSpec
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_MODEL_LEN = 8192  # for models that declare no positional limit (Mamba2)
 
 
 class LLMEngine:

@@ -14,6 +14,8 @@ from typing import Any
 
 from hybridserve.models.layer_types import LAYER_KINDS, parse_layer_types, parse_mtp_layer_types
 
+DEFAULT_MAX_MODEL_LEN = 8192  # context limit of models that declare no positional limit (Mamba2)
+
 ARCHITECTURES = {"NemotronHForCausalLM": "nemotron_h", "Mamba2ForCausalLM": "mamba2"}
 
 

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridserve.models.config import ModelConfig
+from hybridserve.models.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
 from hybridserve.models.tokenizer import load_tokenizer
 from hybridserve.router.admission import AdmissionController
 from hybridserve.router.chat_template import ChatTemplate
@@ -23,7 +23,6 @@ from hybridserve.router.orchestrator import Orchestrator
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_MODEL_LEN = 8192
 
 
 @dataclass(frozen=True)
