@@ -13,11 +13,11 @@ import grpc
 import pytest
 import torch
 from checkpoints import mamba2, nemotron_h, random_prompts
+from router_cluster import Cluster as RouterCluster
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.decode_worker.worker import DecodeWorker
 from hybridserve.engine.config import EngineConfig
-from hybridserve.prefill_worker.worker import PrefillWorker
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.proto.convert import sampling_to_proto
 from hybridserve.router.orchestrator import Orchestrator, WorkerError
@@ -29,31 +29,12 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 CONFIG = EngineConfig(prefill_chunk_size=16, max_num_seqs=8)
 
 
-class Cluster:
-    def __init__(self, model_dir, num_prefill: int = 1, num_decode: int = 1) -> None:
-        transfer = TransferConfig(grpc_chunk_bytes=512)
-        self.prefill = [PrefillWorker(model_dir, CONFIG, transfer=transfer) for _ in range(num_prefill)]
-        self.decode = [DecodeWorker(model_dir, CONFIG) for _ in range(num_decode)]
-        for w in self.prefill + self.decode:
-            w.start()
-        self.orchestrator = Orchestrator([w.address for w in self.prefill], [w.address for w in self.decode])
+TRANSFER = TransferConfig(grpc_chunk_bytes=512)
 
-    def generate(self, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
-        tokens: list[int] = []
-        for event in self.orchestrator.generate(prompt, params):
-            tokens.extend(event.token_ids)
-        return tokens
 
-    def check_pools(self) -> None:
-        for w in self.prefill + self.decode:
-            w.loop.call(w.engine.pool.check)
-
-    def idle(self) -> bool:
-        return all(not w.loop.call(w.engine.has_unfinished) for w in self.prefill + self.decode)
-
-    def stop(self) -> None:
-        for w in self.prefill + self.decode:
-            w.stop(grace=0)
+def Cluster(model_dir, num_prefill: int = 1, num_decode: int = 1) -> RouterCluster:  # noqa: N802 - a factory
+    """The shared test cluster, orchestrator only, with small chunks so that states span many of them."""
+    return RouterCluster(model_dir, num_prefill, num_decode, engine=CONFIG, transfer=TRANSFER, router=False)
 
 
 @pytest.fixture(scope="module")

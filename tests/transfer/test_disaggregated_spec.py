@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from checkpoints import nemotron_h_mtp, random_prompts
-from test_disaggregated import Cluster
+from router_cluster import Cluster
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.decode_worker.worker import DecodeWorker
@@ -18,15 +18,11 @@ from hybridserve.transfer.planes import TransferConfig
 GREEDY = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 
-class SpecCluster(Cluster):
-    def __init__(self, model_dir, rollback: str) -> None:  # noqa: D107 - one prefill, one decode worker
-        spec = {"method": "mtp", "num_speculative_tokens": 3, "rollback": rollback}
-        config = EngineConfig(prefill_chunk_size=16, max_num_seqs=4, page_size=8, speculative_config=spec)
-        self.prefill = [PrefillWorker(model_dir, config, transfer=TransferConfig(grpc_chunk_bytes=512))]
-        self.decode = [DecodeWorker(model_dir, config)]
-        for w in self.prefill + self.decode:
-            w.start()
-        self.orchestrator = Orchestrator([w.address for w in self.prefill], [w.address for w in self.decode])
+def SpecCluster(model_dir, rollback: str) -> Cluster:  # noqa: N802 - a factory
+    """One prefill and one decode worker running MTP speculation, orchestrator only."""
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "rollback": rollback}
+    config = EngineConfig(prefill_chunk_size=16, max_num_seqs=4, page_size=8, speculative_config=spec)
+    return Cluster(model_dir, 1, 1, engine=config, transfer=TransferConfig(grpc_chunk_bytes=512), router=False)
 
 
 @pytest.mark.parametrize("rollback", ["intermediate", "replay"])
