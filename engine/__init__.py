@@ -6,8 +6,9 @@ does) does not load the rest of it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hybridserve.lazy_exports import lazy_getattr
 
 _EXPORTS = {
     "EngineConfig": "hybridserve.engine.config",
@@ -31,9 +32,4 @@ if TYPE_CHECKING:
     from hybridserve.engine.outputs import RequestOutput
     from hybridserve.engine.sampling_params import SamplingParams
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)

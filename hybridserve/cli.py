@@ -7,6 +7,8 @@ import json
 import logging
 import sys
 
+from hybridserve.config_flags import json_object
+
 
 def _parse_ids(text: str) -> list[int]:
     try:
@@ -20,18 +22,6 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     from hybridserve.engine.config import EngineConfig
 
     add_config_flags(p, EngineConfig, "engine (EngineConfig)", aliases={"enable_prefix_caching": ["--prefix-caching"]})
-
-
-def _parse_json(text: str) -> dict:
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object")
-    return value
 
 
 def _engine_config(args: argparse.Namespace):  # noqa: ANN202 - EngineConfig, imported lazily
@@ -152,7 +142,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus", default=None,
                    help="worker -> GPU placement for --no-ray: 'prefill=0,decode=1', 'prefill-0=0,decode-0=1' or "
                    "'0,1' in start order (default: round-robin over the host's GPUs)")
-    p.add_argument("--prefill-worker-overrides", type=_parse_json, default=None,
+    p.add_argument("--prefill-worker-overrides", type=json_object, default=None,
                    help="JSON of engine options that differ for prefill workers, e.g. '{\"prefill_chunk_size\": 4096}' "
                    "(they run no decodes: big prefill steps cost no inter-token latency)")
     _add_engine_options(p)

@@ -47,7 +47,8 @@ def field_comments(cls: type) -> dict[str, str]:
     return comments
 
 
-def _json_object(text: str) -> dict:
+def json_object(text: str) -> dict:
+    """argparse type of a flag that takes a JSON object."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -70,11 +71,11 @@ def _flag_type(hint: Any) -> tuple[Any, str]:
     if origin in (typing.Union, types.UnionType):
         if len(args) == 1:
             return _flag_type(args[0])
-        return _json_object, "json"  # e.g. SpeculativeConfig | dict | None: given as its JSON
+        return json_object, "json"  # e.g. SpeculativeConfig | dict | None: given as its JSON
     if origin is tuple:
         return _csv, "csv"
     if origin is dict or hint is dict:
-        return _json_object, "json"
+        return json_object, "json"
     if hint in (int, float, str):
         return hint, "scalar"
     raise TypeError(f"no command-line form for a field of type {hint!r}")

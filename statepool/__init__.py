@@ -7,8 +7,9 @@ does) does not load the rest of it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from hybridserve.lazy_exports import lazy_getattr
 
 _EXPORTS = {
     "CheckpointAllocator": "hybridserve.statepool.allocators",
@@ -57,9 +58,4 @@ if TYPE_CHECKING:
     from hybridserve.statepool.radix_cache import Node, RadixCache
     from hybridserve.statepool.state_cache import CacheLayout, StateCache
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
