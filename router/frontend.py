@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -116,7 +116,7 @@ class Frontend:
 
     # ---- one generation --------------------------------------------------------------------------
     async def deltas(self, index: int, prompt: list[int], params: SamplingParams, request_id: str,
-                     stops: Sequence[str] = ()) -> AsyncIterator[Delta]:
+                     stops: Sequence[str] = ()) -> AsyncGenerator[Delta, None]:
         """One choice as text/token deltas; a stop string ends it (finish "stop") and aborts the rest."""
         try:
             text = TextStream(self.tokenizer, stops)

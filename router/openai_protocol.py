@@ -7,6 +7,7 @@ something we do not do should find out. Extensions: `top_k`, `ignore_eos`, `stop
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -122,8 +123,8 @@ class CompletionRequest(_SamplingFields):
         if isinstance(p, str):
             return [p]
         if all(isinstance(x, int) for x in p):
-            return [list(p)]
-        return [x if isinstance(x, str) else list(x) for x in p]
+            return [[x for x in p if isinstance(x, int)]]  # all ints, checked just above
+        return [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[arg-type]  # str or id lists
 
 
 class TextPart(BaseModel):
@@ -164,7 +165,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     """A readable message and the offending parameter from pydantic's error list."""
     first = errors[0]
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]

@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from typing import Any
 
 from hybridserve.router.frontend import Delta, Frontend
 from hybridserve.router.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest
@@ -37,7 +38,7 @@ class _Plan:
     created: int
     prompts: list[list[int]]
     choices: list[_Choice]
-    gens: list[AsyncIterator[Delta]]
+    gens: list[AsyncGenerator[Delta, None]]
 
 
 class OpenAIService:
@@ -117,13 +118,13 @@ class OpenAIService:
             if req.return_token_ids:
                 choice["token_ids"] = c.token_ids
             out.append(choice)
-        body = {"id": plan.request_id, "object": "chat.completion" if chat else "text_completion",
+        body: dict[str, Any] = {"id": plan.request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": plan.created, "model": self.frontend.model_name, "choices": out, "usage": self._usage(plan)}
         if req.return_token_ids:
             body["prompt_token_ids"] = plan.prompts if len(plan.prompts) > 1 else plan.prompts[0]
         return body
 
-    async def _sse(self, req, plan: _Plan, merged: AsyncIterator[Delta], first: Delta | None, chat: bool):
+    async def _sse(self, req, plan: _Plan, merged: AsyncGenerator[Delta, None], first: Delta | None, chat: bool):
         obj = "chat.completion.chunk" if chat else "text_completion"
         usage_field = {"usage": None} if req.include_usage else {}
 
@@ -167,11 +168,11 @@ def _fold(plan: _Plan, delta: Delta) -> None:
         c.finish_reason = delta.finish_reason
 
 
-async def _merge(gens: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
+async def _merge(gens: list[AsyncGenerator[Delta, None]]) -> AsyncGenerator[Delta, None]:
     """Deltas of all choices as they arrive; closing this cancels (and so aborts) the unfinished ones."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(gen: AsyncIterator[Delta]) -> None:
+    async def pump(gen: AsyncGenerator[Delta, None]) -> None:
         try:
             async for delta in gen:
                 await queue.put(delta)

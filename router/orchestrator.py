@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import grpc
 
@@ -112,7 +112,7 @@ class Orchestrator:
 
     # ---- requests --------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-                 ) -> Iterator[common_pb2.TokenEvent]:
+                 ) -> Generator[common_pb2.TokenEvent, None, None]:
         """TokenEvents of one request; raises WorkerError when it cannot be served."""
         request_id = request_id or uuid.uuid4().hex
         active = _Active(request_id)
@@ -204,11 +204,14 @@ class Orchestrator:
                 timeout=res.reserve_timeout_s)).ticket
             events = active.track(d.decode.stub.StreamTokens(
                 worker_pb2.StreamTokensRequest(request_id=rid, ticket=ticket), timeout=res.stream_timeout_s))
-            prefill_call = active.track(d.prefill.stub.Prefill.future(
+            prefill = d.prefill
+            if prefill is None:  # a non-local decision always names its prefill worker
+                raise RuntimeError("routing chose remote prefill without a prefill worker")
+            prefill_call = active.track(prefill.stub.Prefill.future(
                 worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                                           decode_address=d.decode.address, ticket=ticket),
                 timeout=res.prefill_timeout_s))
-            self._call(d.prefill, "prefill", active, prefill_call.result)
+            self._call(prefill, "prefill", active, prefill_call.result)
             return events, self._first(d, events, d.decode, "stream", active)
         except BaseException:
             if events is not None:

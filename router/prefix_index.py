@@ -101,9 +101,10 @@ class PrefixIndex:
             if event.kind == _Kind.CHECKPOINT_STORED:
                 node.checkpoints.add(worker)
             return
-        node = self._nodes.get(event.block_hash)
-        if node is None:
+        gone = self._nodes.get(event.block_hash)
+        if gone is None:
             return
+        node = gone
         node.checkpoints.discard(worker)
         if event.kind == _Kind.BLOCK_REMOVED:
             node.blocks.discard(worker)

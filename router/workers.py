@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -32,7 +33,7 @@ class WorkerHandle:
 
     role: str
     address: str
-    stub: object
+    stub: Any  # the role's generated gRPC stub (PrefillWorkerStub / DecodeWorkerStub)
     breaker: CircuitBreaker
     health: common_pb2.HealthResponse | None = None
     subscriber: CacheSubscriber | None = field(default=None, repr=False)
@@ -66,8 +67,10 @@ class WorkerSet:
         """Point at a new set of workers; unchanged addresses keep their handles (and breaker state)."""
         with self._lock:
             old = {(h.role, h.address): h for h in self.prefill + self.decode}
-            new_prefill = [old.pop(("prefill", a), None) or self._handle("prefill", a) for a in prefill_addresses]
-            new_decode = [old.pop(("decode", a), None) or self._handle("decode", a) for a in decode_addresses]
+            new_prefill = [old.pop(("prefill", a)) if ("prefill", a) in old else self._handle("prefill", a)
+                           for a in prefill_addresses]
+            new_decode = [old.pop(("decode", a)) if ("decode", a) in old else self._handle("decode", a)
+                          for a in decode_addresses]
             self.prefill, self.decode = new_prefill, new_decode
         for gone in old.values():
             self._retire(gone)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from hybridserve.proto import worker_pb2, worker_pb2_grpc
@@ -157,13 +158,18 @@ class StateSender:
             replies = [calls[0](streams[0], timeout=PUSH_TIMEOUT_S)]
         else:
             pending = [call.future(stream, timeout=PUSH_TIMEOUT_S) for call, stream in zip(calls, streams)]
-            replies = []
-            try:
-                replies = [f.result() for f in pending]
-            finally:
-                if len(replies) < len(pending):  # one failed: stop the others
-                    for f in pending:
-                        f.cancel()
+            replies, errors = [], []
+            for future in pending:
+                try:
+                    replies.append(future.result())
+                except grpc.FutureCancelledError:  # stopped here after another stream failed
+                    continue
+                except grpc.RpcError as exc:
+                    errors.append(exc)
+                    for other in pending:  # one failed: stop the others
+                        other.cancel()
+            if errors:  # the stream that found the fault, not one that saw the reservation go after it
+                raise min(errors, key=_consequential)
         if sum(r.committed for r in replies) != 1:
             raise RuntimeError("the decode worker did not commit the state")
         return sum(r.bytes_received for r in replies)
@@ -172,3 +178,10 @@ class StateSender:
         for source in self.sources.values():
             source.close()
 
+
+
+def _consequential(error: grpc.RpcError) -> bool:
+    """True for a stream's failure that only follows another's: cancelled, or the reservation already gone."""
+    code = error.code() if hasattr(error, "code") else None
+    details = error.details() if hasattr(error, "details") else ""
+    return code == grpc.StatusCode.CANCELLED or "unknown or expired ticket" in (details or "")
