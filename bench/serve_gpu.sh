@@ -12,10 +12,13 @@
 #                       decodes, so big steps cost no inter-token latency)
 #   pd-2gpu-grpc        the pair, state over gRPC (through host memory)
 #   pd-1gpu             1 prefill + 1 decode worker sharing GPU 0 (CUDA IPC on one device)
+#   colocated-1gpu-nocache  colocated-1gpu with prefix caching off (cache cost on unique prompts)
 # Workloads: random 512/128 and 2048/256 prompts, rates 4, 8, 16 req/s and all at once; NUM_PROMPTS (64)
 # each, after a warm-up pass of 32 all-at-once requests per workload (WARM_PASS=0 skips it: then the first
 # measured rates pay Triton's compile and autotune of new step shapes) and 4 warm-up requests.
-# WORKLOADS="512:128 2048:256" and RATES="4,8,16,inf" override.
+# WORKLOADS="512:128 2048:256" and RATES="4,8,16,inf" override. PASSES="cold warm" runs the measured workloads
+# twice per server with fresh prompts (no warm-up pass: the cold pass is the first traffic after ready);
+# the results are named <deployment>-<in>-<out>-<pass>.
 # bench/serve_table.py OUT then prints and writes the comparison table (OUT/table.md).
 set -euo pipefail
 OUT=${1:-bench/results/gpu/serve}
@@ -40,6 +43,7 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUT/gpus.csv"
 deployment_args() {
   case $1 in
     colocated-1gpu) echo --prefill-workers 0 --decode-workers 1 --gpus 0 ;;
+    colocated-1gpu-nocache) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-prefix-caching ;;
     colocated-2gpu-dp) echo --prefill-workers 0 --decode-workers 2 --gpus 0,1 ;;
     pd-2gpu-cuda_ipc) echo --prefill-workers 1 --decode-workers 1 --gpus prefill=0,decode=1 --transfer-planes cuda_ipc,grpc ;;
     pd-2gpu-cuda_ipc-chunk4k) echo --prefill-workers 1 --decode-workers 1 --gpus prefill=0,decode=1 --transfer-planes cuda_ipc,grpc \
@@ -64,18 +68,24 @@ run() {
     sleep 1
   done
   if [ "$up" = 1 ]; then
-    if [ "${WARM_PASS:-1}" = 1 ]; then  # compile every step shape the workloads make before measuring
+    if [ -z "${PASSES:-}" ] && [ "${WARM_PASS:-1}" = 1 ]; then  # compile every step shape before measuring
       for w in $WORKLOADS; do
         python3 bench/serve.py --base-url http://127.0.0.1:8000 --workload random --input-len "${w%%:*}" \
           --output-len 8 --num-prompts 32 --request-rate inf --no-plots --no-scrape \
           --result-dir "$(mktemp -d)" > /dev/null 2>&1 || true
       done
     fi
-    for w in $WORKLOADS; do
-      local in=${w%%:*} out=${w##*:}
-      python3 bench/serve.py --base-url http://127.0.0.1:8000 --workload random --input-len "$in" \
-        --output-len "$out" --num-prompts "$NUM_PROMPTS" --request-rate "$RATES" --token-range 3,1000 \
-        --warmup 4 --no-plots --result-dir "$OUT" --result-name "$name-$in-$out" || true
+    local seed=0
+    for pass in ${PASSES:-measured}; do
+      seed=$((seed + 1))
+      local suffix=""; [ -n "${PASSES:-}" ] && suffix="-$pass"
+      local warmup=4; [ -n "${PASSES:-}" ] && warmup=0
+      for w in $WORKLOADS; do
+        local in=${w%%:*} out=${w##*:}
+        python3 bench/serve.py --base-url http://127.0.0.1:8000 --workload random --input-len "$in" \
+          --output-len "$out" --num-prompts "$NUM_PROMPTS" --request-rate "$RATES" --token-range 3,1000 \
+          --seed "$seed" --warmup "$warmup" --no-plots --result-dir "$OUT" --result-name "$name-$in-$out$suffix" || true
+      done
     done
   else
     echo "$name: the server did not come up (see $OUT/$name.server.log)" >&2

@@ -14,14 +14,30 @@ BASELINE = "colocated-1gpu"
 
 
 def load(result_dir: Path) -> dict[tuple[str, str], dict[str, dict]]:
-    """(deployment, workload) -> {rate tag: metrics}."""
+    """(deployment, workload) -> {rate tag: metrics}, from `<deployment>-<in>-<out>[-<pass>]-sweep.json` (several
+    rates) and `...-rate<R>.json` (one rate) files; a pass (cold / warm) is kept in the deployment's label."""
     table: dict[tuple[str, str], dict[str, dict]] = {}
-    for sweep in sorted(result_dir.glob("*-sweep.json")):
-        name = sweep.name.removesuffix("-sweep.json")
-        deployment, input_len, output_len = name.rsplit("-", 2)  # <deployment>-<input len>-<output len>
-        workload = f"{input_len}/{output_len}"
-        runs = json.loads(sweep.read_text())["runs"]
-        table[(deployment, workload)] = {_tag(r["request_rate"]): r["metrics"] for r in runs}
+    for path in sorted(result_dir.glob("*.json")):
+        stem = path.name.removesuffix(".json")
+        if stem.endswith("-sweep"):
+            runs = json.loads(path.read_text())["runs"]
+            name = stem.removesuffix("-sweep")
+        elif "-rate" in stem:
+            result = json.loads(path.read_text())
+            runs = [{"request_rate": result["config"]["request_rate"], "metrics": result["metrics"]}]
+            name = stem.rsplit("-rate", 1)[0]
+        else:
+            continue
+        parts = name.split("-")
+        suffix = ""
+        if parts[-1] in ("cold", "warm"):
+            suffix = f" ({parts.pop()})"
+        deployment, input_len, output_len = "-".join(parts[:-2]) + suffix, parts[-2], parts[-1]
+        if not (input_len.isdigit() and output_len.isdigit()):
+            continue
+        by_rate = table.setdefault((deployment, f"{input_len}/{output_len}"), {})
+        for r in runs:
+            by_rate.setdefault(_tag(r["request_rate"]), r["metrics"])
     return table
 
 

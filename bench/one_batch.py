@@ -1,0 +1,135 @@
+"""The offline engine on one batch: prefill time and decode step time, the figures the server is held to.
+
+    python bench/one_batch.py --batch 32 --input-len 256 --output-len 32 [--model DIR] [--json OUT]
+
+Without --model it builds Nemotron-Nano-9B-v2 shapes with random weights (`--load-format dummy`). It runs the
+batch once to warm up (compiles, autotune, CUDA graphs) and then `--repeats` times; each run reports the time
+to the last first token (the batch's prefill) and the median decode step (output tokens after the first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridserve.engine.config import EngineConfig
+from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.engine.sampling_params import SamplingParams
+
+CONFIG = Path(__file__).resolve().parent / "configs" / "nemotron-nano-9b-v2.json"
+
+
+def dummy_model_dir() -> Path:
+    """A directory holding only the Nemotron-Nano-9B-v2 config.json (for --load-format dummy)."""
+    directory = Path(tempfile.mkdtemp(prefix="hybridserve-bench-"))
+    (directory / "config.json").write_text(CONFIG.read_text())
+    return directory
+
+
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The engine settings the serving benchmark uses (bench/serve_gpu.sh), from the shared flags."""
+    cuda = torch.cuda.is_available()
+    fields: dict[str, Any] = dict(
+        device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32",
+        load_format="dummy" if args.model is None else "safetensors", max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len, gpu_memory_gb=args.gpu_memory_gb if cuda else None,
+        prefill_chunk_size=args.prefill_chunk_size,
+    )
+    fields.update(overrides)
+    return EngineConfig(**fields)
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="checkpoint directory (default: 9B shapes, dummy weights)")
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--gpu-memory-gb", type=float, default=24.0)
+    parser.add_argument("--prefill-chunk-size", type=int, default=512)
+
+
+def random_prompts(count: int, length: int, seed: int, vocab: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, min(vocab, 1000)) for _ in range(length)] for _ in range(count)]
+
+
+def sync(engine: LLMEngine) -> None:
+    if engine.config.torch_device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict[str, float]:
+    """Add the batch, step to the end; prefill = until every request has its first token."""
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    sync(engine)
+    start = time.perf_counter()
+    ids = {engine.add_request(p, params) for p in prompts}
+    first: set[str] = set()
+    prefill_s = 0.0
+    step_times: list[float] = []
+    steps_with_prefill = 0
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        t1 = time.perf_counter()
+        if len(first) == len(ids):
+            step_times.append(t1 - t0)
+        else:
+            steps_with_prefill += 1
+        for out in outs:
+            if out.token_ids:
+                first.add(out.request_id)
+        if len(first) == len(ids) and not prefill_s:
+            prefill_s = t1 - start
+    sync(engine)
+    return {
+        "prefill_s": prefill_s,
+        "prefill_tok_per_s": sum(len(p) for p in prompts) / prefill_s,
+        "prefill_steps": steps_with_prefill,
+        "decode_step_ms_p50": 1e3 * statistics.median(step_times) if step_times else 0.0,
+        "decode_steps": len(step_times),
+        "total_s": time.perf_counter() - start,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_engine_flags(parser)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None, help="write the result here")
+    args = parser.parse_args()
+    model_dir = Path(args.model) if args.model else dummy_model_dir()
+    t0 = time.perf_counter()
+    engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=False))
+    load_s = time.perf_counter() - t0
+    prompts = random_prompts(args.batch, args.input_len, 0, engine.model_config.vocab_size)
+    cold = run_batch(engine, prompts, args.output_len)
+    runs = [run_batch(engine, random_prompts(args.batch, args.input_len, i + 1, engine.model_config.vocab_size),
+                      args.output_len) for i in range(args.repeats)]
+    result = {
+        "batch": args.batch, "input_len": args.input_len, "output_len": args.output_len,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "load_s": load_s, "cold": cold,
+        "prefill_s_p50": statistics.median(r["prefill_s"] for r in runs),
+        "prefill_tok_per_s_p50": statistics.median(r["prefill_tok_per_s"] for r in runs),
+        "decode_step_ms_p50": statistics.median(r["decode_step_ms_p50"] for r in runs),
+        "runs": runs,
+    }
+    text = json.dumps(result, indent=2)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
