@@ -10,6 +10,7 @@
 set -uo pipefail
 OUT=${1:-bench/results/gpu/serve_speed}
 mkdir -p "$OUT/serve" "$OUT/engine_trace"
+OUT=$(cd "$OUT" && pwd)
 IN=${IN:-1024} OUTLEN=${OUTLEN:-64} RATE=${RATE:-8} NUM_PROMPTS=${NUM_PROMPTS:-64}
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
 (cd bench && python3 one_batch.py --batch 32 --input-len 256 --output-len 32 --json "$OUT/one_batch-32x256.json") \
