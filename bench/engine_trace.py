@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_prompts
+
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.sampling_params import SamplingParams
 
