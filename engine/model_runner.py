@@ -111,6 +111,7 @@ def place_rows(
             len(rows), max_pages
         ),
         slot_mapping=as_tensor(slot_mapping),
+        context_lens_host=tuple(r.start for r in rows),
         **fields,  # type: ignore[arg-type]
     )
 

@@ -85,6 +85,56 @@ class ConvVarlenOutput:
     boundary_pos: torch.Tensor  # [K] int64, absolute token count at that boundary
 
 
+@dataclass(frozen=True)
+class ConvVarlenMeta:
+    """Host-derived indices of one packed prefill batch for the varlen conv: which windows to gather (the final
+    one of each sequence, then every state_block boundary crossed). A forward builds it once from host lists
+    (`conv_varlen_metadata`) and hands it to every Mamba layer, so the layers launch without host syncs."""
+
+    seq_lens: list[int]  # [S] tokens per sequence
+    boundary_seq: list[int]  # [K] sequence of each boundary window
+    boundary_pos: list[int]  # [K] absolute token count at that boundary
+    boundary_len: list[int]  # [K] tokens of the sequence's chunk before the boundary
+    token_seq: torch.Tensor  # [T] int64 sequence of each packed token
+    gather_seq: torch.Tensor  # [S + K] int32: 0..S-1 then boundary_seq (the windows to gather, in that order)
+    gather_len: torch.Tensor  # [S + K] int32: seq_lens then boundary_len
+    boundary_seq_t: torch.Tensor  # [K] int64
+    boundary_pos_t: torch.Tensor  # [K] int64
+
+
+def conv_varlen_metadata(
+    seq_lens: list[int], starts: list[int] | None, state_block: int | None, device: torch.device
+) -> ConvVarlenMeta:
+    """`ConvVarlenMeta` from host lists: new tokens and absolute start position (None: all 0) per sequence."""
+    if state_block is not None and state_block <= 0:
+        raise ValueError(f"state_block must be positive, got {state_block}")
+    num_seqs = len(seq_lens)
+    starts = [0] * num_seqs if starts is None else starts
+    if len(starts) != num_seqs:
+        raise ValueError(f"start_positions has {len(starts)} entries for {num_seqs} sequences")
+    b_seq: list[int] = []
+    b_pos: list[int] = []
+    b_len: list[int] = []
+    if state_block is not None:
+        for seq in range(num_seqs):
+            first = -(-(starts[seq] + 1) // state_block) * state_block
+            for pos in range(first, starts[seq] + seq_lens[seq] + 1, state_block):
+                b_seq.append(seq)
+                b_pos.append(pos)
+                b_len.append(pos - starts[seq])
+    token_seq = [seq for seq, n in enumerate(seq_lens) for _ in range(n)]
+    k = len(b_seq)
+    int64 = torch.tensor(token_seq + b_seq + b_pos, dtype=torch.int64).to(device, non_blocking=True)
+    int32 = torch.tensor(list(range(num_seqs)) + b_seq + seq_lens + b_len, dtype=torch.int32)
+    int32 = int32.to(device, non_blocking=True)
+    tokens = len(token_seq)
+    return ConvVarlenMeta(
+        seq_lens=list(seq_lens), boundary_seq=b_seq, boundary_pos=b_pos, boundary_len=b_len,
+        token_seq=int64[:tokens], boundary_seq_t=int64[tokens : tokens + k], boundary_pos_t=int64[tokens + k :],
+        gather_seq=int32[: num_seqs + k], gather_len=int32[num_seqs + k :],
+    )
+
+
 def causal_conv1d_varlen_ref(
     x: torch.Tensor,  # [T, D] packed tokens
     weight: torch.Tensor,  # [D, K]
@@ -99,6 +149,7 @@ def causal_conv1d_varlen_ref(
     conv_pool: torch.Tensor | None = None,  # [rows, D, W] any float dtype / strides: windows read and written here
     slots: torch.Tensor | None = None,  # [S] int64 pool row of each sequence (initial window if resumed, final)
     boundary_rows: torch.Tensor | None = None,  # [K] int64 pool row of each boundary window, -1 = don't write
+    meta: ConvVarlenMeta | None = None,  # unused here (the Triton launcher's precomputed indices)
 ) -> ConvVarlenOutput:
     """Prefill conv per sequence (fp32 math). With `conv_pool`, resumed sequences (start_positions > 0) read
     their initial window from conv_pool[slots], and the final / boundary windows are written into the pool

@@ -13,7 +13,13 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.kernels.causal_conv1d import ConvVarlenOutput, check_boundary_rows, check_conv_pool_args
+from hybridserve.kernels.causal_conv1d import (
+    ConvVarlenMeta,
+    ConvVarlenOutput,
+    check_boundary_rows,
+    check_conv_pool_args,
+    conv_varlen_metadata,
+)
 from hybridserve.kernels.triton_utils import check_same_device, next_pow2
 
 
@@ -140,6 +146,7 @@ def causal_conv1d_varlen_triton(
     conv_pool: torch.Tensor | None = None,  # [rows, D, W] any float dtype / strides: windows read and written here
     slots: torch.Tensor | None = None,  # [S] int64 pool row of each sequence (initial window if resumed, final)
     boundary_rows: torch.Tensor | None = None,  # [K] int64 pool row of each boundary window, -1 = don't write
+    meta: ConvVarlenMeta | None = None,  # precomputed indices (no host sync); None: built here from the tensors
 ) -> ConvVarlenOutput:
     """Triton version of `causal_conv1d_varlen_ref`; same outputs (windows in fp32). With conv_pool the kernels
     read and write the pool rows themselves (no gather / scatter copies)."""
@@ -169,62 +176,47 @@ def causal_conv1d_varlen_triton(
         src_rows, gate = slots, start_positions
     else:
         src, src_rows, gate = initial_windows, None, None
-    # which windows to gather: the final one of each sequence, then every state_block boundary crossed
-    b_seq: list[int] = []
-    b_pos: list[int] = []
-    b_len: list[int] = []
-    lens: list[int] = []
-    if state_block is not None or not pooled:
+    if meta is None:  # which windows to gather: the final one of each sequence, then every boundary crossed
         lens = [int(n) for n in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()]
-    if state_block is not None:
-        starts = [0] * num_seqs if start_positions is None else [int(p) for p in start_positions.tolist()]
-        for seq in range(num_seqs):
-            first = -(-(starts[seq] + 1) // state_block) * state_block
-            for pos in range(first, starts[seq] + lens[seq] + 1, state_block):
-                b_seq.append(seq)
-                b_pos.append(pos)
-                b_len.append(pos - starts[seq])
+        starts = None if start_positions is None else [int(p) for p in start_positions.tolist()]
+        meta = conv_varlen_metadata(lens, starts, state_block, dev)
+    if len(meta.seq_lens) != num_seqs or sum(meta.seq_lens) != num_tokens:
+        raise ValueError(f"conv metadata describes {len(meta.seq_lens)} sequences / {sum(meta.seq_lens)} tokens, "
+                         f"the batch has {num_seqs} / {num_tokens}")
+    num_boundaries = len(meta.boundary_seq)
     if pooled:
-        check_boundary_rows(boundary_rows, len(b_seq))
+        check_boundary_rows(boundary_rows, num_boundaries)
     y = torch.empty(num_tokens, channels, dtype=x.dtype, device=dev)
     block_d = min(256, next_pow2(channels))
     if num_tokens:
-        token_seq = torch.searchsorted(cu_seqlens[1:], torch.arange(num_tokens, device=dev), right=True)
         block_t = 8
         _conv_varlen_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_d))](
             x, weight, bias if bias is not None else weight, src if src is not None else y,
             src_rows if src_rows is not None else cu_seqlens, gate if gate is not None else cu_seqlens, y,
-            cu_seqlens, token_seq, num_tokens, channels, width, *x.stride(),
+            cu_seqlens, meta.token_seq, num_tokens, channels, width, *x.stride(),
             *(src.stride() if src is not None else (0, 0, 0)), *weight.stride(), *y.stride(),
             K=kernel, BLOCK_T=block_t, BLOCK_D=block_d, HAS_BIAS=bias is not None, HAS_INIT=src is not None,
             HAS_ROWS=src_rows is not None, GATED=gate is not None, SILU=activation is not None, num_warps=4,
         )
-    b_seq_t = torch.tensor(b_seq, dtype=torch.int64, device=dev)
-    b_pos_t = torch.tensor(b_pos, dtype=torch.int64, device=dev)
-
-    def _idx(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32).to(dev)
-
     if conv_pool is not None:
         # boundaries first: they may read a sequence's initial window from the slot row its final window overwrites
-        if boundary_rows is not None and b_seq:
-            _launch_gather(x, src, src_rows, gate, conv_pool, boundary_rows, cu_seqlens, _idx(b_seq),
-                           _idx(b_len), width, in_place=False)
-        _launch_gather(x, src, src_rows, gate, conv_pool, slots, cu_seqlens,
-                       torch.arange(num_seqs, dtype=torch.int32, device=dev), cu_seqlens[1:] - cu_seqlens[:-1],
-                       width, in_place=True)
+        if boundary_rows is not None and num_boundaries:
+            _launch_gather(x, src, src_rows, gate, conv_pool, boundary_rows, cu_seqlens,
+                           meta.gather_seq[num_seqs:], meta.gather_len[num_seqs:], width, in_place=False)
+        _launch_gather(x, src, src_rows, gate, conv_pool, slots, cu_seqlens, meta.gather_seq[:num_seqs],
+                       meta.gather_len[:num_seqs], width, in_place=True)
         empty = torch.empty(0, channels, width, dtype=torch.float32, device=dev)
-        return ConvVarlenOutput(y=y, final_windows=empty, boundary_windows=empty, boundary_seq=b_seq_t,
-                                boundary_pos=b_pos_t)
-    windows = torch.empty(num_seqs + len(b_seq), channels, width, dtype=torch.float32, device=dev)
-    _launch_gather(x, src, None, None, windows, None, cu_seqlens, _idx(list(range(num_seqs)) + b_seq),
-                   _idx(lens + b_len), width, in_place=False)
+        return ConvVarlenOutput(y=y, final_windows=empty, boundary_windows=empty, boundary_seq=meta.boundary_seq_t,
+                                boundary_pos=meta.boundary_pos_t)
+    windows = torch.empty(num_seqs + num_boundaries, channels, width, dtype=torch.float32, device=dev)
+    _launch_gather(x, src, None, None, windows, None, cu_seqlens, meta.gather_seq, meta.gather_len, width,
+                   in_place=False)
     return ConvVarlenOutput(
         y=y,
         final_windows=windows[:num_seqs],
         boundary_windows=windows[num_seqs:],
-        boundary_seq=b_seq_t,
-        boundary_pos=b_pos_t,
+        boundary_seq=meta.boundary_seq_t,
+        boundary_pos=meta.boundary_pos_t,
     )
 
 

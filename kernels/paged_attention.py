@@ -7,7 +7,34 @@ kv_len tokens in total sits at absolute position kv_len - q_len + i and sees key
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
+
+PREFILL_BLOCK_M = 64  # query rows per program of the Triton prefill kernel
+DECODE_MAX_QUERY = 16  # sequences with at most this many new tokens take the decode / verify kernel
+
+
+@dataclass(frozen=True)
+class QueryBlocks:
+    """The prefill kernel's work list: one (sequence, first query row) per block of PREFILL_BLOCK_M queries.
+    A forward builds it once from the host's query lengths (`query_blocks`) for all its attention layers."""
+
+    query_lens: tuple[int, ...]  # [S] new tokens per sequence (what it was built from)
+    seq: torch.Tensor  # [num_blocks] int32
+    row: torch.Tensor  # [num_blocks] int32
+
+
+def query_blocks(query_lens: Sequence[int], device: torch.device) -> QueryBlocks:
+    """`QueryBlocks` for these per-sequence query lengths (one host -> device copy, no sync)."""
+    seqs, rows = [], []
+    for seq, length in enumerate(query_lens):
+        for row in range(0, length, PREFILL_BLOCK_M):
+            seqs.append(seq)
+            rows.append(row)
+    packed = torch.tensor(seqs + rows, dtype=torch.int32).to(device, non_blocking=True)
+    return QueryBlocks(tuple(query_lens), packed[: len(seqs)], packed[len(seqs) :])
 
 
 def write_kv_pages(
@@ -46,6 +73,7 @@ def paged_attention_ref(
     max_query_len: int | None = None,  # launch hint for the Triton kernel; the reference needs none
     kv_start: int = 0,  # keys before this position are masked (the MTP drafter's slot 0); a query that
     # sees no key at all gets zeros
+    blocks: QueryBlocks | None = None,  # the Triton prefill kernel's work list; the reference needs none
 ) -> torch.Tensor:
     """Reference attention in fp32; returns [N, Hq, Dh] in q's dtype."""
     num_q_heads = q.shape[1]

@@ -18,9 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.paged_attention import DECODE_MAX_QUERY, PREFILL_BLOCK_M, QueryBlocks, query_blocks
 from hybridserve.kernels.triton_utils import check_same_device, interpreting, next_pow2
 
-DECODE_MAX_QUERY = 16  # sequences with at most this many new tokens take the decode / verify path
 MIN_SPLIT_KEYS = 128  # a KV split covers at least this many keys (shorter splits cost more than they save)
 MAX_SPLITS = 64
 _INTERPRETER_SMS = 4  # SM count assumed under the interpreter / off CUDA (keeps split choice deterministic)
@@ -255,6 +255,7 @@ def paged_attention_triton(
     scale: float,
     max_query_len: int | None = None,  # host-known bound on new tokens per sequence; <= 16 skips a host sync
     kv_start: int = 0,  # keys before this position are masked
+    blocks: QueryBlocks | None = None,  # the prefill work list (from the host's query lengths: no sync)
 ) -> torch.Tensor:
     """Triton version of `paged_attention_ref`; returns [N, Hq, Dh] in q's dtype.
 
@@ -265,24 +266,22 @@ def paged_attention_triton(
     if num_q_heads % num_kv_heads != 0:
         raise ValueError(f"query heads {num_q_heads} must be a multiple of kv heads {num_kv_heads}")
     check_same_device(q, k_pages, v_pages, cu_seqlens_q, kv_lens, block_tables)
-    bounds: list[int] | None = None
-    if max_query_len is None or max_query_len > DECODE_MAX_QUERY:
-        bounds = cu_seqlens_q.tolist()  # host sync: prefill only
-        max_query_len = max((bounds[i + 1] - bounds[i] for i in range(len(bounds) - 1)), default=0)
+    if blocks is not None:
+        max_query_len = max(blocks.query_lens, default=0)
+    elif max_query_len is None or max_query_len > DECODE_MAX_QUERY:
+        lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()  # host sync: prefill without a work list only
+        max_query_len = max(lens, default=0)
+        if max_query_len > DECODE_MAX_QUERY:
+            blocks = query_blocks(lens, q.device)
     if max_query_len <= DECODE_MAX_QUERY:
         return paged_decode_attention_triton(q, k_pages, v_pages, cu_seqlens_q, kv_lens, block_tables, scale,
                                              max_query_len, kv_start)
+    assert blocks is not None  # built above for every prefill batch
     out = torch.empty_like(q)
-    block_m = 64
-    block_seq, block_row = [], []
-    for seq in range(len(bounds) - 1):
-        for row in range(0, bounds[seq + 1] - bounds[seq], block_m):
-            block_seq.append(seq)
-            block_row.append(row)
-    if not block_seq or q.shape[0] == 0:
+    block_m = PREFILL_BLOCK_M
+    if blocks.seq.numel() == 0 or q.shape[0] == 0:
         return out
-    block_seq_t = torch.tensor(block_seq, dtype=torch.int32).to(q.device)
-    block_row_t = torch.tensor(block_row, dtype=torch.int32).to(q.device)
+    block_seq_t, block_row_t = blocks.seq, blocks.row
     _paged_attention_kernel[(block_seq_t.numel(), num_q_heads)](
         q, k_pages, v_pages, out, cu_seqlens_q, kv_lens, block_tables, block_seq_t, block_row_t,
         scale, k_pages.shape[1], num_q_heads // num_kv_heads, head_dim, kv_start,

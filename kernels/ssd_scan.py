@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hybridserve.kernels.ssd_scan_meta import ChunkMeta
+
 DtLimit = tuple[float, float]
 NO_DT_LIMIT: DtLimit = (0.0, math.inf)
 
@@ -113,6 +115,7 @@ def ssd_scan_varlen_ref(
     state_pool: torch.Tensor | None = None,  # [rows, H, P, N] read/write states here (see `check_pool_args`)
     slots: torch.Tensor | None = None,  # [S] pool row of each sequence
     checkpoint_rows: torch.Tensor | None = None,  # [K] pool row of each kept state, -1 = not written
+    meta: ChunkMeta | None = None,  # unused here (the Triton scan's precomputed chunk metadata)
 ) -> SSDScanOutput:
     """Reference varlen SSD scan with chunk-aligned intermediate states (fp32 math).
 

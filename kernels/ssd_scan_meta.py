@@ -2,8 +2,8 @@
 owns it and whether its end state is kept (an absolute multiple of state_block); and the *segments* (runs of
 up to `segment_chunks` chunks of one sequence) the state walk runs in parallel before a short pass joins them.
 
-Built on the host from cu_seqlens / start_positions (one sync); callers that launch many layers with the
-same batch build it once and pass it to every scan.
+Built on the host from cu_seqlens / start_positions; callers that launch many layers with the same batch build
+it once (from host lists: no sync) and pass it to every scan.
 """
 
 from __future__ import annotations
@@ -47,8 +47,24 @@ def chunk_metadata(
     device: torch.device,
     segment_chunks: int = 0,
 ) -> ChunkMeta:
+    """`chunk_metadata_from_lists` from device tensors (reads them back: one host sync per tensor)."""
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    num_seqs = len(bounds) - 1
+    starts = [0] * num_seqs if start_positions is None else [int(p) for p in start_positions.tolist()]
+    return chunk_metadata_from_lists(bounds, starts, chunk_size, state_block, device, segment_chunks)
+
+
+def chunk_metadata_from_lists(
+    bounds: list[int],  # [S + 1] cu_seqlens on the host
+    starts: list[int],  # [S] absolute position of each sequence's first token
+    chunk_size: int,
+    state_block: int | None,
+    device: torch.device,
+    segment_chunks: int = 0,
+) -> ChunkMeta:
     """Split every sequence at absolute multiples of chunk_size; keep ends at multiples of state_block; group
-    each sequence's chunks into segments of segment_chunks."""
+    each sequence's chunks into segments of segment_chunks. No host sync: the index arrays travel to the device
+    in one copy (a forward builds this once and hands it to every Mamba layer)."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     segment_chunks = segment_chunks or WHOLE_SEQUENCE
@@ -57,9 +73,7 @@ def chunk_metadata(
     keep_every = chunk_size if state_block is None else state_block
     if keep_every % chunk_size != 0:
         raise ValueError(f"state_block ({state_block}) must be a multiple of chunk_size ({chunk_size})")
-    bounds = [int(b) for b in cu_seqlens.tolist()]
     num_seqs = len(bounds) - 1
-    starts = [0] * num_seqs if start_positions is None else [int(p) for p in start_positions.tolist()]
     if len(starts) != num_seqs:
         raise ValueError(f"start_positions has {len(starts)} entries for {num_seqs} sequences")
     chunk_start: list[int] = []
@@ -96,24 +110,27 @@ def chunk_metadata(
             seg_first.append(int(is_first))
         seq_seg_ptr.append(len(seg_seq))
 
-    def i32(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values if values else [0], dtype=torch.int32).to(device, non_blocking=True)
-
+    int32_fields = {
+        "chunk_start": chunk_start, "chunk_len": chunk_len, "seq_chunk_ptr": seq_ptr, "keep_idx": keep_idx,
+        "seg_chunk_ptr": seg_ptr, "seg_seq": seg_seq, "seg_first": seg_first, "seq_seg_ptr": seq_seg_ptr,
+        "chunk_seg": chunk_seg,
+    }
+    # one host -> device copy for all of them (an empty list still gets one element: kernels take a pointer)
+    sizes = [max(len(v), 1) for v in int32_fields.values()]
+    packed: list[int] = []
+    for values, size in zip(int32_fields.values(), sizes):
+        packed.extend(values if values else [0])
+    int64_packed = torch.tensor(kept_seq + kept_pos, dtype=torch.int64)
+    on_device = torch.tensor(packed, dtype=torch.int32).to(device, non_blocking=True).split(sizes)
+    int64_on_device = int64_packed.to(device, non_blocking=True).split([len(kept_seq), len(kept_pos)])
+    tensors = dict(zip(int32_fields, on_device))
     return ChunkMeta(
         num_seqs=num_seqs,
         num_chunks=len(chunk_start),
         num_kept=len(kept_seq),
-        chunk_start=i32(chunk_start),
-        chunk_len=i32(chunk_len),
-        seq_chunk_ptr=i32(seq_ptr),
-        keep_idx=i32(keep_idx),
-        kept_seq=torch.tensor(kept_seq, dtype=torch.int64).to(device),
-        kept_pos=torch.tensor(kept_pos, dtype=torch.int64).to(device),
+        kept_seq=int64_on_device[0],
+        kept_pos=int64_on_device[1],
         num_segments=len(seg_seq),
         segment_chunks=segment_chunks,
-        seg_chunk_ptr=i32(seg_ptr),
-        seg_seq=i32(seg_seq),
-        seg_first=i32(seg_first),
-        seq_seg_ptr=i32(seq_seg_ptr),
-        chunk_seg=i32(chunk_seg),
+        **tensors,
     )

@@ -39,6 +39,6 @@ class Attention(nn.Module):
         ops.write_kv(k, v, k_pages, v_pages, batch.slot_mapping)
         out = ops.paged_attention(
             q, k_pages, v_pages, batch.cu_seqlens, batch.kv_lens, batch.block_tables, self.scale,
-            max_query_len=max(batch.query_lens, default=0), kv_start=self.kv_start,
+            max_query_len=max(batch.query_lens, default=0), kv_start=self.kv_start, blocks=batch.attention_blocks(),
         )
         return self.o_proj(out.reshape(tokens, -1))

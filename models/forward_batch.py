@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridserve.kernels.causal_conv1d import ConvVarlenMeta, conv_varlen_metadata
+from hybridserve.kernels.paged_attention import DECODE_MAX_QUERY, QueryBlocks, query_blocks
+from hybridserve.kernels.ssd_scan_meta import ChunkMeta, chunk_metadata_from_lists
+
 
 @dataclass(frozen=True)
 class ForwardBatch:
@@ -35,6 +39,10 @@ class ForwardBatch:
     spec_rollback: str | None = None
     num_replay: torch.Tensor | None = None  # [num_decode] int32
     intermediate_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    # host copy of context_lens: the kernels' per-batch index lists are built from it without a device sync
+    context_lens_host: tuple[int, ...] | None = None
+    # per-batch metadata shared by every layer of the forward, built on first use (see the methods below)
+    _derived: dict[tuple, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -48,3 +56,41 @@ class ForwardBatch:
         """Offsets of the prefill sequences' tokens, starting at 0: [S - num_decode + 1]."""
         cu = self.cu_seqlens[self.num_decode :]
         return cu - cu[0]
+
+    # ---- metadata every layer of one forward shares: built once, on the first layer that needs it ----------
+    def _prefill_starts(self) -> list[int]:
+        if self.context_lens_host is not None:
+            return list(self.context_lens_host[self.num_decode :])
+        return [int(n) for n in self.context_lens[self.num_decode :].tolist()]  # one sync, then memoized
+
+    def prefill_chunk_meta(self, chunk_size: int, state_block: int | None) -> ChunkMeta:
+        """The SSD scan's logical chunks of the prefill sequences."""
+        key = ("chunks", chunk_size, state_block)
+        if key not in self._derived:
+            lens = self.query_lens[self.num_decode :]
+            bounds = [0]
+            for n in lens:
+                bounds.append(bounds[-1] + n)
+            self._derived[key] = chunk_metadata_from_lists(
+                bounds, self._prefill_starts(), chunk_size, state_block, self.cu_seqlens.device
+            )
+        return self._derived[key]  # type: ignore[return-value]
+
+    def prefill_conv_meta(self, state_block: int | None) -> ConvVarlenMeta:
+        """The varlen conv's token / window indices of the prefill sequences."""
+        key = ("conv", state_block)
+        if key not in self._derived:
+            self._derived[key] = conv_varlen_metadata(
+                list(self.query_lens[self.num_decode :]), self._prefill_starts(), state_block, self.cu_seqlens.device
+            )
+        return self._derived[key]  # type: ignore[return-value]
+
+    def attention_blocks(self) -> QueryBlocks | None:
+        """The prefill attention kernel's work list; None when every sequence takes the decode kernel (so a
+        decode step, which CUDA graphs capture, never copies anything from the host)."""
+        if max(self.query_lens, default=0) <= DECODE_MAX_QUERY:
+            return None
+        key = ("attention",)
+        if key not in self._derived:
+            self._derived[key] = query_blocks(self.query_lens, self.cu_seqlens.device)
+        return self._derived[key]  # type: ignore[return-value]

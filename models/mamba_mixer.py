@@ -77,7 +77,7 @@ class Mamba2Mixer(nn.Module):
             conv = ops.causal_conv1d_varlen(  # windows read from / written to the conv pool by the kernel
                 xBC, conv_weight, self.conv1d.bias, batch.prefill_cu_seqlens(),
                 start_positions=starts, state_block=block, conv_pool=conv_pool, slots=slots,
-                boundary_rows=boundary_rows,
+                boundary_rows=boundary_rows, meta=batch.prefill_conv_meta(block),
             )
             conv_out = conv.y
             tokens = conv_out.shape[0]
@@ -98,6 +98,7 @@ class Mamba2Mixer(nn.Module):
                 state_pool=ssm_pool,  # resumed rows start from their slot; final and kept states go to the pool
                 slots=slots,
                 checkpoint_rows=boundary_rows,
+                meta=batch.prefill_chunk_meta(cfg.chunk_size, block),
             )
             y[nd * batch.decode_len :] = scan.y
         normed = ops.gated_rmsnorm(
