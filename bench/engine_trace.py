@@ -198,15 +198,27 @@ def main() -> None:
     compiles = CompileCounter()
     result: dict[str, Any] = {"args": vars(args)}
     for caching in args.caching.split(","):
+        before = compiles.count
+        t0 = time.perf_counter()
         with engine_for(args, model_dir, enable_prefix_caching=caching == "on") as engine:
+            report = engine.warmup_report
+            result[f"cache_{caching}_startup"] = {
+                "engine_init_s": round(time.perf_counter() - t0, 2), "compiles": compiles.count - before,
+                "warmup_s": round(report.seconds, 2) if report is not None else None,
+                "warmup_steps": report.num_steps if report is not None else None,
+            }
             timers = Timers()
             instrument(engine, timers)
             vocab = engine.model_config.vocab_size
-            for phase, seed in (("cold", 100), ("warm", 200)):
-                prompts = random_prompts(args.num_prompts, args.input_len, seed, vocab)
-                profile = range(40, 60) if phase == "warm" else None
+            # cold: the first traffic after ready; warm: the same workload again; profile: a short third pass
+            # under torch.profiler (kept apart: the profiler slows the steps it records)
+            for phase, seed in (("cold", 100), ("warm", 200), ("profile", 300)):
+                prompts = random_prompts(args.num_prompts if phase != "profile" else 24, args.input_len, seed, vocab)
+                profile = range(5, 25) if phase == "profile" else None
                 run = replay(engine, prompts, args.output_len, args.rate, timers, compiles, profile,
                              out / f"profile_cache_{caching}.txt")
+                if phase == "profile":
+                    continue
                 result[f"cache_{caching}_{phase}"] = run
                 summary = {k: v for k, v in run.items() if k != "step_log"}
                 print(f"cache {caching} {phase}: {json.dumps(summary)}", flush=True)

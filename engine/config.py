@@ -42,6 +42,12 @@ class EngineConfig:
     # {"method": "mtp" | "ngram", "num_speculative_tokens": K, "rollback": "intermediate" | "replay"}
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     load_format: str = "safetensors"  # "dummy": random weights from config.json alone (benchmarks)
+    # compile / autotune every kernel before serving (engine/warmup.py); None: on for CUDA, off on CPU (where
+    # the kernels are torch references and nothing compiles)
+    warmup: bool | None = None
+    # tokens one step may compute: decode rows (1 + drafts each) first, then prefill chunks (at most
+    # prefill_chunk_size of them); None: prefill_chunk_size on top of the decode rows
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -61,6 +67,17 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if self.warmup is not None and not isinstance(self.warmup, bool):
+            raise ValueError(f"warmup must be a bool or None (on for CUDA), got {self.warmup!r}")
+        budget = self.max_num_batched_tokens
+        if budget is not None:
+            spec = self.speculative
+            row = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < self.max_num_seqs * row + 1:
+                raise ValueError(
+                    f"max_num_batched_tokens must be an integer above max_num_seqs x tokens per decode row "
+                    f"({self.max_num_seqs} x {row}), so a full decode batch leaves room for prefill; got {budget!r}"
+                )
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         for name in ("state_block", "num_kv_pages"):
@@ -95,6 +112,11 @@ class EngineConfig:
         if page_size is not None and self.state_block % page_size:
             raise ValueError(f"state_block={self.state_block} must be a multiple of page_size={page_size}")
         return self.state_block
+
+    @property
+    def warmup_enabled(self) -> bool:
+        """Whether the engine warms its kernels up at start (the `warmup` default: on CUDA only)."""
+        return self.warmup if self.warmup is not None else self.torch_device.type == "cuda"
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -20,6 +20,7 @@ from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.engine.spec_memory import spec_working_bytes, write_checkpoint_hidden
+from hybridserve.engine.warmup import WarmupReport, warm_up
 from hybridserve.models.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
 from hybridserve.models.tokenizer import load_tokenizer
 from hybridserve.models.weights import dummy_model, load_model
@@ -87,7 +88,8 @@ class LLMEngine:
         )
         self.cache = StateCache(self.model_config, layout, config.torch_dtype, ssm_dtype, device)
         self.pool = StatePool(self.cache, self.state_block, config.enable_prefix_caching, config.max_cache_events)
-        self.scheduler = Scheduler(self.pool, config.prefill_chunk_size, layout.num_slots, lookahead)
+        self.scheduler = Scheduler(self.pool, config.prefill_chunk_size, layout.num_slots, lookahead,
+                                   config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, config.page_size, device, self.state_block)
         self.spec: SpecDecoder | None = None
         if spec is not None:
@@ -106,6 +108,7 @@ class LLMEngine:
         self._counter = itertools.count()
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
+        self.warmup_report: WarmupReport | None = warm_up(self) if config.warmup_enabled else None
 
     # ---- requests -------------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int]) -> list[int]:
@@ -308,7 +311,10 @@ class LLMEngine:
         return None
 
     def _output(self, request: Request) -> RequestOutput:
-        text = self.tokenizer.decode(request.output_token_ids) if self.tokenizer is not None else None
+        """The request's state after a step. Text only once it finished (one decode, for `LLM.generate`): streams
+        take the ids and detokenize incrementally where the text is needed (the router), not on this loop."""
+        finished = request.status is RequestStatus.FINISHED
+        text = self.tokenizer.decode(request.output_token_ids) if self.tokenizer is not None and finished else None
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -316,7 +322,7 @@ class LLMEngine:
             text=text,
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens,
-            finished=request.status is RequestStatus.FINISHED,
+            finished=finished,
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
         )

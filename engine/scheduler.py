@@ -2,7 +2,8 @@
 
 Each step: every running request in the decode phase gets one token (oldest first; when KV pages run out
 the newest running request is preempted and recomputed later), then prefill chunks share a budget of
-`prefill_chunk_size` tokens: running prefills continue first, then waiting requests are admitted FCFS while
+`prefill_chunk_size` tokens (less when `max_num_batched_tokens` caps the whole step, decode rows included):
+running prefills continue first, then waiting requests are admitted FCFS while
 a state slot and pages are free. An admitted request starts after its longest cached prefix (a checkpoint
 copied into its own slot), so cached tokens cost no budget. A request that cannot fit now waits; one that
 can never fit is refused when it is added.
@@ -40,8 +41,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, pool: StatePool, prefill_chunk_size: int, max_num_seqs: int, decode_lookahead: int = 0) -> None:
+    def __init__(
+        self, pool: StatePool, prefill_chunk_size: int, max_num_seqs: int, decode_lookahead: int = 0,
+        max_num_batched_tokens: int | None = None,
+    ) -> None:
         self.pool = pool
+        self.max_num_batched_tokens = max_num_batched_tokens  # None: no cap beyond the prefill budget
         self.decode_lookahead = decode_lookahead  # speculative decoding: pages for K draft positions per step
         self.prefill_chunk_size = prefill_chunk_size
         self.max_num_seqs = max_num_seqs
@@ -70,7 +75,7 @@ class Scheduler:
                 if self._make_room(request, request.num_tokens + self.decode_lookahead):
                     decodes.append(request)
         prefills: list[ScheduledChunk] = []
-        budget = self.prefill_chunk_size
+        budget = self.prefill_budget(len(decodes))
         for request in self.running:
             if budget == 0:
                 break
@@ -97,6 +102,13 @@ class Scheduler:
             prefills.append(ScheduledChunk(request, count))
             budget -= count
         return SchedulerOutput(decodes=decodes, prefills=prefills)
+
+    def prefill_budget(self, num_decodes: int) -> int:
+        """Prefill tokens a step may add beside `num_decodes` decode rows (each computes 1 + lookahead tokens)."""
+        budget = self.prefill_chunk_size
+        if self.max_num_batched_tokens is not None:
+            budget = min(budget, self.max_num_batched_tokens - num_decodes * (1 + self.decode_lookahead))
+        return max(budget, 0)
 
     def _make_room(self, request: Request, num_tokens: int) -> bool:
         """Reserve pages, preempting newer running requests; False if `request` itself was preempted."""

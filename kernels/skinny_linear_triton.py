@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.kernels.triton_utils import interpreting
+from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting
 
 MAX_ROWS = 16  # rows of x this kernel takes (one tl.dot tile); more rows go to cuBLAS
 
@@ -27,7 +27,7 @@ def _configs() -> list[triton.Config]:
             if n * k <= 16384]
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "HAS_BIAS"])
+@triton.autotune(configs=_configs(), key=["N", "K", "HAS_BIAS"], cache_results=PERSIST_AUTOTUNE)
 @triton.jit
 def _skinny_linear_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, x_m, w_n, y_m,

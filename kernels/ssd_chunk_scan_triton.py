@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.ssd_chunk_state_triton import segment_start_term
-from hybridserve.kernels.triton_utils import interpreting
+from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting
 
 
 def _scan_configs() -> list[triton.Config]:
@@ -43,7 +43,8 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
 
 
 @triton.autotune(configs=_scan_configs(), key=["P", "N", "CHUNK", "heads_per_group", "HAS_SEGMENTS"],
-                 prune_configs_by={"early_config_prune": _prune})
+                 prune_configs_by={"early_config_prune": _prune},
+                 cache_results=PERSIST_AUTOTUNE)
 @triton.jit
 def chunk_scan_kernel(
     x_ptr, dtc_ptr, cum_ptr, B_ptr, C_ptr, D_ptr, states_ptr, corr_ptr, seg_decay_ptr, chunk_seg_ptr, y_ptr,

@@ -12,6 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
+# autotuned kernels store their timings in Triton's cache directory (TRITON_CACHE_DIR, default ~/.triton/cache)
+# next to the compiled kernels, so a worker restarted on the same machine neither compiles nor autotunes again
+# (the interpreter benchmarks nothing: nothing to keep)
+PERSIST_AUTOTUNE = os.environ.get("TRITON_INTERPRET", "0") != "1"
+
 
 def interpreting() -> bool:
     """True when kernels run in Triton's CPU interpreter (tests): launch one small config, no autotune."""

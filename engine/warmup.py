@@ -1,0 +1,113 @@
+"""Warm-up before a worker reports ready: synthetic requests run through the real engine loop so every Triton
+kernel is compiled (and autotuned) for the launch families serving will hit, instead of the first user
+requests stalling for seconds on it.
+
+Triton specializes a launch on its integer arguments (== 1, divisible by 16, other) and on its constexprs;
+the autotuned kernels key on model shapes only. So the plan varies what changes between steps: one and many
+sequences, token counts of 1 / multiples of 16 / others, fresh and resumed (cache hit) prefills, prefill
+chunks with and without decode rows beside them, checkpoint writes, greedy and random sampling. Decode steps
+of every batch bucket were already compiled when the CUDA graphs were captured. Compiled kernels and
+autotune timings persist in Triton's cache directory (TRITON_CACHE_DIR), so a restart on the same machine
+skips the compiling. Afterwards the engine is as it was: no requests, no cached prefixes, no pending events.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from hybridserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the engine imports this module
+    from hybridserve.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+MAX_WARMUP_TOKENS = 3  # generated per request: a prefill step, then mixed and decode-only steps
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    """What the warm-up ran (logged at start-up, and read by tests)."""
+
+    num_requests: int
+    num_steps: int
+    prompt_lens: tuple[int, ...]
+    seconds: float
+    skipped: tuple[int, ...] = ()  # prompt lengths the pool or max_model_len could not take
+
+
+def warmup_rounds(engine: LLMEngine) -> list[list[int]]:
+    """Prompt lengths per round; a round's requests are added together and run to completion.
+
+    1. many sequences at once, of lengths 1, 16, 17, ... up to two prefill chunks and a checkpoint boundary:
+       a packed multi-sequence prefill, then steps mixing prefill chunks with decode rows;
+    2. the longest prompt again with a new tail (prefix caching: a resumed prefill from a checkpoint);
+    3. single sequences (the one-sequence launches) of a short and an odd length."""
+    config = engine.config
+    limit = engine.max_model_len - MAX_WARMUP_TOKENS - engine.lookahead - 1
+    chunk = engine.model_config.mamba.chunk_size if engine.model_config.mamba is not None else 16
+    wanted = [1, 16, 17, chunk + 1, config.prefill_chunk_size + 3, engine.state_block + chunk + 5]
+    many = sorted({max(1, min(n, limit)) for n in wanted})
+    rounds = [many]
+    if config.enable_prefix_caching and many[-1] > engine.state_block:
+        rounds.append([-many[-1]])  # negative: the longest prompt of round 1 with a different tail
+    rounds.append([min(33, limit)])
+    rounds.append([1])
+    return rounds
+
+
+def warm_up(engine: LLMEngine, show_progress: bool = True) -> WarmupReport:
+    """Run the warm-up rounds through `engine` and leave it clean; returns what ran."""
+    start = time.perf_counter()
+    vocab = engine.model_config.vocab_size
+    eos = set(engine.model_config.eos_token_ids)
+    generator = torch.Generator().manual_seed(1234)
+
+    def prompt(length: int) -> list[int]:
+        ids = torch.randint(0, vocab, (length,), generator=generator).tolist()
+        return [t if t not in eos else (t + 1) % vocab for t in ids]
+
+    rounds = warmup_rounds(engine)
+    longest: list[int] = []
+    lens: list[int] = []
+    skipped: list[int] = []
+    steps = 0
+    total = sum(len(r) for r in rounds)
+    with tqdm(total=total, desc="warm-up", unit="req", disable=not show_progress) as bar:
+        for round_index, lengths in enumerate(rounds):
+            ids = []
+            for index, length in enumerate(lengths):
+                tokens = longest[:-3] + prompt(3) if length < 0 else prompt(length)
+                if length > 0 and length == max(lengths):
+                    longest = tokens
+                # greedy and random sampling both run (the sampler's two paths)
+                params = SamplingParams(max_tokens=MAX_WARMUP_TOKENS, ignore_eos=True, seed=index,
+                                        temperature=0.0 if index % 2 else 0.8, top_p=1.0 if index % 2 else 0.9)
+                try:
+                    ids.append(engine.add_request(tokens, params, request_id=f"warmup-{round_index}-{index}"))
+                    lens.append(len(tokens))
+                except ValueError as exc:  # too long for this pool: serving will refuse it too
+                    logger.debug("warm-up skips a %d-token prompt: %s", len(tokens), exc)
+                    skipped.append(len(tokens))
+                    bar.update(1)
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        bar.update(1)
+                steps += 1
+    engine.reset_prefix_cache()
+    engine.drain_cache_events()
+    if engine.config.torch_device.type == "cuda":
+        torch.cuda.synchronize()
+    report = WarmupReport(len(lens), steps, tuple(lens), time.perf_counter() - start, tuple(skipped))
+    logger.info("warm-up: %d requests (prompt lengths %s), %d steps in %.1f s; Triton cache %s",
+                report.num_requests, sorted(set(lens)), steps, report.seconds,
+                os.environ.get("TRITON_CACHE_DIR", "~/.triton/cache (default)"))
+    return report
