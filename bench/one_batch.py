@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None, help="write the result here")
+    parser.add_argument("--profile", default=None, help="also profile one more batch (torch.profiler table here)")
     args = parser.parse_args()
     model_dir = Path(args.model) if args.model else dummy_model_dir()
     t0 = time.perf_counter()
@@ -125,6 +126,17 @@ def main() -> None:
         "decode_step_ms_p50": statistics.median(r["decode_step_ms_p50"] for r in runs),
         "runs": runs,
     }
+    if args.profile:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            run_batch(engine, random_prompts(args.batch, args.input_len, 99, engine.model_config.vocab_size),
+                      args.output_len)
+        table = prof.key_averages()
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        Path(args.profile).write_text(table.table(sort_by=sort, row_limit=40) + "\n\n"
+                                      + table.table(sort_by="cpu_time_total", row_limit=40))
     text = json.dumps(result, indent=2)
     if args.json:
         Path(args.json).write_text(text + "\n")

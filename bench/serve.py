@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send this many sessions of the workload (fresh token ids) at once before measuring, so "
                         "kernel compilation and first-use costs stay out of the results")
     a.add_argument("--seed", type=int, default=0, help="workload and arrival seed")
+    a.add_argument("--id-seed", type=int, default=None,
+                   help="token-id seed (default: the run's index in the sweep): two runs with one --seed and "
+                        "different --id-seed have the same lengths and arrivals but prompts no cache shares")
     r = p.add_argument_group("requests")
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
@@ -185,7 +188,7 @@ async def run_one(args: argparse.Namespace, wcfg: WorkloadConfig, info: dict, ra
     """Run `index` of a sweep, at `rate`: the result dict (config, metrics, counter deltas, per-request records).
 
     Each run of a sweep draws fresh token ids (same lengths), so no run finds an earlier one's prompts cached."""
-    wcfg = replace(wcfg, id_seed=index)
+    wcfg = replace(wcfg, id_seed=index if args.id_seed is None else args.id_seed + index)
     sessions = build_workload(wcfg)
     offsets = arrival_offsets(len(sessions), rate, args.arrival, args.seed)
     ccfg = _client_config(args, info, wcfg)

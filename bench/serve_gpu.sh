@@ -17,7 +17,8 @@
 # each, after a warm-up pass of 32 all-at-once requests per workload (WARM_PASS=0 skips it: then the first
 # measured rates pay Triton's compile and autotune of new step shapes) and 4 warm-up requests.
 # WORKLOADS="512:128 2048:256" and RATES="4,8,16,inf" override. PASSES="cold warm" runs the measured workloads
-# twice per server with fresh prompts (no warm-up pass: the cold pass is the first traffic after ready);
+# twice per server with fresh prompts of one arrival pattern (no warm-up pass: the cold pass is the first
+# traffic after ready; PROBE=1 adds one request right after ready and one after the passes);
 # the results are named <deployment>-<in>-<out>-<pass>.
 # bench/serve_table.py OUT then prints and writes the comparison table (OUT/table.md).
 set -euo pipefail
@@ -75,18 +76,32 @@ run() {
           --result-dir "$(mktemp -d)" > /dev/null 2>&1 || true
       done
     fi
-    local seed=0
+    # every pass replays one arrival pattern and one set of lengths (--seed 1) with its own token ids
+    # (--id-seed), so passes compare like for like and none finds another's prompts cached; PROBE=1 adds a
+    # single request right after ready ("first") and one of the same length after the passes ("last")
+    local index=0
+    probe() {
+      for w in $WORKLOADS; do
+        python3 bench/serve.py --base-url http://127.0.0.1:8000 --workload random --input-len "${w%%:*}" \
+          --output-len "${w##*:}" --num-prompts 1 --request-rate inf --token-range 3,1000 --seed 1 \
+          --id-seed "$2" --warmup 0 --no-plots --no-scrape --result-dir "$OUT" \
+          --result-name "$name-${w%%:*}-${w##*:}-$1" > /dev/null 2>&1 || true
+      done
+    }
+    if [ "${PROBE:-0}" = 1 ]; then probe first 500; fi
     for pass in ${PASSES:-measured}; do
-      seed=$((seed + 1))
+      index=$((index + 1))
       local suffix=""; [ -n "${PASSES:-}" ] && suffix="-$pass"
       local warmup=4; [ -n "${PASSES:-}" ] && warmup=0
       for w in $WORKLOADS; do
         local in=${w%%:*} out=${w##*:}
         python3 bench/serve.py --base-url http://127.0.0.1:8000 --workload random --input-len "$in" \
           --output-len "$out" --num-prompts "$NUM_PROMPTS" --request-rate "$RATES" --token-range 3,1000 \
-          --seed "$seed" --warmup "$warmup" --no-plots --result-dir "$OUT" --result-name "$name-$in-$out$suffix" || true
+          --seed 1 --id-seed "$((index * 1000))" --warmup "$warmup" --no-plots --result-dir "$OUT" \
+          --result-name "$name-$in-$out$suffix" || true
       done
     done
+    if [ "${PROBE:-0}" = 1 ]; then probe last 501; fi
   else
     echo "$name: the server did not come up (see $OUT/$name.server.log)" >&2
   fi

@@ -102,12 +102,7 @@ class DecodeWorker:
     # ---- reservations --------------------------------------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: list[int], sampling, timeout_s: float) -> Reservation:
         params = sampling_from_proto(sampling)
-        stream = self.loop.open_stream(request_id)
-        try:
-            self.loop.call(lambda: self.engine.reserve(request_id, prompt_token_ids, params))
-        except BaseException:
-            self.loop.close_stream(request_id)
-            raise
+        stream = self.loop.submit(request_id, lambda: self.engine.reserve(request_id, prompt_token_ids, params))
         reservation = Reservation(uuid.uuid4().hex, request_id, len(prompt_token_ids), time.monotonic() + timeout_s, stream)
         with self._lock:
             self._reservations[reservation.ticket] = reservation
@@ -261,12 +256,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def GenerateLocal(self, request, context):  # noqa: N802
         try:
             params = sampling_from_proto(request.sampling)
-            stream = self.worker.loop.open_stream(request.request_id)
-            self.worker.loop.call(
-                lambda: self.worker.engine.add_request(list(request.prompt_token_ids), params, request.request_id)
+            stream = self.worker.loop.submit(
+                request.request_id,
+                lambda: self.worker.engine.add_request(list(request.prompt_token_ids), params, request.request_id),
             )
         except ValueError as exc:
-            self.worker.loop.close_stream(request.request_id)
             _abort(context, "INVALID_ARGUMENT", str(exc))
         yield from _events(self.worker, request.request_id, stream, context, local=True)
 

@@ -49,7 +49,8 @@ def warmup_rounds(engine: LLMEngine) -> list[list[int]]:
     1. many sequences at once, of lengths 1, 16, 17, ... up to two prefill chunks and a checkpoint boundary:
        a packed multi-sequence prefill, then steps mixing prefill chunks with decode rows;
     2. the longest prompt again with a new tail (prefix caching: a resumed prefill from a checkpoint);
-    3. single sequences (the one-sequence launches) of a short and an odd length."""
+    3. one sequence of two whole prefill chunks (a chunk ending on a checkpoint, then a resumed chunk: the
+       shape of every long prompt served alone), then single sequences of an odd and of one token."""
     config = engine.config
     limit = engine.max_model_len - MAX_WARMUP_TOKENS - engine.lookahead - 1
     chunk = engine.model_config.mamba.chunk_size if engine.model_config.mamba is not None else 16
@@ -58,6 +59,7 @@ def warmup_rounds(engine: LLMEngine) -> list[list[int]]:
     rounds = [many]
     if config.enable_prefix_caching and many[-1] > engine.state_block:
         rounds.append([-many[-1]])  # negative: the longest prompt of round 1 with a different tail
+    rounds.append([max(1, min(2 * config.prefill_chunk_size, limit))])
     rounds.append([min(33, limit)])
     rounds.append([1])
     return rounds

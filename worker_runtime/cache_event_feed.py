@@ -28,7 +28,8 @@ class CacheEventFeed:
         self.worker_id = worker_id
         self._loop = loop
         self._buffer: deque[common_pb2.CacheEvent] = deque(maxlen=capacity)
-        self._next_sequence = 0
+        # events drained before the feed existed (the engine's warm-up) are gone: start where the log is now
+        self._next_sequence: int = loop.call(lambda: loop.engine.pool.events.next_sequence, timeout=30)
         self._changed = threading.Condition()
         self._poll_s = poll_s
         self._poller: threading.Thread | None = None
@@ -66,6 +67,19 @@ class CacheEventFeed:
                     self._append(events)
             threading.Event().wait(self._poll_s)
 
+    def _since(self, position: int) -> list[common_pb2.CacheEvent]:
+        """Buffered events with sequence >= position, oldest first (caller holds `_changed`). Walked from the
+        newest end: the buffer holds up to `capacity` events in sequence order and a subscriber asks for the
+        last few, so this costs the events returned, not the buffer (a full scan under the lock, many times a
+        second, took the GIL from the engine loop in the same process)."""
+        events = []
+        for event in reversed(self._buffer):
+            if event.sequence < position:
+                break
+            events.append(event)
+        events.reverse()
+        return events
+
     def snapshot(self) -> common_pb2.CacheEventBatch:
         """The pool's whole cache as STORED events, consistent with `next_sequence` (drained in the same
         loop call), so a subscriber that missed events can replace its view and stream on from there."""
@@ -101,7 +115,7 @@ class CacheEventFeed:
         while context.is_active():
             with self._changed:
                 self._changed.wait_for(lambda: self._next_sequence > position, timeout=1.0)
-                events = [e for e in self._buffer if e.sequence >= position]
+                events = self._since(position)
                 next_sequence = self._next_sequence
             if not events and next_sequence <= position:
                 continue

@@ -28,7 +28,7 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine, name: str = "engine-loop") -> None:
         self.engine = engine
-        self._calls: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._calls: queue.Queue[tuple[Callable[[], Any], Future | None]] = queue.Queue()  # None: posted
         self._streams: dict[str, queue.Queue[RequestOutput | BaseException]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -43,25 +43,40 @@ class EngineLoop:
         self._calls.put((fn, future))
         return future.result(timeout=timeout)
 
-    def open_stream(self, request_id: str) -> queue.Queue[RequestOutput | BaseException]:
-        """The queue the loop puts this request's outputs on (create before the request can produce)."""
+    def post(self, fn: Callable[[], Any]) -> None:
+        """Run fn on the loop thread between steps without waiting for it (its exception is logged)."""
+        if threading.current_thread() is self._thread:
+            fn()
+            return
+        self._calls.put((fn, None))
+
+    def submit(self, request_id: str, add: Callable[[], Any]) -> queue.Queue[RequestOutput | BaseException]:
+        """Open the request's output stream and run `add` (which puts the request into the engine) in ONE trip
+        to the loop, so a new request waits for one step boundary, not two; a failing `add` closes the stream
+        again and raises here."""
         stream: queue.Queue[RequestOutput | BaseException] = queue.Queue()
-        self.call(lambda: self._streams.__setitem__(request_id, stream))
+
+        def open_and_add() -> None:
+            self._streams[request_id] = stream
+            try:
+                add()
+            except BaseException:
+                self._streams.pop(request_id, None)
+                raise
+
+        self.call(open_and_add)
         return stream
 
     def close_stream(self, request_id: str) -> None:
-        self.call(lambda: self._streams.pop(request_id, None))
+        """Forget the request's stream (no wait: nothing comes back)."""
+        self.post(lambda: self._streams.pop(request_id, None))
 
     def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, hold_state: bool = False
     ) -> Iterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes."""
-        stream = self.open_stream(request_id)
-        try:
-            self.call(lambda: self.engine.add_request(prompt_token_ids, params, request_id, hold_state))
-        except BaseException:
-            self.close_stream(request_id)
-            raise
+        stream = self.submit(request_id, lambda: self.engine.add_request(prompt_token_ids, params, request_id,
+                                                                          hold_state))
         yield from self.iterate(request_id, stream)
 
     def iterate(self, request_id: str, stream: queue.Queue[RequestOutput | BaseException]) -> Iterator[RequestOutput]:
@@ -80,7 +95,7 @@ class EngineLoop:
         finally:
             self.close_stream(request_id)
             if not finished:
-                self.call(lambda: self.engine.abort(request_id))
+                self.post(lambda: self.engine.abort(request_id))
 
     def stop(self) -> None:
         self._stop.set()
@@ -93,7 +108,12 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            if future.set_running_or_notify_cancel():
+            if future is None:  # posted: nobody waits for it
+                try:
+                    fn()
+                except Exception:
+                    logger.exception("call posted to the engine loop failed")
+            elif future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn())
                 except BaseException as exc:  # handed to the caller
