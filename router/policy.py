@@ -128,7 +128,11 @@ class RoutingPolicy:
 
     @staticmethod
     def _log(decision: Decision, prompt: Sequence[int]) -> Decision:
-        logger.info(
+        """One DEBUG line per decision: at INFO it was a formatted, flushed write on every request's path
+        (the decisions are counted in metrics and kept in `Orchestrator.recent_decisions` anyway)."""
+        if not logger.isEnabledFor(logging.DEBUG):
+            return decision
+        logger.debug(
             "route: %s prompt_tokens=%d decode=%s prefill=%s predicted_cached=%d",
             decision.reason, len(prompt), decision.decode.address,
             decision.prefill.address if decision.prefill else "local", decision.predicted_cached_tokens,
