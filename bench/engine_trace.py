@@ -24,30 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_prompts
+from one_batch import CompileCounter, add_engine_flags, dummy_model_dir, engine_config, random_prompts
 
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.sampling_params import SamplingParams
-
-
-class CompileCounter:
-    """Counts Triton JIT compiles (autotune candidates included) through Triton's post-compile hook."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.names: collections.Counter[str] = collections.Counter()
-        try:
-            from triton import knobs
-
-            knobs.runtime.jit_post_compile_hook = self._hook
-        except Exception:  # noqa: BLE001 - no Triton (CPU): nothing compiles
-            pass
-
-    def _hook(self, *args: Any, **kwargs: Any) -> bool:
-        self.count += 1
-        fn = kwargs.get("fn")
-        self.names[str(getattr(fn, "name", "?"))] += 1
-        return False
 
 
 class Timers:

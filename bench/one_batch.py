@@ -10,6 +10,7 @@ to the last first token (the batch's prefill) and the median decode step (output
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import random
 import statistics
@@ -52,12 +53,35 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-gb", type=float, default=24.0)
-    parser.add_argument("--prefill-chunk-size", type=int, default=512)
+    parser.add_argument("--prefill-chunk-size", type=int, default=None, help="default: the engine's for the device")
 
 
 def random_prompts(count: int, length: int, seed: int, vocab: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, min(vocab, 1000)) for _ in range(length)] for _ in range(count)]
+
+
+class CompileCounter:
+    """Counts Triton JIT compiles (autotune candidates included) through Triton's post-compile hook."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.names: collections.Counter[str] = collections.Counter()
+        self.log: list[str] = []
+        try:
+            from triton import knobs
+
+            knobs.runtime.jit_post_compile_hook = self._hook
+        except Exception:  # noqa: BLE001 - no Triton (CPU): nothing compiles
+            pass
+
+    def _hook(self, *args: Any, **kwargs: Any) -> bool:
+        self.count += 1
+        fn = kwargs.get("fn")
+        name = str(getattr(fn, "name", "?"))
+        self.names[name] += 1
+        self.log.append(f"{name}: {kwargs.get('repr', '')}"[:400])  # which specialization was compiled
+        return False
 
 
 def sync(engine: LLMEngine) -> None:
@@ -110,11 +134,16 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="also profile one more batch (torch.profiler table here)")
     args = parser.parse_args()
     model_dir = Path(args.model) if args.model else dummy_model_dir()
+    compiles = CompileCounter()
     t0 = time.perf_counter()
     engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=False))
+    startup_compiles = compiles.count
     load_s = time.perf_counter() - t0
     prompts = random_prompts(args.batch, args.input_len, 0, engine.model_config.vocab_size)
+    before = len(compiles.log)
     cold = run_batch(engine, prompts, args.output_len)
+    cold["compiles_at_startup"] = startup_compiles
+    cold["compiled_in_first_batch"] = compiles.log[before:]  # [] when the warm-up covered every launch
     runs = [run_batch(engine, random_prompts(args.batch, args.input_len, i + 1, engine.model_config.vocab_size),
                       args.output_len) for i in range(args.repeats)]
     result = {

@@ -38,6 +38,9 @@ MODEL=$(mktemp -d)
 cp bench/configs/nemotron-nano-9b-v2.json "$MODEL/config.json"
 COMMON=(--no-ray --model "$MODEL" --device cuda --dtype bfloat16 --load-format dummy --gpu-memory-gb 24
         --max-num-seqs 32 --max-model-len 4096 --http-port 8000 --port 50051)
+# EXTRA_ARGS="--prefill-chunk-size 2048" adds engine / router flags to every deployment
+read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
+COMMON+=("${EXTRA[@]}")
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
 nvidia-smi --query-gpu=index,name,memory.total --format=csv > "$OUT/gpus.csv"
 

@@ -10,6 +10,11 @@ import torch
 
 from hybridserve.engine.spec_config import SpeculativeConfig
 
+# A 9B hybrid's 512-token step is host-bound on an H200 (41 ms for 15.6 ms of GPU work); 2048 tokens keep the
+# GPU busy (31.5K vs 11.3K prefill tokens/s) and a step with prefill near 45 ms, its ITL bound
+# (bench/results/h200/serve_speed/README.md)
+CUDA_PREFILL_CHUNK = 2048
+CPU_PREFILL_CHUNK = 512
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -19,7 +24,9 @@ class EngineConfig:
 
     device: str = "cpu"  # "cpu" or "cuda" (a worker's own GPU is cuda:0; the launcher sets CUDA_VISIBLE_DEVICES)
     dtype: str = "float32"  # weights and activations: float32, bfloat16 or float16
-    prefill_chunk_size: int = 512  # prefill tokens per step, shared by all prefilling requests
+    # prefill tokens per step, shared by all prefilling requests; None: the device's default (CUDA_PREFILL_CHUNK
+    # on CUDA, CPU_PREFILL_CHUNK on CPU: see `prefill_chunk_tokens`)
+    prefill_chunk_size: int | None = None
     max_num_seqs: int = 32  # concurrent requests (one Mamba state slot each)
     page_size: int = 16  # tokens per KV page
     max_model_len: int | None = None  # None: the model's max_position_embeddings (or 8192)
@@ -46,7 +53,7 @@ class EngineConfig:
     # the kernels are torch references and nothing compiles)
     warmup: bool | None = None
     # tokens one step may compute: decode rows (1 + drafts each) first, then prefill chunks (at most
-    # prefill_chunk_size of them); None: prefill_chunk_size on top of the decode rows
+    # prefill_chunk_tokens of them); None: prefill_chunk_tokens on top of the decode rows
     max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -63,6 +70,8 @@ class EngineConfig:
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu'")
         for name in ("prefill_chunk_size", "max_num_seqs", "page_size"):
             value = getattr(self, name)
+            if value is None and name == "prefill_chunk_size":
+                continue
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if not isinstance(self.enable_prefix_caching, bool):
@@ -112,6 +121,13 @@ class EngineConfig:
         if page_size is not None and self.state_block % page_size:
             raise ValueError(f"state_block={self.state_block} must be a multiple of page_size={page_size}")
         return self.state_block
+
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """Prefill tokens per step: prefill_chunk_size, or the device's default when it is None."""
+        if self.prefill_chunk_size is not None:
+            return self.prefill_chunk_size
+        return CUDA_PREFILL_CHUNK if self.torch_device.type == "cuda" else CPU_PREFILL_CHUNK
 
     @property
     def warmup_enabled(self) -> bool:

@@ -88,7 +88,7 @@ class LLMEngine:
         )
         self.cache = StateCache(self.model_config, layout, config.torch_dtype, ssm_dtype, device)
         self.pool = StatePool(self.cache, self.state_block, config.enable_prefix_caching, config.max_cache_events)
-        self.scheduler = Scheduler(self.pool, config.prefill_chunk_size, layout.num_slots, lookahead,
+        self.scheduler = Scheduler(self.pool, config.prefill_chunk_tokens, layout.num_slots, lookahead,
                                    config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.cache, config.page_size, device, self.state_block)
         self.spec: SpecDecoder | None = None

@@ -54,12 +54,12 @@ def warmup_rounds(engine: LLMEngine) -> list[list[int]]:
     config = engine.config
     limit = engine.max_model_len - MAX_WARMUP_TOKENS - engine.lookahead - 1
     chunk = engine.model_config.mamba.chunk_size if engine.model_config.mamba is not None else 16
-    wanted = [1, 16, 17, chunk + 1, config.prefill_chunk_size + 3, engine.state_block + chunk + 5]
+    wanted = [1, 16, 17, chunk + 1, config.prefill_chunk_tokens + 3, engine.state_block + chunk + 5]
     many = sorted({max(1, min(n, limit)) for n in wanted})
     rounds = [many]
     if config.enable_prefix_caching and many[-1] > engine.state_block:
         rounds.append([-many[-1]])  # negative: the longest prompt of round 1 with a different tail
-    rounds.append([max(1, min(2 * config.prefill_chunk_size, limit))])
+    rounds.append([max(1, min(2 * config.prefill_chunk_tokens, limit))])
     rounds.append([min(33, limit)])
     rounds.append([1])
     return rounds

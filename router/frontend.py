@@ -64,8 +64,6 @@ class _DaemonThreads:
                 self._idle += 1
 
 
-_GENERATION_THREADS = _DaemonThreads("generate")
-
 GRPC_TO_HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", "invalid_request"),
     grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", "invalid_request"),
@@ -112,6 +110,7 @@ class Frontend:
         self.max_model_len = max_model_len
         self.admission = admission
         self.metrics = metrics
+        self._generation_threads = _DaemonThreads("generate")  # one pool per front end, reused across requests
 
     # ---- inputs ----------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], param: str = "prompt") -> list[int]:
@@ -163,7 +162,7 @@ class Frontend:
             text = TextStream(self.tokenizer, stops)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="stop") from exc
-        bridge = _ThreadedGeneration(self.orchestrator, prompt, params, request_id)
+        bridge = _ThreadedGeneration(self.orchestrator, prompt, params, request_id, self._generation_threads)
         try:
             async for event in bridge:
                 if event.finish_reason not in ("", "stop", "length"):
@@ -183,14 +182,15 @@ class Frontend:
 class _ThreadedGeneration:
     """orchestrator.generate on a thread, as an async iterator; `close()` aborts it if still running."""
 
-    def __init__(self, orchestrator: Orchestrator, prompt: list[int], params: SamplingParams, request_id: str) -> None:
+    def __init__(self, orchestrator: Orchestrator, prompt: list[int], params: SamplingParams, request_id: str,
+                 threads: _DaemonThreads) -> None:
         self._orchestrator = orchestrator
         self._request_id = request_id
         self._queue: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         self._done = threading.Event()
         self._cancelled = threading.Event()
-        _GENERATION_THREADS.submit(self._run, prompt, params)
+        threads.submit(self._run, prompt, params)
 
     def _put(self, item) -> None:
         try:
