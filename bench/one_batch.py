@@ -80,7 +80,7 @@ class CompileCounter:
         fn = kwargs.get("fn")
         name = str(getattr(fn, "name", "?"))
         self.names[name] += 1
-        self.log.append(f"{name}: {kwargs.get('repr', '')}"[:400])  # which specialization was compiled
+        self.log.append(f"{name}: {kwargs.get('repr', '')}"[:3000])  # which specialization was compiled
         return False
 
 

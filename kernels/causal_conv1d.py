@@ -11,6 +11,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from hybridserve.kernels.host_index import pack_to_device
+
 
 def _conv_with_window(
     window: torch.Tensor,  # [D, K-1] fp32, inputs before the first new token
@@ -98,6 +100,10 @@ class ConvVarlenMeta:
     token_seq: torch.Tensor  # [T] int64 sequence of each packed token
     gather_seq: torch.Tensor  # [S + K] int32: 0..S-1 then boundary_seq (the windows to gather, in that order)
     gather_len: torch.Tensor  # [S + K] int32: seq_lens then boundary_len
+    final_seq: torch.Tensor  # [S] int32 0..S-1 (the final windows alone)
+    final_len: torch.Tensor  # [S] int32 seq_lens
+    boundary_seq_i32: torch.Tensor  # [K] int32 (the boundary windows alone)
+    boundary_len_i32: torch.Tensor  # [K] int32
     boundary_seq_t: torch.Tensor  # [K] int64
     boundary_pos_t: torch.Tensor  # [K] int64
 
@@ -123,15 +129,16 @@ def conv_varlen_metadata(
                 b_pos.append(pos)
                 b_len.append(pos - starts[seq])
     token_seq = [seq for seq, n in enumerate(seq_lens) for _ in range(n)]
-    k = len(b_seq)
-    int64 = torch.tensor(token_seq + b_seq + b_pos, dtype=torch.int64).to(device, non_blocking=True)
-    int32 = torch.tensor(list(range(num_seqs)) + b_seq + seq_lens + b_len, dtype=torch.int32)
-    int32 = int32.to(device, non_blocking=True)
-    tokens = len(token_seq)
+    token_seq_t, b_seq_t, b_pos_t = pack_to_device([token_seq, b_seq, b_pos], torch.int64, device)
+    final_seq, final_len, gather_seq, gather_len, boundary_seq, boundary_len = pack_to_device(
+        [list(range(num_seqs)), seq_lens, list(range(num_seqs)) + b_seq, list(seq_lens) + b_len, b_seq, b_len],
+        torch.int32, device,
+    )
     return ConvVarlenMeta(
         seq_lens=list(seq_lens), boundary_seq=b_seq, boundary_pos=b_pos, boundary_len=b_len,
-        token_seq=int64[:tokens], boundary_seq_t=int64[tokens : tokens + k], boundary_pos_t=int64[tokens + k :],
-        gather_seq=int32[: num_seqs + k], gather_len=int32[num_seqs + k :],
+        token_seq=token_seq_t, boundary_seq_t=b_seq_t, boundary_pos_t=b_pos_t, gather_seq=gather_seq,
+        gather_len=gather_len, final_seq=final_seq, final_len=final_len, boundary_seq_i32=boundary_seq,
+        boundary_len_i32=boundary_len,
     )
 
 

@@ -201,10 +201,10 @@ def causal_conv1d_varlen_triton(
     if conv_pool is not None:
         # boundaries first: they may read a sequence's initial window from the slot row its final window overwrites
         if boundary_rows is not None and num_boundaries:
-            _launch_gather(x, src, src_rows, gate, conv_pool, boundary_rows, cu_seqlens,
-                           meta.gather_seq[num_seqs:], meta.gather_len[num_seqs:], width, in_place=False)
-        _launch_gather(x, src, src_rows, gate, conv_pool, slots, cu_seqlens, meta.gather_seq[:num_seqs],
-                       meta.gather_len[:num_seqs], width, in_place=True)
+            _launch_gather(x, src, src_rows, gate, conv_pool, boundary_rows, cu_seqlens, meta.boundary_seq_i32,
+                           meta.boundary_len_i32, width, in_place=False)
+        _launch_gather(x, src, src_rows, gate, conv_pool, slots, cu_seqlens, meta.final_seq, meta.final_len, width,
+                       in_place=True)
         empty = torch.empty(0, channels, width, dtype=torch.float32, device=dev)
         return ConvVarlenOutput(y=y, final_windows=empty, boundary_windows=empty, boundary_seq=meta.boundary_seq_t,
                                 boundary_pos=meta.boundary_pos_t)

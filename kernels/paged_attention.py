@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.kernels.host_index import pack_to_device
+
 PREFILL_BLOCK_M = 64  # query rows per program of the Triton prefill kernel
 DECODE_MAX_QUERY = 16  # sequences with at most this many new tokens take the decode / verify kernel
 
@@ -33,8 +35,8 @@ def query_blocks(query_lens: Sequence[int], device: torch.device) -> QueryBlocks
         for row in range(0, length, PREFILL_BLOCK_M):
             seqs.append(seq)
             rows.append(row)
-    packed = torch.tensor(seqs + rows, dtype=torch.int32).to(device, non_blocking=True)
-    return QueryBlocks(tuple(query_lens), packed[: len(seqs)], packed[len(seqs) :])
+    seq_t, row_t = pack_to_device([seqs, rows], torch.int32, device)
+    return QueryBlocks(tuple(query_lens), seq_t, row_t)
 
 
 def write_kv_pages(

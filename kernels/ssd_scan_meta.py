@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.kernels.host_index import pack_to_device
+
 # one walk segment per sequence: the H100 sweep found no shape where splitting the walk paid for the join
 # (bench/results/h100/ssd_sweep.json); callers may still pass segment_chunks
 WHOLE_SEQUENCE = 1 << 30
@@ -115,21 +117,17 @@ def chunk_metadata_from_lists(
         "seg_chunk_ptr": seg_ptr, "seg_seq": seg_seq, "seg_first": seg_first, "seq_seg_ptr": seq_seg_ptr,
         "chunk_seg": chunk_seg,
     }
-    # one host -> device copy for all of them (an empty list still gets one element: kernels take a pointer)
-    sizes = [max(len(v), 1) for v in int32_fields.values()]
-    packed: list[int] = []
-    for values, size in zip(int32_fields.values(), sizes):
-        packed.extend(values if values else [0])
-    int64_packed = torch.tensor(kept_seq + kept_pos, dtype=torch.int64)
-    on_device = torch.tensor(packed, dtype=torch.int32).to(device, non_blocking=True).split(sizes)
-    int64_on_device = int64_packed.to(device, non_blocking=True).split([len(kept_seq), len(kept_pos)])
+    # one host -> device copy for all of them, each view 16-byte aligned (an empty list still gets one element:
+    # kernels take a pointer)
+    on_device = pack_to_device([v if v else [0] for v in int32_fields.values()], torch.int32, device)
+    kept_seq_t, kept_pos_t = pack_to_device([kept_seq, kept_pos], torch.int64, device)
     tensors = dict(zip(int32_fields, on_device))
     return ChunkMeta(
         num_seqs=num_seqs,
         num_chunks=len(chunk_start),
         num_kept=len(kept_seq),
-        kept_seq=int64_on_device[0],
-        kept_pos=int64_on_device[1],
+        kept_seq=kept_seq_t,
+        kept_pos=kept_pos_t,
         num_segments=len(seg_seq),
         segment_chunks=segment_chunks,
         **tensors,

@@ -85,6 +85,16 @@ class ForwardBatch:
             )
         return self._derived[key]  # type: ignore[return-value]
 
+    def prefill_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state slots [S - num_decode], start positions [S - num_decode]) of the prefill sequences, as their own
+        16-byte-aligned tensors: views at offset num_decode would be aligned or not with its parity, and Triton
+        compiles a kernel variant per pointer alignment."""
+        key = ("rows",)
+        if key not in self._derived:
+            nd = self.num_decode
+            self._derived[key] = (self.state_slots[nd:].clone(), self.context_lens[nd:].clone())
+        return self._derived[key]  # type: ignore[return-value]
+
     def attention_blocks(self) -> QueryBlocks | None:
         """The prefill attention kernel's work list; None when every sequence takes the decode kernel (so a
         decode step, which CUDA graphs capture, never copies anything from the host)."""

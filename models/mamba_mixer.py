@@ -70,8 +70,7 @@ class Mamba2Mixer(nn.Module):
             y[: nd * batch.decode_len] = self._decode(xBC, dt, A, batch, conv_pool, ssm_pool, replay)
         if nd < batch.num_seqs:
             xBC, dt = xBC[nd * batch.decode_len :], dt[nd * batch.decode_len :]
-            slots = batch.state_slots[nd:]
-            starts = batch.context_lens[nd:]
+            slots, starts = batch.prefill_rows()
             boundary_rows = batch.boundary_rows  # None: no checkpoint is kept in this batch
             block = batch.state_block if boundary_rows is not None else None
             conv = ops.causal_conv1d_varlen(  # windows read from / written to the conv pool by the kernel

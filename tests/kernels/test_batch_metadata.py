@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from hybridserve.engine.model_runner import PlacedRow, place_rows
 from hybridserve.kernels.causal_conv1d import conv_varlen_metadata
+from hybridserve.kernels.host_index import pack_to_device
 from hybridserve.kernels.paged_attention import DECODE_MAX_QUERY, PREFILL_BLOCK_M
 from hybridserve.kernels.ssd_scan_meta import ChunkMeta, chunk_metadata
 
@@ -86,3 +87,26 @@ def test_conv_launcher_rejects_metadata_of_another_batch() -> None:
     with_meta = causal_conv1d_varlen_triton(x, weight, None, cu, meta=right)
     without = causal_conv1d_varlen_triton(x, weight, None, cu)
     assert torch.equal(with_meta.y, without.y) and torch.equal(with_meta.final_windows, without.final_windows)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=seqs, num_decode=st.integers(0, 3), block=st.sampled_from([None, 8]))
+def test_every_kernel_index_array_is_16_byte_aligned(rows: list[tuple[int, int]], num_decode: int,
+                                                     block: int | None) -> None:
+    """Triton compiles a variant per pointer alignment: whatever the batch, every index array must be aligned."""
+    decodes = [(1, 50 + i) for i in range(num_decode)]
+    batch = _batch(num_decode, decodes + [(max(n, 17), s) for n, s in rows])
+    tensors = [v for v in vars(batch.prefill_chunk_meta(8, block)).values() if isinstance(v, torch.Tensor)]
+    tensors += [v for v in vars(batch.prefill_conv_meta(block)).values() if isinstance(v, torch.Tensor)]
+    blocks = batch.attention_blocks()
+    assert blocks is not None
+    tensors += [blocks.seq, blocks.row, *batch.prefill_rows()]
+    assert all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+@given(arrays=st.lists(st.lists(st.integers(-5, 5), max_size=9), max_size=6),
+       dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_pack_to_device_keeps_values_and_alignment(arrays: list[list[int]], dtype: torch.dtype) -> None:
+    views = pack_to_device(arrays, dtype, CPU)
+    assert [v.tolist() for v in views] == arrays
+    assert all(v.data_ptr() % 16 == 0 and v.dtype == dtype for v in views)
