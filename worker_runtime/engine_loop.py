@@ -85,7 +85,7 @@ class EngineLoop:
         finished = False
         try:
             while True:
-                item = stream.get()
+                item = _latest(stream, stream.get())
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -140,3 +140,17 @@ class EngineLoop:
                 target = self._streams.get(out.request_id)
                 if target is not None:
                     target.put(out)
+
+
+def _latest(
+    stream: queue.Queue[RequestOutput | BaseException], item: RequestOutput | BaseException
+) -> RequestOutput | BaseException:
+    """The newest of `item` and the outputs already queued behind it: an output holds every token so far, so
+    a consumer that fell behind (many streams, one GIL) sends what accumulated in one message instead of one per
+    step. Stops at a finished output or an error, which must not be skipped."""
+    while not isinstance(item, BaseException) and not item.finished:
+        try:
+            item = stream.get_nowait()
+        except queue.Empty:
+            break
+    return item

@@ -56,3 +56,22 @@ def test_a_consumer_that_stops_early_aborts_the_request(loop: EngineLoop) -> Non
     stream_outputs.close()
     loop.call(lambda: None)  # the posted abort ran before this
     assert not loop.call(loop.engine.has_unfinished)
+
+
+def test_a_consumer_behind_gets_the_newest_output_not_every_step(loop: EngineLoop) -> None:
+    import queue as queue_mod
+
+    from hybridserve.engine.outputs import RequestOutput
+
+    def out(tokens: list[int], finished: bool = False) -> RequestOutput:
+        return RequestOutput("q", [1], tokens, None, "length" if finished else None, 0, finished)
+
+    stream: queue_mod.Queue = queue_mod.Queue()
+    for item in (out([5]), out([5, 6]), out([5, 6, 7]), out([5, 6, 7, 8], True)):
+        stream.put(item)
+    seen = [o.token_ids for o in loop.iterate("q", stream)]
+    assert seen == [[5, 6, 7, 8]]  # three steps' outputs coalesced; the finished one is never skipped
+    stream.put(out([1]))
+    stream.put(RuntimeError("step failed"))
+    with pytest.raises(RuntimeError, match="step failed"):
+        list(loop.iterate("q2", stream))
