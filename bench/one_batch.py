@@ -132,11 +132,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None, help="write the result here")
     parser.add_argument("--profile", default=None, help="also profile one more batch (torch.profiler table here)")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="with the prefix cache on (unique prompts: what caching costs them)")
     args = parser.parse_args()
     model_dir = Path(args.model) if args.model else dummy_model_dir()
     compiles = CompileCounter()
     t0 = time.perf_counter()
-    engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=False))
+    engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=args.prefix_caching))
     startup_compiles = compiles.count
     load_s = time.perf_counter() - t0
     prompts = random_prompts(args.batch, args.input_len, 0, engine.model_config.vocab_size)
