@@ -11,7 +11,7 @@ set -uo pipefail
 OUT=${1:-bench/results/gpu/serve_speed}
 mkdir -p "$OUT/serve" "$OUT/engine_trace"
 OUT=$(cd "$OUT" && pwd)
-IN=${IN:-1024} OUTLEN=${OUTLEN:-64} RATE=${RATE:-8} NUM_PROMPTS=${NUM_PROMPTS:-64}
+IN=${IN:-1024} OUTLEN=${OUTLEN:-64} RATE=${RATE:-8} NUM_PROMPTS=${NUM_PROMPTS:-64} SERVE_PROMPTS=${SERVE_PROMPTS:-160}
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
 (cd bench && python3 one_batch.py --batch 32 --input-len 256 --output-len 32 --json "$OUT/one_batch-32x256.json") \
   > "$OUT/one_batch.log" 2>&1
@@ -19,5 +19,5 @@ git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
   --json "$OUT/one_batch-8x$IN.json") >> "$OUT/one_batch.log" 2>&1
 (cd bench && python3 engine_trace.py --rate "$RATE" --num-prompts "$NUM_PROMPTS" --input-len "$IN" \
   --output-len "$OUTLEN" --out "$OUT/engine_trace") > "$OUT/engine_trace.log" 2>&1
-PASSES="cold warm" WORKLOADS="$IN:$OUTLEN" RATES="$RATE" NUM_PROMPTS="$NUM_PROMPTS" \
+PROBE=1 PASSES="cold warm" WORKLOADS="$IN:$OUTLEN" RATES="$RATE" NUM_PROMPTS="$SERVE_PROMPTS" \
   bash bench/serve_gpu.sh "$OUT/serve" ${DEPLOYMENTS:-colocated-1gpu colocated-1gpu-nocache} > "$OUT/serve.log" 2>&1
