@@ -15,6 +15,12 @@ TOKEN_GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
 
 ERROR_KINDS = ("invalid_request", "not_found", "overloaded", "unavailable", "timeout", "cancelled", "conflict",
                "internal")
+# the label values each labelled family is created with at 0, so a dashboard shows a flat 0 on a healthy system
+# instead of "No data" until the first event (tests/router/test_metrics_zeros.py keeps them in step with the code)
+GENERATE_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "grpc/Generate")
+ROUTES = (("local", "no_prefill_worker"), ("local", "decode_prefix_hit"), ("local", "short_tail"),
+          ("disaggregated", "prefill_cached_prefix"), ("disaggregated", "prefill_least_cost"))
+RETRY_STAGES = ("generate_local", "reserve", "prefill", "stream")
 
 
 class RouterMetrics:
@@ -56,6 +62,14 @@ class RouterMetrics:
                              registry=r)
         self.index_hit_ratio = Gauge("hybridserve_router_prefix_index_hit_ratio",
                                      "Predicted cached prompt tokens / prompt tokens, since start", registry=r)
+        for endpoint in GENERATE_ENDPOINTS:
+            self.requests.labels(endpoint, "200")
+        for kind in ERROR_KINDS:
+            self.errors.labels(kind)
+        for mode, reason in ROUTES:
+            self.routing.labels(mode, reason)
+        for stage in RETRY_STAGES:
+            self.retries.labels(stage)
         self._lock = threading.Lock()
         self._prompt_total = 0
         self._predicted_total = 0

@@ -20,6 +20,7 @@ from hybridserve.engine.spec_decode import SpecMetrics
 from hybridserve.worker_runtime.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 SCRAPE_TIMEOUT_S = 5.0
 
@@ -72,8 +73,8 @@ class _EngineGauges(Collector):
             ("hybridserve_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", v["hit_tokens"]),
         ]
         yield from _role_families(CounterMetricFamily, counters, self._role)
-        if spec is not None:
-            yield from _spec_families(spec, self._role)
+        # without speculative decoding the families still exist, at 0 (dashboards show 0, not "No data")
+        yield from _spec_families(spec if spec is not None else SpecMetrics(accepted_per_position=[0]), self._role)
 
 
 def _role_families(
@@ -120,6 +121,11 @@ class WorkerMetrics:
         self.transfer_bytes = counter("hybridserve_worker_transfer_bytes", "State bytes moved prefill -> decode")
         self.transfer_seconds = counter("hybridserve_worker_transfer_seconds", "Time spent moving state")
         self.transfer_failures = counter("hybridserve_worker_transfer_failures", "State transfers that failed")
+        for family in (self.prompt_tokens, self.generation_tokens, self.transfer_bytes, self.transfer_seconds,
+                       self.transfer_failures):
+            family.labels(role)  # at 0 from the start: dashboards show 0 rather than "No data"
+        for reason in FINISH_REASONS:
+            self.requests.labels(role, reason)
         self._server: Any = None  # prometheus_client's WSGI server once started
         self.port = 0
 
