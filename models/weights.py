@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.hybrid_model import HybridLM
@@ -49,7 +50,8 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint under our parameter names (per-expert tensors stacked)."""
     tensors: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    for path in checkpoint_files(model_dir):
+    files = checkpoint_files(model_dir)
+    for path in tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2):
         with safe_open(str(path), framework="pt") as handle:
             for raw_name in handle.keys():
                 name = _normalize(raw_name)
