@@ -5,7 +5,7 @@
 set -euo pipefail
 OUT=${1:-bench/results/cpu/serve}
 mkdir -p "$OUT"
-COMMON=(--no-ray --max-num-seqs 16 --max-model-len 2048 --http-port 8000 --port 50051)
+COMMON=(--no-ray --max-num-seqs 16 --max-model-len 2048 --port 8000 --grpc-port 50051)
 MTP='{"method": "mtp", "num_speculative_tokens": 3, "rollback": "replay"}'
 RANDOM_LOAD=(--workload random --input-len 256 --output-len 64 --num-prompts 24 --request-rate 2,inf
              --token-range 3,4000)

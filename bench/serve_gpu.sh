@@ -37,7 +37,7 @@ fi
 MODEL=$(mktemp -d)
 cp bench/configs/nemotron-nano-9b-v2.json "$MODEL/config.json"
 COMMON=(--no-ray --model "$MODEL" --device cuda --dtype bfloat16 --load-format dummy --gpu-memory-gb 24
-        --max-num-seqs 32 --max-model-len 4096 --http-port 8000 --port 50051)
+        --max-num-seqs 32 --max-model-len 4096 --port 8000 --grpc-port 50051)
 # EXTRA_ARGS="--prefill-chunk-size 2048" adds engine / router flags to every deployment
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
 COMMON+=("${EXTRA[@]}")

@@ -10,6 +10,35 @@ import sys
 from hybridserve.config_flags import json_object
 
 
+class _DeprecatedAlias(argparse.Action):
+    """An old spelling of a flag: stores into the new flag's destination and warns once on stderr (the
+    aliases stay for one release)."""
+
+    def __init__(self, option_strings: list[str], dest: str, replacement: str = "", **kwargs: object) -> None:
+        self.replacement = replacement
+        super().__init__(option_strings, dest, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(f"hybridserve: warning: {option_string} is deprecated and goes away in the next release; "
+              f"use {self.replacement}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def _add_front_door_flags(p: argparse.ArgumentParser, host: str) -> None:
+    """vLLM's dialect for the router's doors, shared by `serve` and `up`: --port is HTTP, --grpc-port gRPC."""
+    p.add_argument("--host", default=host, help=f"front-door bind host (default {host})")
+    p.add_argument("--port", dest="http_port", metavar="PORT", type=int, default=8000,
+                   help="OpenAI-compatible HTTP port (default 8000; 0: a free one)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC front-door port (default 50051; 0: a free one)")
+    p.add_argument("--served-model-name", dest="model_name", default=None,
+                   help="model id served over the API (default: the checkpoint directory's name)")
+    p.add_argument("--http-port", dest="http_port", type=int, action=_DeprecatedAlias, replacement="--port",
+                   help=argparse.SUPPRESS)
+    p.add_argument("--model-name", dest="model_name", action=_DeprecatedAlias, replacement="--served-model-name",
+                   help=argparse.SUPPRESS)
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
@@ -127,16 +156,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: embedded)")
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
-    p.add_argument("--host", default="127.0.0.1", help="front-door host")
-    p.add_argument("--port", type=int, default=50051, help="front-door gRPC port")
+    _add_front_door_flags(p, "127.0.0.1")
     p.add_argument("--address", default=None, help="Ray cluster address to join (default: start a local one)")
     p.add_argument("--no-ray", action="store_true", help="start workers as plain processes")
     p.add_argument("--num-gpus-per-worker", type=float, default=0.0)
     p.add_argument("--local-prefill-max-tokens", type=int, default=0,
                    help="the decode worker prefills locally when the uncached tail is this short "
                    "(default 0: only on a decode-side prefix hit)")
-    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (default 8000; 0: free)")
-    p.add_argument("--model-name", default=None, help="model id served over the API (default: checkpoint dir name)")
     p.add_argument("--max-running", type=int, default=256, help="requests the router runs at once")
     p.add_argument("--max-queued", type=int, default=512, help="requests that may wait; more get 429")
     p.add_argument("--gpus", default=None,
@@ -155,7 +181,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     options = ServeOptions(
         model_dir=_model_dir(args), engine=_engine_config(args), num_prefill=args.prefill_workers,
-        num_decode=args.decode_workers, host=args.host, port=args.port, ray_address=args.address,
+        num_decode=args.decode_workers, host=args.host, port=args.grpc_port, ray_address=args.address,
         use_ray=not args.no_ray, num_gpus_per_worker=args.num_gpus_per_worker,
         local_prefill_max_tokens=args.local_prefill_max_tokens, http_port=args.http_port,
         model_name=args.model_name, max_running=args.max_running, max_queued=args.max_queued,
@@ -190,11 +216,8 @@ def _add_up_down(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory, the same path on every node (default: embedded)")
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
-    p.add_argument("--host", default="0.0.0.0", help="router bind host on the head node")
-    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (default 8000)")
-    p.add_argument("--grpc-port", type=int, default=50051, help="front-door gRPC port (default 50051)")
+    _add_front_door_flags(p, "0.0.0.0")
     p.add_argument("--num-gpus-per-worker", type=float, default=0.0)
-    p.add_argument("--model-name", default=None, help="model id served over the API (default: checkpoint dir name)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for healthy workers")
     _add_engine_options(p)
     _add_transfer_options(p)
@@ -253,6 +276,15 @@ def _run_bench(args: argparse.Namespace) -> int:
     return int(module.main(args.args))
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hybridserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hybridserve",
@@ -260,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
         "disaggregated prefill / decode workers, the front door.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate(sub)
     _add_worker(sub)

@@ -119,8 +119,8 @@ def test_up_requests_restart_down(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
                 time.sleep(1)
 
         out = _cli("up", "--address", address, "--model", str(model_dir), "--prefill-workers", "1",
-                   "--decode-workers", "1", "--http-port", str(http_port), "--grpc-port", str(grpc_port),
-                   "--model-name", "tiny", "--timeout", str(STEP_TIMEOUT_S))
+                   "--decode-workers", "1", "--port", str(http_port), "--grpc-port", str(grpc_port),
+                   "--served-model-name", "tiny", "--timeout", str(STEP_TIMEOUT_S))
         found = re.search(r"OpenAI API\s+(http://\S+)/v1", out)
         assert found and f":{grpc_port}" in out, out
         base = found.group(1)
@@ -137,8 +137,8 @@ def test_up_requests_restart_down(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         # idempotent: a second `up` with the same counts reuses the actors
         decode = ray.get_actor("hybridserve-decode-0")
         pid = ray.get(decode.pid.remote(), timeout=60)
-        _cli("up", "--address", address, "--model", str(model_dir), "--http-port", str(http_port),
-             "--grpc-port", str(grpc_port), "--model-name", "tiny", "--timeout", str(STEP_TIMEOUT_S))
+        _cli("up", "--address", address, "--model", str(model_dir), "--port", str(http_port),
+             "--grpc-port", str(grpc_port), "--served-model-name", "tiny", "--timeout", str(STEP_TIMEOUT_S))
         assert ray.get(decode.pid.remote(), timeout=60) == pid
 
         os.kill(pid, signal.SIGKILL)  # Ray restarts the actor (max_restarts); the router finds its new port
@@ -155,8 +155,8 @@ def test_up_requests_restart_down(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert ray.get(decode.pid.remote(), timeout=60) != pid
 
         # scaling down by re-running `up`: the prefill actor goes, the decode worker prefills itself
-        _cli("up", "--address", address, "--model", str(model_dir), "--prefill-workers", "0", "--http-port",
-             str(http_port), "--grpc-port", str(grpc_port), "--model-name", "tiny", "--timeout", str(STEP_TIMEOUT_S))
+        _cli("up", "--address", address, "--model", str(model_dir), "--prefill-workers", "0", "--port",
+             str(http_port), "--grpc-port", str(grpc_port), "--served-model-name", "tiny", "--timeout", str(STEP_TIMEOUT_S))
         assert "hybridserve-prefill-0" not in ray.util.list_named_actors()
         assert _complete(base) == expected
 

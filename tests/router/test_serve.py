@@ -11,6 +11,7 @@ import time
 
 import grpc
 import openai
+import pytest
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.proto import router_pb2, router_pb2_grpc
@@ -24,11 +25,11 @@ def _free_port() -> int:
 
 
 def test_serve_answers_openai_and_grpc(model_dir) -> None:
-    grpc_port = _free_port()
-    proc = subprocess.Popen(
+    grpc_port, http_port = _free_port(), _free_port()
+    proc = subprocess.Popen(  # vLLM's dialect: --port is HTTP, --grpc-port gRPC, --served-model-name
         [sys.executable, "-m", "hybridserve", "serve", "--no-ray", "--model", str(model_dir), "--prefill-workers",
-         "1", "--decode-workers", "1", "--port", str(grpc_port), "--http-port", "0", "--prefill-chunk-size", "32",
-         "--max-model-len", "256", "--model-name", "served"],
+         "1", "--decode-workers", "1", "--port", str(http_port), "--grpc-port", str(grpc_port),
+         "--prefill-chunk-size", "32", "--max-model-len", "256", "--served-model-name", "served"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -44,6 +45,7 @@ def test_serve_answers_openai_and_grpc(model_dir) -> None:
         log = "".join(lines)
         found = re.search(r"OpenAI API\s+(http://\S+/v1)", log)
         assert found and "/targets" in log, log[-3000:]
+        assert found.group(1) == f"http://127.0.0.1:{http_port}/v1"
         client = openai.OpenAI(base_url=found.group(1), api_key="unused", max_retries=0, timeout=60)
         prompt = list(range(30, 70))
         params = SamplingParams(max_tokens=6, temperature=0.0)
@@ -64,3 +66,23 @@ def test_serve_answers_openai_and_grpc(model_dir) -> None:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_old_flag_spellings_still_work_and_warn(capsys) -> None:
+    from hybridserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--http-port", "9100", "--model-name", "m", "--grpc-port", "9101"])
+    assert (args.http_port, args.grpc_port, args.model_name) == (9100, 9101, "m")
+    err = capsys.readouterr().err
+    assert "--http-port is deprecated" in err and "use --port" in err and "--model-name is deprecated" in err
+    up = build_parser().parse_args(["up", "--address", "auto", "--port", "9200", "--served-model-name", "n"])
+    assert (up.http_port, up.grpc_port, up.model_name) == (9200, 50051, "n")
+    assert capsys.readouterr().err == ""
+
+
+def test_version_flag(capsys) -> None:
+    from hybridserve.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("hybridserve ")

@@ -58,7 +58,7 @@ def test_serve_with_ray_actors_end_to_end() -> None:
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "hybridserve", "serve", "--model", str(model_dir), "--prefill-workers", "1",
-         "--decode-workers", "1", "--port", str(port), "--http-port", "0", "--prefill-chunk-size", "16"],
+         "--decode-workers", "1", "--grpc-port", str(port), "--port", "0", "--prefill-chunk-size", "16"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
