@@ -70,11 +70,16 @@ class WorkerProcess:
 
 
 def start_worker_process(role: str, worker_id: str, options: WorkerOptions, port: int = 0,
-                         env: dict[str, str] | None = None) -> WorkerProcess:
+                         env: dict[str, str] | None = None, log_dir: Path | None = None) -> WorkerProcess:
     """Spawn one worker (`env`: variables set for it, e.g. CUDA_VISIBLE_DEVICES) and wait until it serves;
-    raises RuntimeError with its log tail if it dies."""
+    its output goes to `log_dir`/<worker_id>.log (a temporary file without one); raises RuntimeError with its
+    log tail if it dies."""
     ready = Path(tempfile.mkdtemp(prefix="hybridserve-ready-")) / f"{worker_id}.json"
-    log = tempfile.NamedTemporaryFile(prefix=f"hybridserve-{worker_id}-", suffix=".log", delete=False)
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(log_dir / f"{worker_id}.log", "wb")  # noqa: SIM115 - the worker process holds it
+    else:
+        log = tempfile.NamedTemporaryFile(prefix=f"hybridserve-{worker_id}-", suffix=".log", delete=False)
     argv = [sys.executable, "-m", "hybridserve", "worker", "--role", role, "--worker-id", worker_id,
             "--port", str(port), "--ready-file", str(ready), *options.argv()]
     process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})

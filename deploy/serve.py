@@ -7,8 +7,10 @@ import dataclasses
 import logging
 import os
 import signal
+import tempfile
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hybridserve.deploy.gpu_placement import assign_gpus, host_gpus, visible_devices
 from hybridserve.deploy.launch import WorkerOptions, start_worker_process
@@ -43,6 +45,9 @@ class ServeOptions:
     # EngineConfig fields that differ for prefill workers (e.g. {"prefill_chunk_size": 4096}: a prefill worker
     # runs no decodes, so big chunks cost no inter-token latency); validated by EngineConfig itself
     prefill_engine_overrides: dict | None = None
+    # where worker processes (--no-ray) write their logs, <worker-id>.log each; None: a fresh temporary
+    # directory. The banner names it, so a failed worker's cause is one `tail` away.
+    log_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -85,9 +90,12 @@ class Deployment:
             placement = assign_gpus([wid for _, wid in workers], len(gpus), options.gpus)
             for wid, gpu in placement.items():
                 print(f"hybridserve: {wid} on GPU {gpus[gpu]}", flush=True)
+            self.log_dir = Path(options.log_dir) if options.log_dir else Path(tempfile.mkdtemp(prefix="hybridserve-logs-"))
+            print(f"hybridserve: worker logs in {self.log_dir}", flush=True)
             for role, wid in workers:
                 env = {"CUDA_VISIBLE_DEVICES": visible_devices(placement[wid], gpus)} if wid in placement else None
-                self._processes.append(start_worker_process(role, wid, role_options[role], env=env))
+                self._processes.append(start_worker_process(role, wid, role_options[role], env=env,
+                                                            log_dir=self.log_dir))
 
     def _start_ray(self) -> None:
         try:

@@ -163,6 +163,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local-prefill-max-tokens", type=int, default=0,
                    help="the decode worker prefills locally when the uncached tail is this short "
                    "(default 0: only on a decode-side prefix hit)")
+    p.add_argument("--log-dir", default=None,
+                   help="--no-ray: write each worker's log to DIR/<worker-id>.log (default: a new temporary directory, "
+                   "named in the start-up banner)")
     p.add_argument("--max-running", type=int, default=256, help="requests the router runs at once")
     p.add_argument("--max-queued", type=int, default=512, help="requests that may wait; more get 429")
     p.add_argument("--gpus", default=None,
@@ -186,6 +189,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         local_prefill_max_tokens=args.local_prefill_max_tokens, http_port=args.http_port,
         model_name=args.model_name, max_running=args.max_running, max_queued=args.max_queued,
         transfer=_transfer_config(args), gpus=args.gpus, prefill_engine_overrides=args.prefill_worker_overrides,
+        log_dir=args.log_dir,
     )
     return serve(options)
 

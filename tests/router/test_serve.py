@@ -24,12 +24,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_answers_openai_and_grpc(model_dir) -> None:
+def test_serve_answers_openai_and_grpc(model_dir, tmp_path) -> None:
     grpc_port, http_port = _free_port(), _free_port()
+    log_dir = tmp_path / "logs"
     proc = subprocess.Popen(  # vLLM's dialect: --port is HTTP, --grpc-port gRPC, --served-model-name
         [sys.executable, "-m", "hybridserve", "serve", "--no-ray", "--model", str(model_dir), "--prefill-workers",
          "1", "--decode-workers", "1", "--port", str(http_port), "--grpc-port", str(grpc_port),
-         "--prefill-chunk-size", "32", "--max-model-len", "256", "--served-model-name", "served"],
+         "--prefill-chunk-size", "32", "--max-model-len", "256", "--served-model-name", "served",
+         "--log-dir", str(log_dir)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
@@ -46,6 +48,8 @@ def test_serve_answers_openai_and_grpc(model_dir) -> None:
         found = re.search(r"OpenAI API\s+(http://\S+/v1)", log)
         assert found and "/targets" in log, log[-3000:]
         assert found.group(1) == f"http://127.0.0.1:{http_port}/v1"
+        assert f"worker logs in {log_dir}" in log  # the banner names where each worker's log is
+        assert sorted(f.name for f in log_dir.iterdir()) == ["decode-0.log", "prefill-0.log"]
         client = openai.OpenAI(base_url=found.group(1), api_key="unused", max_retries=0, timeout=60)
         prompt = list(range(30, 70))
         params = SamplingParams(max_tokens=6, temperature=0.0)
