@@ -42,6 +42,7 @@ class UpOptions:
     max_restarts: int = 3
     timeout_s: float = 600.0
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    api_key: str | None = None  # clients must send it (Authorization: Bearer) on /v1 and gRPC calls
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -62,7 +63,7 @@ class RouterActor:
         self._node_ip = ray.util.get_node_ip_address()
         router_options = RouterOptions(model_dir=options.model_dir, model_name=options.model_name, host=options.host,
                                        http_port=options.http_port, grpc_port=options.grpc_port,
-                                       max_model_len=options.engine.max_model_len)
+                                       max_model_len=options.engine.max_model_len, api_key=options.api_key)
         self.router = Router(router_options, prefill, decode).start()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._refresh_loop, name="worker-refresh", daemon=True)

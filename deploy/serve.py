@@ -48,6 +48,7 @@ class ServeOptions:
     # where worker processes (--no-ray) write their logs, <worker-id>.log each; None: a fresh temporary
     # directory. The banner names it, so a failed worker's cause is one `tail` away.
     log_dir: str | None = None
+    api_key: str | None = None  # clients must send it (Authorization: Bearer) on /v1 and gRPC calls
 
     def __post_init__(self) -> None:
         if self.num_prefill < 0 or self.num_decode < 1:
@@ -69,6 +70,7 @@ class ServeOptions:
             grpc_port=self.port, max_model_len=self.engine.max_model_len,
             orchestrator=OrchestratorConfig(local_prefill_max_tokens=self.local_prefill_max_tokens),
             admission=AdmissionConfig(max_running=self.max_running, max_queued=self.max_queued),
+            api_key=self.api_key,
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from hybridserve.config_flags import json_object
@@ -37,6 +38,9 @@ def _add_front_door_flags(p: argparse.ArgumentParser, host: str) -> None:
                    help=argparse.SUPPRESS)
     p.add_argument("--model-name", dest="model_name", action=_DeprecatedAlias, replacement="--served-model-name",
                    help=argparse.SUPPRESS)
+    p.add_argument("--api-key", default=os.environ.get("HYBRIDSERVE_API_KEY"),
+                   help="clients must send 'Authorization: Bearer KEY' on /v1 and as gRPC metadata "
+                   "(default: $HYBRIDSERVE_API_KEY; unset: no key)")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -189,7 +193,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         local_prefill_max_tokens=args.local_prefill_max_tokens, http_port=args.http_port,
         model_name=args.model_name, max_running=args.max_running, max_queued=args.max_queued,
         transfer=_transfer_config(args), gpus=args.gpus, prefill_engine_overrides=args.prefill_worker_overrides,
-        log_dir=args.log_dir,
+        log_dir=args.log_dir, api_key=args.api_key,
     )
     return serve(options)
 
@@ -238,7 +242,7 @@ def _run_up(args: argparse.Namespace) -> int:
         address=args.address, model_dir=_model_dir(args), engine=_engine_config(args),
         num_prefill=args.prefill_workers, num_decode=args.decode_workers, host=args.host,
         http_port=args.http_port, grpc_port=args.grpc_port, num_gpus_per_worker=args.num_gpus_per_worker,
-        model_name=args.model_name, timeout_s=args.timeout, transfer=_transfer_config(args),
+        model_name=args.model_name, timeout_s=args.timeout, transfer=_transfer_config(args), api_key=args.api_key,
     )
     lines = up(options)
     print(f"hybridserve: {args.prefill_workers} prefill and {args.decode_workers} decode workers ready", flush=True)

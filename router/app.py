@@ -37,6 +37,7 @@ class RouterOptions:
     max_model_len: int | None = None  # default: the engine's limit (config) or the model's
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    api_key: str | None = None  # required of clients on /v1 (HTTP) and every gRPC call when set
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -74,10 +75,11 @@ class Router:
     def start(self) -> Router:
         o = self.options
         if o.http_port is not None:
-            self.http = HttpServer(create_app(self.frontend, self.targets), o.host, o.http_port)
+            self.http = HttpServer(create_app(self.frontend, self.targets, o.api_key), o.host, o.http_port)
             self.http_address = self.http.start()
         if o.grpc_port is not None:
-            self.grpc_server, self.grpc_address = start_router_server(self.frontend, o.host, o.grpc_port)
+            self.grpc_server, self.grpc_address = start_router_server(self.frontend, o.host, o.grpc_port,
+                                                                      api_key=o.api_key)
         return self
 
     def update_workers(self, prefill_addresses: list[str], decode_addresses: list[str]) -> None:

@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from hybridserve.proto.convert import sampling_from_proto
 from hybridserve.router.admission import Overloaded
+from hybridserve.router.auth import ApiKeyInterceptor
 from hybridserve.router.frontend import Frontend
 from hybridserve.router.openai_protocol import ApiError
 from hybridserve.router.orchestrator import WorkerError
@@ -89,9 +90,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 
 def start_router_server(frontend: Frontend, host: str = "127.0.0.1", port: int = 0,
-                        max_workers: int = 64) -> tuple[grpc.Server, str]:
-    """Start the gRPC front door with reflection; returns (server, "host:port")."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers))
+                        max_workers: int = 64, api_key: str | None = None) -> tuple[grpc.Server, str]:
+    """Start the gRPC front door with reflection (behind `api_key` when given); returns (server, "host:port")."""
+    interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors)
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(frontend), server)
     names = (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)

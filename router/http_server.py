@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from hybridserve.router.admission import Overloaded
+from hybridserve.router.auth import PROTECTED_HTTP_PREFIX, authorized
 from hybridserve.router.frontend import Frontend
 from hybridserve.router.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_message
 from hybridserve.router.openai_service import OpenAIService
@@ -31,16 +32,18 @@ from hybridserve.router.openai_service import OpenAIService
 logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.05
-_STATUS_KIND = {400: "invalid_request", 404: "not_found", 409: "conflict", 429: "overloaded", 499: "cancelled",
-                503: "unavailable", 504: "timeout"}
+_STATUS_KIND = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 409: "conflict", 429: "overloaded",
+                499: "cancelled", 503: "unavailable", 504: "timeout"}
 
 
 def _error(exc: ApiError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = None) -> FastAPI:
-    """The ASGI app; `targets` returns the http_sd target groups of every component."""
+def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = None,
+               api_key: str | None = None) -> FastAPI:
+    """The ASGI app; `targets` returns the http_sd target groups of every component; with `api_key` the /v1
+    routes need `Authorization: Bearer <api_key>` (401 otherwise)."""
     app = FastAPI(title="hybridserve", docs_url=None, redoc_url=None)
     service = OpenAIService(frontend)
     metrics = frontend.metrics
@@ -49,6 +52,16 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
         metrics.requests.labels(endpoint, str(status)).inc()
         if status >= 400:
             metrics.errors.labels(_STATUS_KIND.get(status, "internal")).inc()
+
+    if api_key:
+        @app.middleware("http")
+        async def _require_key(request: Request, call_next):  # noqa: ANN202 - Starlette's middleware signature
+            if request.url.path.startswith(PROTECTED_HTTP_PREFIX) and not authorized(
+                    request.headers.get("authorization"), api_key):
+                count(request.url.path, 401)
+                return _error(ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                       code="invalid_api_key"))
+            return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
