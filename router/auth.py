@@ -1,6 +1,6 @@
-"""An optional API key on the front doors (vLLM's --api-key): HTTP /v1 routes need `Authorization: Bearer KEY`
-(health, readiness, metrics and targets stay open for probes and scrapers), gRPC calls need the same value in
-their `authorization` metadata. Keys are compared in constant time."""
+"""An optional API key on the front doors (vLLM's --api-key): the HTTP API routes (/v1/*, /tokenize,
+/detokenize) need `Authorization: Bearer KEY`; health, readiness, metrics and targets stay open for probes and
+scrapers; gRPC calls need the same value in their `authorization` metadata. Keys are compared in constant time."""
 
 from __future__ import annotations
 
@@ -11,6 +11,12 @@ from typing import Any
 import grpc
 
 PROTECTED_HTTP_PREFIX = "/v1"
+PROTECTED_HTTP_PATHS = ("/tokenize", "/detokenize")  # vLLM's spelling of two /v1 routes
+
+
+def protected(path: str) -> bool:
+    """Whether an HTTP path needs the key (the API; not health, readiness, metrics or targets)."""
+    return path.startswith(PROTECTED_HTTP_PREFIX) or path in PROTECTED_HTTP_PATHS
 
 
 def authorized(header: str | None, api_key: str) -> bool:

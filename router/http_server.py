@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -24,9 +25,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from hybridserve.router.admission import Overloaded
-from hybridserve.router.auth import PROTECTED_HTTP_PREFIX, authorized
+from hybridserve.router.auth import authorized, protected
 from hybridserve.router.frontend import Frontend
-from hybridserve.router.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, validation_message
+from hybridserve.router.openai_protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    validation_message,
+)
 from hybridserve.router.openai_service import OpenAIService
 
 logger = logging.getLogger(__name__)
@@ -56,7 +64,7 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
     if api_key:
         @app.middleware("http")
         async def _require_key(request: Request, call_next):  # noqa: ANN202 - Starlette's middleware signature
-            if request.url.path.startswith(PROTECTED_HTTP_PREFIX) and not authorized(
+            if protected(request.url.path) and not authorized(
                     request.headers.get("authorization"), api_key):
                 count(request.url.path, 401)
                 return _error(ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -153,6 +161,27 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, ChatCompletionRequest, service.chat, "/v1/chat/completions")
+
+    async def simple(request: Request, model, answer: Callable[[Any], dict], endpoint: str) -> JSONResponse:
+        """A request answered at once from the router (no worker): parse, answer, count."""
+        try:
+            result = answer(await parse(request, model))
+        except ApiError as exc:
+            count(endpoint, exc.status)
+            return _error(exc)
+        count(endpoint, 200)
+        return JSONResponse(result)
+
+    # vLLM serves these without the /v1 prefix; both spellings answer (and need the API key when one is set)
+    def route(path: str, model, answer: Callable[[Any], dict]) -> None:
+        async def endpoint(request: Request) -> JSONResponse:
+            return await simple(request, model, answer, path)
+
+        app.post(path)(endpoint)
+
+    for prefix in ("", "/v1"):
+        route(f"{prefix}/tokenize", TokenizeRequest, service.tokenize)
+        route(f"{prefix}/detokenize", DetokenizeRequest, service.detokenize)
 
     @app.get("/v1/models")
     async def models() -> dict:

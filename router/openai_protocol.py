@@ -165,6 +165,30 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a completion prompt, or chat messages rendered through the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    tokens: list[int]
+
+
 def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     """A readable message and the offending parameter from pydantic's error list."""
     first = errors[0]

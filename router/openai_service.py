@@ -15,7 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridserve.router.frontend import Delta, Frontend
-from hybridserve.router.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from hybridserve.router.openai_protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 _DONE = object()
 
@@ -52,17 +59,40 @@ class OpenAIService:
         return await self._respond(req, plan, chat=False)
 
     async def chat(self, req: ChatCompletionRequest, request_id: str):
+        prompt = self.chat_prompt(req.messages, req.add_generation_prompt)
+        plan = self._plan(req, [prompt], req.max_new_tokens, request_id, "chatcmpl")
+        return await self._respond(req, plan, chat=True)
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        """Token ids of chat messages rendered through the checkpoint's chat template; ApiError 400 if it cannot."""
         template = self.frontend.chat_template
         if template is None:
             raise ApiError(400, "this model has no tokenizer, so chat completions are not available", param="messages")
-        messages = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in req.messages]
+        rendered = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in messages]
         try:
-            text = template.render(messages, add_generation_prompt=req.add_generation_prompt)
+            text = template.render(rendered, add_generation_prompt=add_generation_prompt)
         except ValueError as exc:
             raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages") from exc
-        prompt = self.frontend.encode(text, param="messages")
-        plan = self._plan(req, [prompt], req.max_new_tokens, request_id, "chatcmpl")
-        return await self._respond(req, plan, chat=True)
+        return self.frontend.encode(text, param="messages")
+
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        """vLLM's /tokenize answer: the ids the server would run, their count and the context length."""
+        if req.messages is not None:
+            ids = self.chat_prompt(req.messages, req.add_generation_prompt)
+        else:
+            assert req.prompt is not None  # the request model requires one of the two
+            ids = self.frontend.encode(req.prompt)
+        return {"count": len(ids), "max_model_len": self.frontend.max_model_len, "tokens": ids}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        """vLLM's /detokenize answer: the text of the ids (out-of-vocabulary ids are a 400)."""
+        f = self.frontend
+        if f.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer: nothing to detokenize with", param="tokens")
+        bad = [t for t in req.tokens if not 0 <= t < f.vocab_size]
+        if bad:
+            raise ApiError(400, f"token ids must be in [0, {f.vocab_size}); got {bad[:5]}", param="tokens")
+        return {"prompt": f.tokenizer.decode(req.tokens)}
 
     # ---- planning --------------------------------------------------------------------------------
     def _plan(self, req, prompts: list[list[int]], max_tokens: int | None, request_id: str, prefix: str) -> _Plan:

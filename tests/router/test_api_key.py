@@ -31,6 +31,10 @@ def test_http_v1_needs_the_key(cluster) -> None:
     ok = httpx.post(cluster.base_url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                     timeout=60)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+    tokenize = {"model": MODEL_NAME, "prompt": "hi"}
+    assert httpx.post(cluster.base_url + "/tokenize", json=tokenize, timeout=10).status_code == 401
+    assert httpx.post(cluster.base_url + "/tokenize", json=tokenize, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=10).status_code == 200
     for open_path in ("/health", "/metrics"):
         assert httpx.get(cluster.base_url + open_path, timeout=10).status_code == 200
 

@@ -174,3 +174,23 @@ def test_models_health_ready(cluster) -> None:
     assert httpx.get(cluster.base_url + "/health", timeout=10).status_code == 200
     ready = httpx.get(cluster.base_url + "/ready", timeout=10)
     assert ready.status_code == 200 and ready.json()["healthy_workers"] == {"prefill": 1, "decode": 1}
+
+
+def test_tokenize_and_detokenize(cluster) -> None:
+    for path in ("/tokenize", "/v1/tokenize"):
+        out = httpx.post(cluster.base_url + path, json={"model": MODEL_NAME, "prompt": "héllo"}, timeout=10).json()
+        assert out["count"] == len(out["tokens"]) > 0 and out["max_model_len"] > 0
+        back = httpx.post(cluster.base_url + path.replace("tokenize", "detokenize"),
+                          json={"model": MODEL_NAME, "tokens": out["tokens"]}, timeout=10).json()
+        assert back["prompt"] == "héllo"
+    chat = httpx.post(cluster.base_url + "/tokenize", timeout=10,
+                      json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 2  # the chat template's framing around "hi"
+    for body, param in (({"model": MODEL_NAME}, None), ({"model": MODEL_NAME, "prompt": "a", "messages": []}, None),
+                        ({"model": "other", "prompt": "a"}, "model")):
+        bad = httpx.post(cluster.base_url + "/tokenize", json=body, timeout=10)
+        assert bad.status_code in (400, 404) and "error" in bad.json()
+        if param:
+            assert bad.json()["error"]["param"] == param
+    oov = httpx.post(cluster.base_url + "/detokenize", json={"model": MODEL_NAME, "tokens": [1, 10**9]}, timeout=10)
+    assert oov.status_code == 400 and oov.json()["error"]["param"] == "tokens"
