@@ -97,7 +97,12 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
         return req
 
     async def generate(request: Request, model, handler, endpoint: str) -> Response:
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        # the internal id is always ours and unguessable: two clients sending one x-request-id must not share
+        # (or abort) each other's work; the client's id is a label for logs, echoed back in the response header
+        request_id = uuid.uuid4().hex
+        label = request.headers.get("x-request-id") or request_id
+        if label != request_id:
+            logger.debug("request %s is %s", label, request_id)
         try:
             req = await parse(request, model)
             if not frontend.admission.try_acquire():
@@ -140,7 +145,7 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
         if isinstance(result, dict):
             release()
             count(endpoint, 200)
-            return JSONResponse(result, headers={"x-request-id": request_id})
+            return JSONResponse(result, headers={"x-request-id": label})
 
         async def body() -> AsyncIterator[str]:
             try:
@@ -152,7 +157,7 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
 
         count(endpoint, 200)
         return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"x-request-id": request_id, "cache-control": "no-cache"})
+                                 headers={"x-request-id": label, "cache-control": "no-cache"})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -3,6 +3,8 @@ usage reports cached tokens, bad input gets OpenAI error bodies, /metrics parses
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import httpx
 import openai
@@ -194,3 +196,28 @@ def test_tokenize_and_detokenize(cluster) -> None:
             assert bad.json()["error"]["param"] == param
     oov = httpx.post(cluster.base_url + "/detokenize", json={"model": MODEL_NAME, "tokens": [1, 10**9]}, timeout=10)
     assert oov.status_code == 400 and oov.json()["error"]["param"] == "tokens"
+
+
+def test_clients_sharing_an_x_request_id_do_not_collide(cluster) -> None:
+    """Three concurrent streams with one x-request-id each get their whole answer; the header is echoed."""
+    import concurrent.futures
+
+    body = {"model": MODEL_NAME, "prompt": [40, 41, 42, 43], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+
+    def stream() -> tuple[list[int], str]:
+        tokens: list[int] = []
+        with httpx.stream("POST", cluster.base_url + "/v1/completions", json=body, timeout=60,
+                          headers={"x-request-id": "same-id"}) as response:
+            echoed = response.headers["x-request-id"]
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    for choice in json.loads(line[6:]).get("choices", []):
+                        tokens += choice.get("token_ids") or []
+        return tokens, echoed
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda _: stream(), range(3)))
+    assert all(echoed == "same-id" for _, echoed in results)
+    assert all(len(tokens) == 12 for tokens, _ in results)
+    assert results[0][0] == results[1][0] == results[2][0]

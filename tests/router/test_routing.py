@@ -23,7 +23,8 @@ def _complete(cluster: Cluster, prompt: list[int], max_tokens: int, request_id: 
     out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                     extra_body={"return_token_ids": True, "ignore_eos": True},
                                     extra_headers={"x-request-id": request_id})
-    decision = dict(cluster.router.orchestrator.recent_decisions)[f"{request_id}-0"]
+    internal = out.id.removeprefix("cmpl-")  # the client's x-request-id is only a label
+    decision = dict(cluster.router.orchestrator.recent_decisions)[f"{internal}-0"]
     return out, decision
 
 
