@@ -17,7 +17,7 @@ from hybridserve.router.chat_template import ChatTemplate
 from hybridserve.router.config import AdmissionConfig, OrchestratorConfig
 from hybridserve.router.frontend import Frontend
 from hybridserve.router.grpc_server import start_router_server
-from hybridserve.router.http_server import HttpServer, create_app
+from hybridserve.router.http_server import MAX_BODY_BYTES, HttpServer, create_app
 from hybridserve.router.metrics import RouterMetrics
 from hybridserve.router.orchestrator import Orchestrator
 
@@ -38,6 +38,7 @@ class RouterOptions:
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     api_key: str | None = None  # required of clients on /v1 (HTTP) and every gRPC call when set
+    max_body_bytes: int = MAX_BODY_BYTES  # larger HTTP request bodies get 413
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -46,6 +47,8 @@ class RouterOptions:
                 raise ValueError(f"{name} must be in [0, 65535] or None, got {port}")
         if self.http_port is None and self.grpc_port is None:
             raise ValueError("the router needs at least one of http_port and grpc_port")
+        if self.max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError("max_model_len must be > 1")
 
@@ -75,7 +78,7 @@ class Router:
     def start(self) -> Router:
         o = self.options
         if o.http_port is not None:
-            self.http = HttpServer(create_app(self.frontend, self.targets, o.api_key), o.host, o.http_port)
+            self.http = HttpServer(create_app(self.frontend, self.targets, o.api_key, o.max_body_bytes), o.host, o.http_port)
             self.http_address = self.http.start()
         if o.grpc_port is not None:
             self.grpc_server, self.grpc_address = start_router_server(self.frontend, o.host, o.grpc_port,

@@ -40,18 +40,21 @@ from hybridserve.router.openai_service import OpenAIService
 logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.05
-_STATUS_KIND = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 409: "conflict", 429: "overloaded",
-                499: "cancelled", 503: "unavailable", 504: "timeout"}
+_STATUS_KIND = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 409: "conflict", 413: "too_large",
+                429: "overloaded", 499: "cancelled", 503: "unavailable", 504: "timeout"}
 
 
 def _error(exc: ApiError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
+MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt as JSON token ids is ~1 MB
+
+
 def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = None,
-               api_key: str | None = None) -> FastAPI:
+               api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The ASGI app; `targets` returns the http_sd target groups of every component; with `api_key` the /v1
-    routes need `Authorization: Bearer <api_key>` (401 otherwise)."""
+    routes need `Authorization: Bearer <api_key>` (401 otherwise); bodies over `max_body_bytes` get 413."""
     app = FastAPI(title="hybridserve", docs_url=None, redoc_url=None)
     service = OpenAIService(frontend)
     metrics = frontend.metrics
@@ -79,7 +82,14 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
 
     async def parse(request: Request, model):
         """The body as `model`, or ApiError 400 (malformed JSON, wrong types, unsupported values)."""
-        raw = await request.body()
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body_bytes:
+            raise ApiError(413, f"the request body has {declared} bytes; this server takes at most {max_body_bytes}")
+        raw = bytearray()
+        async for piece in request.stream():  # read at most the limit, whatever the headers said
+            raw += piece
+            if len(raw) > max_body_bytes:
+                raise ApiError(413, f"the request body is over {max_body_bytes} bytes, this server's limit")
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:

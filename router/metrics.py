@@ -14,7 +14,7 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 TOKEN_GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 ERROR_KINDS = ("invalid_request", "unauthorized", "not_found", "overloaded", "unavailable", "timeout", "cancelled", "conflict",
-               "internal")
+               "too_large", "internal")
 # the label values each labelled family is created with at 0, so a dashboard shows a flat 0 on a healthy system
 # instead of "No data" until the first event (tests/router/test_metrics_zeros.py keeps them in step with the code)
 GENERATE_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "grpc/Generate")

@@ -1,4 +1,5 @@
-"""--api-key: the /v1 routes and every gRPC call need the key; health, readiness and metrics stay open."""
+"""Front-door guards: --api-key (the API routes and every gRPC call need the key; health, readiness and metrics
+stay open) and the request body limit (413)."""
 
 from __future__ import annotations
 
@@ -48,3 +49,15 @@ def test_grpc_needs_the_key(cluster) -> None:
     assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
     events = list(stub.Generate(request, timeout=60, metadata=[("authorization", f"Bearer {KEY}")]))
     assert sum(len(r.event.token_ids) for r in events) == 2
+
+
+def test_an_oversized_body_gets_413() -> None:
+    c = Cluster(tiny_model_dir(), num_prefill=0, max_body_bytes=2000)
+    try:
+        big = {"model": MODEL_NAME, "prompt": [5] * 1000, "max_tokens": 1}
+        response = httpx.post(c.base_url + "/v1/completions", json=big, timeout=30)
+        assert response.status_code == 413 and "2000" in response.json()["error"]["message"]
+        small = {"model": MODEL_NAME, "prompt": [5, 6], "max_tokens": 1, "temperature": 0}
+        assert httpx.post(c.base_url + "/v1/completions", json=small, timeout=60).status_code == 200
+    finally:
+        c.stop()
