@@ -5,14 +5,15 @@
 The same engine settings as the serving benchmark (Nemotron-Nano-9B-v2 shapes, dummy weights), built once with
 the cache off and once with it on. For each number of decode rows it keeps that many requests decoding and
 times, `--repeats` times, the step that prefills one fresh unique prompt beside them (wall time and the GPU
-time between CUDA events), and the decode-only step. One mixed step per setting is profiled; the kernels and
-CPU ops whose totals differ most between cache on and off are written to DIR/mixed_step_diff.txt.
+time between CUDA events), and the decode-only step, under torch.profiler; the kernels and CPU ops whose
+totals over all measured steps differ most between cache on and off are written to DIR/mixed_step_diff.txt.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import gc
 import json
 import statistics
@@ -65,22 +66,19 @@ def measure(engine: LLMEngine, rows: int, args: argparse.Namespace, seed: int) -
     mixed: list[tuple[float, float]] = []
     decode: list[tuple[float, float]] = []
     params = SamplingParams(max_tokens=2, ignore_eos=True)
-    for i in range(args.repeats):
-        prompt = random_prompts(1, args.prompt_len, seed * 1000 + i + 1, vocab)[0]
-        rid = engine.add_request(prompt, params)
-        mixed.append(timer(engine))  # the prompt's one prefill chunk beside `rows` decodes
-        engine.abort(rid)
-        decode.append(timer(engine))
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities) if args.out else contextlib.nullcontext()
+    with profiler as prof:  # over every measured step: one outlier step shows in the totals, not only in the median
+        for i in range(args.repeats):
+            prompt = random_prompts(1, args.prompt_len, seed * 1000 + i + 1, vocab)[0]
+            rid = engine.add_request(prompt, params)
+            mixed.append(timer(engine))  # the prompt's one prefill chunk beside `rows` decodes
+            engine.abort(rid)
+            decode.append(timer(engine))
     profile = None
     if args.out:
-        prompt = random_prompts(1, args.prompt_len, seed * 1000 + 999, vocab)[0]
-        rid = engine.add_request(prompt, params)
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
-            timer(engine)
-        engine.abort(rid)
         profile = {e.key: (e.self_cpu_time_total, getattr(e, "self_device_time_total", 0.0), e.count)
                    for e in prof.key_averages()}
     for rid in decoders:
@@ -92,6 +90,8 @@ def measure(engine: LLMEngine, rows: int, args: argparse.Namespace, seed: int) -
         "mixed_gpu_ms_p50": statistics.median(m[1] for m in mixed),
         "decode_wall_ms_p50": statistics.median(d[0] for d in decode),
         "decode_gpu_ms_p50": statistics.median(d[1] for d in decode),
+        "mixed_ms": [[round(w, 3), round(g, 3)] for w, g in mixed],
+        "decode_ms": [[round(w, 3), round(g, 3)] for w, g in decode],
         "profile": profile,
     }
 
@@ -137,8 +137,9 @@ def main() -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        (out / "mixed_step.json").write_text(json.dumps({"device": device, "args": vars(args), "summary": summary},
-                                                        indent=2) + "\n")
+        runs = {key: [{k: v for k, v in r.items() if k != "profile"} for r in value] for key, value in results.items()}
+        (out / "mixed_step.json").write_text(json.dumps({"device": device, "args": vars(args), "summary": summary,
+                                                         "runs": runs}, indent=2) + "\n")
         parts = []
         for index, rows in enumerate(args.decode_rows):
             off = results["off"][index + len(args.decode_rows)]["profile"] or {}

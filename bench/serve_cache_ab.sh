@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Prefix cache on vs off on unique prompts, served, as an A/B that alternates the two servers ROUNDS times
+# (off, on, off, on, ...), so drift of the machine (clocks, other load) hits both alike. Each round starts a
+# fresh server of the one setting and runs PASSES over it (default "a b": two passes of the same arrival
+# pattern with fresh token ids). GPU clocks and power are logged (nvidia-smi, once a second) beside it.
+#
+#   bash bench/serve_cache_ab.sh OUT            # ROUNDS=2 WORKLOADS=1024:64 RATES=8 NUM_PROMPTS=160
+#
+# OUT/ab_summary.json holds TTFT / TPOT / ITL p50 and p99 per (setting, round, pass) and the medians per
+# setting; OUT/ab_raw.tar.gz the per-run JSON and server logs; OUT/gpu_clocks.csv the clock log.
+set -euo pipefail
+OUT=$(realpath -m "${1:-bench/results/gpu/cache_ab}")
+mkdir -p "$OUT"
+export ROUNDS=${ROUNDS:-2} WORKLOADS=${WORKLOADS:-1024:64} RATES=${RATES:-8} NUM_PROMPTS=${NUM_PROMPTS:-160}
+export PASSES=${PASSES:-"a b"}
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+  --format=csv -l 1 > "$OUT/gpu_clocks.csv" 2>/dev/null &
+clock_pid=$!
+raw=$(mktemp -d)
+for round in $(seq 1 "$ROUNDS"); do
+  for deployment in colocated-1gpu-nocache colocated-1gpu; do
+    bash bench/serve_gpu.sh "$raw/r$round" "$deployment" > "$raw/r$round-$deployment.log" 2>&1 || true
+  done
+done
+kill "$clock_pid" 2>/dev/null || true
+python3 - "$raw" "$OUT/ab_summary.json" <<'PY'
+import json, statistics, sys
+from pathlib import Path
+
+raw, out = Path(sys.argv[1]), Path(sys.argv[2])
+rows = []
+for path in sorted(raw.glob("r*/colocated-1gpu*-rate*.json")):
+    metrics = json.loads(path.read_text())["metrics"]
+    name = path.stem  # colocated-1gpu[-nocache]-IN-OUT-PASS-rateR
+    rows.append({
+        "setting": "off" if "nocache" in name else "on", "round": path.parent.name, "run": name,
+        "completed": metrics["completed"], "failed": metrics["failed"],
+        **{f"{m}_{q}": round(metrics[f"{m}_ms"][q], 3) for m in ("ttft", "tpot", "itl") for q in ("p50", "p99")},
+    })
+summary = {}
+for setting in ("off", "on"):
+    mine = [r for r in rows if r["setting"] == setting]
+    if mine:
+        summary[setting] = {k: round(statistics.median(r[k] for r in mine), 3)
+                            for k in ("ttft_p50", "tpot_p50", "itl_p50", "ttft_p99", "tpot_p99")}
+if len(summary) == 2:
+    summary["on_over_off"] = {k: round(summary["on"][k] / summary["off"][k], 4) for k in summary["on"]}
+out.write_text(json.dumps({"runs": rows, "median_over_runs": summary}, indent=2) + "\n")
+print(json.dumps(summary, indent=2))
+PY
+tar czf "$OUT/ab_raw.tar.gz" -C "$raw" .
