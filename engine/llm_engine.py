@@ -89,7 +89,7 @@ class LLMEngine:
         self.cache = StateCache(self.model_config, layout, config.torch_dtype, ssm_dtype, device)
         self.pool = StatePool(self.cache, self.state_block, config.enable_prefix_caching, config.max_cache_events)
         self.scheduler = Scheduler(self.pool, config.prefill_chunk_tokens, layout.num_slots, lookahead,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens, self.model_config.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(self.model, self.cache, config.page_size, device, self.state_block)
         self.spec: SpecDecoder | None = None
         if spec is not None:
@@ -202,7 +202,7 @@ class LLMEngine:
         handoff.commit(self, request, tensors, first_token, num_cached_tokens)
         self._requests[request_id] = request
         self.scheduler.running.append(request)
-        reason = self._stop_reason(request, first_token)
+        reason = self.scheduler.stop_reason(request, first_token)
         if reason is not None:
             self.scheduler.finish(request, reason)
             self._requests.pop(request_id, None)
@@ -243,47 +243,17 @@ class LLMEngine:
         if self.spec is not None:
             write_checkpoint_hidden(self.cache, work.prefills, checkpoint_slots, output, len(work.decodes),
                                     self.state_block)
-        accepted = self.spec.accept(work.decodes, output) if self.spec is not None else []
-        chunks = [(r, 1) for r in work.decodes] + [(c.request, c.num_tokens) for c in work.prefills]
-        before = [r.num_computed_tokens for r, _ in chunks]
-        stops: dict[int, str] = {}
-        for index, (request, count) in enumerate(chunks):
-            if index < len(accepted):
-                new_tokens = accepted[index].tokens
-            else:
-                token = output.sampled.get(request.request_id)
-                new_tokens = [] if token is None else [token]
-            appended = 0
-            for token in new_tokens:
-                request.output_token_ids.append(token)
-                appended += 1
-                reason = self._stop_reason(request, token)
-                if reason is not None:
-                    stops[index] = reason
-                    break
-            # a verify computed the tokens it appended (a stop inside the accepted drafts cuts them)
-            request.num_computed_tokens += appended if index < len(accepted) else count
-        decodes = list(zip(work.decodes, before))
-        if self.spec is not None:
-            self.spec.begin_commit(output, work.decodes, before[: len(work.decodes)])
-        self.pool.commit([r for r, _ in chunks], decodes, self.spec.snapshot if self.spec is not None else None)
-        if self.spec is not None:
-            self.spec.rollback(work.decodes, [r.num_computed_tokens - b for r, b in decodes])
+            output = self.spec.accept(work.decodes, output)
+        update = self.scheduler.update_from_output(work, output, self.spec)
         updated: list[RequestOutput] = []
-        for index, (request, _) in enumerate(chunks):
-            if index >= len(accepted) and request.request_id not in output.sampled:
-                continue
-            reason = stops.get(index)
-            if reason is not None and request.hold_state:
-                self.scheduler.detach(request, reason)
-                self._held[request.request_id] = request
-            elif reason is not None:
-                self.scheduler.finish(request, reason)
-            updated.append(self._output(request))
+        for request in update.updated:
             if request.finished:
                 self._requests.pop(request.request_id, None)
+                if request.hold_state:
+                    self._held[request.request_id] = request
+            updated.append(self._output(request))
         if self.spec is not None and self.spec.mtp is not None:
-            self.spec.catch_up(self._catch_up_work(chunks, before, output))
+            self.spec.catch_up(self._catch_up_work(update.rows, update.before, output))
         return updated
 
     def _catch_up_work(self, chunks: list[tuple[Request, int]], before: list[int], output: StepOutput) -> list[CatchUp]:
@@ -299,16 +269,6 @@ class LLMEngine:
             draft = draft and self.pool.reserve(request, request.num_tokens + self.lookahead)
             work.append(CatchUp(request, start, done if draft else done - 1, rows, draft))
         return work
-
-    def _stop_reason(self, request: Request, token: int) -> str | None:
-        params = request.params
-        if not params.ignore_eos and token in self.model_config.eos_token_ids:
-            return "stop"
-        if token in params.stop_token_ids:
-            return "stop"
-        if len(request.output_token_ids) >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return "length"
-        return None
 
     def _output(self, request: Request) -> RequestOutput:
         """The request's state after a step. Text only once it finished (one decode, for `LLM.generate`): streams

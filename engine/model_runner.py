@@ -26,14 +26,17 @@ class VerifyInputs:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What one forward produced: final hidden states of every new token, the batch that placed them, the
-    sampled token of every request due one (plain decodes and finished prefills), and the logits of every
-    verify position."""
+    """What one step produced, vLLM v1's ModelRunnerOutput shape: per scheduled row (decodes first, then
+    prefill chunks) the list of its new token ids: one sampled token for a plain decode or a prefill chunk
+    that finished the prompt, none for a chunk short of it, and after speculative acceptance the accepted
+    drafts plus one for a verify row (`num_verify_rows` rows, filled by `SpecDecoder.accept`). Beside them
+    the final hidden states of every computed token, the batch that placed them and the verify logits."""
 
     hidden: torch.Tensor  # [N, hidden]
     batch: ForwardBatch
-    sampled: dict[str, int]
+    new_token_ids: list[list[int]]  # per scheduled row
     verify_logits: torch.Tensor | None = None  # [num_decode, T, vocab] fp32
+    num_verify_rows: int = 0  # the first rows are verify rows: they computed exactly the tokens they keep
 
 
 def build_forward_batch(
@@ -164,8 +167,9 @@ class ModelRunner:
             verify_logits = self.model.compute_logits(hidden[: nd * tokens]).view(nd, tokens, -1)
         first_sampled = nd if verify is not None else 0
         due = [i for i in range(first_sampled, len(chunks)) if chunks[i][1] == chunks[i][0].num_pending_tokens]
+        new_token_ids: list[list[int]] = [[] for _ in chunks]
         if not due:
-            return StepOutput(hidden, batch, {}, verify_logits)
+            return StepOutput(hidden, batch, new_token_ids, verify_logits, first_sampled)
         rows = batch.cu_seqlens[torch.tensor(due, device=self.device) + 1] - 1
         last_hidden = hidden[rows]  # [num_due, hidden]
         logits = self.model.compute_logits(last_hidden)
@@ -174,7 +178,9 @@ class ModelRunner:
             if request.hold_state:  # a prefill worker ships it to decode (the MTP drafter needs it)
                 request.last_hidden = last_hidden[row]
         tokens_out = sample(logits, [r.params for r in requests], [r.generator for r in requests])
-        return StepOutput(hidden, batch, {r.request_id: t for r, t in zip(requests, tokens_out)}, verify_logits)
+        for index, token in zip(due, tokens_out):
+            new_token_ids[index] = [token]
+        return StepOutput(hidden, batch, new_token_ids, verify_logits, first_sampled)
 
     def prompt_logits(self, request: Request) -> torch.Tensor:
         """Logits at every prompt position [L, vocab] for a request holding its slot and pages (one pass)."""

@@ -12,10 +12,15 @@ can never fit is refused when it is added.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.statepool.pool import StatePool
+
+if TYPE_CHECKING:
+    from hybridserve.engine.model_runner import StepOutput
 
 
 @dataclass(frozen=True)
@@ -40,12 +45,36 @@ class SchedulerOutput:
         return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
 
 
+@dataclass(frozen=True)
+class StepUpdate:
+    """What `update_from_output` did: the step's rows with their computed counts before it, and the requests
+    that received tokens (in row order; finished ones are marked FINISHED)."""
+
+    rows: list[tuple[Request, int]]  # (request, tokens scheduled), decodes first
+    before: list[int]  # per row, num_computed_tokens before the step
+    updated: list[Request]
+
+
+class StepCommit(Protocol):
+    """Speculative decoding's part of a step's commit: which rows verified, a state at a checkpoint boundary
+    inside the accepted tokens, and the state rollback to the last kept token."""
+
+    def begin_commit(self, decodes: list[Request], before: list[int]) -> None: ...
+
+    def snapshot(self, request: Request, num_tokens: int, row: int) -> None: ...
+
+    def rollback(self, decodes: list[Request], computed: list[int]) -> None: ...
+
+
 class Scheduler:
     def __init__(
         self, pool: StatePool, prefill_chunk_size: int, max_num_seqs: int, decode_lookahead: int = 0,
-        max_num_batched_tokens: int | None = None,
+        max_num_batched_tokens: int | None = None, eos_token_ids: Sequence[int] = (),
+        max_model_len: int | None = None,
     ) -> None:
         self.pool = pool
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens  # None: no cap beyond the prefill budget
         self.decode_lookahead = decode_lookahead  # speculative decoding: pages for K draft positions per step
         self.prefill_chunk_size = prefill_chunk_size
@@ -146,3 +175,54 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+    # ---- after the forward ----------------------------------------------------------------------
+    def update_from_output(self, work: SchedulerOutput, output: StepOutput, spec: StepCommit | None = None) -> StepUpdate:
+        """Append each row's new token ids (one list per row, speculative or not) up to the first stop, advance
+        the computed counts (a verify row computed exactly the tokens it kept), commit the step to the pool
+        (cached blocks, checkpoints; `spec` snapshots and rolls back), then finish (or detach, for a request
+        whose state is exported next) every request that stopped."""
+        rows = [(r, 1) for r in work.decodes] + [(c.request, c.num_tokens) for c in work.prefills]
+        before = [r.num_computed_tokens for r, _ in rows]
+        stops: dict[int, str] = {}
+        for index, (request, count) in enumerate(rows):
+            appended = 0
+            for token in output.new_token_ids[index]:
+                request.output_token_ids.append(token)
+                appended += 1
+                reason = self.stop_reason(request, token)
+                if reason is not None:
+                    stops[index] = reason
+                    break
+            # a verify computed the tokens it appended (a stop inside the accepted drafts cuts them)
+            request.num_computed_tokens += appended if index < output.num_verify_rows else count
+        decodes = list(zip(work.decodes, before))
+        if spec is not None:
+            spec.begin_commit(work.decodes, before[: len(work.decodes)])
+        self.pool.commit([r for r, _ in rows], decodes, spec.snapshot if spec is not None else None)
+        if spec is not None:
+            spec.rollback(work.decodes, [r.num_computed_tokens - b for r, b in decodes])
+        updated: list[Request] = []
+        for index, (request, _) in enumerate(rows):
+            if not output.new_token_ids[index]:
+                continue
+            reason = stops.get(index)
+            if reason is not None and request.hold_state:
+                self.detach(request, reason)
+            elif reason is not None:
+                self.finish(request, reason)
+            updated.append(request)
+        return StepUpdate(rows, before, updated)
+
+    def stop_reason(self, request: Request, token: int) -> str | None:
+        """Why the request stops after appending `token`, or None: "stop" (EOS, a stop token), "length"."""
+        params = request.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if len(request.output_token_ids) >= params.max_tokens:
+            return "length"
+        if self.max_model_len is not None and request.num_tokens >= self.max_model_len:
+            return "length"
+        return None

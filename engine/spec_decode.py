@@ -13,6 +13,7 @@ per-token states (or a partial replay), so speculation and prefix caching work t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -92,6 +93,7 @@ class SpecDecoder:
                 )
             self.mtp = MTPDrafter(model, cache, page_size, self.num_drafts)
         self._step: _VerifyStep | None = None
+        self._output: StepOutput | None = None
         self._external: Callable[[Request], list[int]] | None = None
 
     def set_drafter(self, drafter: Callable[[Request], list[int]] | None) -> None:
@@ -120,8 +122,16 @@ class SpecDecoder:
         return VerifyInputs(rows, cfg.rollback, [r.replay_pending for r in decodes])
 
     # ---- after the forward ----------------------------------------------------------------------
-    def accept(self, decodes: list[Request], output: StepOutput) -> list[Acceptance]:
-        """Accepted drafts + one target token per decode row; counts them."""
+    def accept(self, decodes: list[Request], output: StepOutput) -> StepOutput:
+        """The step's output with each verify row's new tokens: its accepted drafts + one target token; counts
+        them. The output is kept for this step's commit (snapshot, rollback)."""
+        results = self._acceptances(decodes, output)
+        new_token_ids = [r.tokens for r in results] + output.new_token_ids[len(results):]
+        output = dataclasses.replace(output, new_token_ids=new_token_ids)
+        self._output = output
+        return output
+
+    def _acceptances(self, decodes: list[Request], output: StepOutput) -> list[Acceptance]:
         logits = output.verify_logits
         if not decodes or logits is None:
             return []
@@ -139,10 +149,13 @@ class SpecDecoder:
             results.append(result)
         return results
 
-    def begin_commit(self, output: StepOutput, decodes: list[Request], before: list[int]) -> None:
+    def begin_commit(self, decodes: list[Request], before: list[int]) -> None:
+        """The verify rows of the step `accept` saw, with their computed counts before it."""
+        assert self._output is not None  # accept ran this step
         self._step = _VerifyStep(
-            output, {id(r): i for i, r in enumerate(decodes)}, {id(r): b for r, b in zip(decodes, before)}
+            self._output, {id(r): i for i, r in enumerate(decodes)}, {id(r): b for r, b in zip(decodes, before)}
         )
+        self._output = None
 
     def snapshot(self, request: Request, num_tokens: int, row: int) -> None:
         """Write the request's state after `num_tokens` tokens (inside this step's verify) into checkpoint

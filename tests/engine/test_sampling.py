@@ -67,6 +67,7 @@ def test_stop_token_and_eos() -> None:
     # an EOS token of the model stops unless ignore_eos
     eos_llm = _llm()
     eos_llm.engine.model_config = dataclasses.replace(eos_llm.engine.model_config, eos_token_ids=(stop_at,))
+    eos_llm.engine.scheduler.eos_token_ids = frozenset({stop_at})  # the scheduler applies the stop rules
     eos_out = eos_llm.generate(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=6, temperature=0.0))[0]
     assert eos_out.token_ids == stopped.token_ids and eos_out.finish_reason == "stop"
     assert free.finish_reason == "length" and len(free.token_ids) == 6
