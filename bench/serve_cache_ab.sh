@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prefix cache on vs off on unique prompts, served, as an A/B that alternates the two servers ROUNDS times
-# (off, on, off, on, ...), so drift of the machine (clocks, other load) hits both alike. Each round starts a
+# (off, on, off, on, ...; ABBA=1: off, on, on, off, ...), so drift of the machine (clocks, other load) hits both alike. Each round starts a
 # fresh server of the one setting and runs PASSES over it (default "a b": two passes of the same arrival
 # pattern with fresh token ids). GPU clocks and power are logged (nvidia-smi, once a second) beside it.
 #
@@ -18,7 +18,9 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
 clock_pid=$!
 raw=$(mktemp -d)
 for round in $(seq 1 "$ROUNDS"); do
-  for deployment in colocated-1gpu-nocache colocated-1gpu; do
+  order="colocated-1gpu-nocache colocated-1gpu"
+  if [ "${ABBA:-0}" = 1 ] && [ $((round % 2)) = 0 ]; then order="colocated-1gpu colocated-1gpu-nocache"; fi
+  for deployment in $order; do
     bash bench/serve_gpu.sh "$raw/r$round" "$deployment" > "$raw/r$round-$deployment.log" 2>&1 || true
   done
 done
