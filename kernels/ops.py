@@ -17,6 +17,7 @@ import torch
 
 from hybridserve.kernels.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from hybridserve.kernels.gated_rmsnorm import add_rmsnorm_ref, gated_rmsnorm_ref, relu2_ref, rmsnorm_ref
+from hybridserve.kernels.moe import moe_experts_ref
 from hybridserve.kernels.paged_attention import paged_attention_ref, write_kv_pages
 from hybridserve.kernels.replay_state import replay_state_update_ref
 from hybridserve.kernels.ssd_scan import ssd_scan_varlen_ref
@@ -92,6 +93,8 @@ gated_rmsnorm = _dispatch(gated_rmsnorm_ref, "gated_rmsnorm_triton", "gated_rmsn
 rmsnorm = _dispatch(rmsnorm_ref, "gated_rmsnorm_triton", "rmsnorm_triton")
 add_rmsnorm = _dispatch(add_rmsnorm_ref, "gated_rmsnorm_triton", "add_rmsnorm_triton")
 relu2 = _dispatch(relu2_ref, "gated_rmsnorm_triton", "relu2_triton")
+# routed relu2 experts: alignment + two grouped GEMMs + sum over each token's k rows (sync-free either way)
+moe_experts = _dispatch(moe_experts_ref, "moe_triton", "moe_experts_triton")
 
 __all__ = [
     "add_rmsnorm",
@@ -99,6 +102,7 @@ __all__ = [
     "causal_conv1d_varlen",
     "gated_rmsnorm",
     "linear",
+    "moe_experts",
     "multi_token_state_update",
     "paged_attention",
     "relu2",

@@ -1,0 +1,203 @@
+"""Triton fused MoE: one alignment kernel and one grouped GEMM launched twice (up with relu2, down with the routing
+weight), then a sum over each token's k pair rows. No host sync and fixed launch sizes for a given token count,
+so a decode step with MoE layers captures as a CUDA graph.
+
+Alignment (`_moe_align_kernel`, one program): histogram of the pairs' experts, each expert padded to BLOCK_M
+rows, prefix sums give its first row; every pair then takes the next row of its expert with an atomic add on a
+per-expert cursor (the order inside an expert is arbitrary, which changes nothing: GEMM rows are independent).
+The GEMM (`_moe_gemm_kernel`) runs one program per (block of BLOCK_M aligned rows, BLOCK_N output columns):
+the block's rows gather their inputs by pair index, the block's expert streams its weight tile, fp8 weights
+are cast to the activation dtype in registers (weight-only fp8: half the bytes at decode) and the per-channel
+scale multiplies the fp32 accumulator; blocks past the used rows exit at once.
+The torch references are in `moe.py`; `kernels.ops.moe_experts` dispatches.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridserve.kernels.moe import align_capacity
+from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting, next_pow2
+
+
+@triton.jit
+def _moe_align_kernel(
+    ids_ptr, sorted_ptr, block_expert_ptr, used_rows_ptr, cursor_ptr, num_pairs, num_rows, num_blocks,
+    E: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Writes sorted_ptr [num_rows] (pair per row, num_pairs = padding), block_expert_ptr [num_blocks] and
+    used_rows_ptr [1]; cursor_ptr [E_BINS] int32 is scratch."""
+    bins = tl.arange(0, E_BINS)
+    counts = tl.zeros([E_BINS], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+        counts += tl.histogram(ids, E_BINS, mask=mask)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + bins, ends - padded)
+    tl.store(used_rows_ptr, tl.sum(padded, 0))
+    for start in range(0, num_rows, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + num_pairs, mask=offs < num_rows)
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        first_row = blocks * BLOCK_M
+        expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), 1)  # experts ending before the row
+        tl.store(block_expert_ptr + blocks, tl.minimum(expert, E - 1), mask=blocks < num_blocks)
+    tl.debug_barrier()  # cursors and padding are written before any pair claims its row
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+        row = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
+        tl.store(sorted_ptr + row, offs, mask=mask)
+
+
+def moe_align_triton(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Same contract as `moe_align_ref` (rows within one expert in any order)."""
+    flat = topk_ids.reshape(-1)
+    if flat.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {flat.dtype}")
+    flat = flat.contiguous()
+    pairs = flat.numel()
+    rows = align_capacity(pairs, num_experts, block_m)
+    blocks = rows // block_m
+    device = flat.device
+    sorted_pairs = torch.empty(rows, dtype=torch.int32, device=device)
+    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
+    used_rows = torch.empty(1, dtype=torch.int32, device=device)
+    bins = next_pow2(num_experts)
+    cursor = torch.empty(bins, dtype=torch.int32, device=device)
+    chunk = 64 if interpreting() else 1024
+    _moe_align_kernel[(1,)](flat, sorted_pairs, block_expert, used_rows, cursor, pairs, rows, blocks,
+                            E=num_experts, E_BINS=bins, BLOCK_M=block_m, CHUNK=chunk, num_warps=4)
+    return sorted_pairs, block_expert, used_rows
+
+
+def _gemm_configs() -> list[triton.Config]:
+    """Autotune space on the GPU; one small config under the interpreter (tests)."""
+    if interpreting():
+        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+            for n in (32, 64, 128) for k in (64, 128, 256) for w in (4, 8) for s in (3, 4, 5)
+            if n * k <= 32768 and not (w == 8 and n == 32)]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    """Tall tiles for prefill blocks; decode blocks (BLOCK_M 16) stream weights: keep the narrow ones too."""
+    block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 16))
+    return [c for c in configs if block_m >= 64 or c.kwargs["BLOCK_N"] <= 64] or configs
+
+
+@triton.autotune(configs=_gemm_configs(), key=["N_OUT", "K", "BLOCK_M", "A_ROW_DIV", "HAS_SCALE"],
+                 prune_configs_by={"early_config_prune": _prune}, cache_results=PERSIST_AUTOTUNE)
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, scale_ptr, route_w_ptr, out_ptr, sorted_ptr, block_expert_ptr, used_rows_ptr,
+    num_pairs, N_OUT, K, a_m, w_e, w_n, out_m,
+    A_ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    RELU2: tl.constexpr, ROUTE_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    """out[pair, n] = act(sum_k a[pair // A_ROW_DIV, k] * W[e, n, k] * scale[e, n]) (* route weight[pair])."""
+    pid_m = tl.program_id(0)
+    if pid_m * BLOCK_M >= tl.load(used_rows_ptr):
+        return
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
+    row_ok = pairs < num_pairs
+    a_rows = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * a_m
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N_OUT
+    w_rows = w_ptr + expert * w_e + offs_n.to(tl.int64)[:, None] * w_n
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < K
+        a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        w = w.to(a.dtype)  # fp8 -> the activation dtype: exact
+        if DOT_UPCAST:  # the interpreter's bf16 dot is wrong; fp32 operands give the same exact products
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)[None, :]
+    if RELU2:  # on the projection rounded to the output dtype, as relu2(linear(x)) computes it
+        acc = tl.maximum(acc.to(out_ptr.dtype.element_ty).to(tl.float32), 0.0)
+        acc = acc * acc
+    if ROUTE_WEIGHT:  # the routed product rounds to the activation dtype first, as transformers' experts do
+        acc = acc.to(a_ptr.dtype.element_ty).to(tl.float32)
+        acc *= tl.load(route_w_ptr + pairs, mask=row_ok, other=0.0)[:, None]
+    tl.store(out_ptr + pairs.to(tl.int64)[:, None] * out_m + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+def choose_block_m(num_pairs: int, num_experts: int) -> int:
+    """Rows per aligned block from the mean pairs per expert: 16 (the smallest tl.dot tile) at decode, taller
+    tiles once experts hold enough rows to fill them."""
+    per_expert = num_pairs / num_experts
+    if per_expert <= 24:
+        return 16
+    if per_expert <= 48:
+        return 32
+    return 64 if per_expert <= 160 else 128
+
+
+def _grouped_gemm(
+    a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, route_w: torch.Tensor | None,
+    out: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_pairs: int, a_row_div: int,
+    block_m: int, relu2: bool,
+) -> None:
+    sorted_pairs, block_expert, used_rows = align
+    n_out, k = w.shape[1], w.shape[2]
+
+    def grid(meta: dict) -> tuple[int, int]:
+        return (block_expert.numel(), triton.cdiv(n_out, meta["BLOCK_N"]))
+
+    _moe_gemm_kernel[grid](
+        a, w, scale if scale is not None else a, route_w if route_w is not None else a, out,
+        sorted_pairs, block_expert, used_rows, num_pairs, n_out, k, a.stride(0), w.stride(0), w.stride(1),
+        out.stride(0), A_ROW_DIV=a_row_div, BLOCK_M=block_m, RELU2=relu2, ROUTE_WEIGHT=route_w is not None,
+        HAS_SCALE=scale is not None, DOT_PRECISION="ieee" if a.dtype == torch.float32 or interpreting() else "tf32",
+        DOT_UPCAST=interpreting() and a.dtype == torch.bfloat16,
+    )
+
+
+def moe_experts_triton(
+    x: torch.Tensor,  # [N, D]
+    w_up: torch.Tensor,  # [E, I, D] (bf16 / fp16 / fp32, or float8_e4m3fn with up_scale)
+    w_down: torch.Tensor,  # [E, D, I]
+    topk_weights: torch.Tensor,  # [N, k] fp32
+    topk_ids: torch.Tensor,  # [N, k]
+    up_scale: torch.Tensor | None = None,  # [E, I] fp32
+    down_scale: torch.Tensor | None = None,  # [E, D] fp32
+) -> torch.Tensor:
+    """Same contract as `moe_experts_ref`: [N, D] in x's dtype."""
+    n, d = x.shape
+    num_experts, inter = w_up.shape[0], w_up.shape[1]
+    if w_up.shape[2] != d or w_down.shape != (num_experts, d, inter):
+        raise ValueError(f"expert weights up {tuple(w_up.shape)} / down {tuple(w_down.shape)} do not fit x [.., {d}]")
+    if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != n:
+        raise ValueError(f"topk ids {tuple(topk_ids.shape)} and weights {tuple(topk_weights.shape)} must be [N, k]")
+    if (w_up.dtype == torch.float8_e4m3fn) != (up_scale is not None):
+        raise ValueError("fp8 expert weights need their scales (and only fp8 weights take scales)")
+    k = topk_ids.shape[1]
+    pairs = n * k
+    if pairs == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    block_m = choose_block_m(pairs, num_experts)
+    align = moe_align_triton(topk_ids, num_experts, block_m)
+    hidden = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w_up, up_scale, None, hidden, align, pairs, k, block_m, relu2=True)
+    pair_out = torch.empty(pairs, d, dtype=torch.float32, device=x.device)
+    _grouped_gemm(hidden, w_down, down_scale, topk_weights.reshape(-1).float().contiguous(), pair_out, align,
+                  pairs, 1, block_m, relu2=False)
+    return pair_out.view(n, k, d).sum(1).to(x.dtype)

@@ -1,0 +1,137 @@
+"""Fused MoE: the alignment (Triton vs torch reference, and its invariants), the reference experts against a
+per-expert loop written out here, the Triton experts against the reference (bf16 / fp32 / fp8 weights), the
+router against transformers' NemotronHTopkRouter."""
+
+from __future__ import annotations
+
+import ktest_utils as ku  # noqa: I001  (sets TRITON_INTERPRET before triton is imported)
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridserve.kernels.moe import (
+    RouterSpec,
+    align_capacity,
+    moe_align_ref,
+    moe_experts_ref,
+    quantize_fp8_rows,
+    route_topk,
+)
+
+triton = pytest.importorskip("triton")
+
+from hybridserve.kernels.moe_triton import choose_block_m, moe_align_triton, moe_experts_triton  # noqa: E402
+
+
+def _ids(tokens: int, k: int, experts: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+
+
+def _check_alignment(ids: torch.Tensor, experts: int, block_m: int, align) -> None:
+    sorted_pairs, block_expert, used = align
+    flat = ids.reshape(-1)
+    pairs = flat.numel()
+    rows = align_capacity(pairs, experts, block_m)
+    assert sorted_pairs.shape == (rows,) and block_expert.shape == (rows // block_m,)
+    counts = torch.bincount(flat, minlength=experts)
+    assert int(used) == int(((counts + block_m - 1) // block_m * block_m).sum())
+    real = sorted_pairs[: int(used)]
+    assert sorted(real[real < pairs].tolist()) == list(range(pairs))  # every pair exactly once
+    assert bool((sorted_pairs[int(used):] == pairs).all())
+    for row, pair in enumerate(real.tolist()):  # each real row sits in a block of its own expert
+        if pair < pairs:
+            assert int(block_expert[row // block_m]) == int(flat[pair])
+
+
+@pytest.mark.parametrize("tokens,k,experts,block_m", [(1, 2, 8, 16), (5, 3, 8, 16), (40, 2, 4, 16), (9, 4, 16, 32),
+                                                      (70, 2, 3, 64)])
+def test_align_reference_and_triton(tokens, k, experts, block_m):
+    ids = _ids(tokens, k, experts, tokens + experts)
+    _check_alignment(ids, experts, block_m, moe_align_ref(ids, experts, block_m))
+    _check_alignment(ids, experts, block_m, moe_align_triton(ids, experts, block_m))
+
+
+def _loop_experts(x, w_up, w_down, weights, ids):
+    """The per-expert loop of transformers' NemotronHExperts, written out (test oracle only)."""
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for expert in range(w_up.shape[0]):
+        token, rank = torch.where(ids == expert)
+        h = F.linear(torch.relu(F.linear(x[token], w_up[expert])).square(), w_down[expert])
+        out.index_add_(0, token, (h * weights[token, rank, None]).float())
+    return out.to(x.dtype)
+
+
+def _case(tokens, k, experts, d, inter, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, d, generator=gen).to(dtype)
+    w_up = (torch.randn(experts, inter, d, generator=gen) * d**-0.5).to(dtype)
+    w_down = (torch.randn(experts, d, inter, generator=gen) * inter**-0.5).to(dtype)
+    weights = torch.rand(tokens, k, generator=gen)
+    return x, w_up, w_down, weights, _ids(tokens, k, experts, seed)
+
+
+@pytest.mark.parametrize("tokens", [1, 6, 33])
+def test_reference_equals_the_expert_loop(tokens):
+    x, w_up, w_down, weights, ids = _case(tokens, 3, 8, 24, 40, torch.float32)
+    torch.testing.assert_close(moe_experts_ref(x, w_up, w_down, weights, ids),
+                               _loop_experts(x, w_up, w_down, weights, ids), rtol=1e-5, atol=1e-6)
+
+
+def test_reference_chunks_tokens(monkeypatch):
+    import hybridserve.kernels.moe as moe
+
+    x, w_up, w_down, weights, ids = _case(13, 2, 4, 16, 8, torch.float32)
+    whole = moe_experts_ref(x, w_up, w_down, weights, ids)
+    monkeypatch.setattr(moe, "_REF_LAYOUT_ELEMENTS", 4 * 16 * 3)  # 3 tokens per chunk
+    torch.testing.assert_close(moe_experts_ref(x, w_up, w_down, weights, ids), whole)
+
+
+@ku.interp_only
+@pytest.mark.parametrize("tokens,k,experts,d,inter", [(1, 2, 8, 32, 48), (7, 3, 4, 40, 24), (50, 2, 4, 16, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_experts_match_reference(tokens, k, experts, d, inter, dtype):
+    x, w_up, w_down, weights, ids = _case(tokens, k, experts, d, inter, dtype, seed=tokens)
+    out = moe_experts_triton(x, w_up, w_down, weights, ids)
+    # bf16: the interpreter casts fp32 -> bf16 by truncation (the GPU rounds to nearest), ~1.5 % on its own
+    ku.assert_close(out, moe_experts_ref(x, w_up, w_down, weights, ids), 1e-5 if dtype == torch.float32 else 3e-2,
+                    "moe out")
+
+
+@ku.interp_only
+@pytest.mark.parametrize("per_tensor", [False, True])
+def test_fp8_experts_triton_and_reference(per_tensor):
+    x, w_up, w_down, weights, ids = _case(5, 2, 4, 32, 32, torch.bfloat16, seed=3)
+    up8, up_s = quantize_fp8_rows(w_up)
+    down8, down_s = quantize_fp8_rows(w_down)
+    if per_tensor:  # one scale per expert tensor, as ModelOpt FP8 checkpoints store it, broadcast to rows
+        up_s = up_s.amax(-1, keepdim=True).expand_as(up_s).contiguous()
+        up8 = (w_up.float() / up_s[..., None]).to(torch.float8_e4m3fn)
+    ref = moe_experts_ref(x, up8, down8, weights, ids, up_s, down_s)
+    dense = moe_experts_ref(x, w_up, w_down, weights, ids)
+    ku.assert_close(ref, dense, 0.08, "fp8 reference vs bf16")  # e4m3 keeps 3 mantissa bits
+    ku.assert_close(moe_experts_triton(x, up8, down8, weights, ids, up_s, down_s), ref, 3e-2, "fp8 triton")
+
+
+def test_block_m_grows_with_rows_per_expert():
+    assert [choose_block_m(p, 128) for p in (6, 768, 24576)] == [16, 16, 128]
+
+
+@pytest.mark.parametrize("n_group,topk_group,norm", [(1, 1, True), (4, 2, True), (2, 1, False)])
+def test_router_matches_transformers(n_group, topk_group, norm):
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
+
+    config = NemotronHConfig(hidden_size=32, n_routed_experts=16, num_experts_per_tok=3, n_group=n_group,
+                             topk_group=topk_group, norm_topk_prob=norm, routed_scaling_factor=2.5)
+    torch.manual_seed(n_group)
+    router = NemotronHTopkRouter(config)
+    router.weight.data.normal_()
+    router.e_score_correction_bias.data.normal_(0, 0.3)
+    x = torch.randn(64, 32)
+    spec = RouterSpec(16, 3, n_group, topk_group, norm, 2.5)
+    _, hf_weights, hf_ids = router(x)
+    weights, ids = route_topk(x, router.weight, router.e_score_correction_bias, spec)
+    order, hf_order = ids.sort(-1)[1], hf_ids.sort(-1)[1]
+    assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
+    assert torch.equal(weights.gather(1, order), hf_weights.gather(1, hf_order))
