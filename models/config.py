@@ -99,6 +99,9 @@ class MoEConfig:
     topk_group: int
     norm_topk_prob: bool
     routed_scaling_factor: float
+    # routed expert weights held as float8_e4m3fn with per-output-channel fp32 scales (an FP8 checkpoint's, or
+    # quantized at load); the loader sets it, config.json does not
+    fp8_experts: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "experts_per_token", "intermediate_size", "n_group", "topk_group"):

@@ -14,8 +14,9 @@ from torch import nn
 from hybridserve.models.attention import Attention
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
-from hybridserve.models.layers import MLP, Linear, MoE, RMSNorm, residual_stack
+from hybridserve.models.layers import MLP, Linear, RMSNorm, residual_stack
 from hybridserve.models.mamba_mixer import Mamba2Mixer
+from hybridserve.models.moe import MoE
 from hybridserve.models.mtp import MTPHead
 
 if TYPE_CHECKING:  # the state cache depends on models.config; avoid the import cycle

@@ -1,16 +1,14 @@
-"""Dense building blocks of the hybrid models: RMSNorm, the pre-norm residual stack, relu2 MLP, NemotronH
-mixture of experts."""
+"""Dense building blocks of the hybrid models: RMSNorm, the pre-norm residual stack, relu2 MLP (the mixture of
+experts is `models/moe.py`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.kernels import ops
-from hybridserve.models.config import MoEConfig
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -69,59 +67,3 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
         return self.down_proj(relu2(self.up_proj(x), inplace=True))
-
-
-class TopkRouter(nn.Module):
-    """Sigmoid scores, bias-corrected group-limited top-k choice, weights from the uncorrected scores."""
-
-    def __init__(self, hidden_size: int, config: MoEConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.weight = _param(config.num_experts, hidden_size)
-        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [N, hidden] -> (expert weights [N, k], expert ids [N, k])."""
-        cfg = self.config
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [N, E]
-        choice = scores + self.e_score_correction_bias.float()
-        per_group = cfg.num_experts // cfg.n_group
-        group_scores = choice.view(-1, cfg.n_group, per_group).topk(min(2, per_group), dim=-1)[0].sum(-1)
-        top_groups = group_scores.topk(cfg.topk_group, dim=-1)[1]  # [N, topk_group]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, top_groups, 1.0).bool()
-        expert_mask = group_mask[:, :, None].expand(-1, -1, per_group).reshape(-1, cfg.num_experts)
-        choice = choice.masked_fill(~expert_mask, float("-inf"))
-        ids = choice.topk(cfg.experts_per_token, dim=-1)[1]
-        weights = scores.gather(1, ids)
-        if cfg.norm_topk_prob:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * cfg.routed_scaling_factor, ids
-
-
-class MoE(nn.Module):
-    """Routed relu2 experts (optionally in a latent space) plus a shared expert."""
-
-    def __init__(self, hidden_size: int, config: MoEConfig, bias: bool) -> None:
-        super().__init__()
-        expert_in = config.latent_size or hidden_size
-        self.gate = TopkRouter(hidden_size, config)
-        self.experts = nn.Module()
-        self.experts.up_proj = _param(config.num_experts, config.intermediate_size, expert_in)
-        self.experts.down_proj = _param(config.num_experts, expert_in, config.intermediate_size)
-        self.shared_experts = MLP(hidden_size, config.shared_intermediate_size, bias)
-        self.fc1_latent_proj: nn.Module = nn.Identity()
-        self.fc2_latent_proj: nn.Module = nn.Identity()
-        if config.latent_size is not None:
-            self.fc1_latent_proj = Linear(hidden_size, config.latent_size, bias=bias)
-            self.fc2_latent_proj = Linear(config.latent_size, hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden]
-        weights, ids = self.gate(x)
-        latent = self.fc1_latent_proj(x)
-        routed = torch.zeros(latent.shape, dtype=torch.float32, device=x.device)
-        for expert in ids.unique().tolist():
-            token_idx, rank = torch.where(ids == expert)
-            h = relu2(F.linear(latent[token_idx], self.experts.up_proj[expert]), inplace=True)
-            h = F.linear(h, self.experts.down_proj[expert])
-            routed.index_add_(0, token_idx, (h * weights[token_idx, rank, None]).float())
-        return self.fc2_latent_proj(routed.to(x.dtype)) + self.shared_experts(x)

@@ -18,7 +18,8 @@ from torch import nn
 from hybridserve.models.attention import Attention
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
-from hybridserve.models.layers import MLP, Linear, MoE, RMSNorm, residual_stack
+from hybridserve.models.layers import MLP, Linear, RMSNorm, residual_stack
+from hybridserve.models.moe import MoE
 
 if TYPE_CHECKING:
     from hybridserve.statepool.state_cache import StateCache

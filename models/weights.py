@@ -13,12 +13,15 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from hybridserve.models.config import ModelConfig
+from hybridserve.models.fp8_weights import FP8, channel_scales, dequantize_dense, set_expert_precision
 from hybridserve.models.hybrid_model import HybridLM
 
 logger = logging.getLogger(__name__)
 
 _PREFIXES = ("model.", "backbone.")
-_EXPERT_KEY = re.compile(r"^((?:mtp\.)?layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight$")
+_EXPERT_KEY = re.compile(
+    r"^((?:mtp\.)?layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.(weight|weight_scale|input_scale)$"
+)
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -49,7 +52,7 @@ def _normalize(name: str) -> str:
 def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint under our parameter names (per-expert tensors stacked)."""
     tensors: dict[str, torch.Tensor] = {}
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    experts: dict[tuple[str, str, str], dict[int, torch.Tensor]] = {}
     files = checkpoint_files(model_dir)
     for path in tqdm(files, desc="loading weights", unit="file", disable=len(files) < 2):
         with safe_open(str(path), framework="pt") as handle:
@@ -57,22 +60,34 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
                 name = _normalize(raw_name)
                 match = _EXPERT_KEY.match(name)
                 if match:
-                    experts.setdefault((match[1], match[3]), {})[int(match[2])] = handle.get_tensor(raw_name)
+                    if match[4] != "input_scale":  # activation scales: the expert GEMMs keep bf16 activations
+                        key = (match[1], match[3], match[4])
+                        experts.setdefault(key, {})[int(match[2])] = handle.get_tensor(raw_name)
                 else:
                     tensors[name] = handle.get_tensor(raw_name)
-    for (prefix, proj), per_expert in experts.items():
-        tensors[f"{prefix}.{proj}"] = torch.stack([per_expert[i] for i in sorted(per_expert)])
-    return tensors
+    for (prefix, proj, kind), per_expert in experts.items():
+        if kind == "weight":
+            tensors[f"{prefix}.{proj}"] = torch.stack([per_expert[i] for i in sorted(per_expert)])
+        else:  # fp8 scales, per expert tensor or per output channel -> [E, out]
+            rows = experts[(prefix, proj, "weight")][0].shape[0]
+            name = f"{prefix}.{proj}_scale"
+            tensors[name] = torch.stack([channel_scales(per_expert[i], rows, name) for i in sorted(per_expert)])
+    return dequantize_dense(tensors)
 
 
 def load_model(
-    model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, with_mtp: bool = True
+    model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, with_mtp: bool = True,
+    moe_fp8: bool | None = None,
 ) -> HybridLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint; missing or unexpected
     tensors and shape mismatches raise a ValueError that names them. `with_mtp=False` leaves out the MTP
-    drafter (and its KV) even when the checkpoint has one."""
+    drafter (and its KV) even when the checkpoint has one. `moe_fp8`: routed expert weights in fp8 (True:
+    quantized at load when stored in bf16), dequantized (False), or as the checkpoint stores them (None)."""
     model_dir = Path(model_dir)
     state = read_state_dict(model_dir)
+    if config.moe is not None:
+        fp8 = set_expert_precision(state, moe_fp8)
+        config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, fp8_experts=fp8))
     has_mtp_weights = any(name.startswith("mtp.") for name in state)
     if config.has_mtp and not has_mtp_weights:
         logger.info("%s declares an MTP module but ships no `mtp.*` weights: loading without MTP", model_dir)
@@ -100,12 +115,20 @@ def load_model(
                 f"tensor {name} in {model_dir} has shape {tuple(state[name].shape)}, config implies {tuple(ref.shape)}"
             )
     model = model.to_empty(device=device)
-    keep_fp32 = {"A_log", "D", "dt_bias", "e_score_correction_bias"}  # SSM constants stay fp32
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        target = torch.float32 if name.rsplit(".", 1)[-1] in keep_fp32 else dtype
-        tensor.data = state[name].to(device=device, dtype=target)
+        tensor.data = state[name].to(device=device, dtype=_load_dtype(name, state[name], dtype))
     logger.info("loaded %s (%s, %d layers, pattern %s)", model_dir, config.architecture, config.num_layers, config.pattern)
     return model.eval()
+
+
+_KEEP_FP32 = ("A_log", "D", "dt_bias", "e_score_correction_bias", "up_proj_scale", "down_proj_scale")
+
+
+def _load_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """SSM constants, router bias and fp8 scales stay fp32, fp8 expert weights fp8, the rest the model dtype."""
+    if name.rsplit(".", 1)[-1] in _KEEP_FP32:
+        return torch.float32
+    return FP8 if tensor.dtype == FP8 else dtype
 
 
 def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> HybridLM:
@@ -115,7 +138,6 @@ def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, s
         model = HybridLM(config)
     model = model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    keep_fp32 = {"A_log", "D", "dt_bias", "e_score_correction_bias"}
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         leaf = name.rsplit(".", 1)[-1]
         values = torch.empty(tensor.shape, dtype=torch.float32, device=device)
@@ -123,12 +145,12 @@ def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, s
             values = torch.log(torch.rand(tensor.shape, device=device, generator=generator) * 15 + 1)
         elif leaf == "dt_bias":
             values = torch.rand(tensor.shape, device=device, generator=generator) - 4
-        elif leaf in ("D", "e_score_correction_bias"):
-            values.fill_(1.0 if leaf == "D" else 0.0)
+        elif leaf in ("D", "e_score_correction_bias", "up_proj_scale", "down_proj_scale"):
+            values.fill_(0.0 if leaf == "e_score_correction_bias" else 1.0)
         elif "norm" in name:
             values.fill_(1.0)
         else:
             values.normal_(0, 0.02, generator=generator)
-        tensor.data = values.to(torch.float32 if leaf in keep_fp32 else dtype)
+        tensor.data = values.to(_load_dtype(name, tensor, dtype))  # fp8 experts (config.moe.fp8_experts) stay fp8
     logger.info("random (dummy) weights for %s, %d layers", config.architecture, config.num_layers)
     return model.eval()

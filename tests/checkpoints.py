@@ -61,6 +61,38 @@ def nemotron_h(pattern: str = "M*-M", seed: int = 0, **overrides: object) -> tup
     return _save(model), model
 
 
+# a Nemotron-3-like MoE block in miniature: 8 routed experts (top-3) in 2 groups, a shared expert, the correction
+# bias and scaling factor of the published configs
+MOE = dict(
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=16,
+    moe_shared_expert_intermediate_size=24,
+    n_group=2,
+    topk_group=1,
+    routed_scaling_factor=2.5,
+)
+
+
+@functools.cache
+def nemotron_h_moe(pattern: str = "ME*E", seed: int = 0, **overrides: object) -> tuple[Path, NemotronHForCausalLM]:
+    """A NemotronH MoE checkpoint whose router and experts matter: transformers initialises the correction bias
+    to zeros and the experts at std 0.02, so both are redrawn (bias N(0, 0.5), experts at unit gain)."""
+    torch.manual_seed(seed)
+    config = NemotronHConfig(**{**BASE_NEMOTRON_H, **MOE, "hybrid_override_pattern": pattern, **overrides})
+    model = NemotronHForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if ".experts.up_proj" in name or ".experts.down_proj" in name:
+                tensor.normal_(0, tensor.shape[-1] ** -0.5)
+            elif name.endswith("gate.weight"):
+                tensor.normal_(0, 0.3)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.5)
+    return _save(model), model
+
+
 @functools.cache
 def mamba2(seed: int = 0, **overrides: object) -> tuple[Path, Mamba2ForCausalLM]:
     torch.manual_seed(seed)
@@ -90,15 +122,16 @@ def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[i
 
 @functools.cache
 def nemotron_h_mtp(
-    pattern: str = "M*-M", mtp_types: tuple[str, ...] = ("attention", "mlp"), seed: int = 0
+    pattern: str = "M*-M", mtp_types: tuple[str, ...] = ("attention", "mlp"), seed: int = 0, moe: bool = False,
 ) -> tuple[Path, NemotronHForCausalLM]:
-    """A NemotronH checkpoint plus a random MTP module (`mtp.layers.*`, vLLM's nemotron_h_mtp layout)."""
+    """A NemotronH checkpoint plus a random MTP module (`mtp.layers.*`, vLLM's nemotron_h_mtp layout); with
+    moe=True the trunk is `nemotron_h_moe` and MoE layers in the MTP module take its MOE shapes."""
     import json
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    source, model = nemotron_h(pattern, seed)
+    source, model = nemotron_h_moe(pattern, seed) if moe else nemotron_h(pattern, seed)
     directory = Path(tempfile.mkdtemp(prefix="hybridserve-mtp-"))
     shutil.copytree(source, directory, dirs_exist_ok=True)
     config = json.loads((directory / "config.json").read_text())
@@ -123,6 +156,16 @@ def nemotron_h_mtp(
             tensors[f"{prefix}.mixer.k_proj.weight"] = rand(kv_heads * head_dim, hidden)
             tensors[f"{prefix}.mixer.v_proj.weight"] = rand(kv_heads * head_dim, hidden)
             tensors[f"{prefix}.mixer.o_proj.weight"] = rand(hidden, heads * head_dim)
+        elif kind == "moe":
+            experts, moe_inter = MOE["n_routed_experts"], MOE["moe_intermediate_size"]
+            shared = MOE["moe_shared_expert_intermediate_size"]
+            tensors[f"{prefix}.mixer.gate.weight"] = rand(experts, hidden, scale=0.3)
+            tensors[f"{prefix}.mixer.gate.e_score_correction_bias"] = rand(experts, scale=0.5)
+            for e in range(experts):  # per-expert tensors, as published checkpoints store them
+                tensors[f"{prefix}.mixer.experts.{e}.up_proj.weight"] = rand(moe_inter, hidden, scale=hidden**-0.5)
+                tensors[f"{prefix}.mixer.experts.{e}.down_proj.weight"] = rand(hidden, moe_inter, scale=moe_inter**-0.5)
+            tensors[f"{prefix}.mixer.shared_experts.up_proj.weight"] = rand(shared, hidden)
+            tensors[f"{prefix}.mixer.shared_experts.down_proj.weight"] = rand(hidden, shared)
         else:
             tensors[f"{prefix}.mixer.up_proj.weight"] = rand(inter, hidden)
             tensors[f"{prefix}.mixer.down_proj.weight"] = rand(hidden, inter)

@@ -1,0 +1,73 @@
+"""NemotronH mixture of experts: the sigmoid group-limited top-k router, routed relu2 experts (optionally in a
+latent space, bf16 or fp8 weights) and a shared expert. Sync-free (no `.tolist()` / `.item()` / `unique`), so
+a decode step with MoE layers captures as a CUDA graph; the experts run through `ops.moe_experts` (the fused
+Triton path on CUDA, the batched torch reference elsewhere)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hybridserve.kernels import ops
+from hybridserve.kernels.moe import RouterSpec, route_topk
+from hybridserve.models.config import MoEConfig
+from hybridserve.models.layers import MLP, Linear
+
+
+def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class TopkRouter(nn.Module):
+    """Sigmoid scores, bias-corrected group-limited top-k choice, weights from the uncorrected scores."""
+
+    def __init__(self, hidden_size: int, config: MoEConfig) -> None:
+        super().__init__()
+        self.spec = RouterSpec(config.num_experts, config.experts_per_token, config.n_group, config.topk_group,
+                               config.norm_topk_prob, config.routed_scaling_factor)
+        self.weight = _param(config.num_experts, hidden_size)
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, hidden] -> (expert weights [N, k] fp32, expert ids [N, k])."""
+        return route_topk(x, self.weight, self.e_score_correction_bias, self.spec)
+
+
+class Experts(nn.Module):
+    """The routed experts as transformers stores them: up_proj [E, I, D], down_proj [E, D, I] (D = hidden or
+    latent size); with fp8 weights also up_proj_scale [E, I] and down_proj_scale [E, D] (fp32 per channel)."""
+
+    def __init__(self, config: MoEConfig, expert_in: int) -> None:
+        super().__init__()
+        dtype = torch.float8_e4m3fn if config.fp8_experts else None
+        self.up_proj = _param(config.num_experts, config.intermediate_size, expert_in, dtype=dtype)
+        self.down_proj = _param(config.num_experts, expert_in, config.intermediate_size, dtype=dtype)
+        scales = config.fp8_experts  # None buffers stay out of the state dict
+        self.register_buffer("up_proj_scale", torch.ones(config.num_experts, config.intermediate_size) if scales else None)
+        self.register_buffer("down_proj_scale", torch.ones(config.num_experts, expert_in) if scales else None)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [N, D], routing weights / ids [N, k] -> the weighted sum of each token's experts [N, D]."""
+        return ops.moe_experts(x, self.up_proj, self.down_proj, weights, ids, self.up_proj_scale,
+                               self.down_proj_scale)
+
+
+class MoE(nn.Module):
+    """Routed relu2 experts (optionally in a latent space) plus a shared expert."""
+
+    def __init__(self, hidden_size: int, config: MoEConfig, bias: bool) -> None:
+        super().__init__()
+        expert_in = config.latent_size or hidden_size
+        self.gate = TopkRouter(hidden_size, config)
+        self.experts = Experts(config, expert_in)
+        self.shared_experts = MLP(hidden_size, config.shared_intermediate_size, bias)
+        self.fc1_latent_proj: nn.Module = nn.Identity()
+        self.fc2_latent_proj: nn.Module = nn.Identity()
+        if config.latent_size is not None:
+            self.fc1_latent_proj = Linear(hidden_size, config.latent_size, bias=bias)
+            self.fc2_latent_proj = Linear(config.latent_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+        weights, ids = self.gate(x)
+        routed = self.experts(self.fc1_latent_proj(x), weights, ids)
+        return self.fc2_latent_proj(routed) + self.shared_experts(x)
