@@ -80,19 +80,27 @@ def moe_align_triton(
     return sorted_pairs, block_expert, used_rows
 
 
+# (BLOCK_N, BLOCK_K, warps, stages): decode blocks (BLOCK_M <= 32) stream weight tiles, prefill blocks are MMA
+# tiles; kept small so the first call of each launch family compiles in seconds
+_DECODE_TILES = [(n, k, 4, s) for n in (32, 64) for k in (128, 256) for s in (3, 4)]
+_PREFILL_TILES = [(64, 64, 4, 3), (64, 128, 4, 4), (64, 64, 8, 4), (128, 64, 4, 3), (128, 64, 4, 4),
+                  (128, 64, 8, 3), (128, 128, 4, 3), (128, 128, 8, 3)]
+
+
 def _gemm_configs() -> list[triton.Config]:
     """Autotune space on the GPU; one small config under the interpreter (tests)."""
     if interpreting():
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-            for n in (32, 64, 128) for k in (64, 128, 256) for w in (4, 8) for s in (3, 4, 5)
-            if n * k <= 32768 and not (w == 8 and n == 32)]
+            for n, k, w, s in sorted(set(_DECODE_TILES) | set(_PREFILL_TILES))]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    """Tall tiles for prefill blocks; decode blocks (BLOCK_M 16) stream weights: keep the narrow ones too."""
+    """The decode tiles for BLOCK_M <= 32, the prefill tiles above."""
     block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 16))
-    return [c for c in configs if block_m >= 64 or c.kwargs["BLOCK_N"] <= 64] or configs
+    tiles = set(_DECODE_TILES if isinstance(block_m, int) and block_m <= 32 else _PREFILL_TILES)
+    kept = [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in tiles]
+    return kept or configs
 
 
 @triton.autotune(configs=_gemm_configs(), key=["N_OUT", "K", "BLOCK_M", "A_ROW_DIV", "HAS_SCALE"],

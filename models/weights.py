@@ -125,8 +125,9 @@ _KEEP_FP32 = ("A_log", "D", "dt_bias", "e_score_correction_bias", "up_proj_scale
 
 
 def _load_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    """SSM constants, router bias and fp8 scales stay fp32, fp8 expert weights fp8, the rest the model dtype."""
-    if name.rsplit(".", 1)[-1] in _KEEP_FP32:
+    """SSM constants, the router (transformers keeps it fp32) and fp8 scales stay fp32, fp8 expert weights fp8,
+    the rest the model dtype."""
+    if name.rsplit(".", 1)[-1] in _KEEP_FP32 or name.endswith("mixer.gate.weight"):  # the router runs in fp32
         return torch.float32
     return FP8 if tensor.dtype == FP8 else dtype
 
