@@ -125,7 +125,6 @@ def bench_layer(config: ModelConfig, device: torch.device, timer: Timer, ceil: d
         rows.append(row)
         print("moe " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               flush=True)
-    del layer
     return rows
 
 

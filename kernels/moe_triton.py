@@ -15,11 +15,73 @@ The torch references are in `moe.py`; `kernels.ops.moe_experts` dispatches.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hybridserve.kernels.moe import align_capacity
+from hybridserve.kernels.moe import RouterSpec, align_capacity, route_topk
 from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting, next_pow2
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scaling,
+    K: tl.constexpr, K_BLOCK: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    NORM: tl.constexpr,
+):
+    """One token per program: sigmoid scores, bias-corrected choice limited to the TOPK_GROUP groups with the best
+    top-2 sums, K arg-maxes; weights are the unbiased scores (normalised) times the scaling factor."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, N_GROUP * PER_GROUP)
+    valid = offs < E
+    score = tl.sigmoid(tl.load(logits_ptr + row * E + offs, mask=valid, other=0.0))
+    choice = tl.where(valid, score + tl.load(bias_ptr + offs, mask=valid, other=0.0), float("-inf"))
+    if N_GROUP > 1:
+        grouped = tl.reshape(choice, [N_GROUP, PER_GROUP])
+        member = tl.arange(0, PER_GROUP)[None, :]
+        best = tl.max(grouped, 1)
+        first = tl.argmax(grouped, 1)
+        group_score = best + tl.max(tl.where(member == first[:, None], float("-inf"), grouped), 1)
+        groups = tl.arange(0, N_GROUP)
+        keep = groups < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            pick = tl.argmax(group_score, 0)
+            keep = keep | (groups == pick)
+            group_score = tl.where(groups == pick, float("-inf"), group_score)
+        grouped = tl.where(keep[:, None], grouped, float("-inf"))
+        choice = tl.reshape(grouped, [N_GROUP * PER_GROUP])
+    slots = tl.arange(0, K_BLOCK)
+    chosen = tl.zeros([K_BLOCK], dtype=tl.int64)
+    weight = tl.zeros([K_BLOCK], dtype=tl.float32)
+    for j in tl.static_range(K):
+        pick = tl.argmax(choice, 0)
+        chosen = tl.where(slots == j, pick.to(tl.int64), chosen)
+        weight = tl.where(slots == j, tl.sum(tl.where(offs == pick, score, 0.0), 0), weight)
+        choice = tl.where(offs == pick, float("-inf"), choice)
+    if NORM:
+        weight = weight / (tl.sum(weight, 0) + 1e-20)
+    tl.store(ids_ptr + row * K + slots, chosen, mask=slots < K)
+    tl.store(weights_ptr + row * K + slots, weight * scaling, mask=slots < K)
+
+
+def route_topk_triton(
+    x: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor, spec: RouterSpec
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as `route_topk`: cuBLAS fp32 logits, then one kernel for the choice (10 torch kernels in
+    the reference). Expert counts / groups that are not powers of two take the reference."""
+    per_group = spec.num_experts // spec.n_group
+    if per_group & (per_group - 1) or spec.n_group & (spec.n_group - 1):
+        return route_topk(x, weight, correction_bias, spec)
+    logits = F.linear(x.float(), weight.float()).contiguous()  # [N, E]
+    n = logits.shape[0]
+    weights = torch.empty(n, spec.top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(n, spec.top_k, dtype=torch.int64, device=x.device)
+    if n:
+        _route_kernel[(n,)](logits, correction_bias.float().contiguous(), weights, ids, spec.num_experts,
+                            float(spec.routed_scaling_factor), K=spec.top_k, K_BLOCK=next_pow2(spec.top_k),
+                            N_GROUP=spec.n_group, PER_GROUP=per_group, TOPK_GROUP=spec.topk_group,
+                            NORM=spec.norm_topk_prob, num_warps=1 if spec.num_experts <= 256 else 4)
+    return weights, ids
 
 
 @triton.jit

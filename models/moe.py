@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hybridserve.kernels import ops
-from hybridserve.kernels.moe import RouterSpec, route_topk
+from hybridserve.kernels.moe import RouterSpec
 from hybridserve.models.config import MoEConfig
 from hybridserve.models.layers import MLP, Linear
 
@@ -30,7 +30,7 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [N, hidden] -> (expert weights [N, k] fp32, expert ids [N, k])."""
-        return route_topk(x, self.weight, self.e_score_correction_bias, self.spec)
+        return ops.moe_route(x, self.weight, self.e_score_correction_bias, self.spec)
 
 
 class Experts(nn.Module):

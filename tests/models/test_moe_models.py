@@ -31,12 +31,14 @@ CASES = {
 
 @pytest.fixture(params=["reference", "triton"])
 def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run the experts through the torch reference, or through the Triton kernels (interpreted on CPU)."""
+    """Run the router and experts through the torch reference, or through the Triton kernels (interpreted on
+    CPU)."""
     if request.param == "triton":
         pytest.importorskip("triton")
-        from hybridserve.kernels.moe_triton import moe_experts_triton
+        from hybridserve.kernels.moe_triton import moe_experts_triton, route_topk_triton
 
         monkeypatch.setattr(ops, "moe_experts", moe_experts_triton)
+        monkeypatch.setattr(ops, "moe_route", route_topk_triton)
     return str(request.param)
 
 
