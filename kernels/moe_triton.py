@@ -87,7 +87,7 @@ def route_topk_triton(
 @triton.jit
 def _moe_align_kernel(
     ids_ptr, sorted_ptr, block_expert_ptr, used_rows_ptr, cursor_ptr, num_pairs, num_rows, num_blocks,
-    E: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+    E: tl.constexpr, E_BINS: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCK_CHUNK: tl.constexpr,
 ):
     """Writes sorted_ptr [num_rows] (pair per row, num_pairs = padding), block_expert_ptr [num_blocks] and
     used_rows_ptr [1]; cursor_ptr [E_BINS] int32 is scratch."""
@@ -105,8 +105,8 @@ def _moe_align_kernel(
     for start in range(0, num_rows, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         tl.store(sorted_ptr + offs, tl.zeros([CHUNK], dtype=tl.int32) + num_pairs, mask=offs < num_rows)
-    for start in range(0, num_blocks, CHUNK):
-        blocks = start + tl.arange(0, CHUNK)
+    for start in range(0, num_blocks, BLOCK_CHUNK):  # [BLOCK_CHUNK, E_BINS] compares: a small chunk
+        blocks = start + tl.arange(0, BLOCK_CHUNK)
         first_row = blocks * BLOCK_M
         expert = tl.sum((ends[None, :] <= first_row[:, None]).to(tl.int32), 1)  # experts ending before the row
         tl.store(block_expert_ptr + blocks, tl.minimum(expert, E - 1), mask=blocks < num_blocks)
@@ -138,7 +138,8 @@ def moe_align_triton(
     cursor = torch.empty(bins, dtype=torch.int32, device=device)
     chunk = 64 if interpreting() else 1024
     _moe_align_kernel[(1,)](flat, sorted_pairs, block_expert, used_rows, cursor, pairs, rows, blocks,
-                            E=num_experts, E_BINS=bins, BLOCK_M=block_m, CHUNK=chunk, num_warps=4)
+                            E=num_experts, E_BINS=bins, BLOCK_M=block_m, CHUNK=chunk,
+                            BLOCK_CHUNK=max(1, 8192 // bins), num_warps=4)
     return sorted_pairs, block_expert, used_rows
 
 

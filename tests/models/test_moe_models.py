@@ -163,3 +163,20 @@ def test_mtp_with_a_moe_layer_drafts_and_verifies(kernels: str) -> None:
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
     assert sum(o.num_draft_tokens for o in outs) > 0
     llm.engine.pool.check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["grouped", "latent"])
+def test_cuda_decode_graph_of_a_moe_model(case: str) -> None:
+    """On CUDA the MoE layers take the Triton path and the decode step is captured as a graph (it used to fall
+    back to eager on the host sync of the expert loop); greedy tokens stay transformers'."""
+    from hybridserve.engine.cuda_graphs import GraphedModel
+
+    model_dir, hf = _model(case)
+    llm = LLM(model_dir, device="cuda", dtype="float32")
+    assert isinstance(llm.engine.runner.model, GraphedModel)
+    prompts = random_prompts([3, 11, 30], vocab=VOCAB, seed=3)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=8, temperature=0.0,
+                                                                                 ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
