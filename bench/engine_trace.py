@@ -174,7 +174,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = Path(args.model) if args.model else dummy_model_dir()
+    model_dir = Path(args.model) if args.model else dummy_model_dir(args.dummy_config)
     compiles = CompileCounter()
     result: dict[str, Any] = {"args": vars(args)}
     for caching in args.caching.split(","):

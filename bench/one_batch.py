@@ -28,10 +28,10 @@ from hybridserve.engine.sampling_params import SamplingParams
 CONFIG = Path(__file__).resolve().parent / "configs" / "nemotron-nano-9b-v2.json"
 
 
-def dummy_model_dir() -> Path:
-    """A directory holding only the Nemotron-Nano-9B-v2 config.json (for --load-format dummy)."""
+def dummy_model_dir(config: Path = CONFIG) -> Path:
+    """A directory holding only a config.json (default Nemotron-Nano-9B-v2's) for --load-format dummy."""
     directory = Path(tempfile.mkdtemp(prefix="hybridserve-bench-"))
-    (directory / "config.json").write_text(CONFIG.read_text())
+    (directory / "config.json").write_text(config.read_text())
     return directory
 
 
@@ -50,6 +50,9 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="checkpoint directory (default: 9B shapes, dummy weights)")
+    parser.add_argument("--dummy-config", type=Path, default=CONFIG,
+                        help="config.json of the dummy-weight model without --model (e.g. "
+                             "bench/configs/nemotron-3-nano-30b-a3b.json)")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-gb", type=float, default=24.0)
@@ -135,7 +138,7 @@ def main() -> None:
     parser.add_argument("--prefix-caching", action="store_true",
                         help="with the prefix cache on (unique prompts: what caching costs them)")
     args = parser.parse_args()
-    model_dir = Path(args.model) if args.model else dummy_model_dir()
+    model_dir = Path(args.model) if args.model else dummy_model_dir(args.dummy_config)
     compiles = CompileCounter()
     t0 = time.perf_counter()
     engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=args.prefix_caching))
