@@ -5,7 +5,10 @@ and through the fused Triton experts (under TRITON_INTERPRET=1 on CPU)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -180,3 +183,21 @@ def test_cuda_decode_graph_of_a_moe_model(case: str) -> None:
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=8, temperature=0.0,
                                                                                  ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+@pytest.mark.slow  # ~40 s: a subprocess with every kernel interpreted
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA test above covers the Triton path on a GPU")
+def test_whole_engine_on_interpreted_triton_kernels() -> None:
+    """HYBRIDSERVE_KERNELS=interpret: every op (Mamba, attention, norms, router, experts) on its Triton kernel,
+    latent MoE and MTP-with-MoE speculative decoding give transformers' greedy tokens."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "HYBRIDSERVE_KERNELS": "interpret", "TRITON_INTERPRET": "1"}
+    case = Path(__file__).with_name("interpreted_moe_case.py")
+    done = subprocess.run([sys.executable, str(case)], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    tokens = json.loads(done.stdout.strip().splitlines()[-1])
+    prompts = random_prompts([3, 11], vocab=VOCAB, seed=3)
+    latent_hf = nemotron_h_moe("ME*E", moe_latent_size=8)[1]
+    mtp_hf = nemotron_h_mtp("ME*E", ("attention", "moe"), moe=True)[1]
+    assert tokens["latent"] == [hf_greedy(latent_hf, p, 5) for p in prompts]
+    assert tokens["mtp"] == [hf_greedy(mtp_hf, p, 5) for p in prompts]
