@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=None, help="directory for mixed_step.json and mixed_step_diff.txt")
     args = parser.parse_args()
-    model_dir = dummy_model_dir() if args.model is None else Path(args.model)
+    model_dir = dummy_model_dir(args.dummy_config) if args.model is None else Path(args.model)
     results: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     for caching in (False, True, False, True):  # alternated, so drift hits both settings alike
         engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=caching))
