@@ -99,8 +99,8 @@ class MoEConfig:
     topk_group: int
     norm_topk_prob: bool
     routed_scaling_factor: float
-    # routed expert weights held as float8_e4m3fn with per-output-channel fp32 scales (an FP8 checkpoint's, or
-    # quantized at load); the loader sets it, config.json does not
+    # routed expert weights held as float8_e4m3fn with per-output-channel fp32 scales: config.json's
+    # `quantization_config` says FP8 (dummy weights follow it); the loader sets it from the tensors it finds
     fp8_experts: bool = False
 
     def __post_init__(self) -> None:
@@ -286,6 +286,7 @@ def _nemotron_h(data: dict[str, Any]) -> ModelConfig:
             topk_group=int(data.get("topk_group", 1)),
             norm_topk_prob=bool(data.get("norm_topk_prob", True)),
             routed_scaling_factor=float(data.get("routed_scaling_factor", 1.0)),
+            fp8_experts=_fp8_quantized(data),
         )
     return ModelConfig(
         architecture="nemotron_h",
@@ -308,6 +309,29 @@ def _nemotron_h(data: dict[str, Any]) -> ModelConfig:
         bos_token_id=data.get("bos_token_id"),
         pad_token_id=data.get("pad_token_id"),
         raw=dict(data),
+    )
+
+
+def _fp8_quantized(data: dict[str, Any]) -> bool:
+    """Whether config.json's `quantization_config` declares FP8 weights (transformers `fp8`, ModelOpt
+    `quant_algo: FP8`, compressed-tensors 8-bit float weights); other schemes are refused here."""
+    quant = data.get("quantization_config")
+    if not quant:
+        return False
+    if not isinstance(quant, dict):
+        raise ValueError(f"config field `quantization_config` must be an object, got {quant!r}")
+    method = str(quant.get("quant_method", "")).lower()
+    algo = str(quant.get("quant_algo", "")).upper()
+    if method == "fp8" or algo == "FP8":
+        return True
+    if method == "compressed-tensors":
+        groups = quant.get("config_groups") or {}
+        weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, dict)]
+        if weights and all(w.get("type") == "float" and w.get("num_bits") == 8 for w in weights):
+            return True
+    raise ValueError(
+        f"config field `quantization_config` ({method or '?'} {algo or ''}) is not supported: "
+        "bf16 / fp16 checkpoints and FP8 (per-tensor or per-channel weight scales) are"
     )
 
 

@@ -96,6 +96,9 @@ def _fp8_checkpoint(source: Path) -> tuple[Path, dict[str, torch.Tensor]]:
         tensors[name.replace(".weight", ".input_scale")] = torch.ones(1)
         dequantized[name] = fp8.float() * (scale if per_channel else scale[0])
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8"}
+    (directory / "config.json").write_text(json.dumps(config))
     return directory, dequantized
 
 
@@ -138,6 +141,22 @@ def test_quantize_and_dequantize_experts_at_load() -> None:
     back = load_model(fp8_dir, ModelConfig.from_dir(fp8_dir), torch.float32, cpu, moe_fp8=False)
     assert back.layers[1].mixer.experts.up_proj.dtype == torch.float32
     assert back.layers[1].mixer.experts.up_proj_scale is None
+
+
+def test_dummy_weights_follow_the_fp8_quantization_config() -> None:
+    from hybridserve.models.weights import dummy_model
+
+    data = json.loads((_model("grouped")[0] / "config.json").read_text())
+    data["quantization_config"] = {"quant_method": "compressed-tensors",
+                                   "config_groups": {"g": {"weights": {"type": "float", "num_bits": 8}}}}
+    model = dummy_model(ModelConfig.from_hf_dict(data), torch.float32, torch.device("cpu"))
+    experts = model.layers[1].mixer.experts
+    assert experts.up_proj.dtype == torch.float8_e4m3fn and experts.down_proj_scale is not None
+    with torch.no_grad():
+        assert torch.isfinite(model.layers[1].mixer(torch.randn(3, BASE_NEMOTRON_H["hidden_size"]))).all()
+    data["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
+    with pytest.raises(ValueError, match="quantization_config"):
+        ModelConfig.from_hf_dict(data)
 
 
 def test_nvfp4_checkpoint_is_refused() -> None:
