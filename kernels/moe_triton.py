@@ -41,7 +41,9 @@ def _route_kernel(
         member = tl.arange(0, PER_GROUP)[None, :]
         best = tl.max(grouped, 1)
         first = tl.argmax(grouped, 1)
-        group_score = best + tl.max(tl.where(member == first[:, None], float("-inf"), grouped), 1)
+        group_score = best
+        if PER_GROUP > 1:  # the sum of each group's two best (one expert per group: its only one)
+            group_score += tl.max(tl.where(member == first[:, None], float("-inf"), grouped), 1)
         groups = tl.arange(0, N_GROUP)
         keep = groups < 0
         for _ in tl.static_range(TOPK_GROUP):

@@ -118,6 +118,18 @@ def test_fp8_experts_triton_and_reference(per_tensor):
     ku.assert_close(moe_experts_triton(x, up8, down8, weights, ids, up_s, down_s), ref, 3e-2, "fp8 triton")
 
 
+@ku.interp_only
+def test_triton_router_with_one_expert_per_group_matches_the_reference():
+    """transformers cannot run this (its top-2 per group needs 2 experts); the reference takes each group's one."""
+    gen = torch.Generator().manual_seed(4)
+    x, weight, bias = torch.randn(9, 16, generator=gen), torch.randn(8, 16, generator=gen), torch.randn(8, generator=gen)
+    spec = RouterSpec(8, 2, 8, 3, True, 1.5)
+    ref_w, ref_ids = route_topk(x, weight, bias, spec)
+    w, ids = route_topk_triton(x, weight, bias, spec)
+    assert torch.equal(ids.sort(-1)[0], ref_ids.sort(-1)[0])
+    torch.testing.assert_close(w.sort(-1)[0], ref_w.sort(-1)[0], rtol=1e-6, atol=0)
+
+
 def test_block_m_grows_with_rows_per_expert():
     assert [choose_block_m(p, 128) for p in (6, 768, 24576)] == [16, 16, 128]
 
