@@ -4,6 +4,12 @@ router against transformers' NemotronHTopkRouter."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import ktest_utils as ku  # noqa: I001  (sets TRITON_INTERPRET before triton is imported)
 import pytest
 import torch
@@ -157,3 +163,20 @@ def test_router_matches_transformers(n_group, topk_group, norm, impl):
         assert torch.equal(weights.gather(1, order), hf_weights.gather(1, hf_order))
     else:  # Triton's sigmoid and sum may round differently in the last bit
         torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order), rtol=1e-6, atol=0)
+
+
+
+def test_kernels_compile_for_hopper():
+    """The kernels compiled for sm_90 without a GPU (Triton's bundled ptxas), in a process without the
+    interpreter: catches what the interpreter does not (types, layouts, unsupported ops), and checks the GEMM's
+    tiles are software-pipelined and that prefill tiles take Hopper's warpgroup MMA."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("moe_hopper_compile.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    ptx = json.loads(done.stdout.strip().splitlines()[-1])
+    for name, found in ptx.items():
+        assert found["cubin"], name
+        if name.startswith("gemm"):
+            assert found["cp.async"], name
+            assert found["wgmma"] == name.endswith("128"), name

@@ -1,0 +1,57 @@
+"""Run by test_moe.py in a process without TRITON_INTERPRET: compiles the fused-MoE kernels for sm_90 (no GPU
+needed) and prints, per kernel variant, whether it reached a cubin and what its PTX uses, as one JSON line."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from hybridserve.kernels.moe_triton import _moe_align_kernel, _moe_gemm_kernel, _route_kernel
+
+
+def compile_for_hopper(kernel: Any, signature: dict, constexprs: dict, aligned: tuple[str, ...] = ()) -> dict:
+    """`aligned` args get 16-divisibility, as real launches specialize them."""
+    while not isinstance(kernel, JITFunction):  # unwrap the autotuner
+        kernel = kernel.fn
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    source = ASTSource(fn=kernel, signature={**signature, **{n: "constexpr" for n in constexprs}},
+                       constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    ptx = compiled.asm["ptx"]
+    return {"cubin": bool(compiled.asm.get("cubin")), "cp.async": "cp.async" in ptx, "wgmma": "wgmma" in ptx}
+
+
+def main() -> None:
+    found = {}
+    pointers = {"a_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", "route_w_ptr": "*fp32", "out_ptr": "*fp32",
+                "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "used_rows_ptr": "*i32"}
+    ints = {n: "i32" for n in ("num_pairs", "N_OUT", "K", "a_m", "w_e", "w_n", "out_m")}
+    for weights, block_m in (("*bf16", 16), ("*bf16", 128), ("*fp8e4nv", 16), ("*fp8e4nv", 128)):
+        for up in (True, False):
+            constexprs = {"A_ROW_DIV": 6 if up else 1, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128,
+                          "RELU2": up, "ROUTE_WEIGHT": not up, "HAS_SCALE": weights != "*bf16",
+                          "DOT_PRECISION": "tf32", "DOT_UPCAST": False}
+            signature = {**pointers, "w_ptr": weights, "out_ptr": "*bf16" if up else "*fp32", **ints}
+            found[f"gemm {weights} {'up' if up else 'down'} {block_m}"] = compile_for_hopper(
+                _moe_gemm_kernel, signature, constexprs, aligned=(*pointers, "N_OUT", "K", "a_m", "w_e", "w_n", "out_m"))
+    align = {"E": 128, "E_BINS": 128, "BLOCK_M": 16, "CHUNK": 1024, "BLOCK_CHUNK": 64}
+    found["align"] = compile_for_hopper(_moe_align_kernel, {
+        "ids_ptr": "*i64", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "used_rows_ptr": "*i32",
+        "cursor_ptr": "*i32", "num_pairs": "i32", "num_rows": "i32", "num_blocks": "i32"}, align)
+    for groups, per_group, top_groups in ((1, 128, 1), (8, 16, 4)):
+        route = {"K": 6, "K_BLOCK": 8, "N_GROUP": groups, "PER_GROUP": per_group, "TOPK_GROUP": top_groups,
+                 "NORM": True}
+        found[f"route {groups} groups"] = compile_for_hopper(_route_kernel, {
+            "logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "E": "i32",
+            "scaling": "fp32"}, route)
+    print(json.dumps(found))
+
+
+if __name__ == "__main__":
+    main()
