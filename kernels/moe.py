@@ -118,11 +118,12 @@ def moe_experts_ref(
     topk_ids: torch.Tensor,  # [N, k]
     up_scale: torch.Tensor | None = None,  # [E, I] fp32 per-channel scales of fp8 w_up
     down_scale: torch.Tensor | None = None,  # [E, D]
+    shared_out: torch.Tensor | None = None,  # [N, D] in x's dtype: the shared expert's output, added at the end
 ) -> torch.Tensor:
     """sum_j weight_j * down_e(relu2(up_e(x))) over each token's k experts -> [N, D] in x's dtype, summed in
-    fp32 as transformers' NemotronHExperts does. No loop over experts: pairs go into an [E, tokens, D] padded
-    layout (an expert takes each token at most once, so `tokens` rows per expert always suffice) and both
-    projections are one bmm each."""
+    fp32 and rounded as transformers' NemotronHExperts does (then + shared_out). No loop over experts: pairs go
+    into an [E, tokens, D] padded layout (an expert takes each token at most once, so `tokens` rows per expert
+    always suffice) and both projections are one bmm each."""
     n, d = x.shape
     num_experts, k = w_up.shape[0], topk_ids.shape[1]
     out = torch.zeros(n, d, dtype=torch.float32, device=x.device)
@@ -142,7 +143,7 @@ def moe_experts_ref(
         pair_out = _expert_bmm(hidden, w_down, down_scale).reshape(num_experts * tokens, d)[slot]  # [pairs, D]
         weighted = pair_out.float() * topk_weights[t0 : t0 + tokens].reshape(-1, 1).float()
         out[t0 : t0 + tokens] = weighted.view(tokens, k, d).sum(1)
-    return out.to(x.dtype)
+    return out.to(x.dtype) if shared_out is None else out.to(x.dtype) + shared_out
 
 
 def quantize_fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

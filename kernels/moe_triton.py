@@ -212,6 +212,23 @@ def _moe_gemm_kernel(
              mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _moe_combine_kernel(pair_ptr, shared_ptr, out_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr,
+                        HAS_SHARED: tl.constexpr):
+    """out[t] = round(sum_j pair_out[t * K + j]) (+ shared[t]): the fp32 sum rounded to the output dtype first,
+    as transformers adds the shared expert to the rounded routed sum."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = offs < D
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(K):
+        acc += tl.load(pair_ptr + (row * K + j) * D + offs, mask=mask, other=0.0)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if HAS_SHARED:
+        out = (out.to(tl.float32) + tl.load(shared_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32))
+    tl.store(out_ptr + row * D + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def choose_block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per aligned block from the mean pairs per expert: 16 (the smallest tl.dot tile) at decode, taller
     tiles once experts hold enough rows to fill them."""
@@ -251,8 +268,9 @@ def moe_experts_triton(
     topk_ids: torch.Tensor,  # [N, k]
     up_scale: torch.Tensor | None = None,  # [E, I] fp32
     down_scale: torch.Tensor | None = None,  # [E, D] fp32
+    shared_out: torch.Tensor | None = None,  # [N, D] in x's dtype
 ) -> torch.Tensor:
-    """Same contract as `moe_experts_ref`: [N, D] in x's dtype."""
+    """Same contract as `moe_experts_ref`: [N, D] in x's dtype (sum, rounding and shared add in one kernel)."""
     n, d = x.shape
     num_experts, inter = w_up.shape[0], w_up.shape[1]
     if w_up.shape[2] != d or w_down.shape != (num_experts, d, inter):
@@ -263,8 +281,10 @@ def moe_experts_triton(
         raise ValueError("fp8 expert weights need their scales (and only fp8 weights take scales)")
     k = topk_ids.shape[1]
     pairs = n * k
+    if shared_out is not None and (shared_out.shape != x.shape or shared_out.dtype != x.dtype):
+        raise ValueError(f"shared_out must be {tuple(x.shape)} {x.dtype}, got {tuple(shared_out.shape)} {shared_out.dtype}")
     if pairs == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if shared_out is None else shared_out.clone()
     x = x.contiguous()
     block_m = choose_block_m(pairs, num_experts)
     align = moe_align_triton(topk_ids, num_experts, block_m)
@@ -273,4 +293,8 @@ def moe_experts_triton(
     pair_out = torch.empty(pairs, d, dtype=torch.float32, device=x.device)
     _grouped_gemm(hidden, w_down, down_scale, topk_weights.reshape(-1).float().contiguous(), pair_out, align,
                   pairs, 1, block_m, relu2=False)
-    return pair_out.view(n, k, d).sum(1).to(x.dtype)
+    out = torch.empty_like(x)
+    shared = shared_out.contiguous() if shared_out is not None else out
+    _moe_combine_kernel[(n, triton.cdiv(d, 1024))](pair_out, shared, out, d, K=k, BLOCK_D=1024,
+                                                   HAS_SHARED=shared_out is not None, num_warps=4)
+    return out

@@ -46,10 +46,13 @@ class Experts(nn.Module):
         self.register_buffer("up_proj_scale", torch.ones(config.num_experts, config.intermediate_size) if scales else None)
         self.register_buffer("down_proj_scale", torch.ones(config.num_experts, expert_in) if scales else None)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [N, D], routing weights / ids [N, k] -> the weighted sum of each token's experts [N, D]."""
+    def forward(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared_out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [N, D], routing weights / ids [N, k] -> the weighted sum of each token's experts [N, D]
+        (+ shared_out [N, D], added in the same kernel)."""
         return ops.moe_experts(x, self.up_proj, self.down_proj, weights, ids, self.up_proj_scale,
-                               self.down_proj_scale)
+                               self.down_proj_scale, shared_out)
 
 
 class MoE(nn.Module):
@@ -69,5 +72,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
         weights, ids = self.gate(x)
+        if isinstance(self.fc1_latent_proj, nn.Identity):  # the shared expert's add fused into the combine
+            return self.experts(x, weights, ids, self.shared_experts(x))
         routed = self.experts(self.fc1_latent_proj(x), weights, ids)
         return self.fc2_latent_proj(routed) + self.shared_experts(x)

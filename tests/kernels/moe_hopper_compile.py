@@ -11,7 +11,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from hybridserve.kernels.moe_triton import _moe_align_kernel, _moe_gemm_kernel, _route_kernel
+from hybridserve.kernels.moe_triton import _moe_align_kernel, _moe_combine_kernel, _moe_gemm_kernel, _route_kernel
 
 
 def compile_for_hopper(kernel: Any, signature: dict, constexprs: dict, aligned: tuple[str, ...] = ()) -> dict:
@@ -50,6 +50,10 @@ def main() -> None:
         found[f"route {groups} groups"] = compile_for_hopper(_route_kernel, {
             "logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "E": "i32",
             "scaling": "fp32"}, route)
+    for shared in (False, True):
+        found[f"combine shared={shared}"] = compile_for_hopper(
+            _moe_combine_kernel, {"pair_ptr": "*fp32", "shared_ptr": "*bf16", "out_ptr": "*bf16", "D": "i32"},
+            {"K": 6, "BLOCK_D": 1024, "HAS_SHARED": shared}, aligned=("pair_ptr", "shared_ptr", "out_ptr", "D"))
     print(json.dumps(found))
 
 

@@ -110,6 +110,17 @@ def test_triton_experts_match_reference(tokens, k, experts, d, inter, dtype):
 
 
 @ku.interp_only
+def test_shared_expert_output_added_in_the_combine():
+    x, w_up, w_down, weights, ids = _case(6, 2, 4, 24, 16, torch.float32, seed=8)
+    shared = torch.randn(6, 24)
+    ref = moe_experts_ref(x, w_up, w_down, weights, ids, shared_out=shared)
+    torch.testing.assert_close(ref, moe_experts_ref(x, w_up, w_down, weights, ids) + shared)
+    ku.assert_close(moe_experts_triton(x, w_up, w_down, weights, ids, shared_out=shared), ref, 1e-5, "with shared")
+    with pytest.raises(ValueError, match="shared_out"):
+        moe_experts_triton(x, w_up, w_down, weights, ids, shared_out=shared[:3])
+
+
+@ku.interp_only
 @pytest.mark.parametrize("per_tensor", [False, True])
 def test_fp8_experts_triton_and_reference(per_tensor):
     x, w_up, w_down, weights, ids = _case(5, 2, 4, 32, 32, torch.bfloat16, seed=3)
