@@ -286,6 +286,8 @@ def moe_experts_triton(
     if pairs == 0:
         return torch.zeros_like(x) if shared_out is None else shared_out.clone()
     x = x.contiguous()
+    w_up = w_up if w_up.stride(-1) == 1 else w_up.contiguous()  # rows are read along K
+    w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
     block_m = choose_block_m(pairs, num_experts)
     align = moe_align_triton(topk_ids, num_experts, block_m)
     hidden = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)

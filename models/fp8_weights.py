@@ -32,12 +32,12 @@ def channel_scales(scale: torch.Tensor, rows: int, name: str) -> torch.Tensor:
 
 
 def dequantize_dense(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Fold every non-expert `X.weight_scale` into `X.weight` (fp8 -> fp32) and drop `input_scale`s; the stacked
-    experts (`X.up_proj` with `X.up_proj_scale`) pass through."""
+    """Fold every non-expert `X.weight_scale` into `X.weight` (fp8 -> fp32) and drop `input_scale`s (and the KV
+    cache's `k_scale` / `v_scale`); the stacked experts (`X.up_proj` with `X.up_proj_scale`) pass through."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        if name.endswith((".input_scale", ".weight_scale")):
-            continue
+        if name.endswith((".input_scale", ".weight_scale", ".k_scale", ".v_scale")):
+            continue  # activation and fp8-KV-cache scales: activations and the KV cache stay in the model dtype
         if name.endswith(".weight_scale_2"):
             raise ValueError(f"{name}: NVFP4 checkpoints are not supported (fp8 and bf16 are)")
         scale = tensors.get(name[: -len("weight")] + "weight_scale") if name.endswith(".weight") else None

@@ -95,6 +95,8 @@ def _fp8_checkpoint(source: Path) -> tuple[Path, dict[str, torch.Tensor]]:
         tensors[name + "_scale"] = scale.float()
         tensors[name.replace(".weight", ".input_scale")] = torch.ones(1)
         dequantized[name] = fp8.float() * (scale if per_channel else scale[0])
+    for name in [n for n in tensors if n.endswith(("k_proj.weight", "v_proj.weight"))]:  # an fp8 KV cache's scales
+        tensors[name.replace(".weight", "." + name.split(".")[-2][0] + "_scale")] = torch.ones(1)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8"}
