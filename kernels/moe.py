@@ -29,6 +29,9 @@ class RouterSpec:
     topk_group: int
     norm_topk_prob: bool
     routed_scaling_factor: float
+    # the shared expert split into this many expert-sized chunks, appended to every token's choice as experts
+    # E, E+1, ... with weight 1, so the fused GEMMs run it with the routed ones (0: the shared expert runs apart)
+    num_shared: int = 0
 
 
 def route_topk(
@@ -40,7 +43,7 @@ def route_topk(
     """-> (weights [N, k] fp32, ids [N, k] int64), computed as transformers' NemotronHTopkRouter does: fp32
     logits, sigmoid scores; experts chosen on score + correction bias within the `topk_group` groups whose two
     best biased scores sum highest; weights are the unbiased scores, normalised (+1e-20) when norm_topk_prob,
-    times routed_scaling_factor."""
+    times routed_scaling_factor. With spec.num_shared, [N, k + num_shared]: the shared chunks appended."""
     scores = F.linear(x.float(), weight.float()).sigmoid()  # [N, E]
     choice = scores + correction_bias.float()
     if spec.n_group > 1:  # one group selects every expert: the mask is all ones (transformers computes it anyway)
@@ -54,7 +57,13 @@ def route_topk(
     weights = scores.gather(1, ids)
     if spec.norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * spec.routed_scaling_factor, ids
+    weights = weights * spec.routed_scaling_factor
+    if spec.num_shared:
+        n = ids.shape[0]
+        shared = torch.arange(spec.num_experts, spec.num_experts + spec.num_shared, device=ids.device)
+        ids = torch.cat([ids, shared.expand(n, -1)], dim=1)
+        weights = torch.cat([weights, weights.new_ones(n, spec.num_shared)], dim=1)
+    return weights, ids
 
 
 def align_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -119,6 +128,8 @@ def moe_experts_ref(
     up_scale: torch.Tensor | None = None,  # [E, I] fp32 per-channel scales of fp8 w_up
     down_scale: torch.Tensor | None = None,  # [E, D]
     shared_out: torch.Tensor | None = None,  # [N, D] in x's dtype: the shared expert's output, added at the end
+    shared_up: torch.Tensor | None = None,  # [S * I, D]: the shared expert as S chunks, ids E .. E + S - 1
+    shared_down: torch.Tensor | None = None,  # [D, S * I]
 ) -> torch.Tensor:
     """sum_j weight_j * down_e(relu2(up_e(x))) over each token's k experts -> [N, D] in x's dtype, summed in
     fp32 and rounded as transformers' NemotronHExperts does (then + shared_out). No loop over experts: pairs go
@@ -127,6 +138,13 @@ def moe_experts_ref(
     n, d = x.shape
     num_experts, k = w_up.shape[0], topk_ids.shape[1]
     out = torch.zeros(n, d, dtype=torch.float32, device=x.device)
+    if shared_up is not None and shared_down is not None:  # chunks of the shared expert: one bmm over them
+        chunks = shared_up.shape[0] // w_up.shape[1]
+        k -= chunks
+        hidden = torch.relu(F.linear(x, shared_up)).square().view(n, chunks, -1).transpose(0, 1)  # [S, N, I]
+        per_chunk = torch.bmm(hidden, shared_down.view(d, chunks, -1).permute(1, 2, 0))  # [S, N, D]
+        out += (per_chunk.float() * topk_weights[:, k:].t().float()[..., None]).sum(0)
+        topk_ids, topk_weights = topk_ids[:, :k], topk_weights[:, :k]
     chunk = max(1, _REF_LAYOUT_ELEMENTS // (num_experts * max(d, w_up.shape[1])))
     for t0 in range(0, n, chunk):  # token chunks bound the layout's memory (one chunk for small batches)
         ids = topk_ids[t0 : t0 + chunk].reshape(-1).long()
@@ -142,7 +160,7 @@ def moe_experts_ref(
         hidden = torch.relu(hidden).square()
         pair_out = _expert_bmm(hidden, w_down, down_scale).reshape(num_experts * tokens, d)[slot]  # [pairs, D]
         weighted = pair_out.float() * topk_weights[t0 : t0 + tokens].reshape(-1, 1).float()
-        out[t0 : t0 + tokens] = weighted.view(tokens, k, d).sum(1)
+        out[t0 : t0 + tokens] += weighted.view(tokens, k, d).sum(1)
     return out.to(x.dtype) if shared_out is None else out.to(x.dtype) + shared_out
 
 

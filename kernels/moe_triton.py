@@ -27,7 +27,7 @@ from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting, nex
 def _route_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scaling,
     K: tl.constexpr, K_BLOCK: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-    NORM: tl.constexpr,
+    NORM: tl.constexpr, SHARED: tl.constexpr,
 ):
     """One token per program: sigmoid scores, bias-corrected choice limited to the TOPK_GROUP groups with the best
     top-2 sums, K arg-maxes; weights are the unbiased scores (normalised) times the scaling factor."""
@@ -62,8 +62,13 @@ def _route_kernel(
         choice = tl.where(offs == pick, float("-inf"), choice)
     if NORM:
         weight = weight / (tl.sum(weight, 0) + 1e-20)
-    tl.store(ids_ptr + row * K + slots, chosen, mask=slots < K)
-    tl.store(weights_ptr + row * K + slots, weight * scaling, mask=slots < K)
+    weight = weight * scaling
+    if SHARED > 0:  # the shared expert's chunks: experts E .. E + SHARED - 1, weight 1
+        chosen = tl.where(slots >= K, (E + slots - K).to(tl.int64), chosen)
+        weight = tl.where(slots >= K, 1.0, weight)
+    width = K + SHARED
+    tl.store(ids_ptr + row * width + slots, chosen, mask=slots < width)
+    tl.store(weights_ptr + row * width + slots, weight, mask=slots < width)
 
 
 def route_topk_triton(
@@ -75,14 +80,15 @@ def route_topk_triton(
     if per_group & (per_group - 1) or spec.n_group & (spec.n_group - 1):
         return route_topk(x, weight, correction_bias, spec)
     logits = F.linear(x.float(), weight.float()).contiguous()  # [N, E]
-    n = logits.shape[0]
-    weights = torch.empty(n, spec.top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(n, spec.top_k, dtype=torch.int64, device=x.device)
+    n, width = logits.shape[0], spec.top_k + spec.num_shared
+    weights = torch.empty(n, width, dtype=torch.float32, device=x.device)
+    ids = torch.empty(n, width, dtype=torch.int64, device=x.device)
     if n:
         _route_kernel[(n,)](logits, correction_bias.float().contiguous(), weights, ids, spec.num_experts,
-                            float(spec.routed_scaling_factor), K=spec.top_k, K_BLOCK=next_pow2(spec.top_k),
+                            float(spec.routed_scaling_factor), K=spec.top_k, K_BLOCK=next_pow2(width),
                             N_GROUP=spec.n_group, PER_GROUP=per_group, TOPK_GROUP=spec.topk_group,
-                            NORM=spec.norm_topk_prob, num_warps=1 if spec.num_experts <= 256 else 4)
+                            NORM=spec.norm_topk_prob, SHARED=spec.num_shared,
+                            num_warps=1 if spec.num_experts <= 256 else 4)
     return weights, ids
 
 
@@ -168,17 +174,18 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
     return kept or configs
 
 
-@triton.autotune(configs=_gemm_configs(), key=["N_OUT", "K", "BLOCK_M", "A_ROW_DIV", "HAS_SCALE"],
+@triton.autotune(configs=_gemm_configs(), key=["N_OUT", "K", "BLOCK_M", "A_ROW_DIV", "HAS_SCALE", "SHARED"],
                  prune_configs_by={"early_config_prune": _prune}, cache_results=PERSIST_AUTOTUNE)
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, scale_ptr, route_w_ptr, out_ptr, sorted_ptr, block_expert_ptr, used_rows_ptr,
-    num_pairs, N_OUT, K, a_m, w_e, w_n, out_m,
-    A_ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr, w_ptr, ws_ptr, scale_ptr, route_w_ptr, out_ptr, sorted_ptr, block_expert_ptr, used_rows_ptr,
+    num_pairs, num_routed, N_OUT, K, a_m, w_e, w_n, ws_e, ws_n, out_m,
+    SHARED: tl.constexpr, A_ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     RELU2: tl.constexpr, ROUTE_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
-    """out[pair, n] = act(sum_k a[pair // A_ROW_DIV, k] * W[e, n, k] * scale[e, n]) (* route weight[pair])."""
+    """out[pair, n] = act(sum_k a[pair // A_ROW_DIV, k] * W[e, n, k] * scale[e, n]) (* route weight[pair]);
+    with SHARED, experts e >= num_routed are chunks of the shared expert's weight at ws_ptr."""
     pid_m = tl.program_id(0)
     if pid_m * BLOCK_M >= tl.load(used_rows_ptr):
         return
@@ -188,7 +195,13 @@ def _moe_gemm_kernel(
     a_rows = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * a_m
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N_OUT
-    w_rows = w_ptr + expert * w_e + offs_n.to(tl.int64)[:, None] * w_n
+    if SHARED:
+        if expert >= num_routed:
+            w_rows = ws_ptr + (expert - num_routed) * ws_e + offs_n.to(tl.int64)[:, None] * ws_n
+        else:
+            w_rows = w_ptr + expert * w_e + offs_n.to(tl.int64)[:, None] * w_n
+    else:
+        w_rows = w_ptr + expert * w_e + offs_n.to(tl.int64)[:, None] * w_n
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -243,19 +256,22 @@ def choose_block_m(num_pairs: int, num_experts: int) -> int:
 def _grouped_gemm(
     a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, route_w: torch.Tensor | None,
     out: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_pairs: int, a_row_div: int,
-    block_m: int, relu2: bool,
+    block_m: int, relu2: bool, shared: tuple[torch.Tensor, int, int] | None = None,
 ) -> None:
+    """`shared`: (weight, chunk stride, row stride) of the shared expert's chunks, experts E, E+1, ..."""
     sorted_pairs, block_expert, used_rows = align
     n_out, k = w.shape[1], w.shape[2]
+    ws, ws_e, ws_n = shared if shared is not None else (w, 0, 0)
 
     def grid(meta: dict) -> tuple[int, int]:
         return (block_expert.numel(), triton.cdiv(n_out, meta["BLOCK_N"]))
 
     _moe_gemm_kernel[grid](
-        a, w, scale if scale is not None else a, route_w if route_w is not None else a, out,
-        sorted_pairs, block_expert, used_rows, num_pairs, n_out, k, a.stride(0), w.stride(0), w.stride(1),
-        out.stride(0), A_ROW_DIV=a_row_div, BLOCK_M=block_m, RELU2=relu2, ROUTE_WEIGHT=route_w is not None,
-        HAS_SCALE=scale is not None, DOT_PRECISION="ieee" if a.dtype == torch.float32 or interpreting() else "tf32",
+        a, w, ws, scale if scale is not None else a, route_w if route_w is not None else a, out,
+        sorted_pairs, block_expert, used_rows, num_pairs, w.shape[0], n_out, k, a.stride(0), w.stride(0),
+        w.stride(1), ws_e, ws_n, out.stride(0), SHARED=shared is not None, A_ROW_DIV=a_row_div, BLOCK_M=block_m,
+        RELU2=relu2, ROUTE_WEIGHT=route_w is not None, HAS_SCALE=scale is not None,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 or interpreting() else "tf32",
         DOT_UPCAST=interpreting() and a.dtype == torch.bfloat16,
     )
 
@@ -269,10 +285,21 @@ def moe_experts_triton(
     up_scale: torch.Tensor | None = None,  # [E, I] fp32
     down_scale: torch.Tensor | None = None,  # [E, D] fp32
     shared_out: torch.Tensor | None = None,  # [N, D] in x's dtype
+    shared_up: torch.Tensor | None = None,  # [S * I, D] the shared expert's chunks: experts E .. E + S - 1
+    shared_down: torch.Tensor | None = None,  # [D, S * I]
 ) -> torch.Tensor:
-    """Same contract as `moe_experts_ref`: [N, D] in x's dtype (sum, rounding and shared add in one kernel)."""
+    """Same contract as `moe_experts_ref`: [N, D] in x's dtype (sum, rounding and shared add in one kernel;
+    shared chunks run in the grouped GEMMs with the routed experts)."""
     n, d = x.shape
     num_experts, inter = w_up.shape[0], w_up.shape[1]
+    chunks = 0
+    if shared_up is not None and shared_down is not None:
+        chunks = shared_up.shape[0] // inter
+        if (shared_up.shape != (chunks * inter, d) or shared_down.shape != (d, chunks * inter)
+                or shared_up.dtype != w_up.dtype or shared_down.dtype != w_down.dtype or up_scale is not None):
+            raise ValueError(f"shared expert up {tuple(shared_up.shape)} / down {tuple(shared_down.shape)} must be "
+                             f"whole [{inter}]-row chunks in the (unquantized) experts' dtype {w_up.dtype}")
+        shared_up, shared_down = shared_up.contiguous(), shared_down.contiguous()
     if w_up.shape[2] != d or w_down.shape != (num_experts, d, inter):
         raise ValueError(f"expert weights up {tuple(w_up.shape)} / down {tuple(w_down.shape)} do not fit x [.., {d}]")
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != n:
@@ -288,13 +315,15 @@ def moe_experts_triton(
     x = x.contiguous()
     w_up = w_up if w_up.stride(-1) == 1 else w_up.contiguous()  # rows are read along K
     w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
-    block_m = choose_block_m(pairs, num_experts)
-    align = moe_align_triton(topk_ids, num_experts, block_m)
+    block_m = choose_block_m(pairs, num_experts + chunks)
+    align = moe_align_triton(topk_ids, num_experts + chunks, block_m)
     hidden = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w_up, up_scale, None, hidden, align, pairs, k, block_m, relu2=True)
+    up_shared = (shared_up, inter * d, d) if chunks else None  # chunk c: rows c*I .. (c+1)*I of [S*I, D]
+    _grouped_gemm(x, w_up, up_scale, None, hidden, align, pairs, k, block_m, relu2=True, shared=up_shared)
     pair_out = torch.empty(pairs, d, dtype=torch.float32, device=x.device)
+    down_shared = (shared_down, inter, chunks * inter) if chunks else None  # chunk c: columns c*I .. of [D, S*I]
     _grouped_gemm(hidden, w_down, down_scale, topk_weights.reshape(-1).float().contiguous(), pair_out, align,
-                  pairs, 1, block_m, relu2=False)
+                  pairs, 1, block_m, relu2=False, shared=down_shared)
     out = torch.empty_like(x)
     shared = shared_out.contiguous() if shared_out is not None else out
     _moe_combine_kernel[(n, triton.cdiv(d, 1024))](pair_out, shared, out, d, K=k, BLOCK_D=1024,

@@ -21,15 +21,15 @@ def _param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
 class TopkRouter(nn.Module):
     """Sigmoid scores, bias-corrected group-limited top-k choice, weights from the uncorrected scores."""
 
-    def __init__(self, hidden_size: int, config: MoEConfig) -> None:
+    def __init__(self, hidden_size: int, config: MoEConfig, num_shared: int = 0) -> None:
         super().__init__()
         self.spec = RouterSpec(config.num_experts, config.experts_per_token, config.n_group, config.topk_group,
-                               config.norm_topk_prob, config.routed_scaling_factor)
+                               config.norm_topk_prob, config.routed_scaling_factor, num_shared)
         self.weight = _param(config.num_experts, hidden_size)
         self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [N, hidden] -> (expert weights [N, k] fp32, expert ids [N, k])."""
+        """x: [N, hidden] -> (expert weights [N, k + num_shared] fp32, expert ids [N, k + num_shared])."""
         return ops.moe_route(x, self.weight, self.e_score_correction_bias, self.spec)
 
 
@@ -47,12 +47,16 @@ class Experts(nn.Module):
         self.register_buffer("down_proj_scale", torch.ones(config.num_experts, expert_in) if scales else None)
 
     def forward(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared_out: torch.Tensor | None = None
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared_out: torch.Tensor | None = None,
+        shared: MLP | None = None,
     ) -> torch.Tensor:
         """x [N, D], routing weights / ids [N, k] -> the weighted sum of each token's experts [N, D]
-        (+ shared_out [N, D], added in the same kernel)."""
+        (+ shared_out [N, D], added in the same kernel; or the `shared` expert's chunks, ids E.., run with the
+        routed experts)."""
+        shared_up = shared.up_proj.weight if shared is not None else None
+        shared_down = shared.down_proj.weight if shared is not None else None
         return ops.moe_experts(x, self.up_proj, self.down_proj, weights, ids, self.up_proj_scale,
-                               self.down_proj_scale, shared_out)
+                               self.down_proj_scale, shared_out, shared_up, shared_down)
 
 
 class MoE(nn.Module):
@@ -61,7 +65,12 @@ class MoE(nn.Module):
     def __init__(self, hidden_size: int, config: MoEConfig, bias: bool) -> None:
         super().__init__()
         expert_in = config.latent_size or hidden_size
-        self.gate = TopkRouter(hidden_size, config)
+        # the shared expert as expert-sized chunks inside the fused GEMMs: same input space (no latent), same
+        # dtype (not fp8), no biases, a whole number of chunks (Nano: 3712 = 2 x 1856)
+        chunks, rest = divmod(config.shared_intermediate_size, config.intermediate_size)
+        self.shared_chunks = chunks if (config.latent_size is None and not config.fp8_experts and not bias
+                                        and rest == 0) else 0
+        self.gate = TopkRouter(hidden_size, config, self.shared_chunks)
         self.experts = Experts(config, expert_in)
         self.shared_experts = MLP(hidden_size, config.shared_intermediate_size, bias)
         self.fc1_latent_proj: nn.Module = nn.Identity()
@@ -72,6 +81,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
         weights, ids = self.gate(x)
+        if self.shared_chunks:  # one pass: routed and shared experts in the same grouped GEMMs
+            return self.experts(x, weights, ids, shared=self.shared_experts)
         if isinstance(self.fc1_latent_proj, nn.Identity):  # the shared expert's add fused into the combine
             return self.experts(x, weights, ids, self.shared_experts(x))
         routed = self.experts(self.fc1_latent_proj(x), weights, ids)

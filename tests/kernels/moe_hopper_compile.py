@@ -29,24 +29,25 @@ def compile_for_hopper(kernel: Any, signature: dict, constexprs: dict, aligned: 
 
 def main() -> None:
     found = {}
-    pointers = {"a_ptr": "*bf16", "w_ptr": "*bf16", "scale_ptr": "*fp32", "route_w_ptr": "*fp32", "out_ptr": "*fp32",
-                "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "used_rows_ptr": "*i32"}
-    ints = {n: "i32" for n in ("num_pairs", "N_OUT", "K", "a_m", "w_e", "w_n", "out_m")}
+    pointers = {"a_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*bf16", "scale_ptr": "*fp32", "route_w_ptr": "*fp32",
+                "out_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "used_rows_ptr": "*i32"}
+    strides = ("N_OUT", "K", "a_m", "w_e", "w_n", "ws_e", "ws_n", "out_m")
+    ints = {n: "i32" for n in ("num_pairs", "num_routed", *strides)}
     for weights, block_m in (("*bf16", 16), ("*bf16", 128), ("*fp8e4nv", 16), ("*fp8e4nv", 128)):
         for up in (True, False):
-            constexprs = {"A_ROW_DIV": 6 if up else 1, "BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 128,
-                          "RELU2": up, "ROUTE_WEIGHT": not up, "HAS_SCALE": weights != "*bf16",
-                          "DOT_PRECISION": "tf32", "DOT_UPCAST": False}
-            signature = {**pointers, "w_ptr": weights, "out_ptr": "*bf16" if up else "*fp32", **ints}
+            constexprs = {"SHARED": weights == "*bf16", "A_ROW_DIV": 6 if up else 1, "BLOCK_M": block_m,
+                          "BLOCK_N": 64, "BLOCK_K": 128, "RELU2": up, "ROUTE_WEIGHT": not up,
+                          "HAS_SCALE": weights != "*bf16", "DOT_PRECISION": "tf32", "DOT_UPCAST": False}
+            signature = {**pointers, "w_ptr": weights, "ws_ptr": weights, "out_ptr": "*bf16" if up else "*fp32", **ints}
             found[f"gemm {weights} {'up' if up else 'down'} {block_m}"] = compile_for_hopper(
-                _moe_gemm_kernel, signature, constexprs, aligned=(*pointers, "N_OUT", "K", "a_m", "w_e", "w_n", "out_m"))
+                _moe_gemm_kernel, signature, constexprs, aligned=(*pointers, *strides))
     align = {"E": 128, "E_BINS": 128, "BLOCK_M": 16, "CHUNK": 1024, "BLOCK_CHUNK": 64}
     found["align"] = compile_for_hopper(_moe_align_kernel, {
         "ids_ptr": "*i64", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "used_rows_ptr": "*i32",
         "cursor_ptr": "*i32", "num_pairs": "i32", "num_rows": "i32", "num_blocks": "i32"}, align)
     for groups, per_group, top_groups in ((1, 128, 1), (8, 16, 4)):
         route = {"K": 6, "K_BLOCK": 8, "N_GROUP": groups, "PER_GROUP": per_group, "TOPK_GROUP": top_groups,
-                 "NORM": True}
+                 "NORM": True, "SHARED": 2}
         found[f"route {groups} groups"] = compile_for_hopper(_route_kernel, {
             "logits_ptr": "*fp32", "bias_ptr": "*fp32", "weights_ptr": "*fp32", "ids_ptr": "*i64", "E": "i32",
             "scaling": "fp32"}, route)

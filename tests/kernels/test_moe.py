@@ -121,6 +121,26 @@ def test_shared_expert_output_added_in_the_combine():
 
 
 @ku.interp_only
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_shared_expert_chunks_run_as_extra_experts(tokens):
+    """The shared expert [S * I, D] as S extra experts (ids E.., weight 1): Triton and reference equal the
+    routed experts plus the shared MLP computed on its own."""
+    x, w_up, w_down, weights, ids = _case(tokens, 2, 4, 24, 16, torch.float32, seed=tokens)
+    gen = torch.Generator().manual_seed(1)
+    shared_up, shared_down = torch.randn(32, 24, generator=gen) * 0.2, torch.randn(24, 32, generator=gen) * 0.2
+    dense = moe_experts_ref(x, w_up, w_down, weights, ids) + F.linear(torch.relu(F.linear(x, shared_up)).square(),
+                                                                       shared_down)
+    ids_ext = torch.cat([ids, torch.tensor([4, 5]).expand(tokens, 2)], 1)
+    weights_ext = torch.cat([weights, torch.ones(tokens, 2)], 1)
+    ref = moe_experts_ref(x, w_up, w_down, weights_ext, ids_ext, shared_up=shared_up, shared_down=shared_down)
+    torch.testing.assert_close(ref, dense, rtol=1e-5, atol=1e-6)
+    out = moe_experts_triton(x, w_up, w_down, weights_ext, ids_ext, shared_up=shared_up, shared_down=shared_down)
+    ku.assert_close(out, dense, 1e-5, "shared chunks")
+    with pytest.raises(ValueError, match="whole"):
+        moe_experts_triton(x, w_up, w_down, weights_ext, ids_ext, shared_up=shared_up[:24], shared_down=shared_down)
+
+
+@ku.interp_only
 @pytest.mark.parametrize("per_tensor", [False, True])
 def test_fp8_experts_triton_and_reference(per_tensor):
     x, w_up, w_down, weights, ids = _case(5, 2, 4, 32, 32, torch.bfloat16, seed=3)
@@ -145,6 +165,21 @@ def test_triton_router_with_one_expert_per_group_matches_the_reference():
     w, ids = route_topk_triton(x, weight, bias, spec)
     assert torch.equal(ids.sort(-1)[0], ref_ids.sort(-1)[0])
     torch.testing.assert_close(w.sort(-1)[0], ref_w.sort(-1)[0], rtol=1e-6, atol=0)
+
+
+@ku.interp_only
+@pytest.mark.parametrize("n_group", [1, 4])
+def test_router_appends_the_shared_chunks(n_group):
+    gen = torch.Generator().manual_seed(n_group)
+    x, weight, bias = torch.randn(5, 16, generator=gen), torch.randn(16, 16, generator=gen), torch.randn(16, generator=gen)
+    spec = RouterSpec(16, 3, n_group, min(2, n_group), True, 2.5, num_shared=2)
+    for route in (route_topk, route_topk_triton):
+        w, ids = route(x, weight, bias, spec)
+        assert ids.shape == (5, 5) and bool((ids[:, 3:] == torch.tensor([16, 17])).all())
+        assert bool((w[:, 3:] == 1.0).all())
+        plain_w, plain_ids = route_topk(x, weight, bias, RouterSpec(16, 3, n_group, min(2, n_group), True, 2.5))
+        assert torch.equal(ids[:, :3].sort(-1)[0], plain_ids.sort(-1)[0])
+        torch.testing.assert_close(w[:, :3].sort(-1)[0], plain_w.sort(-1)[0], rtol=1e-6, atol=0)
 
 
 def test_block_m_grows_with_rows_per_expert():
