@@ -1,7 +1,8 @@
 """MoE layer and whole-model decode step of Nemotron-3-Nano-30B-A3B shapes (bench/configs/, dummy weights) beside
 their floors, with the device's copy bandwidth and bf16 matmul peak measured in the same run.
 
-MoE layer (router + routed experts + shared expert), timed as CUDA-graph replays (median of many):
+MoE layer (router + routed experts + shared expert), timed as CUDA-graph replays (median of many), and its expert
+GEMMs alone (`experts_*`: the routed experts, plus the shared expert where it runs inside the fused GEMMs):
   decode batch 1 / 8 / 32 / 128: floor = bytes the layer must read (the distinct experts the batch routes to,
   the shared expert, the router) / copy bandwidth;  prefill 4096 tokens: floor = flops / bf16 matmul peak, and
   the routed expert GEMMs' own TFLOP/s as a share of that peak. fp8 experts (weight-only) get their own rows.
@@ -39,7 +40,7 @@ CONFIG = Path(__file__).resolve().parent / "configs" / "nemotron-3-nano-30b-a3b.
 DECODE_BATCHES = (1, 8, 32, 128)
 PREFILL_TOKENS = 4096
 CONTEXT, PAGE = 512, 16
-TINY = dict(hidden_size=64, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_routed_experts=8,
+TINY = dict(hidden_size=64, moe_intermediate_size=32, moe_shared_expert_intermediate_size=64, n_routed_experts=8,
             num_experts_per_tok=2, vocab_size=256, hybrid_override_pattern="MEM*E", num_hidden_layers=5,
             mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16)
@@ -100,28 +101,34 @@ def bench_layer(config: ModelConfig, device: torch.device, timer: Timer, ceil: d
     dense_bytes = _bytes(layer) - _bytes(experts)  # router, shared expert, latent projections
     hidden, inter, k = config.hidden_size, moe_cfg.intermediate_size, moe_cfg.experts_per_token
     expert_in = moe_cfg.latent_size or hidden
+    # with the shared expert fused (bf16 Nano: two 1856-row chunks), the experts call runs it as well
+    shared = layer.shared_experts if layer.shared_chunks else None
+    shared_bytes = _bytes(layer.shared_experts) if shared is not None else 0
+    shared_flops = 2 * 2 * hidden * moe_cfg.shared_intermediate_size if shared is not None else 0  # per token
     rows = []
     for tokens in (*batches, prefill):
         x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
         with torch.no_grad():
             weights, ids = layer.gate(x)
             latent = layer.fc1_latent_proj(x)
-        active = int(torch.unique(ids).numel())  # outside the timed region
+        active = int(torch.unique(ids[:, :k]).numel())  # routed experts hit; outside the timed region
         routed_flops = 2 * tokens * k * 2 * expert_in * inter
         flops = routed_flops + 2 * tokens * (2 * hidden * moe_cfg.shared_intermediate_size + hidden * moe_cfg.num_experts)
         read = active * per_expert + dense_bytes
         floor_ms = max(read / ceil["copy_GBps"] / 1e6, flops / ceil["bf16_matmul_TFLOPs"] / 1e9)
         with torch.no_grad():
             layer_ms = timer(lambda: layer(x))
-            experts_ms = timer(lambda: experts(latent, weights, ids))
-        experts_floor = max(active * per_expert / ceil["copy_GBps"] / 1e6,
-                            routed_flops / ceil["bf16_matmul_TFLOPs"] / 1e9)
+            experts_ms = timer(lambda: experts(latent, weights, ids, shared=shared))
+        experts_floor = max((active * per_expert + shared_bytes) / ceil["copy_GBps"] / 1e6,
+                            (routed_flops + tokens * shared_flops) / ceil["bf16_matmul_TFLOPs"] / 1e9)
         row = {"tokens": tokens, "phase": "prefill" if tokens == prefill else "decode",
                "experts": "fp8" if fp8 else "bf16", "active_experts": active, "read_MB": read / 1e6,
                "GFLOP": flops / 1e9, "layer_ms": layer_ms, "floor_ms": floor_ms, "layer_over_floor": layer_ms / floor_ms,
-               "experts_ms": experts_ms, "experts_floor_ms": experts_floor, "experts_over_floor": experts_ms / experts_floor,
-               "experts_TFLOPs": routed_flops / experts_ms / 1e9,
-               "experts_pct_of_matmul_peak": 100 * routed_flops / experts_ms / 1e9 / ceil["bf16_matmul_TFLOPs"]}
+               "shared_fused": shared is not None, "experts_ms": experts_ms, "experts_floor_ms": experts_floor,
+               "experts_over_floor": experts_ms / experts_floor,
+               "experts_TFLOPs": (routed_flops + tokens * shared_flops) / experts_ms / 1e9,
+               "experts_pct_of_matmul_peak": 100 * (routed_flops + tokens * shared_flops) / experts_ms / 1e9
+               / ceil["bf16_matmul_TFLOPs"]}
         rows.append(row)
         print("moe " + "  ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
               flush=True)

@@ -103,8 +103,8 @@ def _moe_align_kernel(
     counts = tl.zeros([E_BINS], dtype=tl.int32)
     for start in range(0, num_pairs, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        mask = offs < num_pairs
-        ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0).to(tl.int32)
+        mask = (offs < num_pairs) & (ids >= 0) & (ids < E)  # an id out of range claims no row (never a stray write)
         counts += tl.histogram(ids, E_BINS, mask=mask)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
@@ -121,8 +121,8 @@ def _moe_align_kernel(
     tl.debug_barrier()  # cursors and padding are written before any pair claims its row
     for start in range(0, num_pairs, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        mask = offs < num_pairs
-        ids = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=0).to(tl.int32)
+        mask = (offs < num_pairs) & (ids >= 0) & (ids < E)
         row = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
         tl.store(sorted_ptr + row, offs, mask=mask)
 

@@ -22,4 +22,5 @@ def test_moe_bench_smoke_run(tmp_path: Path) -> None:
         assert isinstance(rows, list), rows
         assert {r["phase"] for r in rows} == {"decode", "prefill"}
         assert all(r["layer_ms"] > 0 and r["floor_ms"] > 0 for r in rows)
+        assert all(r["shared_fused"] == (section == "layer") for r in rows)  # fp8 experts keep the shared MLP apart
     assert result["step"]["graph_ms"] > 0 and result["step"]["floor_ms"] > 0
