@@ -67,10 +67,11 @@ def test_greedy_matches_transformers(case: str, kernels: str) -> None:
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
 
 
-def test_moe_forward_never_reads_device_data() -> None:
+@pytest.mark.parametrize("case", ["grouped", "latent"])  # shared expert fused into the GEMMs / apart
+def test_moe_forward_never_reads_device_data(case: str) -> None:
     """The whole MoE block runs on meta tensors, which refuse .item() / .tolist() / nonzero / unique: no host sync
     and no data-dependent shape, so it captures in a CUDA graph."""
-    config = ModelConfig.from_dir(_model("latent")[0])
+    config = ModelConfig.from_dir(_model(case)[0])
     assert config.moe is not None
     with torch.device("meta"), torch.no_grad():
         out = MoE(config.hidden_size, config.moe, bias=False)(torch.empty(5, config.hidden_size))
