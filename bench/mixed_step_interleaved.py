@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--out", default=None, help="write the JSON here")
     args = parser.parse_args()
-    model_dir = dummy_model_dir() if args.model is None else Path(args.model)
+    model_dir = dummy_model_dir(args.dummy_config) if args.model is None else Path(args.model)
     engines = {key: LLMEngine(model_dir, engine_config(args, enable_prefix_caching=key == "on")) for key in ("off", "on")}
     results = []
     for seed, rows in enumerate(args.decode_rows):
