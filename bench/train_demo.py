@@ -51,55 +51,65 @@ def _sibling(name: str) -> ModuleType:
 _data = _sibling("train_demo_data")
 _mtp = _sibling("train_demo_mtp")
 _card = _sibling("train_demo_card")
+_eval = _sibling("train_demo_eval")
 EOS, load_corpus, train_tokenizer = _data.EOS, _data.load_corpus, _data.train_tokenizer
 encode_stream, windows_of = _data.encode_stream, _data.windows_of
-MTP, init_mtp, model_card = _mtp.MTP, _mtp.init_mtp, _card.model_card
+MTP, init_mtp, recurrent_mtp, model_card = _mtp.MTP, _mtp.init_mtp, _mtp.recurrent_mtp, _card.model_card
 
 
 # ------------------------------------------------------------------------------------------- training
 
 
-def forward_losses(trunk, mtp: MTP, batch: torch.Tensor) -> tuple[torch.Tensor, ...]:  # noqa: ANN001
-    """batch [B, L+1] -> (trunk CE, MTP CE, trunk logits [B,L,V], MTP logits [B,L-1,V])."""
+def forward_losses(trunk, mtp: MTP, batch: torch.Tensor, depths: int) -> tuple[torch.Tensor, list, torch.Tensor, list]:  # noqa: ANN001
+    """batch [B, L+1] -> (trunk CE, [MTP CE of depths 1..K], trunk logits [B,L,V], [depth-d logits [B,L-d,V]])."""
     x = batch[:, :-1]
     h = trunk.model(input_ids=x, use_cache=False).last_hidden_state  # after norm_f
     logits = trunk.lm_head(h)
     loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten().long())
-    g = mtp(trunk.model.embeddings(x[:, 1:]), h[:, :-1])  # slots q = 1..L-1
-    mtp_logits = trunk.lm_head(g)
-    mtp_loss = F.cross_entropy(mtp_logits.float().flatten(0, 1), batch[:, 2:].flatten().long())
-    return loss, mtp_loss, logits, mtp_logits
+    gs = recurrent_mtp(mtp, trunk.model.embeddings(x[:, 1:]), h[:, :-1], depths)  # slots q = 1..L-1
+    mtp_losses, mtp_logits = [], []
+    for d, g in enumerate(gs, start=1):  # depth d is valid from slot d-1 on; slot i predicts x_(i+2)
+        lg = trunk.lm_head(g[:, d - 1 :])
+        mtp_losses.append(F.cross_entropy(lg.float().flatten(0, 1), batch[:, d + 1 :].flatten().long()))
+        mtp_logits.append(lg)
+    return loss, mtp_losses, logits, mtp_logits
 
 
 @torch.no_grad()
-def evaluate(trunk, mtp: MTP, windows: torch.Tensor, batch_size: int, device: str) -> dict:  # noqa: ANN001
-    """Held-out trunk loss / top-1 and MTP loss / top-1 over non-overlapping windows."""
+def evaluate(trunk, mtp: MTP, windows: torch.Tensor, batch_size: int, device: str, depths: int) -> dict:  # noqa: ANN001
+    """Held-out trunk loss / top-1 and, per MTP depth, loss / top-1 over non-overlapping windows."""
+    nan = float("nan")
     if windows.shape[0] == 0:
-        nan = float("nan")
         return {"trunk_loss_nats_per_token": nan, "trunk_top1_accuracy": nan, "mtp_loss_nats_per_token": nan,
-                "mtp_top1_accuracy": nan, "tokens": 0}
+                "mtp_top1_accuracy": nan, "mtp_depths": [], "tokens": 0}
     trunk.eval()
     mtp.eval()
-    sums = {"nll": 0.0, "correct": 0, "n": 0, "mtp_nll": 0.0, "mtp_correct": 0, "mtp_n": 0}
+    nll = correct = n = 0.0
+    d_nll, d_correct, d_n = [0.0] * depths, [0] * depths, [0] * depths
     for start in range(0, windows.shape[0], batch_size):
         batch = windows[start : start + batch_size].to(device).long()
         with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=device != "cpu"):
-            loss, mtp_loss, logits, mtp_logits = forward_losses(trunk, mtp, batch)
-        n, mn = batch[:, 1:].numel(), batch[:, 2:].numel()
-        sums["nll"] += float(loss) * n
-        sums["mtp_nll"] += float(mtp_loss) * mn
-        sums["correct"] += int((logits.argmax(-1) == batch[:, 1:]).sum())
-        sums["mtp_correct"] += int((mtp_logits.argmax(-1) == batch[:, 2:]).sum())
-        sums["n"] += n
-        sums["mtp_n"] += mn
+            loss, mtp_losses, logits, mtp_logits = forward_losses(trunk, mtp, batch, depths)
+        count = batch[:, 1:].numel()
+        nll += float(loss) * count
+        correct += int((logits.argmax(-1) == batch[:, 1:]).sum())
+        n += count
+        for d in range(depths):
+            target = batch[:, d + 2 :]
+            d_nll[d] += float(mtp_losses[d]) * target.numel()
+            d_correct[d] += int((mtp_logits[d].argmax(-1) == target).sum())
+            d_n[d] += target.numel()
     trunk.train()
     mtp.train()
+    per_depth = [{"depth": d + 1, "loss_nats_per_token": d_nll[d] / d_n[d], "top1_accuracy": d_correct[d] / d_n[d]}
+                 for d in range(depths)]
     return {
-        "trunk_loss_nats_per_token": sums["nll"] / sums["n"],
-        "trunk_top1_accuracy": sums["correct"] / sums["n"],
-        "mtp_loss_nats_per_token": sums["mtp_nll"] / sums["mtp_n"],
-        "mtp_top1_accuracy": sums["mtp_correct"] / sums["mtp_n"],
-        "tokens": sums["n"],
+        "trunk_loss_nats_per_token": nll / n,
+        "trunk_top1_accuracy": correct / n,
+        "mtp_loss_nats_per_token": per_depth[0]["loss_nats_per_token"],
+        "mtp_top1_accuracy": per_depth[0]["top1_accuracy"],
+        "mtp_depths": per_depth,
+        "tokens": int(n),
     }
 
 
@@ -108,20 +118,6 @@ def lr_at(step: int, total: int, warmup: int, peak: float, floor: float) -> floa
         return peak * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
-
-
-@torch.no_grad()
-def greedy(trunk, tokenizer, prompt: str, max_tokens: int, device: str) -> str:  # noqa: ANN001
-    """Greedy continuation by full re-forward (float32), as transformers' oracle does."""
-    ids = tokenizer.encode(prompt, add_special_tokens=False)
-    out: list[int] = []
-    for _ in range(max_tokens):
-        logits = trunk(torch.tensor([ids + out], device=device), use_cache=False).logits[0, -1]
-        nxt = int(logits.argmax())
-        if nxt == tokenizer.eos_token_id:
-            break
-        out.append(nxt)
-    return tokenizer.decode(out)
 
 
 def model_config(args: argparse.Namespace, vocab: int, eos: int) -> dict:
@@ -178,43 +174,80 @@ def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", type=Path, required=True)
+    p.add_argument("--corpus", type=Path, default=None, help="archive of bench/train_demo_fetch.py (default: stdlib)")
+    p.add_argument("--tar", type=Path, default=None, help="also pack --out-dir into this tar (after saving)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--pattern", default="M-M*M-M-")
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--tokenizer-mb", type=float, default=24.0, help="train the tokenizer on this much text")
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--pattern", default="M-*M-M*-")
+    p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--mlp-intermediate", type=int, default=1024)
+    p.add_argument("--mlp-intermediate", type=int, default=2048)
     p.add_argument("--mamba-head-dim", type=int, default=64)
-    p.add_argument("--ssm-state", type=int, default=64)
+    p.add_argument("--ssm-state", type=int, default=32)
     p.add_argument("--n-groups", type=int, default=2)
-    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--chunk-size", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--min-lr", type=float, default=1e-4)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--mtp-weight", type=float, default=0.3)
-    p.add_argument("--max-steps", type=int, default=None, help="fixed step count (default: fit --time-budget-s)")
-    p.add_argument("--time-budget-s", type=float, default=330.0, help="wall time of the training loop")
+    p.add_argument("--mtp-depths", type=int, default=3, help="recurrent MTP depths trained (drafts K)")
+    p.add_argument("--mtp-weight", type=float, default=0.3, help="loss weight of each MTP depth")
+    p.add_argument("--max-steps", type=int, default=None, help="fixed step count (default: fit the budget)")
+    p.add_argument("--total-budget-s", type=float, default=450.0, help="wall time of the whole script")
+    p.add_argument("--eval-reserve-s", type=float, default=110.0, help="kept for saving and evaluation")
     p.add_argument("--calib-steps", type=int, default=30, help="steps timed to size the run to the budget")
     p.add_argument("--heldout-percent", type=int, default=4)
     p.add_argument("--validation-percent", type=int, default=3, help="files that pick the best step")
     p.add_argument("--eval-windows", type=int, default=256, help="held-out windows evaluated at the end")
     p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-prompts", type=int, default=64, help="held-out function prompts of the parse test")
+    p.add_argument("--gen-tokens", type=int, default=96)
+    p.add_argument("--no-engine-eval", action="store_true", help="skip the hybridserve engine evaluation")
     p.add_argument("--max-files", type=int, default=None, help="debug: only the first N files")
     p.add_argument("--tokenizer-dir", type=Path, default=None, help="reuse a trained tokenizer")
     p.add_argument("--compile", action="store_true", help="torch.compile the loss function")
     args = p.parse_args(argv)
     if args.calib_steps <= 10:
         p.error("--calib-steps must exceed 10 (steps 10..calib-steps are timed)")
+    return args
+
+
+def tokenizer_texts(train: list[tuple[str, str]], megabytes: float) -> list[str]:
+    """A deterministic sample of the training files (by split hash) of about `megabytes` for BPE training."""
+    ranked = sorted(train, key=lambda item: _data.hashlib.sha256(item[0].encode()).hexdigest())
+    out, size = [], 0
+    for _, text in ranked:
+        if size > megabytes * 1e6:
+            break
+        out.append(text)
+        size += len(text)
+    return out
+
+
+def write_outputs(report: dict, cfg: dict, mtp_kinds: list[str], out_dir: Path, tar: Path | None) -> None:
+    (out_dir / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "README.md").write_text(model_card(report, cfg, mtp_kinds))
+    if tar is not None:
+        import tarfile
+
+        tar.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(tar, "w") as archive:
+            archive.add(str(out_dir), arcname=out_dir.name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     t_start = time.perf_counter()
+    deadline = t_start + args.total_budget_s
     torch.manual_seed(args.seed)
     device = args.device
     out_dir: Path = args.out_dir
@@ -223,12 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
-    corpus = load_corpus(args.heldout_percent, args.validation_percent, args.max_files)
+    corpus = load_corpus(args.heldout_percent, args.validation_percent, args.max_files, args.corpus)
     train_bytes = sum(len(t) for _, t in corpus.train)
     logger.info(
-        "stdlib %s: %d train files (%.1f MB), %d held-out, %d validation files, %d skipped (not UTF-8)",
+        "corpus %s: %d train files (%.1f MB), %d held-out, %d validation files, %d skipped (not UTF-8) (%.1fs)",
         corpus.root, len(corpus.train), train_bytes / 1e6, len(corpus.heldout), len(corpus.validation),
-        corpus.skipped,
+        corpus.skipped, time.perf_counter() - t_start,
     )
     t0 = time.perf_counter()
     if args.tokenizer_dir is not None:
@@ -237,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer_dir), local_files_only=True)
         tokenizer.save_pretrained(str(out_dir))
     else:
-        tokenizer = train_tokenizer([t for _, t in corpus.train], args.vocab_size, out_dir)
+        tokenizer = train_tokenizer(tokenizer_texts(corpus.train, args.tokenizer_mb), args.vocab_size, out_dir)
     train_stream = encode_stream(tokenizer, [t for _, t in corpus.train])
     heldout_stream = encode_stream(tokenizer, [t for _, t in corpus.heldout])
     validation_stream = encode_stream(tokenizer, [t for _, t in corpus.validation])
@@ -280,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     total = args.max_steps
     step = 0
     t_loop = time.perf_counter()
+    budget = deadline - args.eval_reserve_s - t_loop  # the training loop's wall time
+    logger.info("training loop budget %.0fs", budget)
     t_calib = None
     autocast = device != "cpu"
     history: list[dict] = []
@@ -290,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         for group in opt.param_groups:
             group["lr"] = lr
         with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=autocast):
-            loss, mtp_loss, _, _ = loss_fn(trunk, mtp, batch)
-        (loss + args.mtp_weight * mtp_loss).backward()
+            loss, mtp_losses, _, _ = loss_fn(trunk, mtp, batch, args.mtp_depths)
+        (loss + args.mtp_weight * sum(mtp_losses)).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -306,25 +341,29 @@ def main(argv: list[str] | None = None) -> int:
             per_step = (time.perf_counter() - t_calib) / (args.calib_steps - 10)
             logger.info("%.1f ms/step (steps 10-%d)", per_step * 1e3, step)
             if total is None:
-                remaining = args.time_budget_s - (time.perf_counter() - t_loop)
+                n_evals = max(1, int(budget / per_step) // max(1, args.eval_every))
+                remaining = budget - (time.perf_counter() - t_loop) - n_evals * 2 * per_step
                 total = step + max(0, int(remaining / per_step))
-                logger.info("%d steps fit the %.0fs budget", total, args.time_budget_s)
+                logger.info("%d steps fit the %.0fs budget", total, budget)
         if step % 50 == 0 or step == 1 or step == total:
             elapsed = time.perf_counter() - t_loop
             logger.info(
-                "step %d/%s loss %.3f mtp %.3f gnorm %.2f lr %.2e  %.0fs  %.0f tok/s",
-                step, total, loss.item(), mtp_loss.item(), grad_norm.item(), lr, elapsed,
-                step * args.batch_size * args.seq_len / elapsed,
+                "step %d/%s loss %.3f mtp %s gnorm %.2f lr %.2e  %.0fs  %.0f tok/s",
+                step, total, loss.item(), " ".join(f"{m.item():.3f}" for m in mtp_losses), grad_norm.item(), lr,
+                elapsed, step * args.batch_size * args.seq_len / elapsed,
             )
-            history.append({"step": step, "loss": loss.item(), "mtp_loss": mtp_loss.item(), "elapsed_s": elapsed})
+            history.append({"step": step, "loss": loss.item(), "mtp_losses": [m.item() for m in mtp_losses],
+                            "elapsed_s": elapsed})
         if validation_windows.shape[0] and ((args.eval_every and step % args.eval_every == 0) or step == total):
-            val = evaluate(trunk, mtp, validation_windows, args.batch_size, device)
-            val_loss = val["trunk_loss_nats_per_token"] + args.mtp_weight * val["mtp_loss_nats_per_token"]
-            logger.info("validation @%d: %s", step, {k: round(v, 4) for k, v in val.items()})
+            val = evaluate(trunk, mtp, validation_windows, args.batch_size, device, args.mtp_depths)
+            val_loss = val["trunk_loss_nats_per_token"] + args.mtp_weight * sum(
+                d["loss_nats_per_token"] for d in val["mtp_depths"])
+            logger.info("validation @%d: trunk %.4f mtp %s", step, val["trunk_loss_nats_per_token"],
+                        [round(d["loss_nats_per_token"], 4) for d in val["mtp_depths"]])
             history.append({"step": step, "validation": val})
             if val_loss < best["loss"]:
                 best = {"loss": val_loss, "step": step, "state": snapshot(trunk, mtp)}
-        if time.perf_counter() - t_loop > 1.15 * args.time_budget_s:
+        if time.perf_counter() - t_loop > 1.1 * budget:
             logger.warning("time budget exceeded at step %d: stopping early", step)
             break
     if device.startswith("cuda"):
@@ -337,60 +376,104 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("validation loss was lowest at step %d: shipping that step's weights", best["step"])
         trunk.load_state_dict(best["state"][0])
         mtp.load_state_dict(best["state"][1])
-    # the shipped weights are bf16: round them, then evaluate exactly what is saved
+    # the shipped weights are bf16: round them, save them first (a timeout later still leaves a model), then
+    # evaluate exactly what is saved
     with torch.no_grad():
         for p_ in [*trunk.parameters(), *mtp.parameters()]:
             p_.copy_(p_.to(torch.bfloat16).float())
-    metrics = evaluate(trunk, mtp, heldout_windows, args.batch_size, device)
-    logger.info("held-out (bf16 weights): %s", metrics)
     trunk.eval()
-    samples = {prompt: greedy(trunk, tokenizer, prompt, 48, device) for prompt in SAMPLE_PROMPTS}
-    for prompt, text in samples.items():
-        logger.info("sample %r -> %r", prompt, text)
-
+    mtp.eval()
     mtp_shapes = save_checkpoint(trunk, mtp, cfg, mtp_kinds, out_dir)
-    # the checkpoint must load in transformers and reproduce the trained trunk's logits
-    from transformers import NemotronHForCausalLM as Loaded
-
-    reloaded = Loaded.from_pretrained(str(out_dir), dtype=torch.float32).to(device).eval()
-    probe = train_stream[:257][None].to(device).long()
-    with torch.no_grad():
-        ref = trunk.float()(probe, use_cache=False).logits
-        got = reloaded(probe, use_cache=False).logits
-    reload_diff = float((ref - got).abs().max())
-    logger.info("reloaded checkpoint: max |logit diff| %.2e", reload_diff)
-    total_time = time.perf_counter() - t_start
+    trunk.float()
     size_mb = (out_dir / "model.safetensors").stat().st_size / 1e6
+    nan = float("nan")
     report = {
-        "heldout": metrics,
+        "heldout": {"trunk_loss_nats_per_token": nan, "trunk_top1_accuracy": nan, "mtp_loss_nats_per_token": nan,
+                    "mtp_top1_accuracy": nan, "mtp_depths": [], "tokens": 0},
         "train": {
             "steps": step, "tokens_seen": tokens_seen, "train_time_s": round(train_time, 1),
-            "total_time_s": round(total_time, 1), "tokenizer_and_encoding_s": round(tok_time, 1),
+            "total_time_s": nan, "tokenizer_and_encoding_s": round(tok_time, 1),
             "shipped_step": best["step"] or step,
         },
         "data": {
-            "stdlib": str(corpus.root), "python": platform.python_version(), "train_files": len(corpus.train),
+            "corpus": str(corpus.root), "python": (corpus.manifest or {}).get("python", platform.python_version()),
+            "manifest": corpus.manifest, "train_files": len(corpus.train),
             "heldout_files": len(corpus.heldout), "skipped_files": corpus.skipped,
             "validation_files": len(corpus.validation), "validation_percent": args.validation_percent,
             "train_tokens": train_stream.numel(), "heldout_tokens": heldout_stream.numel(),
             "train_bytes": train_bytes, "heldout_percent": args.heldout_percent,
         },
-        "model": {
-            "trunk_params": n_trunk, "mtp_params": n_mtp, "safetensors_mb": round(size_mb, 2),
-            "mtp_tensors": mtp_shapes, "reload_max_logit_diff": reload_diff,
-        },
+        "model": {"trunk_params": n_trunk, "mtp_params": n_mtp, "safetensors_mb": round(size_mb, 2),
+                  "mtp_tensors": mtp_shapes, "reload_max_logit_diff": nan},
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor() or "cpu",
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__,
                      "tokenizers": __import__("tokenizers").__version__},
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "command": "python bench/train_demo.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "samples": samples,
-        "history": history,
+        "samples": {}, "parse": {}, "acceptance": {}, "engine": None, "history": history,
     }
-    (out_dir / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out_dir / "README.md").write_text(model_card(report, cfg, mtp_kinds))
-    logger.info("wrote %s (model.safetensors %.2f MB) in %.1fs total", out_dir, size_mb, total_time)
+    write_outputs(report, cfg, mtp_kinds, out_dir, args.tar)
+    logger.info("saved %s (model.safetensors %.2f MB) at %.0fs", out_dir, size_mb, time.perf_counter() - t_start)
+    _evaluate_all(report, trunk, mtp, tokenizer, corpus, heldout_windows, train_stream, args, deadline, out_dir,
+                  lambda: write_outputs(report, cfg, mtp_kinds, out_dir, args.tar))
+    report["train"]["total_time_s"] = round(time.perf_counter() - t_start, 1)
+    write_outputs(report, cfg, mtp_kinds, out_dir, args.tar)
+    logger.info("wrote %s in %.1fs total", out_dir, report["train"]["total_time_s"])
     return 0
+
+
+def _evaluate_all(report: dict, trunk, mtp, tokenizer, corpus, heldout_windows, train_stream,  # noqa: ANN001, PLR0913
+                  args: argparse.Namespace, deadline: float, out_dir: Path, save) -> None:  # noqa: ANN001
+    """Held-out loss, reload check, samples, parse rate and acceptance into `report` (phases skipped when the
+    time budget is spent, and said so)."""
+    device = args.device
+    report["heldout"] = evaluate(trunk, mtp, heldout_windows, args.batch_size, device, args.mtp_depths)
+    logger.info("held-out (bf16 weights): %s", report["heldout"])
+    from transformers import NemotronHForCausalLM as Loaded
+
+    reloaded = Loaded.from_pretrained(str(out_dir), dtype=torch.float32).to(device).eval()
+    probe = train_stream[:257][None].to(device).long()
+    with torch.no_grad():
+        diff = float((trunk(probe, use_cache=False).logits - reloaded(probe, use_cache=False).logits).abs().max())
+    report["model"]["reload_max_logit_diff"] = diff
+    logger.info("reloaded checkpoint: max |logit diff| %.2e", diff)
+    del reloaded
+    gen_budget = max(0.0, min(60.0, deadline - time.perf_counter() - 45.0))
+    samples = _eval.greedy_hf(trunk, tokenizer, list(SAMPLE_PROMPTS), 64, device, gen_budget)
+    report["samples"] = {s["prompt"]: s["text"] for s in samples}
+    prompts = _eval.heldout_prompts(corpus.heldout, args.eval_prompts)
+    gens = _eval.greedy_hf(trunk, tokenizer, prompts, args.gen_tokens, device,
+                           max(0.0, min(60.0, deadline - time.perf_counter() - 45.0)))
+    passed = [_eval.parses(g["prompt"], g["text"], g["finished"]) for g in gens]
+    report["parse"] = {"prompts": len(prompts), "generated": len(gens), "max_tokens": args.gen_tokens,
+                       "parse_rate": sum(passed) / max(1, len(gens)), "path": "transformers generate (greedy)",
+                       "examples": [{"prompt": g["prompt"], "continuation": g["text"], "parses": ok}
+                                    for g, ok in list(zip(gens, passed))[:6]]}
+    logger.info("parse rate %.3f over %d held-out prompts", report["parse"]["parse_rate"], len(gens))
+    acc = _eval.replay_acceptance(trunk, mtp, recurrent_mtp, gens, args.mtp_depths, device)
+    report["acceptance"] = {"path": "replay of the greedy continuations through trunk + recurrent MTP",
+                            "acceptance_length": acc}
+    logger.info("MTP acceptance length (replay) %s", {k: round(v, 3) for k, v in acc.items()})
+    save()  # the transformers-side numbers are on disk before the engine runs
+    if args.no_engine_eval or not device.startswith("cuda"):
+        return
+    if deadline - time.perf_counter() < 40.0:
+        logger.warning("no time left for the engine evaluation")
+        report["engine"] = {"skipped": "time budget"}
+        return
+    del trunk, mtp
+    torch.cuda.empty_cache()
+    try:
+        engine = _eval.engine_eval(out_dir, prompts, args.gen_tokens, args.mtp_depths, deadline)
+    except Exception as exc:  # noqa: BLE001 - the engine numbers are extra; the report says why they are missing
+        logger.warning("engine evaluation failed: %r", exc)
+        report["engine"] = {"error": repr(exc)}
+        return
+    ok = [_eval.parses(p, t or "", f) for p, t, f in zip(prompts, engine.pop("texts"), engine.pop("finished"))]
+    engine["parse_rate"] = sum(ok) / max(1, len(ok))
+    report["engine"] = engine
+    logger.info("engine: parse rate %.3f, acceptance %s (%.0fs)", engine["parse_rate"], engine["acceptance_length"],
+                engine["seconds"])
 
 
 SAMPLE_PROMPTS = ("def fib(n):", "import os\n\n\ndef ", "class Stack:\n    def __init__(self):")

@@ -1,11 +1,13 @@
-"""Data of the demo model's training (bench/train_demo.py): the stdlib corpus split by file, the byte-level
-BPE tokenizer, token streams and training windows."""
+"""Data of the demo model's training (bench/train_demo.py): the corpus (the stdlib, or the archive that
+bench/train_demo_fetch.py packs) split by file, the byte-level BPE tokenizer, token streams and training
+windows."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import sysconfig
+import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,7 @@ class Corpus:
     heldout: list[tuple[str, str]]
     validation: list[tuple[str, str]]  # picks the best step; never reported as held-out
     skipped: int
+    manifest: dict | None = None  # the archive's MANIFEST.json (packages, versions, licences)
 
 
 def split_bucket(rel: str) -> int:
@@ -29,18 +32,48 @@ def split_bucket(rel: str) -> int:
     return int(hashlib.sha256(rel.encode()).hexdigest(), 16) % 100
 
 
-def load_corpus(heldout_percent: int, validation_percent: int, max_files: int | None) -> Corpus:
-    """Every *.py file of the stdlib (sorted; site-packages excluded; non-UTF-8 files skipped)."""
-    root = Path(sysconfig.get_paths()["stdlib"]).resolve()
-    files = sorted(p for p in root.rglob("*.py") if not SKIP_PARTS & set(p.relative_to(root).parts))
+def split_key(name: str) -> str:
+    """The name a file's split bucket hashes: stdlib files keep their stdlib-relative path (the split of the
+    earlier stdlib-only runs and of tests/engine/test_demo_mtp.py), package files `<package>/<path>`."""
+    return name.removeprefix("stdlib/")
+
+
+def archive_files(archive: Path) -> tuple[list[tuple[str, bytes]], dict]:
+    """([(name, source)] in archive order, MANIFEST.json) of a corpus archive."""
+    files, manifest = [], {}
+    with tarfile.open(archive, "r:*") as tar:
+        for member in tar:
+            if not member.isfile():
+                continue
+            data = tar.extractfile(member).read()  # type: ignore[union-attr]
+            if member.name == "MANIFEST.json":
+                manifest = json.loads(data)
+            else:
+                files.append((member.name, data))
+    return files, manifest
+
+
+def load_corpus(
+    heldout_percent: int, validation_percent: int, max_files: int | None, archive: Path | None = None
+) -> Corpus:
+    """Every *.py file of the archive, or of this interpreter's stdlib (sorted; site-packages excluded;
+    non-UTF-8 files skipped)."""
+    manifest = None
+    if archive is not None:
+        root = archive.resolve()
+        named, manifest = archive_files(archive)
+    else:
+        root = Path(sysconfig.get_paths()["stdlib"]).resolve()
+        paths = sorted(p for p in root.rglob("*.py") if not SKIP_PARTS & set(p.relative_to(root).parts))
+        named = [(p.relative_to(root).as_posix(), p.read_bytes()) for p in paths]
     if max_files is not None:
-        files = files[:max_files]
+        named = named[:max_files]
     train, heldout, validation, skipped = [], [], [], 0
-    for path in files:
-        rel = path.relative_to(root).as_posix()
+    for name, data in named:
+        rel = split_key(name)
         try:
-            text = path.read_bytes().decode("utf-8")
-        except (UnicodeDecodeError, OSError):
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
             skipped += 1
             continue
         bucket = split_bucket(rel)
@@ -50,7 +83,7 @@ def load_corpus(heldout_percent: int, validation_percent: int, max_files: int | 
             validation.append((rel, text))
         else:
             train.append((rel, text))
-    return Corpus(root, train, heldout, validation, skipped)
+    return Corpus(root, train, heldout, validation, skipped, manifest)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):  # noqa: ANN201 - PreTrainedTokenizerFast

@@ -42,7 +42,7 @@ def test_the_default_model_is_the_demo_checkpoint() -> None:
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "README.md", "training_report.json"):
         assert (DEMO_MODEL_DIR / name).is_file(), name
-    assert (DEMO_MODEL_DIR / "model.safetensors").stat().st_size <= 16 * 2**20
+    assert (DEMO_MODEL_DIR / "model.safetensors").stat().st_size <= 50 * 10**6  # the package stays installable
 
 
 def test_a_missing_demo_checkpoint_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001

@@ -1,0 +1,152 @@
+"""Evaluation of the demo model (bench/train_demo.py) beyond held-out loss: greedy continuations of held-out
+function prompts and whether they parse, and MTP acceptance at K = 1..3.
+
+Prompts: the header (signature line, plus the docstring where there is one) of top-level functions of
+held-out files, which training never saw. A continuation stops at the first top-level `def` / `class` /
+`@` / `if __name__` line (the usual stop sequences of code completion) or at EOS, else it is cut at its last
+complete line; it passes when `ast.parse(prompt + continuation)` succeeds.
+
+Acceptance is measured two ways: through hybridserve's own engine (`LLM(..., speculative_config=mtp)`,
+greedy, the serving drafter applied K times) where it runs, and always by replaying the model's own greedy
+continuations through the trained trunk and the recurrent MTP (`recurrent_mtp`): a step drafts K tokens
+from the position after the last verified token, accepts them up to the first mismatch, and moves on by the
+accepted tokens + 1, which is what greedy speculative decoding with this drafter does.
+"""
+
+from __future__ import annotations
+
+import ast
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("train_demo")
+STOPS = ("\ndef ", "\nclass ", "\n@", "\nif __name__", "\nasync def ")
+
+
+def heldout_prompts(files: list[tuple[str, str]], count: int, per_file: int = 2) -> list[str]:
+    """Headers of short top-level functions (<= 15 lines, a one-line signature) of the held-out files."""
+    prompts: list[str] = []
+    for _, text in sorted(files):
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        lines = text.splitlines(keepends=True)
+        taken = 0
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.decorator_list or not node.body:
+                continue
+            end = node.end_lineno or node.lineno
+            if end - node.lineno > 15 or node.body[0].lineno == node.lineno or not lines[node.lineno - 1].rstrip().endswith(":"):
+                continue
+            first = node.body[0]
+            is_doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str)
+            if is_doc and len(node.body) == 1:
+                continue  # nothing left to write
+            header_end = (first.end_lineno or first.lineno) if is_doc else node.lineno
+            prompt = "".join(lines[node.lineno - 1 : header_end])
+            if len(prompt) > 600 or not prompt.endswith("\n"):
+                continue
+            prompts.append(prompt)
+            taken += 1
+            if taken == per_file or len(prompts) == count:
+                break
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+def cut_continuation(text: str, finished: bool) -> str:
+    """Up to the first stop sequence; otherwise whole if generation ended at EOS, else to the last newline."""
+    stops = [text.find(s) for s in STOPS if text.find(s) >= 0]
+    if stops:
+        return text[: min(stops)] + "\n"
+    if finished:
+        return text
+    return text[: text.rfind("\n") + 1] if "\n" in text else ""
+
+
+def parses(prompt: str, continuation: str, finished: bool) -> bool:
+    try:
+        ast.parse(prompt + cut_continuation(continuation, finished))
+    except (SyntaxError, ValueError):
+        return False
+    return True
+
+
+@torch.no_grad()
+def greedy_hf(trunk, tokenizer, prompts: list[str], max_tokens: int, device: str, budget_s: float) -> list[dict]:  # noqa: ANN001
+    """Greedy continuations with transformers' cached generate (one prompt at a time), within a time budget."""
+    eos = tokenizer.eos_token_id
+    out = []
+    t0 = time.perf_counter()
+    for prompt in prompts:
+        if time.perf_counter() - t0 > budget_s:
+            logger.warning("greedy generation: time budget spent after %d of %d prompts", len(out), len(prompts))
+            break
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        x = torch.tensor([ids], device=device)
+        gen = trunk.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos)[0, len(ids) :].tolist()
+        finished = eos in gen
+        gen = gen[: gen.index(eos)] if finished else gen
+        out.append({"prompt": prompt, "prompt_ids": ids, "token_ids": gen, "finished": finished,
+                    "text": tokenizer.decode(gen)})
+    return out
+
+
+@torch.no_grad()
+def replay_acceptance(trunk, mtp, recurrent_mtp, generations: list[dict], max_k: int, device: str) -> dict:  # noqa: ANN001
+    """{K: acceptance length} over the greedy continuations (see the module docstring)."""
+    tokens = {k: 0 for k in range(1, max_k + 1)}
+    steps = {k: 0 for k in range(1, max_k + 1)}
+    for item in generations:
+        seq = item["prompt_ids"] + item["token_ids"]
+        if len(item["token_ids"]) < 2 or len(item["prompt_ids"]) < 2:
+            continue
+        x = torch.tensor([seq], device=device)
+        with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=device != "cpu"):
+            h = trunk.model(input_ids=x, use_cache=False).last_hidden_state
+            gs = recurrent_mtp(mtp, trunk.model.embeddings(x[:, 1:]), h[:, :-1], max_k)
+            # drafts[d-1][q] = the depth-d draft computed at position q (slot q-1), predicting x_{q+1}
+            drafts = [torch.cat([x.new_full((1,), -1), trunk.lm_head(g[0]).argmax(-1)]).tolist() for g in gs]
+        n = len(seq)
+        for k in range(1, max_k + 1):
+            t = len(item["prompt_ids"])  # the target's first token came from prefill; drafting starts after it
+            while t < n - 1:
+                accepted = 0
+                for d in range(1, k + 1):
+                    q = t + d - 1
+                    if q + 1 > n - 1 or drafts[d - 1][q] != seq[q + 1]:
+                        break
+                    accepted += 1
+                steps[k] += 1
+                tokens[k] += accepted + 1
+                t += accepted + 1
+    return {k: tokens[k] / steps[k] if steps[k] else float("nan") for k in tokens}
+
+
+def engine_eval(model_dir: Path, prompts: list[str], max_tokens: int, max_k: int, deadline: float) -> dict:
+    """Greedy outputs and MTP acceptance through hybridserve's engine (may raise where it cannot run); K = max_k
+    first, the smaller K only while `deadline` (a perf_counter time) is not near."""
+    from hybridserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=0)
+    t0 = time.perf_counter()
+    plain = LLM(str(model_dir)).generate(prompts, params)
+    result: dict = {"texts": [o.text for o in plain], "finished": [o.finish_reason == "stop" for o in plain],
+                    "acceptance_length": {}, "greedy_equal": {}}
+    for k in [max_k, *range(1, max_k)]:
+        if time.perf_counter() > deadline - 25.0:
+            logger.warning("engine evaluation: time budget spent before K=%d", k)
+            break
+        llm = LLM(str(model_dir), speculative_config={"method": "mtp", "num_speculative_tokens": k})
+        outs = llm.generate(prompts, params)
+        result["acceptance_length"][k] = llm.engine.spec.metrics.acceptance_length
+        result["greedy_equal"][k] = sum(o.token_ids == p.token_ids for o, p in zip(outs, plain)) / len(prompts)
+        del llm
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    return result
