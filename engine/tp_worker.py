@@ -169,6 +169,13 @@ def load_rank_model(model_dir: Path, config: EngineConfig, tp: TPGroup, device: 
     return load_shard(model_dir, model_config, config.torch_dtype, device, tp)
 
 
+def share_cores(device: torch.device, size: int) -> None:
+    """CPU ranks split the host's cores: each rank's spinning OpenMP pool would starve the others (a TP=2 step
+    on 2 cores took 30x longer with both ranks at full thread count)."""
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -199,6 +206,7 @@ def start_leader(model_dir: Path, config: EngineConfig) -> tuple[Leader, LeaderM
                          f"a TP={size} engine runs on rank 0 of a group of {size}")
     tp = TPGroup(0, size)
     device = rank_device(config, 0)
+    share_cores(device, size)
     leader = Leader(tp, device, processes, owns_group)
     try:
         model = load_rank_model(model_dir, config, tp, device)
@@ -215,6 +223,7 @@ def follower_main(rank: int, size: int, init: str | None, model_dir: str, config
     logging.basicConfig(level=os.environ.get("HYBRIDSERVE_LOG_LEVEL", "WARNING"))
     device = rank_device(config, rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    share_cores(device, size)
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init or "env://", rank=rank, world_size=size,
                                 timeout=COLLECTIVE_TIMEOUT)
