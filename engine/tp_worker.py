@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybridserve.engine.config import DTYPES, EngineConfig
+from hybridserve.engine.spec_decode import rollback_states, snapshot_state
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
@@ -32,7 +33,7 @@ from hybridserve.statepool.state_cache import CacheLayout, StateCache
 logger = logging.getLogger(__name__)
 
 HEADER = 16  # int64 fields of a command header
-STOP, LAYOUT, FORWARD, LOGITS, COPY_STATE = range(5)
+STOP, LAYOUT, FORWARD, LOGITS, COPY_STATE, ROLLBACK, SNAPSHOT = range(7)
 ROLLBACKS = (None, "intermediate", "replay")
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a dead rank surfaces as an error on the others, not a hang
 
@@ -151,6 +152,20 @@ class MirroredStateCache(StateCache):
         self.leader.send([COPY_STATE, source, target])
         super().copy_state(source, target)
 
+    def mirror(self, op: str, *args: Any) -> None:
+        """Speculative state edits: ("rollback", rollback, T, slots, computed) or ("snapshot", rollback, T,
+        slot, row, done, decode_row), replayed by `spec_decode`'s functions on every follower."""
+        rollback, tokens, *rest = args
+        code = ROLLBACKS.index(rollback)
+        if op == "rollback":
+            slots, computed = rest
+            payload = torch.tensor([*slots, *computed], dtype=torch.int64, device=self.leader.device)
+            self.leader.send([ROLLBACK, code, tokens, len(slots)], payload)
+        elif op == "snapshot":
+            self.leader.send([SNAPSHOT, code, tokens, *rest])
+        else:
+            raise ValueError(f"unknown mirrored state op {op!r}")
+
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
     """The device of one rank: its own GPU (cuda:rank of the group's CUDA_VISIBLE_DEVICES), or the CPU."""
@@ -239,6 +254,8 @@ def follower_main(rank: int, size: int, init: str | None, model_dir: str, config
 def follow(model: HybridLM, tp: TPGroup, device: torch.device, config: EngineConfig) -> None:
     """Run rank 0's commands on this rank's shard until STOP."""
     cache: StateCache | None = None
+    states: dict[int, torch.Tensor] = {}  # the last verify's per-token SSM states (rollback "intermediate")
+    spec = config.speculative
     header = torch.zeros(HEADER, dtype=torch.int64, device=device)
     ssm_dtype = DTYPES[model.config.ssm_state_dtype]
     while True:
@@ -249,6 +266,8 @@ def follow(model: HybridLM, tp: TPGroup, device: torch.device, config: EngineCon
         if command == LAYOUT:
             layout = CacheLayout(*fields[1:6])
             cache = StateCache(model.config, layout, config.torch_dtype, ssm_dtype, device)
+            if spec is not None and spec.rollback == "replay":
+                cache.enable_replay(spec.num_verify_tokens)
         elif command == FORWARD:
             size = sum(max(f, 0) for f in (fields[1], fields[2] + 1, 3 * fields[2], fields[2] * fields[3],
                                            fields[1], fields[4], fields[9]))
@@ -256,11 +275,20 @@ def follow(model: HybridLM, tp: TPGroup, device: torch.device, config: EngineCon
             input_ids, batch = unpack_forward(fields, payload)
             assert cache is not None, "rank 0 sends the layout before any forward"
             model(input_ids, batch, cache)
+            states = batch.intermediate_states
         elif command == LOGITS:
             hidden = tp.broadcast(torch.empty(fields[1], fields[2], dtype=model.lm_head.weight.dtype, device=device))
             model.lm_head.gathered_logits(hidden)
         elif command == COPY_STATE:
             assert cache is not None
             cache.copy_state(fields[1], fields[2])
+        elif command == ROLLBACK:
+            assert cache is not None
+            count = fields[3]
+            index = tp.broadcast(torch.empty(2 * count, dtype=torch.int64, device=device)).tolist()
+            rollback_states(cache, ROLLBACKS[fields[1]], fields[2], index[:count], index[count:], states)
+        elif command == SNAPSHOT:
+            assert cache is not None
+            snapshot_state(cache, model, ROLLBACKS[fields[1]], *fields[2:7], states)
         else:
             raise RuntimeError(f"unknown tensor-parallel command {command}")

@@ -4,6 +4,8 @@ group and KV-head structure when TP exceeds n_groups / num_kv_heads."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from checkpoints import hf_greedy, hf_logits, mamba2, nemotron_h, random_prompts
@@ -105,8 +107,8 @@ def test_shards_reassemble_the_checkpoint_tensors() -> None:
 def test_tensor_parallel_config_errors_are_clear() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         EngineConfig(tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="speculative decoding does not run"):
-        EngineConfig(tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="MTP drafter does not run"):
+        EngineConfig(tensor_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     model_dir, _ = nemotron_h("M*-M")
     with pytest.raises(ValueError, match="divisible by tensor_parallel_size=3"):
         LLM(model_dir, tensor_parallel_size=3)  # fails before any process starts
@@ -117,3 +119,41 @@ def test_tensor_parallel_config_errors_are_clear() -> None:
 def _moe_config() -> ModelConfig:
     return ModelConfig.from_dir(nemotron_h("M*EM", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                            moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1)[0])
+
+
+@pytest.mark.parametrize("rollback", ["intermediate", "replay"])
+def test_speculative_verify_tp2_rolls_back_on_every_rank(rollback: str) -> None:
+    """Drafts half right (oracle drafts corrupted at random): each verify rolls the Mamba state of both ranks
+    back (conv windows, per-token SSM states or replay) and snapshots it at 16-token state blocks; the tokens
+    equal plain TP=1 greedy decoding."""
+    model_dir, _ = nemotron_h("M*-M")
+    options = dict(max_model_len=160, state_block=16, page_size=8, max_num_seqs=4)
+    prompts = random_prompts([5, 17, 30], vocab=128, seed=11)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "rollback": rollback}
+    llm = LLM(model_dir, tensor_parallel_size=2, speculative_config=spec, **options)
+    try:
+        expected = [o.token_ids for o in LLM(model_dir, **options).generate(prompt_token_ids=prompts,
+                                                                           sampling_params=params)]
+        truth = [p + e for p, e in zip(prompts, expected)]
+        rng = random.Random(0)
+
+        def draft(request) -> list[int]:
+            prompt, n = request.prompt_token_ids, request.num_tokens
+            full = next(t for t in truth if t[: len(prompt)] == prompt)
+            return [t if rng.random() < 0.5 else (t + 1) % 128 for t in full[n : n + 3]]
+
+        assert llm.engine.spec is not None
+        llm.engine.spec.set_drafter(draft)
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        assert [o.token_ids for o in outs] == expected
+        metrics = llm.engine.spec.metrics
+        assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens
+        # prompt + 20 generated tokens: the cached states at 16 / 32 / 48 were snapshots taken inside a verify
+        longer = [p + e[:20] for p, e in zip(prompts, expected)]
+        again = llm.generate(prompt_token_ids=longer, sampling_params=SamplingParams(max_tokens=10, temperature=0.0,
+                                                                                     ignore_eos=True))
+        assert [o.token_ids for o in again] == [e[20:] for e in expected]
+        assert [o.num_cached_tokens for o in again] == [16, 32, 48]
+    finally:
+        llm.engine.close()
