@@ -11,7 +11,7 @@ from typing import cast
 
 import torch
 
-from hybridserve.engine import handoff, tp_worker
+from hybridserve.engine import handoff, tp_handoff, tp_worker
 from hybridserve.engine.config import DTYPES, EngineConfig
 from hybridserve.engine.cuda_graphs import enable_decode_graphs
 from hybridserve.engine.model_runner import ModelRunner, StepOutput
@@ -194,8 +194,8 @@ class LLMEngine:
 
     # ---- state handoff between a prefill and a decode engine --------------------------------------
     def state_specs(self, num_tokens: int) -> list[StateTensorSpec]:
-        if self.tp is not None:
-            raise ValueError("state handoff (P/D) does not run with tensor_parallel_size > 1 yet")
+        if self.tp is not None:  # the unsharded layout: P/D between any TP sizes
+            return tp_handoff.state_specs(self, num_tokens)
         return handoff.state_specs(self, num_tokens)
 
     def export_state(self, request_id: str, into: dict[str, torch.Tensor] | None = None) -> handoff.ExportedState:
@@ -204,12 +204,12 @@ class LLMEngine:
         request = self._held.pop(request_id, None)
         if request is None:
             raise ValueError(f"no held state for request {request_id!r}")
+        if self.tp is not None:
+            return tp_handoff.export_state(self, request, into)
         return handoff.export_state(self, request, into)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Pages and a slot for a request whose prefill runs elsewhere; CapacityError when full now."""
-        if self.tp is not None:
-            raise ValueError("state handoff (P/D) does not run with tensor_parallel_size > 1 yet")
         request = self._new_request(prompt_token_ids, params, request_id)
         handoff.reserve(self, request)
         self._reserved[request.request_id] = request
@@ -221,7 +221,7 @@ class LLMEngine:
         request = self._reserved.pop(request_id, None)
         if request is None:
             raise ValueError(f"no reservation for request {request_id!r} (aborted or expired)")
-        handoff.commit(self, request, tensors, first_token, num_cached_tokens)
+        (tp_handoff if self.tp is not None else handoff).commit(self, request, tensors, first_token, num_cached_tokens)
         self._requests[request_id] = request
         self.scheduler.running.append(request)
         reason = self.scheduler.stop_reason(request, first_token)

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 from hybridserve.engine.config import DTYPES, EngineConfig
 from hybridserve.engine.spec_decode import rollback_states, snapshot_state
+from hybridserve.engine.tp_handoff import follow_state_command
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
@@ -33,7 +34,7 @@ from hybridserve.statepool.state_cache import CacheLayout, StateCache
 logger = logging.getLogger(__name__)
 
 HEADER = 16  # int64 fields of a command header
-STOP, LAYOUT, FORWARD, LOGITS, COPY_STATE, ROLLBACK, SNAPSHOT = range(7)
+STOP, LAYOUT, FORWARD, LOGITS, COPY_STATE, ROLLBACK, SNAPSHOT, STATE = range(8)
 ROLLBACKS = (None, "intermediate", "replay")
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a dead rank surfaces as an error on the others, not a hang
 
@@ -77,8 +78,10 @@ def unpack_forward(header: list[int], payload: torch.Tensor) -> tuple[torch.Tens
 class Leader:
     """Rank 0's end of the group: sends each command to the followers (and owns their processes)."""
 
-    def __init__(self, tp: TPGroup, device: torch.device, processes: list[Any], owns_group: bool) -> None:
+    def __init__(self, tp: TPGroup, device: torch.device, processes: list[Any], owns_group: bool,
+                 global_config: ModelConfig) -> None:
         self.tp = tp
+        self.global_config = global_config  # the unsharded model (without MTP): the P/D wire layout
         self.device = device
         self.processes = processes
         self.owns_group = owns_group
@@ -94,6 +97,11 @@ class Leader:
     def send_layout(self, layout: CacheLayout) -> None:
         self.send([LAYOUT, layout.num_pages, layout.page_size, layout.num_slots, layout.conv_width,
                    layout.num_checkpoints])
+
+    def send_state_command(self, export: bool, page_ids: list[int], slot: int | None, num_tokens: int) -> None:
+        """A request's state leaves (export) or enters (commit) every rank's pools (engine/tp_handoff.py)."""
+        pages = torch.tensor(page_ids or [0], dtype=torch.int64, device=self.device)
+        self.send([STATE, int(export), -1 if slot is None else slot, num_tokens, len(page_ids)], pages)
 
     def shutdown(self) -> None:
         """Stop the followers and leave the group (idempotent)."""
@@ -222,7 +230,7 @@ def start_leader(model_dir: Path, config: EngineConfig) -> tuple[Leader, LeaderM
     tp = TPGroup(0, size)
     device = rank_device(config, 0)
     share_cores(device, size)
-    leader = Leader(tp, device, processes, owns_group)
+    leader = Leader(tp, device, processes, owns_group, dataclasses.replace(model_config, mtp_layer_types=()))
     try:
         model = load_rank_model(model_dir, config, tp, device)
     except BaseException:
@@ -245,13 +253,14 @@ def follower_main(rank: int, size: int, init: str | None, model_dir: str, config
     tp = TPGroup(rank, size)
     model = load_rank_model(Path(model_dir), config, tp, device)
     try:
-        follow(model, tp, device, config)
+        follow(model, tp, device, config, dataclasses.replace(ModelConfig.from_dir(model_dir), mtp_layer_types=()))
     finally:
         dist.destroy_process_group()
 
 
 @torch.inference_mode()
-def follow(model: HybridLM, tp: TPGroup, device: torch.device, config: EngineConfig) -> None:
+def follow(model: HybridLM, tp: TPGroup, device: torch.device, config: EngineConfig,
+           global_config: ModelConfig) -> None:
     """Run rank 0's commands on this rank's shard until STOP."""
     cache: StateCache | None = None
     states: dict[int, torch.Tensor] = {}  # the last verify's per-token SSM states (rollback "intermediate")
@@ -290,5 +299,11 @@ def follow(model: HybridLM, tp: TPGroup, device: torch.device, config: EngineCon
         elif command == SNAPSHOT:
             assert cache is not None
             snapshot_state(cache, model, ROLLBACKS[fields[1]], *fields[2:7], states)
+        elif command == STATE:
+            assert cache is not None
+            export, slot, num_tokens, num_pages = fields[1:5]
+            pages = tp.broadcast(torch.empty(max(num_pages, 1), dtype=torch.int64, device=device)).tolist()
+            follow_state_command(tp, global_config, cache, bool(export), pages[:num_pages],
+                                 None if slot < 0 else slot, num_tokens, config.torch_dtype)
         else:
             raise RuntimeError(f"unknown tensor-parallel command {command}")

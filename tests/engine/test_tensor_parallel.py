@@ -15,6 +15,7 @@ from hybridserve.engine.config import EngineConfig
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.parallel import TPGroup
 from hybridserve.models.tp_shard import local_config, mamba_shards, shard_tensor
+from hybridserve.transfer.state_layout import state_views
 
 RTOL, ATOL = 1e-4, 1e-5
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -157,3 +158,41 @@ def test_speculative_verify_tp2_rolls_back_on_every_rank(rollback: str) -> None:
         assert [o.num_cached_tokens for o in again] == [16, 32, 48]
     finally:
         llm.engine.close()
+
+
+def _prefill_then_decode(prefill, decode, prompt: list[int], max_tokens: int, request_id: str) -> list[int]:
+    """P/D in process: prefill exports the held state as bytes, decode reserves, lands them and decodes."""
+    prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id, hold_state=True)
+    first = None
+    while prefill.has_unfinished():
+        for out in prefill.step():
+            first = out.token_ids[0] if out.token_ids else first
+    exported = prefill.export_state(request_id)
+    assert exported.specs == decode.state_specs(len(prompt))  # one wire layout, whatever the TP sizes
+    wire = torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in exported.parts])
+    tensors = state_views(wire, exported.specs)
+    decode.reserve(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    tokens = decode.commit_reservation(request_id, tensors, first, 0).token_ids
+    while decode.has_unfinished():
+        for out in decode.step():
+            if out.request_id == request_id:
+                tokens = out.token_ids
+    return tokens
+
+
+@pytest.mark.parametrize("case", ["sharded", "replicated"])
+def test_prefill_decode_across_tp_sizes(case: str) -> None:
+    """Prefill TP=1 -> decode TP=2 and TP=2 -> TP=1 give the tokens of one TP=1 engine (the wire layout is
+    the unsharded one: the TP side gathers / slices KV heads, conv channels and SSM heads)."""
+    overrides = {} if case == "sharded" else {"n_groups": 1, "num_key_value_heads": 1}
+    model_dir, _ = nemotron_h("M*-M", **overrides)
+    prompts = random_prompts([21, 40], vocab=128, seed=9)
+    two = LLM(model_dir, tensor_parallel_size=2, prefill_chunk_size=16).engine
+    try:
+        one = LLM(model_dir, prefill_chunk_size=16).engine
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        expected = [o.token_ids for o in LLM(model_dir).generate(prompt_token_ids=prompts, sampling_params=params)]
+        assert _prefill_then_decode(one, two, prompts[0], 16, "a") == expected[0]
+        assert _prefill_then_decode(two, one, prompts[1], 16, "b") == expected[1]
+    finally:
+        two.close()
