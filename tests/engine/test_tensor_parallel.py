@@ -4,7 +4,11 @@ group and KV-head structure when TP exceeds n_groups / num_kv_heads."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -196,3 +200,16 @@ def test_prefill_decode_across_tp_sizes(case: str) -> None:
         assert _prefill_then_decode(two, one, prompts[1], 16, "b") == expected[1]
     finally:
         two.close()
+
+
+def test_cli_generate_with_tensor_parallel_size() -> None:
+    """`hybridserve generate --tensor-parallel-size 2` as a user runs it: same tokens as TP=1, clean exit."""
+    model_dir, _ = nemotron_h("M*-M")
+    argv = [sys.executable, "-m", "hybridserve", "generate", "--model", str(model_dir), "--prompt-ids", "5,6,7,8",
+            "--max-tokens", "5", "--ignore-eos", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    runs = [subprocess.run(argv + extra, capture_output=True, text=True, timeout=300, env=env)
+            for extra in ([], ["--tensor-parallel-size", "2"])]
+    assert all(r.returncode == 0 for r in runs), runs[1].stderr[-2000:]
+    one, two = (json.loads(r.stdout.strip().splitlines()[-1])["token_ids"] for r in runs)
+    assert one == two and len(two) == 5
