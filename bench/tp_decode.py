@@ -10,6 +10,8 @@ Optionally (`--agreement N`) top-1 agreement TP=N vs TP=1: teacher-forced argmax
 
 GPU (2 GPUs, ~3 min):  python bench/tp_decode.py --device cuda --dtype bfloat16 --tp 1 2 --batch 1 32 \
     --agreement 1000 --out bench/results/h200/tp_decode.json
+Trained weights, top-1:  python bench/tp_decode.py --device cuda --dtype bfloat16 --model models/demo_model \
+    --batch 1 --agreement 1000
 CPU smoke:             python bench/tp_decode.py --config <tiny config dir> --device cpu --steps 3
 """
 
@@ -147,11 +149,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--agreement", type=int, default=0, help="tokens of the TP-vs-TP=1 top-1 check (0: off)")
+    parser.add_argument("--model", type=Path, help="a checkpoint directory: its weights instead of dummy ones "
+                        "(e.g. models/demo_model for a trained model's top-1 agreement)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    model_dir = Path(tempfile.mkdtemp(prefix="tp-decode-"))
-    config_file = args.config / "config.json" if args.config.is_dir() else args.config
-    shutil.copy(config_file, model_dir / "config.json")
+    if args.model is not None:
+        model_dir, config_file = args.model, args.model / "config.json"
+    else:
+        model_dir = Path(tempfile.mkdtemp(prefix="tp-decode-"))
+        config_file = args.config / "config.json" if args.config.is_dir() else args.config
+        shutil.copy(config_file, model_dir / "config.json")
     hidden = json.loads(config_file.read_text())["hidden_size"]
     elsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     bandwidth = copy_bandwidth(args.device, 1 << (30 if args.device == "cuda" else 24), 20)
@@ -161,7 +168,8 @@ def main() -> None:
     rows, engines = [], {}
     for tp in args.tp:
         engine = LLMEngine(model_dir, EngineConfig(
-            device=args.device, dtype=args.dtype, load_format="dummy", tensor_parallel_size=tp,
+            device=args.device, dtype=args.dtype, tensor_parallel_size=tp,
+            load_format="dummy" if args.model is None else "safetensors",
             max_num_seqs=max(args.batch), max_model_len=PROMPT + args.steps + args.agreement + 64,
             enable_prefix_caching=False, cuda_graphs=False, warmup=False,
             gpu_memory_gb=4.0 if args.device == "cuda" else None))  # the engines share GPU 0
