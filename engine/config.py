@@ -55,6 +55,9 @@ class EngineConfig:
     # tokens one step may compute: decode rows (1 + drafts each) first, then prefill chunks (at most
     # prefill_chunk_tokens of them); None: prefill_chunk_tokens on top of the decode rows
     max_num_batched_tokens: int | None = None
+    # processes (one GPU each) that shard the model: rank 0 runs the scheduler, the others follow its steps
+    # (engine/tp_worker.py); gloo on CPU, NCCL on CUDA
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -87,6 +90,12 @@ class EngineConfig:
                     f"max_num_batched_tokens must be an integer above max_num_seqs x tokens per decode row "
                     f"({self.max_num_seqs} x {row}), so a full decode batch leaves room for prefill; got {budget!r}"
                 )
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1 and self.speculative is not None and self.speculative.method == "mtp":
+            raise ValueError("the MTP drafter does not run with tensor_parallel_size > 1 yet: use "
+                             "speculative_config method 'ngram', or tensor_parallel_size=1")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         for name in ("state_block", "num_kv_pages"):

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import weakref
 from pathlib import Path
+from typing import cast
 
 import torch
 
-from hybridserve.engine import handoff
+from hybridserve.engine import handoff, tp_handoff, tp_worker
 from hybridserve.engine.config import DTYPES, EngineConfig
 from hybridserve.engine.cuda_graphs import enable_decode_graphs
 from hybridserve.engine.model_runner import ModelRunner, StepOutput
@@ -22,6 +24,7 @@ from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.engine.spec_memory import spec_working_bytes, write_checkpoint_hidden
 from hybridserve.engine.warmup import WarmupReport, warm_up
 from hybridserve.models.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
+from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.models.tokenizer import load_tokenizer
 from hybridserve.models.weights import dummy_model, load_model
 from hybridserve.statepool.events import CacheEvent
@@ -42,7 +45,12 @@ class LLMEngine:
         spec = config.speculative
         with_mtp = spec is not None and spec.method == "mtp"  # else the drafter and its KV are left out
         model_config = ModelConfig.from_dir(self.model_dir)
-        if config.load_format == "dummy":
+        self.tp: tp_worker.Leader | None = None  # rank 0 of a tensor-parallel group (engine/tp_worker.py)
+        if config.tensor_parallel_size > 1:
+            self.tp, model = tp_worker.start_leader(self.model_dir, config)
+            weakref.finalize(self, self.tp.shutdown)
+            self.model = cast(HybridLM, model)
+        elif config.load_format == "dummy":
             if not with_mtp:
                 model_config = dataclasses.replace(model_config, mtp_layer_types=())
             self.model = dummy_model(model_config, config.torch_dtype, device, config.seed)
@@ -86,7 +94,12 @@ class LLMEngine:
                 num_checkpoint_slots=config.num_checkpoint_slots,
             ),
         )
-        self.cache = StateCache(self.model_config, layout, config.torch_dtype, ssm_dtype, device)
+        if self.tp is not None:
+            self.tp.send_layout(layout)
+            self.cache = tp_worker.MirroredStateCache(self.tp, self.model_config, layout, config.torch_dtype,
+                                                      ssm_dtype, device)
+        else:
+            self.cache = StateCache(self.model_config, layout, config.torch_dtype, ssm_dtype, device)
         self.pool = StatePool(self.cache, self.state_block, config.enable_prefix_caching, config.max_cache_events)
         self.scheduler = Scheduler(self.pool, config.prefill_chunk_tokens, layout.num_slots, lookahead,
                                    config.max_num_batched_tokens, self.model_config.eos_token_ids, self.max_model_len)
@@ -97,7 +110,7 @@ class LLMEngine:
                 self.cache.enable_replay(spec.num_verify_tokens)
             self.spec = SpecDecoder(spec, self.model, self.cache, config.page_size)
         self.lookahead = lookahead
-        if config.cuda_graphs and device.type == "cuda":
+        if config.cuda_graphs and device.type == "cuda" and self.tp is None:  # TP steps run eagerly for now
             if self.spec is not None:  # every decode step is a verify step, which runs eagerly for now
                 logger.info("speculative decoding: decode steps run without CUDA graphs")
             else:
@@ -174,8 +187,15 @@ class LLMEngine:
             return True
         return request is not None
 
+    def close(self) -> None:
+        """Stop the tensor-parallel follower ranks (nothing to do at tensor_parallel_size=1)."""
+        if self.tp is not None:
+            self.tp.shutdown()
+
     # ---- state handoff between a prefill and a decode engine --------------------------------------
     def state_specs(self, num_tokens: int) -> list[StateTensorSpec]:
+        if self.tp is not None:  # the unsharded layout: P/D between any TP sizes
+            return tp_handoff.state_specs(self, num_tokens)
         return handoff.state_specs(self, num_tokens)
 
     def export_state(self, request_id: str, into: dict[str, torch.Tensor] | None = None) -> handoff.ExportedState:
@@ -184,6 +204,8 @@ class LLMEngine:
         request = self._held.pop(request_id, None)
         if request is None:
             raise ValueError(f"no held state for request {request_id!r}")
+        if self.tp is not None:
+            return tp_handoff.export_state(self, request, into)
         return handoff.export_state(self, request, into)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -199,7 +221,7 @@ class LLMEngine:
         request = self._reserved.pop(request_id, None)
         if request is None:
             raise ValueError(f"no reservation for request {request_id!r} (aborted or expired)")
-        handoff.commit(self, request, tensors, first_token, num_cached_tokens)
+        (tp_handoff if self.tp is not None else handoff).commit(self, request, tensors, first_token, num_cached_tokens)
         self._requests[request_id] = request
         self.scheduler.running.append(request)
         reason = self.scheduler.stop_reason(request, first_token)

@@ -65,6 +65,36 @@ def shift_windows(windows: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     return moved.masked_fill((source < 0).view(shape), 0)
 
 
+def snapshot_state(cache: StateCache, model: HybridLM, rollback: str, tokens: int, slot: int, row: int, done: int,
+                   decode_row: int, intermediate_states: dict[int, torch.Tensor]) -> None:
+    """Write slot's Mamba state after `done` of its T verify tokens into row `row` (conv windows slid back;
+    SSM state from the per-token states or a partial replay). Every tensor-parallel rank runs it on its shard."""
+    device = cache.conv_states.device
+    source, target = torch.tensor([slot], device=device), torch.tensor([row], device=device)
+    cache.conv_states[target] = shift_windows(cache.conv_states[source], torch.tensor([tokens - done]))
+    for layer in model.config.layers_of("mamba"):
+        ssm_pool = cache.mamba(layer)[1]
+        if rollback == "intermediate":
+            ssm_pool[row] = intermediate_states[layer][decode_row, done - 1]
+        else:
+            A = -torch.exp(model.layers[layer].mixer.A_log.float())
+            advance_states(ssm_pool, cache.replay_cache(layer), source, target, torch.tensor([done]), A)
+
+
+def rollback_states(cache: StateCache, rollback: str, tokens: int, slots: list[int], computed: list[int],
+                    intermediate_states: dict[int, torch.Tensor]) -> None:
+    """Leave each slot's state after its `computed[i]` of T verify tokens (the replay rollback folds them in
+    at the next verify: only the conv windows move now). Every tensor-parallel rank runs it on its shard."""
+    device = cache.conv_states.device
+    index = torch.tensor(slots, device=device)
+    kept = torch.tensor(computed, device=device)
+    cache.conv_states[index] = shift_windows(cache.conv_states[index], tokens - kept)
+    if rollback == "intermediate":
+        rows = torch.arange(len(slots), device=device)
+        for layer, states in intermediate_states.items():
+            cache.mamba(layer)[1][index] = states[rows, kept - 1]
+
+
 @dataclass
 class _VerifyStep:
     """What the snapshot and rollback of one step need to know."""
@@ -165,17 +195,9 @@ class SpecDecoder:
         assert step is not None and request.state_slot is not None  # begin_commit ran; decodes hold slots
         decode_row = step.rows[id(request)]
         done = num_tokens - step.before[id(request)]  # tokens of this step before the boundary, 1..T
-        slot = torch.tensor([request.state_slot], device=cache.conv_states.device)
-        target = torch.tensor([row], device=cache.conv_states.device)
-        cache.conv_states[target] = shift_windows(cache.conv_states[slot], torch.tensor([self.tokens - done]))
-        batch = step.output.batch
-        for layer in self.model.config.layers_of("mamba"):
-            ssm_pool = cache.mamba(layer)[1]
-            if self.config.rollback == "intermediate":
-                ssm_pool[row] = batch.intermediate_states[layer][decode_row, done - 1]
-            else:
-                A = -torch.exp(self.model.layers[layer].mixer.A_log.float())
-                advance_states(ssm_pool, cache.replay_cache(layer), slot, target, torch.tensor([done]), A)
+        args = (self.config.rollback, self.tokens, request.state_slot, row, done, decode_row)
+        cache.mirror("snapshot", *args)
+        snapshot_state(cache, self.model, *args, step.output.batch.intermediate_states)
         if cache.hidden_states.shape[0]:
             cache.hidden_states[row] = step.output.hidden[decode_row * self.tokens + done - 1]
 
@@ -183,17 +205,14 @@ class SpecDecoder:
         """Leave each decode row's state after its `computed[i]` new tokens (1..T)."""
         if not decodes:
             return
-        cache = self.cache
-        device = cache.conv_states.device
-        slots = torch.tensor([r.state_slot for r in decodes], device=device)
-        kept = torch.tensor(computed, device=device)
-        cache.conv_states[slots] = shift_windows(cache.conv_states[slots], self.tokens - kept)
+        slots = [r.state_slot for r in decodes]
+        assert None not in slots  # decode rows hold their slots
         if self.config.rollback == "intermediate":
             assert self._step is not None
-            rows = torch.arange(len(decodes), device=device)
-            for layer, states in self._step.output.batch.intermediate_states.items():
-                cache.mamba(layer)[1][slots] = states[rows, kept - 1]
-        else:
+        states = self._step.output.batch.intermediate_states if self._step is not None else {}
+        self.cache.mirror("rollback", self.config.rollback, self.tokens, slots, computed)
+        rollback_states(self.cache, self.config.rollback, self.tokens, slots, computed, states)  # type: ignore[arg-type]
+        if self.config.rollback == "replay":
             for request, count in zip(decodes, computed):
                 request.replay_pending = count
         self._step = None

@@ -28,9 +28,17 @@ class _Conv1dWeights(nn.Module):
 
 
 class _GatedNormWeights(nn.Module):
-    def __init__(self, size: int) -> None:
+    """The gated RMSNorm (`norm.weight`), normalised per group of `group_size` channels (a tensor-parallel
+    shard swaps in models/parallel.py's ShardedGatedRMSNorm, same call)."""
+
+    def __init__(self, size: int, group_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # [N, I] x2 -> [N, I]
+        return ops.gated_rmsnorm(x, gate, self.weight, group_size=self.group_size, eps=self.eps)
 
 
 class Mamba2Mixer(nn.Module):
@@ -46,7 +54,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(config.num_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(config.num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(config.num_heads), requires_grad=False)
-        self.norm = _GatedNormWeights(config.intermediate_size)
+        self.norm = _GatedNormWeights(config.intermediate_size, config.intermediate_size // config.n_groups, norm_eps)
         self.out_proj = Linear(config.intermediate_size, hidden_size, bias=config.proj_bias)
 
     def forward(
@@ -100,14 +108,7 @@ class Mamba2Mixer(nn.Module):
                 meta=batch.prefill_chunk_meta(cfg.chunk_size, block),
             )
             y[nd * batch.decode_len :] = scan.y
-        normed = ops.gated_rmsnorm(
-            y.reshape(-1, cfg.intermediate_size),
-            gate,
-            self.norm.weight,
-            group_size=cfg.intermediate_size // cfg.n_groups,
-            eps=self.norm_eps,
-        )
-        return self.out_proj(normed)
+        return self.out_proj(self.norm(y.reshape(-1, cfg.intermediate_size), gate))
 
     def _decode(
         self,

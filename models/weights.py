@@ -132,6 +132,24 @@ def _load_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.dt
     return FP8 if tensor.dtype == FP8 else dtype
 
 
+def dummy_values(name: str, shape: tuple[int, ...], device: torch.device, generator: torch.Generator) -> torch.Tensor:
+    """Random fp32 values in sane ranges for the parameter `name` (decays in (0, 1), unit norms); drawn in
+    parameter order from one generator, so a tensor-parallel shard can slice the same values."""
+    leaf = name.rsplit(".", 1)[-1]
+    values = torch.empty(shape, dtype=torch.float32, device=device)
+    if leaf == "A_log":
+        values = torch.log(torch.rand(shape, device=device, generator=generator) * 15 + 1)
+    elif leaf == "dt_bias":
+        values = torch.rand(shape, device=device, generator=generator) - 4
+    elif leaf in ("D", "e_score_correction_bias", "up_proj_scale", "down_proj_scale"):
+        values.fill_(0.0 if leaf == "e_score_correction_bias" else 1.0)
+    elif "norm" in name:
+        values.fill_(1.0)
+    else:
+        values.normal_(0, 0.02, generator=generator)
+    return values
+
+
 def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> HybridLM:
     """A model with random weights in sane ranges (decays in (0, 1), unit norms) built from the config
     alone: benchmarks of real shapes without reading (or owning) a checkpoint."""
@@ -140,18 +158,7 @@ def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, s
     model = model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        leaf = name.rsplit(".", 1)[-1]
-        values = torch.empty(tensor.shape, dtype=torch.float32, device=device)
-        if leaf == "A_log":
-            values = torch.log(torch.rand(tensor.shape, device=device, generator=generator) * 15 + 1)
-        elif leaf == "dt_bias":
-            values = torch.rand(tensor.shape, device=device, generator=generator) - 4
-        elif leaf in ("D", "e_score_correction_bias", "up_proj_scale", "down_proj_scale"):
-            values.fill_(0.0 if leaf == "e_score_correction_bias" else 1.0)
-        elif "norm" in name:
-            values.fill_(1.0)
-        else:
-            values.normal_(0, 0.02, generator=generator)
+        values = dummy_values(name, tuple(tensor.shape), device, generator)
         tensor.data = values.to(_load_dtype(name, tensor, dtype))  # fp8 experts (config.moe.fp8_experts) stay fp8
     logger.info("random (dummy) weights for %s, %d layers", config.architecture, config.num_layers)
     return model.eval()

@@ -118,6 +118,10 @@ class StateCache:
         i = self._mamba_index[layer]
         return self.conv_states[:, i], self.ssm_states[:, i]
 
+    def mirror(self, op: str, *args: object) -> None:
+        """Hook for state edits made outside the model (speculative snapshot / rollback): a tensor-parallel
+        rank 0's cache sends them to the other ranks' shards (engine/tp_worker.py); nothing here."""
+
     def copy_state(self, source: int, target: int) -> None:
         """Copy one slot's conv window and SSM state (every Mamba layer) into another slot."""
         self.conv_states[target].copy_(self.conv_states[source])

@@ -1,0 +1,309 @@
+"""A tensor-parallel worker: rank 0 runs the whole engine (scheduler, prefix cache, sampling) over its shard;
+ranks 1..N-1 are follower processes that hold their shards and state pools and replay rank 0's device work.
+
+Rank 0 broadcasts every command before running it itself, as one int64 header (the command and its sizes)
+then its tensors: a forward's packed input ids + ForwardBatch metadata, a logits call's hidden rows, a state
+copy's slots, the pool layout. Followers never schedule; every rank's pools have the same layout and the
+same indices, so the prefix cache and its events stay one logical cache on rank 0. gloo on CPU, NCCL on CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hybridserve.engine.config import DTYPES, EngineConfig
+from hybridserve.engine.spec_decode import rollback_states, snapshot_state
+from hybridserve.engine.tp_handoff import follow_state_command
+from hybridserve.models.config import ModelConfig
+from hybridserve.models.forward_batch import ForwardBatch
+from hybridserve.models.hybrid_model import HybridLM
+from hybridserve.models.parallel import TPGroup
+from hybridserve.models.tp_shard import dummy_shard, load_shard, local_config
+from hybridserve.statepool.state_cache import CacheLayout, StateCache
+
+logger = logging.getLogger(__name__)
+
+HEADER = 16  # int64 fields of a command header
+STOP, LAYOUT, FORWARD, LOGITS, COPY_STATE, ROLLBACK, SNAPSHOT, STATE = range(8)
+ROLLBACKS = (None, "intermediate", "replay")
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a dead rank surfaces as an error on the others, not a hang
+
+
+def pack_forward(input_ids: torch.Tensor, batch: ForwardBatch) -> tuple[list[int], torch.Tensor]:
+    """(header, int64 payload) of one forward: everything a follower needs to rebuild the ForwardBatch."""
+    boundaries = batch.boundary_rows
+    replay = batch.num_replay
+    parts = [input_ids, batch.cu_seqlens, batch.context_lens, batch.kv_lens, batch.state_slots,
+             batch.block_tables.reshape(-1), batch.slot_mapping]
+    parts += [p.to(torch.int64) for p in (boundaries, replay) if p is not None]
+    header = [FORWARD, input_ids.numel(), batch.num_seqs, batch.block_tables.shape[1],
+              -1 if boundaries is None else boundaries.numel(), batch.num_decode, batch.decode_len,
+              -1 if batch.state_block is None else batch.state_block, ROLLBACKS.index(batch.spec_rollback),
+              -1 if replay is None else replay.numel(), batch.num_checkpoint_boundaries]
+    return header, torch.cat([p.reshape(-1).to(torch.int64) for p in parts])
+
+
+def unpack_forward(header: list[int], payload: torch.Tensor) -> tuple[torch.Tensor, ForwardBatch]:
+    """The inverse of `pack_forward` on a follower."""
+    n, seqs, pages, boundaries, num_decode, decode_len, block, rollback, replay, crossings = header[1:11]
+    sizes = [n, seqs + 1, seqs, seqs, seqs, seqs * pages, n, max(boundaries, 0), max(replay, 0)]
+    ids, cu, context, kv, slots, tables, mapping, rows, num_replay = payload.split(sizes)
+    context_host = tuple(context.tolist())
+    cu_host = cu.tolist()
+    batch = ForwardBatch(
+        num_decode=num_decode,
+        query_lens=tuple(b - a for a, b in zip(cu_host, cu_host[1:])),
+        cu_seqlens=cu, context_lens=context, kv_lens=kv, state_slots=slots,
+        block_tables=tables.reshape(seqs, pages), slot_mapping=mapping,
+        state_block=None if block < 0 else block,
+        num_checkpoint_boundaries=crossings,
+        boundary_rows=None if boundaries < 0 else rows,
+        decode_len=decode_len, spec_rollback=ROLLBACKS[rollback],
+        num_replay=None if replay < 0 else num_replay.to(torch.int32),
+        context_lens_host=context_host,
+    )
+    return ids, batch
+
+
+class Leader:
+    """Rank 0's end of the group: sends each command to the followers (and owns their processes)."""
+
+    def __init__(self, tp: TPGroup, device: torch.device, processes: list[Any], owns_group: bool,
+                 global_config: ModelConfig) -> None:
+        self.tp = tp
+        self.global_config = global_config  # the unsharded model (without MTP): the P/D wire layout
+        self.device = device
+        self.processes = processes
+        self.owns_group = owns_group
+        self.closed = False
+
+    def send(self, fields: list[int], *tensors: torch.Tensor) -> None:
+        header = torch.zeros(HEADER, dtype=torch.int64, device=self.device)
+        header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
+        self.tp.broadcast(header)
+        for tensor in tensors:
+            self.tp.broadcast(tensor.contiguous())
+
+    def send_layout(self, layout: CacheLayout) -> None:
+        self.send([LAYOUT, layout.num_pages, layout.page_size, layout.num_slots, layout.conv_width,
+                   layout.num_checkpoints])
+
+    def send_state_command(self, export: bool, page_ids: list[int], slot: int | None, num_tokens: int) -> None:
+        """A request's state leaves (export) or enters (commit) every rank's pools (engine/tp_handoff.py)."""
+        pages = torch.tensor(page_ids or [0], dtype=torch.int64, device=self.device)
+        self.send([STATE, int(export), -1 if slot is None else slot, num_tokens, len(page_ids)], pages)
+
+    def shutdown(self) -> None:
+        """Stop the followers and leave the group (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.send([STOP])
+        except (RuntimeError, ValueError) as exc:  # a follower already died: its process is reaped below
+            logger.warning("tensor-parallel stop not delivered: %s", exc)
+        for process in self.processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.terminate()
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class LeaderModel:
+    """The rank-0 model: each call is sent to the followers first (they run the same collectives), then run
+    here; the engine uses it as it uses a HybridLM."""
+
+    def __init__(self, model: HybridLM, leader: Leader) -> None:
+        self.model = model
+        self.leader = leader
+        self.config = model.config
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def __call__(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: StateCache) -> torch.Tensor:
+        header, payload = pack_forward(input_ids, batch)
+        self.leader.send(header, payload)
+        return self.model(input_ids, batch, cache)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, vocab] fp32
+        hidden = hidden.to(self.model.lm_head.weight.dtype)
+        self.leader.send([LOGITS, hidden.shape[0], hidden.shape[1]], hidden)
+        logits = self.model.lm_head.gathered_logits(hidden)
+        assert logits is not None  # rank 0 receives the gather
+        return logits
+
+    def mtp_forward(self, *args: Any) -> torch.Tensor:
+        raise ValueError("the MTP drafter does not run with tensor_parallel_size > 1")
+
+
+class MirroredStateCache(StateCache):
+    """Rank 0's state cache: a slot copy (prefix-cache hit, checkpoint) runs on every rank's shard."""
+
+    def __init__(self, leader: Leader, *args: Any) -> None:
+        super().__init__(*args)
+        self.leader = leader
+
+    def copy_state(self, source: int, target: int) -> None:
+        self.leader.send([COPY_STATE, source, target])
+        super().copy_state(source, target)
+
+    def mirror(self, op: str, *args: Any) -> None:
+        """Speculative state edits: ("rollback", rollback, T, slots, computed) or ("snapshot", rollback, T,
+        slot, row, done, decode_row), replayed by `spec_decode`'s functions on every follower."""
+        rollback, tokens, *rest = args
+        code = ROLLBACKS.index(rollback)
+        if op == "rollback":
+            slots, computed = rest
+            payload = torch.tensor([*slots, *computed], dtype=torch.int64, device=self.leader.device)
+            self.leader.send([ROLLBACK, code, tokens, len(slots)], payload)
+        elif op == "snapshot":
+            self.leader.send([SNAPSHOT, code, tokens, *rest])
+        else:
+            raise ValueError(f"unknown mirrored state op {op!r}")
+
+
+def rank_device(config: EngineConfig, rank: int) -> torch.device:
+    """The device of one rank: its own GPU (cuda:rank of the group's CUDA_VISIBLE_DEVICES), or the CPU."""
+    device = config.torch_device
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+        return torch.device("cuda", rank)
+    return device
+
+
+def load_rank_model(model_dir: Path, config: EngineConfig, tp: TPGroup, device: torch.device) -> HybridLM:
+    """This rank's shard of the checkpoint (or of the dummy weights), without the MTP drafter."""
+    model_config = dataclasses.replace(ModelConfig.from_dir(model_dir), mtp_layer_types=())
+    if config.load_format == "dummy":
+        return dummy_shard(model_config, config.torch_dtype, device, tp, config.seed)
+    return load_shard(model_dir, model_config, config.torch_dtype, device, tp)
+
+
+def share_cores(device: torch.device, size: int) -> None:
+    """CPU ranks split the host's cores: each rank's spinning OpenMP pool would starve the others (a TP=2 step
+    on 2 cores took 30x longer with both ranks at full thread count)."""
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_leader(model_dir: Path, config: EngineConfig) -> tuple[Leader, LeaderModel]:
+    """Rank 0 of a TP group: joins torch.distributed's group when a launcher (torchrun) made one, else spawns
+    ranks 1..N-1 on this host; returns the leader handle and rank 0's model."""
+    size = config.tensor_parallel_size
+    model_config = ModelConfig.from_dir(model_dir)
+    for rank in range(size):  # shape errors before any process starts
+        local_config(dataclasses.replace(model_config, mtp_layer_types=()), TPGroup(rank, size))
+    backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
+    processes: list[Any] = []
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        context = mp.get_context("spawn")
+        for rank in range(1, size):
+            process = context.Process(target=follower_main, args=(rank, size, init, str(model_dir), config),
+                                      daemon=True, name=f"hybridserve-tp-{rank}")
+            process.start()
+            processes.append(process)
+        dist.init_process_group(backend, init_method=init, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    elif dist.get_world_size() != size or dist.get_rank() != 0:
+        raise ValueError(f"torch.distributed has world size {dist.get_world_size()}, rank {dist.get_rank()}; "
+                         f"a TP={size} engine runs on rank 0 of a group of {size}")
+    tp = TPGroup(0, size)
+    device = rank_device(config, 0)
+    share_cores(device, size)
+    leader = Leader(tp, device, processes, owns_group, dataclasses.replace(model_config, mtp_layer_types=()))
+    try:
+        model = load_rank_model(model_dir, config, tp, device)
+    except BaseException:
+        leader.shutdown()
+        raise
+    logger.info("tensor-parallel engine: rank 0 of %d (%s)", size, backend)
+    return leader, LeaderModel(model, leader)
+
+
+def follower_main(rank: int, size: int, init: str | None, model_dir: str, config: EngineConfig) -> None:
+    """A follower rank: join the group, load the shard, then replay rank 0's commands until STOP. `init`
+    None: torch.distributed is set up by a launcher (torchrun's env://)."""
+    logging.basicConfig(level=os.environ.get("HYBRIDSERVE_LOG_LEVEL", "WARNING"))
+    device = rank_device(config, rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    share_cores(device, size)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=init or "env://", rank=rank, world_size=size,
+                                timeout=COLLECTIVE_TIMEOUT)
+    tp = TPGroup(rank, size)
+    model = load_rank_model(Path(model_dir), config, tp, device)
+    try:
+        follow(model, tp, device, config, dataclasses.replace(ModelConfig.from_dir(model_dir), mtp_layer_types=()))
+    finally:
+        dist.destroy_process_group()
+
+
+@torch.inference_mode()
+def follow(model: HybridLM, tp: TPGroup, device: torch.device, config: EngineConfig,
+           global_config: ModelConfig) -> None:
+    """Run rank 0's commands on this rank's shard until STOP."""
+    cache: StateCache | None = None
+    states: dict[int, torch.Tensor] = {}  # the last verify's per-token SSM states (rollback "intermediate")
+    spec = config.speculative
+    header = torch.zeros(HEADER, dtype=torch.int64, device=device)
+    ssm_dtype = DTYPES[model.config.ssm_state_dtype]
+    while True:
+        fields = tp.broadcast(header).tolist()
+        command = fields[0]
+        if command == STOP:
+            return
+        if command == LAYOUT:
+            layout = CacheLayout(*fields[1:6])
+            cache = StateCache(model.config, layout, config.torch_dtype, ssm_dtype, device)
+            if spec is not None and spec.rollback == "replay":
+                cache.enable_replay(spec.num_verify_tokens)
+        elif command == FORWARD:
+            size = sum(max(f, 0) for f in (fields[1], fields[2] + 1, 3 * fields[2], fields[2] * fields[3],
+                                           fields[1], fields[4], fields[9]))
+            payload = tp.broadcast(torch.empty(size, dtype=torch.int64, device=device))
+            input_ids, batch = unpack_forward(fields, payload)
+            assert cache is not None, "rank 0 sends the layout before any forward"
+            model(input_ids, batch, cache)
+            states = batch.intermediate_states
+        elif command == LOGITS:
+            hidden = tp.broadcast(torch.empty(fields[1], fields[2], dtype=model.lm_head.weight.dtype, device=device))
+            model.lm_head.gathered_logits(hidden)
+        elif command == COPY_STATE:
+            assert cache is not None
+            cache.copy_state(fields[1], fields[2])
+        elif command == ROLLBACK:
+            assert cache is not None
+            count = fields[3]
+            index = tp.broadcast(torch.empty(2 * count, dtype=torch.int64, device=device)).tolist()
+            rollback_states(cache, ROLLBACKS[fields[1]], fields[2], index[:count], index[count:], states)
+        elif command == SNAPSHOT:
+            assert cache is not None
+            snapshot_state(cache, model, ROLLBACKS[fields[1]], *fields[2:7], states)
+        elif command == STATE:
+            assert cache is not None
+            export, slot, num_tokens, num_pages = fields[1:5]
+            pages = tp.broadcast(torch.empty(max(num_pages, 1), dtype=torch.int64, device=device)).tolist()
+            follow_state_command(tp, global_config, cache, bool(export), pages[:num_pages],
+                                 None if slot < 0 else slot, num_tokens, config.torch_dtype)
+        else:
+            raise RuntimeError(f"unknown tensor-parallel command {command}")

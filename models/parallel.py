@@ -1,0 +1,131 @@
+"""Tensor-parallel building blocks: the group handle, row-parallel linears (one all-reduce each), the
+vocab-parallel embedding and lm_head, and the Mamba2 gated RMSNorm whose groups may span ranks.
+
+Column-parallel layers need no class of their own: a rank's shard of q/k/v, up_proj or in_proj is a plain
+`Linear` over its slice of the output rows (`models/tp_shard.py` slices the checkpoint). Hand-written rather
+than taken from a training library (Megatron, DTensor) because the engine runs eager packed-token forwards
+over its own kernels and needs only these four pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hybridserve.kernels import ops
+from hybridserve.models.layers import Linear
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in a tensor-parallel group (`group` None: torch.distributed's default group)."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None = None
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks, in place; returns the tensor."""
+        if self.size > 1:
+            dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's tensor onto every rank, in place."""
+        if self.size > 1:
+            dist.broadcast(tensor, src=0, group=self.group)
+        return tensor
+
+    def gather_cat(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's [M, n] on rank 0, concatenated along the last dim ([M, size * n]); None on other ranks."""
+        if self.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(tensor, parts, dst=0, group=self.group)
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+
+def vocab_shard(vocab_size: int, tp: TPGroup) -> tuple[int, int]:
+    """(first id, rows) of this rank's vocab shard; every rank holds ceil(V / size) rows, the last padded."""
+    rows = -(-vocab_size // tp.size)
+    return tp.rank * rows, rows
+
+
+class RowParallelLinear(Linear):
+    """A linear over this rank's slice of the input features; the partial products are summed across the
+    group (the block's one all-reduce), then the (unsharded) bias is added."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in/size] -> [N, out]
+        out = self.tp.all_reduce(ops.linear(x, self.weight, None))
+        return out + self.bias if self.bias is not None else out
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + rows) of the embedding table; ids outside give zeros and the ranks' rows are summed."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.start, rows = vocab_shard(vocab_size, tp)
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [N] -> [N, hidden]
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0.0)
+        return self.tp.all_reduce(out)
+
+
+class VocabParallelLMHead(Linear):
+    """This rank's rows of lm_head; `forward` gives the local logits [M, ceil(V / size)], `gathered_logits` the
+    full fp32 logits on rank 0 (None on the others)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, tp: TPGroup) -> None:
+        _, rows = vocab_shard(vocab_size, tp)
+        super().__init__(hidden_size, rows, bias=False)
+        self.tp = tp
+        self.vocab_size = vocab_size
+
+    def gathered_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # [M, hidden] -> [M, V] fp32 on rank 0
+        full = self.tp.gather_cat(self(hidden))
+        return None if full is None else full[:, : self.vocab_size].float()
+
+
+class ShardedGatedRMSNorm(nn.Module):
+    """The Mamba2 gated RMSNorm over this rank's channels [offset, offset + local) of the intermediate size,
+    normalised per global group of `group_size` channels. When the groups fall inside the shard it is the
+    local kernel; when a group spans ranks (TP above n_groups) each rank's per-group sums of squares are
+    all-reduced first, so the result equals the unsharded norm."""
+
+    def __init__(self, local_size: int, offset: int, group_size: int, num_groups: int, eps: float,
+                 tp: TPGroup) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(local_size), requires_grad=False)
+        self.tp = tp
+        self.eps = eps
+        self.group_size = group_size
+        self.num_groups = num_groups
+        self.offset = offset
+        self.local = local_size % group_size == 0 and offset % group_size == 0
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # [N, local] x2 -> [N, local]
+        if self.local:
+            return ops.gated_rmsnorm(x, gate, self.weight, group_size=self.group_size, eps=self.eps)
+        gated = x.float() * F.silu(gate.float())
+        sums = gated.new_zeros(gated.shape[0], self.num_groups)  # [N, G] this rank's part of each group
+        channels = torch.arange(self.offset, self.offset + gated.shape[-1], device=gated.device)
+        group = channels // self.group_size  # [local] global group of each channel
+        sums.index_add_(1, group, gated.pow(2))
+        self.tp.all_reduce(sums)
+        rstd = torch.rsqrt(sums / self.group_size + self.eps)  # [N, G]
+        return (self.weight.float() * gated * rstd[:, group]).to(x.dtype)
