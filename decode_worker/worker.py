@@ -56,7 +56,7 @@ class DecodeWorker:
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
                  worker_id: str | None = None, metrics_port: int | None = 0,
-                 transfer: TransferConfig | None = None) -> None:
+                 transfer: TransferConfig | None = None, internal_token: str | None = None) -> None:
         self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:8]}"
         self.engine = LLMEngine(model_dir, config)
         self.fingerprint = model_fingerprint(
@@ -69,6 +69,7 @@ class DecodeWorker:
         self._reservations: dict[str, Reservation] = {}
         self.transfer = transfer or TransferConfig()
         self.receiver = StateReceiver(self.transfer, self.engine.config.torch_device)
+        self._internal_token = internal_token  # required on every call to this worker
         self._lock = threading.Lock()
         self._host, self._port = host, port
         self._server: grpc.Server | None = None
@@ -82,7 +83,7 @@ class DecodeWorker:
     def start(self) -> str:
         self._server, self._port = start_server(
             self._host, self._port, lambda server: add_decode_worker_servicer(DecodeServicer(self), server),
-            max_workers=worker_threads(self.engine.config.max_num_seqs),
+            max_workers=worker_threads(self.engine.config.max_num_seqs), token=self._internal_token,
         )
         self._reaper.start()
         if self._metrics_port is not None:

@@ -39,14 +39,15 @@ class PrefillWorker:
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
                  worker_id: str | None = None, metrics_port: int | None = 0,
-                 transfer: TransferConfig | None = None) -> None:
+                 transfer: TransferConfig | None = None, internal_token: str | None = None) -> None:
         self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
         self.engine = LLMEngine(model_dir, config)
         self.fingerprint = model_fingerprint(
             model_dir, config.dtype, self.engine.model_config.ssm_state_dtype, config.load_format, config.seed
         )
         self.transfer = transfer or TransferConfig()
-        self.sender = StateSender(self.transfer, self.engine.config.torch_device)
+        self._internal_token = internal_token  # required on every call to this worker, sent on calls to decode workers
+        self.sender = StateSender(self.transfer, self.engine.config.torch_device, internal_token)
         self.loop = EngineLoop(self.engine, name=f"{self.worker_id}-loop")
         self.events = CacheEventFeed(self.worker_id, self.loop)
         self.metrics = WorkerMetrics(self.loop, "prefill")
@@ -62,7 +63,7 @@ class PrefillWorker:
         self._server, self._port = start_server(
             self._host, self._port,
             lambda server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self), server),
-            max_workers=worker_threads(self.engine.config.max_num_seqs),
+            max_workers=worker_threads(self.engine.config.max_num_seqs), token=self._internal_token,
         )
         if self._metrics_port is not None:
             self.metrics.start(self._host, self._metrics_port)

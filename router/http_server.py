@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from hybridserve.router.admission import Overloaded
 from hybridserve.router.auth import authorized, protected
+from hybridserve.router.config import MAX_BODY_BYTES
 from hybridserve.router.frontend import Frontend
 from hybridserve.router.openai_protocol import (
     ApiError,
@@ -48,7 +49,6 @@ def _error(exc: ApiError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt as JSON token ids is ~1 MB
 
 
 def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = None,

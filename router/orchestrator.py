@@ -87,12 +87,12 @@ class Orchestrator:
 
     def __init__(self, prefill_addresses: list[str], decode_addresses: list[str],
                  config: OrchestratorConfig = OrchestratorConfig(), metrics: RouterMetrics | None = None,
-                 subscribe_cache_events: bool = True) -> None:
+                 subscribe_cache_events: bool = True, internal_token: str | None = None) -> None:
         self.config = config
         self.metrics = metrics or RouterMetrics()
         self.index = PrefixIndex()
         self.workers = WorkerSet(self.index, config.resilience, subscribe_cache_events,
-                                 on_resync=lambda reason: self.metrics.index_resyncs.inc())
+                                 on_resync=lambda reason: self.metrics.index_resyncs.inc(), internal_token=internal_token)
         self.policy = RoutingPolicy(config.routing, self.index)
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
