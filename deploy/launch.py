@@ -97,5 +97,7 @@ def serve_worker(role: str, worker_id: str, options: WorkerOptions, port: int, r
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
+    aborted = worker.drain(options.drain_timeout_s)  # health says "draining": the router routes elsewhere
+    print(f"{role} worker {worker_id} drained ({len(aborted)} requests aborted at the timeout)", flush=True)
     worker.stop()
     return 0

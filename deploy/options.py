@@ -41,10 +41,14 @@ class WorkerOptions:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     # shared secret every internal gRPC call carries (router -> worker, worker -> worker); None: insecure
     internal_token: str | None = None
+    # SIGTERM: seconds the requests in flight get to finish (new ones are refused) before they are aborted
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.host:
             raise ValueError("the worker host must be an address, 'node-ip' or 0.0.0.0")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if self.internal_token is not None and len(self.internal_token) < 16:
             raise ValueError("the internal token must be at least 16 characters (or unset for insecure mode)")
 
@@ -55,7 +59,8 @@ class WorkerOptions:
 
     def argv(self) -> list[str]:
         """The `hybridserve worker` flags of this config (the token travels in the environment, not argv)."""
-        return ["--model", self.model_dir, "--host", self.host, "--worker-config", self.config_json()]
+        return ["--model", self.model_dir, "--host", self.host, "--drain-timeout", str(self.drain_timeout_s),
+                "--worker-config", self.config_json()]
 
 
 def configs_from_json(text: str) -> tuple[EngineConfig, TransferConfig]:

@@ -114,6 +114,8 @@ def serve(options: ServeOptions, stop: threading.Event | None = None) -> int:
             router.update_workers(*deployment.addresses())
         except Exception as exc:  # a worker restarting: keep the old addresses until it is back
             logger.warning("could not refresh worker addresses: %s", exc)
+    print("hybridserve: draining (SIGTERM): readiness is false, in-flight requests finish", flush=True)
+    router.drain()
     router.stop()
     deployment.stop()
     return 0

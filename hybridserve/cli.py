@@ -51,9 +51,15 @@ def _add_internal_flags(p: argparse.ArgumentParser, worker_host: str) -> None:
     p.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                    help="shared secret on every internal gRPC call (router -> worker, worker -> worker) "
                    f"(default: ${INTERNAL_TOKEN_ENV}; serve generates one per run when unset)")
+    _add_drain_flag(p)
     p.add_argument("--worker-host", default=worker_host,
                    help=f"address the workers' gRPC servers bind (default {worker_host}; 'node-ip': the Ray node's "
                    "address; 0.0.0.0 only when asked)")
+
+
+def _add_drain_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="SIGTERM: seconds the requests in flight get to finish before they are aborted (default 30)")
 
 
 def _cluster_options(args: argparse.Namespace) -> dict:
@@ -69,9 +75,9 @@ def _cluster_options(args: argparse.Namespace) -> dict:
         extra["orchestrator"] = OrchestratorConfig(local_prefill_max_tokens=args.local_prefill_max_tokens)
     router = RouterOptions(model_dir=model_dir, model_name=args.model_name, host=args.host, http_port=args.http_port,
                            grpc_port=args.grpc_port, api_key=args.api_key,
-                           internal_token=args.internal_token, **extra)
+                           internal_token=args.internal_token, drain_timeout_s=args.drain_timeout, **extra)
     worker = WorkerOptions(model_dir=model_dir, engine=engine, host=args.worker_host, transfer=_transfer_config(args),
-                           internal_token=args.internal_token)
+                           internal_token=args.internal_token, drain_timeout_s=args.drain_timeout)
     return dict(router=router, worker=worker, num_prefill=args.prefill_workers, num_decode=args.decode_workers,
                 num_gpus_per_worker=args.num_gpus_per_worker,
                 prefill_engine_overrides=getattr(args, "prefill_worker_overrides", None))
@@ -162,6 +168,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: embedded)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    _add_drain_flag(p)
     p.add_argument("--worker-id", default=None)
     p.add_argument("--worker-config", default=None,
                    help='the whole config as JSON, {"engine": {...EngineConfig}, "transfer": {...TransferConfig}} '
@@ -181,7 +188,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     else:
         engine, transfer = _engine_config(args), _transfer_config(args)
     options = WorkerOptions(model_dir=_model_dir(args), engine=engine, host=args.host, transfer=transfer,
-                            internal_token=os.environ.get(INTERNAL_TOKEN_ENV) or None)
+                            internal_token=os.environ.get(INTERNAL_TOKEN_ENV) or None,
+                            drain_timeout_s=args.drain_timeout)
     worker_id = args.worker_id or f"{args.role}-{args.port}"
     return serve_worker(args.role, worker_id, options, args.port, args.ready_file)
 

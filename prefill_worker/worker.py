@@ -26,6 +26,7 @@ from hybridserve.transfer.manifest import StateHeader
 from hybridserve.transfer.planes import TransferConfig
 from hybridserve.transfer.sender import StateSender
 from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
+from hybridserve.worker_runtime.drain import DRAINING_STATUS, Drain
 from hybridserve.worker_runtime.engine_loop import EngineLoop
 from hybridserve.worker_runtime.health import health_response
 from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
@@ -54,6 +55,7 @@ class PrefillWorker:
         self._metrics_port = metrics_port  # None: no /metrics server
         self._host, self._port = host, port
         self._server: grpc.Server | None = None
+        self.drain_state = Drain()  # in flight: Prefill calls
 
     @property
     def address(self) -> str:
@@ -70,6 +72,12 @@ class PrefillWorker:
         logger.info("prefill worker %s serving on %s (transfer planes %s)", self.worker_id, self.address,
                     self.sender.planes)
         return self.address
+
+    def drain(self, timeout_s: float) -> list[str]:
+        """SIGTERM: refuse new prefills, let in-flight ones finish up to `timeout_s`, abort the rest; returns
+        the aborted ids. Call stop() after."""
+        error = RuntimeError("the prefill worker shut down before the prefill finished (drain timeout)")
+        return self.drain_state.drain(timeout_s, lambda rid: self.loop.fail(rid, error))
 
     def stop(self, grace: float = 1.0) -> None:
         if self._server is not None:
@@ -122,12 +130,15 @@ class PrefillWorker:
         )
 
     def health(self) -> common_pb2.HealthResponse:
-        return self.loop.call(
+        health = self.loop.call(
             lambda: health_response(
                 "prefill", self.worker_id, self.fingerprint, self.engine, self.metrics.port, self.transfer
             ),
             timeout=10,
         )
+        if self.drain_state.draining:
+            health.status = DRAINING_STATUS
+        return health
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -135,8 +146,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.worker = worker
 
     def Prefill(self, request, context):  # noqa: N802 - gRPC method names
+        self.worker.drain_state.refuse_new(context)
         try:
-            return self.worker.prefill(request)
+            with self.worker.drain_state.track(request.request_id):
+                return self.worker.prefill(request)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except grpc.RpcError as exc:  # the decode side refused or went away

@@ -29,6 +29,18 @@ class AdmissionController:
         self._cond = threading.Condition()
         self._running = 0
         self._queued = 0
+        self._draining = False
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def drain(self, timeout_s: float) -> bool:
+        """Admit nothing new (503); wait up to `timeout_s` for the running and queued requests to finish.
+        Returns whether they did."""
+        with self._cond:
+            self._draining = True
+            return self._cond.wait_for(lambda: self._running == 0 and self._queued == 0, timeout_s)
 
     @property
     def running(self) -> int:
@@ -41,6 +53,8 @@ class AdmissionController:
     def try_acquire(self) -> bool:
         """Take a running slot if one is free right now (no waiting; safe on an event loop)."""
         with self._cond:
+            if self._draining:
+                raise Overloaded("the router is shutting down", queue_full=False)
             if self._running >= self.config.max_running or self._queued:
                 return False
             self._running += 1
@@ -52,6 +66,8 @@ class AdmissionController:
         timeout = self.config.queue_timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
         with self._cond:
+            if self._draining:
+                raise Overloaded("the router is shutting down", queue_full=False)
             if self._running >= self.config.max_running:
                 if self._queued >= self.config.max_queued:
                     raise Overloaded(f"the router queue is full ({self._queued} requests waiting)", queue_full=True)
@@ -71,7 +87,7 @@ class AdmissionController:
         with self._cond:
             self._running -= 1
             self._publish()
-            self._cond.notify()
+            self._cond.notify_all()  # a queued request, and a drain waiting for zero
 
     def _publish(self) -> None:
         if self._metrics is not None:

@@ -79,6 +79,18 @@ class Router:
                          "(hybridserve.v1.Router/Generate, Abort, Health; reflection on)")
         return lines
 
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """SIGTERM: readiness goes false and new requests get 503 / UNAVAILABLE; the requests in flight get
+        `timeout_s` (default: the options') to finish, then are aborted (their clients see an error).
+        Returns whether all finished. Call stop() after."""
+        timeout = self.options.drain_timeout_s if timeout_s is None else timeout_s
+        logger.info("draining: %d requests in flight, up to %.0f s", self.frontend.admission.running, timeout)
+        if self.frontend.admission.drain(timeout):
+            return True
+        logger.warning("drain timeout: aborting %d requests", self.orchestrator.abort_all())
+        self.frontend.admission.drain(5.0)  # the aborted streams send their error and release their slots
+        return False
+
     def stop(self) -> None:
         if self.grpc_server is not None:
             self.grpc_server.stop(1).wait()

@@ -120,6 +120,8 @@ class RouterOptions:
     max_body_bytes: int = MAX_BODY_BYTES  # larger HTTP request bodies get 413
     # shared secret the router sends on every call to a worker (WorkerOptions.internal_token); None: insecure
     internal_token: str | None = None
+    # SIGTERM: seconds the requests in flight get to finish (new ones get 503) before they are aborted
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -132,6 +134,8 @@ class RouterOptions:
             raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError("max_model_len must be > 1")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
     @property
     def served_name(self) -> str:

@@ -210,9 +210,9 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
     @app.get("/ready")
     async def ready() -> JSONResponse:
         prefill, decode = frontend.orchestrator.workers.snapshot()
-        healthy = {role: sum(1 for h in handles if h.health is not None and h.breaker.available())
+        healthy = {role: sum(1 for h in handles if h.health is not None and not h.draining and h.breaker.available())
                    for role, handles in (("prefill", prefill), ("decode", decode))}
-        ok = healthy["decode"] > 0
+        ok = healthy["decode"] > 0 and not frontend.admission.draining  # draining: SIGTERM, shutting down
         return JSONResponse({"status": "ready" if ok else "not_ready", "healthy_workers": healthy},
                             status_code=200 if ok else 503)
 

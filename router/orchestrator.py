@@ -139,6 +139,13 @@ class Orchestrator:
         with self._lock:
             return len(self._active)
 
+    def abort_all(self) -> int:
+        """Abort every request in flight (the end of a drain); returns how many."""
+        active = self._snapshot_active()
+        for a in active:
+            self.abort(a.request_id)
+        return len(active)
+
     def _snapshot_active(self) -> list[_Active]:
         with self._lock:
             return list(self._active.values())

@@ -44,6 +44,11 @@ class WorkerHandle:
         return self.address
 
     @property
+    def draining(self) -> bool:
+        """The worker said it is shutting down (SIGTERM): no new requests go to it."""
+        return self.health is not None and self.health.status == "draining"
+
+    @property
     def host(self) -> str:
         return self.address.rsplit(":", 1)[0]
 
