@@ -70,7 +70,8 @@ def _cluster_options(args: argparse.Namespace) -> dict:
     model_dir, engine = _model_dir(args), _engine_config(args)
     extra: dict[str, Any] = {}
     if getattr(args, "max_running", None) is not None:
-        extra["admission"] = AdmissionConfig(max_running=args.max_running, max_queued=args.max_queued)
+        extra["admission"] = AdmissionConfig(max_running=args.max_running, max_queued=args.max_queued,
+                                             max_per_client=args.max_per_client)
     if getattr(args, "local_prefill_max_tokens", None) is not None:
         extra["orchestrator"] = OrchestratorConfig(local_prefill_max_tokens=args.local_prefill_max_tokens)
     router = RouterOptions(model_dir=model_dir, model_name=args.model_name, host=args.host, http_port=args.http_port,
@@ -219,6 +220,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    "named in the start-up banner)")
     p.add_argument("--max-running", type=int, default=256, help="requests the router runs at once")
     p.add_argument("--max-queued", type=int, default=512, help="requests that may wait; more get 429")
+    p.add_argument("--max-per-client", type=int, default=0,
+                   help="requests one client (API key, or address without one) may have running or queued; more "
+                   "get 429 (default 0: no limit; clients behind one proxy share an address)")
     p.add_argument("--gpus", default=None,
                    help="worker -> GPU placement for --no-ray: 'prefill=0,decode=1', 'prefill-0=0,decode-0=1' or "
                    "'0,1' in start order (default: round-robin over the host's GPUs)")

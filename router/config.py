@@ -79,8 +79,12 @@ class AdmissionConfig:
     max_running: int = 256
     max_queued: int = 512
     queue_timeout_s: float = 30.0
+    # requests one client (its API key, or its address without one) may have running or queued at once; more
+    # get 429. 0: no per-client limit (clients behind one proxy share an address)
+    max_per_client: int = 0
 
     def __post_init__(self) -> None:
+        _check(self.max_per_client >= 0, "max_per_client must be >= 0")
         _check(self.max_running >= 1, "max_running must be >= 1")
         _check(self.max_queued >= 0, "max_queued must be >= 0")
         _check(self.queue_timeout_s > 0, "queue_timeout_s must be > 0")

@@ -8,7 +8,6 @@ events and usable in Abort by the same caller only (the same API key, or the sam
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import uuid
@@ -19,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from hybridserve.proto.convert import sampling_from_proto
-from hybridserve.router.admission import Overloaded
+from hybridserve.router.admission import Overloaded, client_key
 from hybridserve.router.auth import ApiKeyInterceptor
 from hybridserve.router.frontend import Frontend
 from hybridserve.router.openai_protocol import ApiError
@@ -34,9 +33,12 @@ _HTTP_TO_GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT
 def caller(context: grpc.ServicerContext) -> str:
     """Who is calling: their API key (hashed; a key is one client) or, without one, their connection."""
     key = dict(context.invocation_metadata() or ()).get("authorization")
-    if isinstance(key, str) and key:
-        return "key:" + hashlib.sha256(key.encode()).hexdigest()
-    return "peer:" + context.peer()
+    return client_key(key if isinstance(key, str) else None, context.peer())
+
+
+def caller_address(context: grpc.ServicerContext) -> str:
+    """The caller's host (the per-client limit counts a host's connections together), e.g. ipv4:10.0.0.1."""
+    return context.peer().rsplit(":", 1)[0]
 
 
 class CallerRequests:
@@ -88,8 +90,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             params = sampling_from_proto(request.sampling)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        key = dict(context.invocation_metadata() or ()).get("authorization")
+        client = client_key(key if isinstance(key, str) else None, caller_address(context))
         try:
-            self.frontend.admission.acquire()
+            self.frontend.admission.acquire(client=client)
         except Overloaded as exc:
             metrics.requests.labels("grpc/Generate", "429").inc()
             metrics.errors.labels("overloaded").inc()
@@ -115,7 +119,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             context.abort(exc.code, str(exc))
         finally:
             self.requests.remove(owner, request_id)
-            self.frontend.admission.release()
+            self.frontend.admission.release(client)
 
     def Abort(self, request, context):  # noqa: N802
         """Aborts the caller's own requests of that id (label); another caller's are not found."""

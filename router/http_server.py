@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from hybridserve.router.admission import Overloaded
+from hybridserve.router.admission import Overloaded, client_key
 from hybridserve.router.auth import authorized, protected
 from hybridserve.router.config import MAX_BODY_BYTES
 from hybridserve.router.frontend import Frontend
@@ -115,8 +115,9 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
             logger.debug("request %s is %s", label, request_id)
         try:
             req = await parse(request, model)
-            if not frontend.admission.try_acquire():
-                await asyncio.to_thread(frontend.admission.acquire)
+            client = client_key(request.headers.get("authorization"), request.client.host if request.client else "")
+            if not frontend.admission.try_acquire(client):
+                await asyncio.to_thread(frontend.admission.acquire, None, client)
         except ApiError as exc:
             count(endpoint, exc.status)
             return _error(exc)
@@ -131,7 +132,7 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
             nonlocal released
             if not released:
                 released = True
-                frontend.admission.release()
+                frontend.admission.release(client)
 
         try:
             task = asyncio.ensure_future(handler(req, request_id))
