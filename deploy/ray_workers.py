@@ -30,7 +30,7 @@ class WorkerActor:
         self.worker = cls(options.model_dir, options.engine, host=host, port=0, worker_id=worker_id,
                           transfer=options.transfer, internal_token=options.internal_token)
         bound = self.worker.start().rsplit(":", 1)[1]
-        self._address = f"{node_ip}:{bound}"
+        self._address = f"{node_ip if host in ('0.0.0.0', '::') else host}:{bound}"  # where others reach it
         self.role = role
 
     def address(self) -> str:

@@ -46,14 +46,15 @@ def _add_front_door_flags(p: argparse.ArgumentParser, host: str) -> None:
                    "(default: $HYBRIDSERVE_API_KEY; unset: no key)")
 
 
-def _add_internal_flags(p: argparse.ArgumentParser, worker_host: str) -> None:
+def _add_internal_flags(p: argparse.ArgumentParser, worker_host: str | None) -> None:
     """How the router and the workers talk to each other: worker bind address and the shared internal token."""
     p.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
                    help="shared secret on every internal gRPC call (router -> worker, worker -> worker) "
                    f"(default: ${INTERNAL_TOKEN_ENV}; serve generates one per run when unset)")
     _add_drain_flag(p)
+    shown = worker_host or "127.0.0.1, or node-ip with --address"
     p.add_argument("--worker-host", default=worker_host,
-                   help=f"address the workers' gRPC servers bind (default {worker_host}; 'node-ip': the Ray node's "
+                   help=f"address the workers' gRPC servers bind (default {shown}; 'node-ip': the Ray node's "
                    "address; 0.0.0.0 only when asked)")
 
 
@@ -77,7 +78,9 @@ def _cluster_options(args: argparse.Namespace) -> dict:
     router = RouterOptions(model_dir=model_dir, model_name=args.model_name, host=args.host, http_port=args.http_port,
                            grpc_port=args.grpc_port, api_key=args.api_key,
                            internal_token=args.internal_token, drain_timeout_s=args.drain_timeout, **extra)
-    worker = WorkerOptions(model_dir=model_dir, engine=engine, host=args.worker_host, transfer=_transfer_config(args),
+    on_ray_cluster = getattr(args, "address", None) and not getattr(args, "no_ray", False)
+    worker_host = args.worker_host or ("node-ip" if on_ray_cluster else "127.0.0.1")
+    worker = WorkerOptions(model_dir=model_dir, engine=engine, host=worker_host, transfer=_transfer_config(args),
                            internal_token=args.internal_token, drain_timeout_s=args.drain_timeout)
     return dict(router=router, worker=worker, num_prefill=args.prefill_workers, num_decode=args.decode_workers,
                 num_gpus_per_worker=args.num_gpus_per_worker,
@@ -206,7 +209,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
     _add_front_door_flags(p, "127.0.0.1")
-    _add_internal_flags(p, "127.0.0.1")
+    _add_internal_flags(p, None)
     p.add_argument("--insecure-internal", action="store_true",
                    help="no internal token (any process reaching a worker port may call it; trusted hosts only)")
     p.add_argument("--address", default=None, help="Ray cluster address to join (default: start a local one)")

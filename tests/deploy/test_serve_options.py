@@ -64,3 +64,21 @@ def test_no_field_is_defined_twice_along_the_chain() -> None:
     for part in (RouterOptions, WorkerOptions, EngineConfig):
         shared = cluster_own & names(part)
         assert not shared, f"{part.__name__} repeats {shared}"
+
+
+def test_the_cli_builds_the_chain_and_binds_workers_where_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hybridserve.cli as cli
+    from hybridserve.deploy import serve as serve_module
+
+    seen: list[ServeOptions] = []
+    monkeypatch.setattr(serve_module, "serve", lambda options: seen.append(options) or 0)
+    monkeypatch.delenv("HYBRIDSERVE_INTERNAL_TOKEN", raising=False)
+    assert cli.main(["serve", "--no-ray", "--model", "m", "--max-model-len", "300", "--max-per-client", "3",
+                     "--drain-timeout", "7"]) == 0
+    options = seen[-1]
+    assert options.worker.host == "127.0.0.1" and options.router.max_model_len == 300
+    assert options.router.admission.max_per_client == 3
+    assert options.router.drain_timeout_s == options.worker.drain_timeout_s == 7.0
+    assert options.secure_internal and options.worker.internal_token is None  # serve() makes one per run
+    assert cli.main(["serve", "--address", "10.0.0.1:6379", "--model", "m", "--internal-token", "t" * 20]) == 0
+    assert seen[-1].worker.host == "node-ip" and seen[-1].router.internal_token == "t" * 20
