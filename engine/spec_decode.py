@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -27,6 +28,7 @@ from hybridserve.engine.request import Request
 from hybridserve.engine.spec_config import SpeculativeConfig
 from hybridserve.kernels.replay_state import advance_states
 from hybridserve.models.hybrid_model import HybridLM
+from hybridserve.models.mamba_mixer import Mamba2Mixer
 from hybridserve.statepool.state_cache import StateCache
 
 
@@ -174,7 +176,8 @@ class SpecDecoder:
             if self.config.rollback == "intermediate":
                 ssm_pool[row] = batch.intermediate_states[layer][decode_row, done - 1]
             else:
-                A = -torch.exp(self.model.layers[layer].mixer.A_log.float())
+                mixer = cast(Mamba2Mixer, self.model.layers[layer].mixer)  # a Mamba layer's mixer
+                A = -torch.exp(mixer.A_log.float())
                 advance_states(ssm_pool, cache.replay_cache(layer), slot, target, torch.tensor([done]), A)
         if cache.hidden_states.shape[0]:
             cache.hidden_states[row] = step.output.hidden[decode_row * self.tokens + done - 1]
