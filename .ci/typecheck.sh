@@ -12,8 +12,15 @@ for d in kernels models engine statepool prefill_worker decode_worker router dep
   ln -s "$PWD/$d" "$tree/hybridserve/$d"
 done
 packages=$(python - <<'PY'
-import tomllib
-print(" ".join(f"-p hybridserve.{p}" for p in tomllib.load(open("pyproject.toml", "rb"))["tool"]["mypy"]["packages"]))
+import pathlib, tomllib
+args = []
+for p in tomllib.load(open("pyproject.toml", "rb"))["tool"]["mypy"]["packages"]:
+    if p == "hybridserve":  # the root package's own files (the CLI), not the whole tree under it
+        args += [f"-m hybridserve.{f.stem}" if f.stem != "__init__" else "-m hybridserve"
+                 for f in sorted(pathlib.Path("hybridserve").glob("*.py"))]
+    else:
+        args.append(f"-p hybridserve.{p}")
+print(" ".join(args))
 PY
 )
 # shellcheck disable=SC2086

@@ -31,6 +31,7 @@ from hybridserve.transfer.manifest import TransferError, check_manifest
 from hybridserve.transfer.planes import TransferConfig
 from hybridserve.transfer.receiver import LandedState, StateReceiver
 from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
+from hybridserve.worker_runtime.drain import DRAINING_STATUS, Drain
 from hybridserve.worker_runtime.engine_loop import EngineLoop
 from hybridserve.worker_runtime.health import health_response
 from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
@@ -56,7 +57,7 @@ class DecodeWorker:
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
                  worker_id: str | None = None, metrics_port: int | None = 0,
-                 transfer: TransferConfig | None = None) -> None:
+                 transfer: TransferConfig | None = None, internal_token: str | None = None) -> None:
         self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:8]}"
         self.engine = LLMEngine(model_dir, config)
         self.fingerprint = model_fingerprint(
@@ -69,6 +70,8 @@ class DecodeWorker:
         self._reservations: dict[str, Reservation] = {}
         self.transfer = transfer or TransferConfig()
         self.receiver = StateReceiver(self.transfer, self.engine.config.torch_device)
+        self._internal_token = internal_token  # required on every call to this worker
+        self.drain_state = Drain()  # in flight: reservations and token streams
         self._lock = threading.Lock()
         self._host, self._port = host, port
         self._server: grpc.Server | None = None
@@ -82,7 +85,7 @@ class DecodeWorker:
     def start(self) -> str:
         self._server, self._port = start_server(
             self._host, self._port, lambda server: add_decode_worker_servicer(DecodeServicer(self), server),
-            max_workers=worker_threads(self.engine.config.max_num_seqs),
+            max_workers=worker_threads(self.engine.config.max_num_seqs), token=self._internal_token,
         )
         self._reaper.start()
         if self._metrics_port is not None:
@@ -90,6 +93,20 @@ class DecodeWorker:
         logger.info("decode worker %s serving on %s (transfer planes %s)", self.worker_id, self.address,
                     self.receiver.planes)
         return self.address
+
+    def drain(self, timeout_s: float) -> list[str]:
+        """SIGTERM: refuse new requests, let in-flight ones finish up to `timeout_s`, abort the rest (their
+        streams end with an error event); returns the aborted ids. Call stop() after."""
+        return self.drain_state.drain(timeout_s, self._abort_at_drain_timeout)
+
+    def _abort_at_drain_timeout(self, request_id: str) -> None:
+        error = RuntimeError("the decode worker shut down before the request finished (drain timeout)")
+        with self._lock:
+            reservation = next((r for r in self._reservations.values() if r.request_id == request_id), None)
+        if reservation is not None:
+            self.cancel(reservation, error)
+        else:
+            self.loop.fail(request_id, error)
 
     def stop(self, grace: float = 1.0) -> None:
         self._closed.set()
@@ -106,6 +123,7 @@ class DecodeWorker:
         reservation = Reservation(uuid.uuid4().hex, request_id, len(prompt_token_ids), time.monotonic() + timeout_s, stream)
         with self._lock:
             self._reservations[reservation.ticket] = reservation
+        self.drain_state.begin(request_id)  # until committed (its token stream has begun by then) or cancelled
         return reservation
 
     def take(self, ticket: str) -> Reservation:
@@ -154,12 +172,15 @@ class DecodeWorker:
         self.loop.call(install)
         reservation.committed = True
         with self._lock:
-            self._reservations.pop(reservation.ticket, None)
+            popped = self._reservations.pop(reservation.ticket, None)
+        if popped is not None:
+            self.drain_state.end(reservation.request_id)
 
     def cancel(self, reservation: Reservation, error: BaseException) -> None:
         with self._lock:
             if self._reservations.pop(reservation.ticket, None) is None:
                 return
+        self.drain_state.end(reservation.request_id)
         self.loop.call(lambda: self.engine.abort(reservation.request_id))
         reservation.stream.put(error)
 
@@ -182,12 +203,15 @@ class DecodeWorker:
                 self.cancel(reservation, TimeoutError("no state arrived before the reservation expired"))
 
     def health(self) -> common_pb2.HealthResponse:
-        return self.loop.call(
+        health = self.loop.call(
             lambda: health_response(
                 "decode", self.worker_id, self.fingerprint, self.engine, self.metrics.port, self.transfer
             ),
             timeout=10,
         )
+        if self.drain_state.draining:
+            health.status = DRAINING_STATUS
+        return health
 
 
 def _abort(context: grpc.ServicerContext, code: str, message: str) -> None:
@@ -199,6 +223,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.worker = worker
 
     def Reserve(self, request, context):  # noqa: N802 - gRPC method names
+        self.worker.drain_state.refuse_new(context)
         timeout = request.timeout_ms / 1000 if request.timeout_ms else DEFAULT_RESERVATION_TIMEOUT_S
         try:
             reservation = self.worker.reserve(request.request_id, list(request.prompt_token_ids), request.sampling, timeout)
@@ -254,6 +279,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         yield from _events(self.worker, reservation.request_id, reservation.stream, context, local=False)
 
     def GenerateLocal(self, request, context):  # noqa: N802
+        self.worker.drain_state.refuse_new(context)
         try:
             params = sampling_from_proto(request.sampling)
             stream = self.worker.loop.submit(
@@ -298,6 +324,7 @@ def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context:
             local: bool):
     """TokenEvents from a request's output stream; a client that goes away aborts the request."""
     sent = 0
+    worker.drain_state.begin(request_id)
     try:
         for out in worker.loop.iterate(request_id, stream):
             # counted before the last event goes out: a client that stops reading after it cancels the call,
@@ -309,3 +336,5 @@ def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context:
             sent = max(sent, len(out.token_ids))
     except (TransferError, TimeoutError, ConnectionError, RuntimeError, ValueError) as exc:
         yield common_pb2.TokenEvent(request_id=request_id, finish_reason="error", error=str(exc))
+    finally:
+        worker.drain_state.end(request_id)

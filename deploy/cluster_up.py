@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from typing import Any
 
-from hybridserve.engine.config import EngineConfig
-from hybridserve.transfer.planes import TransferConfig
+from hybridserve.deploy.options import UpOptions
+
+__all__ = ["RouterActor", "UpOptions", "down", "up"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,46 +26,17 @@ HEAD_RESOURCE = "node:__internal_head__"  # Ray's built-in resource that only th
 REFRESH_S = 2.0
 
 
-@dataclass(frozen=True)
-class UpOptions:
-    """What `hybridserve up` deploys; ports are the router's on the head node (0: a free port)."""
-
-    address: str
-    model_dir: str
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    num_prefill: int = 1
-    num_decode: int = 1
-    host: str = "0.0.0.0"
-    http_port: int = 8000
-    grpc_port: int = 50051
-    num_gpus_per_worker: float = 0.0
-    model_name: str | None = None
-    max_restarts: int = 3
-    timeout_s: float = 600.0
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-    api_key: str | None = None  # clients must send it (Authorization: Bearer) on /v1 and gRPC calls
-
-    def __post_init__(self) -> None:
-        if self.num_prefill < 0 or self.num_decode < 1:
-            raise ValueError("up needs --decode-workers >= 1 and --prefill-workers >= 0")
-        if self.timeout_s <= 0:
-            raise ValueError("--timeout must be > 0")
-
-
 class RouterActor:
     """The router (HTTP + gRPC front doors) inside a Ray actor; wrapped by `ray.remote` in `up`."""
 
     def __init__(self, options: UpOptions, prefill: list[str], decode: list[str]) -> None:
         import ray
 
-        from hybridserve.router.app import Router, RouterOptions
+        from hybridserve.router.app import Router
 
         self._counts = (options.num_prefill, options.num_decode)
         self._node_ip = ray.util.get_node_ip_address()
-        router_options = RouterOptions(model_dir=options.model_dir, model_name=options.model_name, host=options.host,
-                                       http_port=options.http_port, grpc_port=options.grpc_port,
-                                       max_model_len=options.engine.max_model_len, api_key=options.api_key)
-        self.router = Router(router_options, prefill, decode).start()
+        self.router = Router(options.router, prefill, decode).start()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._refresh_loop, name="worker-refresh", daemon=True)
         self._thread.start()
@@ -150,10 +122,12 @@ def up(options: UpOptions) -> list[str]:
     from hybridserve.deploy.ray_workers import RayPlacement, actor_addresses, start_ray_workers
 
     _connect(options.address)
+    if options.worker.internal_token is None:
+        logger.warning("internal gRPC is INSECURE (no --internal-token / $HYBRIDSERVE_INTERNAL_TOKEN): any process "
+                       "that reaches a worker port can call it")
     placement = RayPlacement(num_gpus=options.num_gpus_per_worker, max_restarts=options.max_restarts,
                              namespace=NAMESPACE, detached=True)
-    actors = start_ray_workers(options.model_dir, options.engine, options.num_prefill, options.num_decode, placement,
-                               options.transfer)
+    actors = start_ray_workers(options, placement)
     prefill = actor_addresses(actors["prefill"], timeout=options.timeout_s)
     decode = actor_addresses(actors["decode"], timeout=options.timeout_s)
     keep = {"prefill": options.num_prefill, "decode": options.num_decode}
@@ -161,7 +135,7 @@ def up(options: UpOptions) -> list[str]:
         role = name[len(WORKER_PREFIX):].rsplit("-", 1)[0]
         if role in keep and _index(name) >= keep[role]:
             ray.kill(ray.get_actor(name), no_restart=True)
-    router = ray.remote(RouterActor).options(
+    router: Any = ray.remote(RouterActor).options(  # an actor handle: Ray's stubs type its methods as plain functions
         name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
         resources={HEAD_RESOURCE: 0.001}, max_restarts=options.max_restarts,
     ).remote(options, prefill, decode)

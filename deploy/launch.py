@@ -7,6 +7,7 @@ once it serves, and the launcher waits for that file.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -14,43 +15,18 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
-from hybridserve.config_flags import from_jsonable, to_jsonable
-from hybridserve.engine.config import EngineConfig
-from hybridserve.transfer.planes import TransferConfig
+from hybridserve.deploy.options import WorkerOptions, configs_from_json
+
+__all__ = ["WorkerOptions", "WorkerProcess", "configs_from_json", "serve_worker", "start_worker_process"]
 
 READY_TIMEOUT_S = 300.0
+INTERNAL_TOKEN_ENV = "HYBRIDSERVE_INTERNAL_TOKEN"  # the token reaches worker processes here, not in argv
 
-
-@dataclass(frozen=True)
-class WorkerOptions:
-    """What every worker of a deployment shares."""
-
-    model_dir: str
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    host: str = "127.0.0.1"
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-
-    def config_json(self) -> str:
-        """The worker's whole configuration as one JSON object (what `hybridserve worker --worker-config`
-        takes and what the worker reports in Health.config_json)."""
-        return json.dumps({"engine": to_jsonable(self.engine), "transfer": to_jsonable(self.transfer)}, sort_keys=True)
-
-    def argv(self) -> list[str]:
-        return ["--model", self.model_dir, "--host", self.host, "--worker-config", self.config_json()]
-
-
-def configs_from_json(text: str) -> tuple[EngineConfig, TransferConfig]:
-    """The (engine, transfer) configs of a `--worker-config` JSON object; ValueError naming what is wrong."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--worker-config is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict) or set(data) - {"engine", "transfer"}:
-        raise ValueError('--worker-config must be a JSON object with keys "engine" and "transfer"')
-    return from_jsonable(EngineConfig, data.get("engine", {})), from_jsonable(TransferConfig, data.get("transfer", {}))
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -75,6 +51,7 @@ def start_worker_process(role: str, worker_id: str, options: WorkerOptions, port
     its output goes to `log_dir`/<worker_id>.log (a temporary file without one); raises RuntimeError with its
     log tail if it dies."""
     ready = Path(tempfile.mkdtemp(prefix="hybridserve-ready-")) / f"{worker_id}.json"
+    log: IO[bytes]
     if log_dir is not None:
         log_dir.mkdir(parents=True, exist_ok=True)
         log = open(log_dir / f"{worker_id}.log", "wb")  # noqa: SIM115 - the worker process holds it
@@ -82,7 +59,11 @@ def start_worker_process(role: str, worker_id: str, options: WorkerOptions, port
         log = tempfile.NamedTemporaryFile(prefix=f"hybridserve-{worker_id}-", suffix=".log", delete=False)
     argv = [sys.executable, "-m", "hybridserve", "worker", "--role", role, "--worker-id", worker_id,
             "--port", str(port), "--ready-file", str(ready), *options.argv()]
-    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    child_env = {**os.environ, **(env or {})}
+    child_env.pop(INTERNAL_TOKEN_ENV, None)
+    if options.internal_token:
+        child_env[INTERNAL_TOKEN_ENV] = options.internal_token
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=child_env)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if ready.is_file():
@@ -105,7 +86,7 @@ def serve_worker(role: str, worker_id: str, options: WorkerOptions, port: int, r
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
     cls = PrefillWorker if role == "prefill" else DecodeWorker
     worker = cls(options.model_dir, options.engine, host=options.host, port=port, worker_id=worker_id,
-                 transfer=options.transfer)
+                 transfer=options.transfer, internal_token=options.internal_token)
     address = worker.start()
     if ready_file:
         tmp = Path(ready_file).with_suffix(".tmp")
@@ -116,5 +97,7 @@ def serve_worker(role: str, worker_id: str, options: WorkerOptions, port: int, r
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
+    aborted = worker.drain(options.drain_timeout_s)  # health says "draining": the router routes elsewhere
+    print(f"{role} worker {worker_id} drained ({len(aborted)} requests aborted at the timeout)", flush=True)
     worker.stop()
     return 0

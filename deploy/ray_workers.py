@@ -10,8 +10,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from hybridserve.engine.config import EngineConfig
-from hybridserve.transfer.planes import TransferConfig
+from hybridserve.deploy.options import NODE_IP, ClusterOptions, WorkerOptions
 
 logger = logging.getLogger(__name__)
 
@@ -19,8 +18,7 @@ logger = logging.getLogger(__name__)
 class WorkerActor:
     """Wrapped by `ray.remote` in `start_ray_workers`; kept a plain class so it is importable without Ray."""
 
-    def __init__(self, role: str, model_dir: str, engine: EngineConfig, worker_id: str,
-                 transfer: TransferConfig | None = None) -> None:
+    def __init__(self, role: str, options: WorkerOptions, worker_id: str) -> None:
         import ray
 
         from hybridserve.decode_worker.worker import DecodeWorker
@@ -28,9 +26,11 @@ class WorkerActor:
 
         cls = PrefillWorker if role == "prefill" else DecodeWorker
         node_ip = ray.util.get_node_ip_address()
-        self.worker = cls(model_dir, engine, host="0.0.0.0", port=0, worker_id=worker_id, transfer=transfer)
+        host = node_ip if options.host == NODE_IP else options.host  # the address it is told, 0.0.0.0 only if asked
+        self.worker = cls(options.model_dir, options.engine, host=host, port=0, worker_id=worker_id,
+                          transfer=options.transfer, internal_token=options.internal_token)
         bound = self.worker.start().rsplit(":", 1)[1]
-        self._address = f"{node_ip}:{bound}"
+        self._address = f"{node_ip if host in ('0.0.0.0', '::') else host}:{bound}"  # where others reach it
         self.role = role
 
     def address(self) -> str:
@@ -56,28 +56,24 @@ class RayPlacement:
     detached: bool = False  # `hybridserve up`: actors outlive the driver that created them
 
 
-def start_ray_workers(
-    model_dir: str, engine: EngineConfig, num_prefill: int, num_decode: int, placement: RayPlacement,
-    transfer: TransferConfig | None = None, prefill_engine: EngineConfig | None = None,
-) -> dict[str, list]:
+def start_ray_workers(options: ClusterOptions, placement: RayPlacement) -> dict[str, list]:
     """Named actors `hybridserve-<role>-<i>` (an existing one is reused); returns {"prefill": [...], "decode": [...]}."""
     import ray
 
     remote_cls = ray.remote(WorkerActor)
     actors: dict[str, list] = {"prefill": [], "decode": []}
-    for role, count in (("prefill", num_prefill), ("decode", num_decode)):
+    for role, count in (("prefill", options.num_prefill), ("decode", options.num_decode)):
         for i in range(count):
             name = worker_name(role, i)
-            options = dict(
+            actor_options: dict[str, object] = dict(
                 name=name, num_gpus=placement.num_gpus, num_cpus=1, max_restarts=placement.max_restarts,
                 max_task_retries=0, get_if_exists=True,
             )
             if placement.use_custom_resources:
-                options["resources"] = {role: 1}
+                actor_options["resources"] = {role: 1}
             if placement.detached:
-                options.update(lifetime="detached", namespace=placement.namespace)
-            actors[role].append(remote_cls.options(**options).remote(
-                role, model_dir, prefill_engine if role == "prefill" and prefill_engine else engine, name, transfer))
+                actor_options.update(lifetime="detached", namespace=placement.namespace)
+            actors[role].append(remote_cls.options(**actor_options).remote(role, options.worker_for(role), name))
     return actors
 
 

@@ -229,7 +229,8 @@ class LLMEngine:
             self.scheduler.finish(request, reason)
             self._requests.pop(request_id, None)
         elif self.spec is not None:  # drafts for the first verify: the drafter's slot of the first token
-            empty = request.last_hidden.new_zeros((0, request.last_hidden.shape[-1]))
+            last = cast(torch.Tensor, request.last_hidden)  # set by the commit above
+            empty = last.new_zeros((0, last.shape[-1]))
             if self.pool.reserve(request, request.num_tokens + self.lookahead):
                 n = request.num_computed_tokens
                 self.spec.catch_up([CatchUp(request, n, n, empty, True)])

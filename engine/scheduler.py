@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from hybridserve.engine.request import Request, RequestStatus
-from hybridserve.statepool.pool import StatePool
+from hybridserve.statepool.pool import StatePool, StateSnapshot
 
 if TYPE_CHECKING:
     from hybridserve.engine.model_runner import StepOutput
@@ -199,7 +199,9 @@ class Scheduler:
         decodes = list(zip(work.decodes, before))
         if spec is not None:
             spec.begin_commit(work.decodes, before[: len(work.decodes)])
-        self.pool.commit([r for r, _ in rows], decodes, spec.snapshot if spec is not None else None)
+        # the pool hands back the Requests it is given: the snapshot's Request parameter is safe
+        snapshot = cast(StateSnapshot, spec.snapshot) if spec is not None else None
+        self.pool.commit([r for r, _ in rows], decodes, snapshot)
         if spec is not None:
             spec.rollback(work.decodes, [r.num_computed_tokens - b for r, b in decodes])
         updated: list[Request] = []

@@ -7,8 +7,11 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
 from hybridserve.config_flags import json_object
+
+INTERNAL_TOKEN_ENV = "HYBRIDSERVE_INTERNAL_TOKEN"
 
 
 class _DeprecatedAlias(argparse.Action):
@@ -41,6 +44,47 @@ def _add_front_door_flags(p: argparse.ArgumentParser, host: str) -> None:
     p.add_argument("--api-key", default=os.environ.get("HYBRIDSERVE_API_KEY"),
                    help="clients must send 'Authorization: Bearer KEY' on /v1 and as gRPC metadata "
                    "(default: $HYBRIDSERVE_API_KEY; unset: no key)")
+
+
+def _add_internal_flags(p: argparse.ArgumentParser, worker_host: str | None) -> None:
+    """How the router and the workers talk to each other: worker bind address and the shared internal token."""
+    p.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
+                   help="shared secret on every internal gRPC call (router -> worker, worker -> worker) "
+                   f"(default: ${INTERNAL_TOKEN_ENV}; serve generates one per run when unset)")
+    _add_drain_flag(p)
+    shown = worker_host or "127.0.0.1, or node-ip with --address"
+    p.add_argument("--worker-host", default=worker_host,
+                   help=f"address the workers' gRPC servers bind (default {shown}; 'node-ip': the Ray node's "
+                   "address; 0.0.0.0 only when asked)")
+
+
+def _add_drain_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="SIGTERM: seconds the requests in flight get to finish before they are aborted (default 30)")
+
+
+def _cluster_options(args: argparse.Namespace) -> dict:
+    """The fields `serve` and `up` share (deploy/options.py ClusterOptions), built from their flags."""
+    from hybridserve.deploy.options import WorkerOptions
+    from hybridserve.router.config import AdmissionConfig, OrchestratorConfig, RouterOptions
+
+    model_dir, engine = _model_dir(args), _engine_config(args)
+    extra: dict[str, Any] = {}
+    if getattr(args, "max_running", None) is not None:
+        extra["admission"] = AdmissionConfig(max_running=args.max_running, max_queued=args.max_queued,
+                                             max_per_client=args.max_per_client)
+    if getattr(args, "local_prefill_max_tokens", None) is not None:
+        extra["orchestrator"] = OrchestratorConfig(local_prefill_max_tokens=args.local_prefill_max_tokens)
+    router = RouterOptions(model_dir=model_dir, model_name=args.model_name, host=args.host, http_port=args.http_port,
+                           grpc_port=args.grpc_port, api_key=args.api_key,
+                           internal_token=args.internal_token, drain_timeout_s=args.drain_timeout, **extra)
+    on_ray_cluster = getattr(args, "address", None) and not getattr(args, "no_ray", False)
+    worker_host = args.worker_host or ("node-ip" if on_ray_cluster else "127.0.0.1")
+    worker = WorkerOptions(model_dir=model_dir, engine=engine, host=worker_host, transfer=_transfer_config(args),
+                           internal_token=args.internal_token, drain_timeout_s=args.drain_timeout)
+    return dict(router=router, worker=worker, num_prefill=args.prefill_workers, num_decode=args.decode_workers,
+                num_gpus_per_worker=args.num_gpus_per_worker,
+                prefill_engine_overrides=getattr(args, "prefill_worker_overrides", None))
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -128,11 +172,13 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: embedded)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    _add_drain_flag(p)
     p.add_argument("--worker-id", default=None)
     p.add_argument("--worker-config", default=None,
                    help='the whole config as JSON, {"engine": {...EngineConfig}, "transfer": {...TransferConfig}} '
                    "(what serve's launcher passes; the engine and transfer flags are ignored then)")
-    p.add_argument("--ready-file", default=None, help="write {address, pid} here once serving")
+    p.add_argument("--ready-file", default=None, help="write {address, pid} here once serving "
+                   f"(the internal token, if any, is read from ${INTERNAL_TOKEN_ENV})")
     _add_engine_options(p)
     _add_transfer_options(p)
     p.set_defaults(func=_run_worker)
@@ -145,7 +191,9 @@ def _run_worker(args: argparse.Namespace) -> int:
         engine, transfer = configs_from_json(args.worker_config)
     else:
         engine, transfer = _engine_config(args), _transfer_config(args)
-    options = WorkerOptions(model_dir=_model_dir(args), engine=engine, host=args.host, transfer=transfer)
+    options = WorkerOptions(model_dir=_model_dir(args), engine=engine, host=args.host, transfer=transfer,
+                            internal_token=os.environ.get(INTERNAL_TOKEN_ENV) or None,
+                            drain_timeout_s=args.drain_timeout)
     worker_id = args.worker_id or f"{args.role}-{args.port}"
     return serve_worker(args.role, worker_id, options, args.port, args.ready_file)
 
@@ -161,6 +209,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
     _add_front_door_flags(p, "127.0.0.1")
+    _add_internal_flags(p, None)
+    p.add_argument("--insecure-internal", action="store_true",
+                   help="no internal token (any process reaching a worker port may call it; trusted hosts only)")
     p.add_argument("--address", default=None, help="Ray cluster address to join (default: start a local one)")
     p.add_argument("--no-ray", action="store_true", help="start workers as plain processes")
     p.add_argument("--num-gpus-per-worker", type=float, default=0.0)
@@ -172,6 +223,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    "named in the start-up banner)")
     p.add_argument("--max-running", type=int, default=256, help="requests the router runs at once")
     p.add_argument("--max-queued", type=int, default=512, help="requests that may wait; more get 429")
+    p.add_argument("--max-per-client", type=int, default=0,
+                   help="requests one client (API key, or address without one) may have running or queued; more "
+                   "get 429 (default 0: no limit; clients behind one proxy share an address)")
     p.add_argument("--gpus", default=None,
                    help="worker -> GPU placement for --no-ray: 'prefill=0,decode=1', 'prefill-0=0,decode-0=1' or "
                    "'0,1' in start order (default: round-robin over the host's GPUs)")
@@ -186,15 +240,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     from hybridserve.deploy.serve import ServeOptions, serve
 
-    options = ServeOptions(
-        model_dir=_model_dir(args), engine=_engine_config(args), num_prefill=args.prefill_workers,
-        num_decode=args.decode_workers, host=args.host, port=args.grpc_port, ray_address=args.address,
-        use_ray=not args.no_ray, num_gpus_per_worker=args.num_gpus_per_worker,
-        local_prefill_max_tokens=args.local_prefill_max_tokens, http_port=args.http_port,
-        model_name=args.model_name, max_running=args.max_running, max_queued=args.max_queued,
-        transfer=_transfer_config(args), gpus=args.gpus, prefill_engine_overrides=args.prefill_worker_overrides,
-        log_dir=args.log_dir, api_key=args.api_key,
-    )
+    if args.insecure_internal and args.internal_token:
+        raise ValueError("--insecure-internal and --internal-token exclude each other")
+    options = ServeOptions(**_cluster_options(args), ray_address=args.address, use_ray=not args.no_ray,
+                           gpus=args.gpus, log_dir=args.log_dir, secure_internal=not args.insecure_internal)
     return serve(options)
 
 
@@ -225,6 +274,7 @@ def _add_up_down(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
     _add_front_door_flags(p, "0.0.0.0")
+    _add_internal_flags(p, "node-ip")
     p.add_argument("--num-gpus-per-worker", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for healthy workers")
     _add_engine_options(p)
@@ -238,12 +288,7 @@ def _add_up_down(sub: argparse._SubParsersAction) -> None:
 def _run_up(args: argparse.Namespace) -> int:
     from hybridserve.deploy.cluster_up import UpOptions, up
 
-    options = UpOptions(
-        address=args.address, model_dir=_model_dir(args), engine=_engine_config(args),
-        num_prefill=args.prefill_workers, num_decode=args.decode_workers, host=args.host,
-        http_port=args.http_port, grpc_port=args.grpc_port, num_gpus_per_worker=args.num_gpus_per_worker,
-        model_name=args.model_name, timeout_s=args.timeout, transfer=_transfer_config(args), api_key=args.api_key,
-    )
+    options = UpOptions(**_cluster_options(args), address=args.address, timeout_s=args.timeout)
     lines = up(options)
     print(f"hybridserve: {args.prefill_workers} prefill and {args.decode_workers} decode workers ready", flush=True)
     for line in lines:
@@ -279,6 +324,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     if not script.is_file():
         raise ValueError(f"{script} is missing: `hybridserve bench` runs from a source checkout (pip install -e .)")
     spec = importlib.util.spec_from_file_location(f"hybridserve_bench_{args.name}", script)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{script} is not a Python module")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return int(module.main(args.args))

@@ -90,7 +90,7 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str, pre
     comments = field_comments(cls)
     for f in dataclasses.fields(cls):
         flag_type, kind = _flag_type(hints[f.name])
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default: Any = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         shown = ",".join(default) if kind == "csv" else default
         help_text = f"{comments.get(f.name, '')} (default: {shown})".strip()
         names = [f"--{prefix}{f.name.replace('_', '-')}", *((aliases or {}).get(f.name, []))]

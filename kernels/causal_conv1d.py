@@ -203,8 +203,8 @@ def causal_conv1d_varlen_ref(
             window = torch.zeros(x.shape[1], width, dtype=torch.float32, device=x.device)
         else:
             window = initial_windows[seq].float()
-        out, _ = _conv_with_window(window[:, width - (kernel - 1) :], x[begin:end].float(), w32, b32)
-        y[begin:end] = out
+        seq_out, _ = _conv_with_window(window[:, width - (kernel - 1) :], x[begin:end].float(), w32, b32)
+        y[begin:end] = seq_out
         history = torch.cat([window, x[begin:end].float().T], dim=1)  # [D, W + L]
         finals[seq] = history[:, history.shape[1] - width :]
         if state_block is not None:

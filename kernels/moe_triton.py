@@ -14,6 +14,8 @@ The torch references are in `moe.py`; `kernels.ops.moe_experts` dispatches.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -318,10 +320,10 @@ def moe_experts_triton(
     block_m = choose_block_m(pairs, num_experts + chunks)
     align = moe_align_triton(topk_ids, num_experts + chunks, block_m)
     hidden = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    up_shared = (shared_up, inter * d, d) if chunks else None  # chunk c: rows c*I .. (c+1)*I of [S*I, D]
+    up_shared = (cast(torch.Tensor, shared_up), inter * d, d) if chunks else None  # chunk c: rows c*I .. of [S*I, D]
     _grouped_gemm(x, w_up, up_scale, None, hidden, align, pairs, k, block_m, relu2=True, shared=up_shared)
     pair_out = torch.empty(pairs, d, dtype=torch.float32, device=x.device)
-    down_shared = (shared_down, inter, chunks * inter) if chunks else None  # chunk c: columns c*I .. of [D, S*I]
+    down_shared = (cast(torch.Tensor, shared_down), inter, chunks * inter) if chunks else None  # columns c*I ..
     _grouped_gemm(hidden, w_down, down_scale, topk_weights.reshape(-1).float().contiguous(), pair_out, align,
                   pairs, 1, block_m, relu2=False, shared=down_shared)
     out = torch.empty_like(x)

@@ -12,6 +12,7 @@ with `buf[slot]` naming the buffer of the last step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ class ReplayCache:
     @staticmethod
     def allocate(num_slots: int, tokens: int, heads: int, head_dim: int, groups: int, state: int,
                  dtype: torch.dtype, device: torch.device | str) -> ReplayCache:
-        z = dict(device=device)
+        z: dict[str, Any] = dict(device=device)
         return ReplayCache(
             prev_x=torch.zeros(num_slots, tokens, heads, head_dim, dtype=dtype, **z),
             prev_B=torch.zeros(num_slots, 2, tokens, groups, state, dtype=dtype, **z),

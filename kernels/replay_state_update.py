@@ -15,6 +15,8 @@ intermediate-state method. The torch oracle is `replay_reference` below.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -221,7 +223,7 @@ def replay_state_update_triton(
 
 def replay_reference(
     state_pool: torch.Tensor, history: dict, slots: torch.Tensor, num_accepted: torch.Tensor, x: torch.Tensor,
-    dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, **kw: object
+    dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, **kw: Any
 ) -> torch.Tensor:
     """The oracle: advance each slot through its accepted previous tokens (kept in `history`, keyed by slot),
     then score the new tokens without writing the state; records the new tokens in `history`."""

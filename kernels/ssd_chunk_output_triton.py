@@ -13,6 +13,8 @@ Launched by `ssd_scan_triton.ssd_scan_varlen_triton`; the reference is `ssd_scan
 
 from __future__ import annotations
 
+from typing import Any
+
 import triton
 import triton.language as tl
 
@@ -31,7 +33,7 @@ def _output_configs() -> list[triton.Config]:
     return configs + [triton.Config({"BLOCK_M": 128, "BLOCK_P": p}, num_warps=8, num_stages=2) for p in (32, 64)]
 
 
-def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs: Any) -> list[triton.Config]:
     """Fit the configs to the problem: BLOCK_M at most the chunk, BLOCK_P at most the padded head_dim."""
     chunk = int(kwargs.get("QBLOCK") or named_args.get("QBLOCK") or 16)
     full = max(16, triton.next_power_of_2(int(named_args["P"])))

@@ -10,6 +10,8 @@ program per head reading a precomputed fp32 C B^T, this reads C and B once per H
 
 from __future__ import annotations
 
+from typing import Any
+
 import triton
 import triton.language as tl
 
@@ -29,7 +31,7 @@ def _scan_configs() -> list[triton.Config]:
                       for heads in (4, 8) for p in (16, 32)]
 
 
-def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs: Any) -> list[triton.Config]:
     """Fit the configs to the problem: HEADS must divide the group's head count (HEADS=1 always does), BLOCK_M is
     capped at the chunk, BLOCK_P 0 becomes the whole (power-of-two padded) head_dim."""
     per_group = int(named_args["heads_per_group"])

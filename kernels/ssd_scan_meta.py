@@ -101,6 +101,9 @@ def chunk_metadata_from_lists(
             else:
                 keep_idx.append(-1)
         seq_ptr.append(len(chunk_start))
+    seg_seq: list[int]
+    seg_first: list[int]
+    chunk_seg: list[int]
     seg_ptr, seg_seq, seg_first, seq_seg_ptr, chunk_seg = [0], [], [], [0], []
     for seq in range(num_seqs):
         for first in range(seq_ptr[seq], seq_ptr[seq + 1], segment_chunks):

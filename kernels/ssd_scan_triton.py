@@ -107,7 +107,7 @@ def ssd_scan_varlen_triton(
     y = torch.empty_like(x)
     pooled = state_pool is not None
     if pooled:
-        assert slots is not None  # check_pool_args
+        assert slots is not None and state_pool is not None  # check_pool_args
         if checkpoint_rows is not None and checkpoint_rows.numel() != num_kept:
             raise ValueError(f"checkpoint_rows has {checkpoint_rows.numel()} entries for {num_kept} kept states")
         final = kept = init = state_pool
@@ -185,7 +185,7 @@ def ssd_scan_varlen_triton(
             CHUNK=chunk_size, QBLOCK=qblock, BLOCK_N=block_n,
             HAS_D=D is not None, DOT_PRECISION=precision, HAS_SEGMENTS=split,
         )
-    if pooled:
+    if state_pool is not None:  # pooled
         final, kept, num_seqs, num_kept = state_pool[:0], state_pool[:0], 0, 0
     return SSDScanOutput(
         y=y, final_states=final[:num_seqs], chunk_states=kept[:num_kept], chunk_state_seq=meta.kept_seq,

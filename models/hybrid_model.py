@@ -6,7 +6,7 @@ checkpoint's state dict loads as it is.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -65,7 +65,7 @@ class HybridLM(nn.Module):
         residual_dtype = torch.float32 if self.config.residual_in_fp32 else hidden.dtype
 
         def mix(index: int, normed: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
-            block = self.layers[index]
+            block = cast(Block, self.layers[index])  # nn.ModuleList indexes as a plain Module
             if block.kind == "mamba":
                 replay = cache.replay_cache(index) if batch.spec_rollback == "replay" else None
                 return block.mixer(normed, batch, *cache.mamba(index), replay)
@@ -73,7 +73,7 @@ class HybridLM(nn.Module):
                 return block.mixer(normed, batch, *cache.kv(index))
             return block.mixer(normed)
 
-        return residual_stack(hidden, [block.norm for block in self.layers], self.norm_f, residual_dtype, mix)
+        return residual_stack(hidden, [cast(Block, block).norm for block in self.layers], self.norm_f, residual_dtype, mix)
 
     @torch.inference_mode()
     def mtp_forward(

@@ -10,7 +10,7 @@ of slot q depends on x_0..x_q only (prefix-cacheable like the target's); slot 0 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -69,7 +69,8 @@ class MTPHead(nn.Module):
         cache: StateCache,
     ) -> torch.Tensor:
         """-> g [N, hidden], the final-normed drafter state of every slot."""
-        first = self.layers[0]
+        layers = [cast(MTPLayer, layer) for layer in self.layers]  # nn.ModuleList indexes as a plain Module
+        first = layers[0]
         dtype = first.eh_proj.weight.dtype
         fused = torch.cat([first.enorm(token_embeds.to(dtype)), first.hnorm(prev_hidden.to(dtype))], dim=-1)
         hidden = first.eh_proj(fused)
@@ -77,11 +78,11 @@ class MTPHead(nn.Module):
         num_layers = self.config.num_layers
 
         def mix(i: int, normed: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
-            layer = self.layers[i]
+            layer = layers[i]
             if layer.kind == "attention":
                 return layer.mixer(normed, batch, *cache.kv(num_layers + i))
             return layer.mixer(normed)
 
         # the norms' inputs are cast to each norm's weight dtype, which is eh_proj's: one model dtype
-        norms = [layer.norm for layer in self.layers]
-        return residual_stack(hidden, norms, self.layers[-1].final_layernorm, residual_dtype, mix)
+        norms = [layer.norm for layer in layers]
+        return residual_stack(hidden, norms, layers[-1].final_layernorm, residual_dtype, mix)

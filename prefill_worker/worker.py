@@ -26,6 +26,7 @@ from hybridserve.transfer.manifest import StateHeader
 from hybridserve.transfer.planes import TransferConfig
 from hybridserve.transfer.sender import StateSender
 from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
+from hybridserve.worker_runtime.drain import DRAINING_STATUS, Drain
 from hybridserve.worker_runtime.engine_loop import EngineLoop
 from hybridserve.worker_runtime.health import health_response
 from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
@@ -39,20 +40,22 @@ class PrefillWorker:
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
                  worker_id: str | None = None, metrics_port: int | None = 0,
-                 transfer: TransferConfig | None = None) -> None:
+                 transfer: TransferConfig | None = None, internal_token: str | None = None) -> None:
         self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
         self.engine = LLMEngine(model_dir, config)
         self.fingerprint = model_fingerprint(
             model_dir, config.dtype, self.engine.model_config.ssm_state_dtype, config.load_format, config.seed
         )
         self.transfer = transfer or TransferConfig()
-        self.sender = StateSender(self.transfer, self.engine.config.torch_device)
+        self._internal_token = internal_token  # required on every call to this worker, sent on calls to decode workers
+        self.sender = StateSender(self.transfer, self.engine.config.torch_device, internal_token)
         self.loop = EngineLoop(self.engine, name=f"{self.worker_id}-loop")
         self.events = CacheEventFeed(self.worker_id, self.loop)
         self.metrics = WorkerMetrics(self.loop, "prefill")
         self._metrics_port = metrics_port  # None: no /metrics server
         self._host, self._port = host, port
         self._server: grpc.Server | None = None
+        self.drain_state = Drain()  # in flight: Prefill calls
 
     @property
     def address(self) -> str:
@@ -62,13 +65,19 @@ class PrefillWorker:
         self._server, self._port = start_server(
             self._host, self._port,
             lambda server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self), server),
-            max_workers=worker_threads(self.engine.config.max_num_seqs),
+            max_workers=worker_threads(self.engine.config.max_num_seqs), token=self._internal_token,
         )
         if self._metrics_port is not None:
             self.metrics.start(self._host, self._metrics_port)
         logger.info("prefill worker %s serving on %s (transfer planes %s)", self.worker_id, self.address,
                     self.sender.planes)
         return self.address
+
+    def drain(self, timeout_s: float) -> list[str]:
+        """SIGTERM: refuse new prefills, let in-flight ones finish up to `timeout_s`, abort the rest; returns
+        the aborted ids. Call stop() after."""
+        error = RuntimeError("the prefill worker shut down before the prefill finished (drain timeout)")
+        return self.drain_state.drain(timeout_s, lambda rid: self.loop.fail(rid, error))
 
     def stop(self, grace: float = 1.0) -> None:
         if self._server is not None:
@@ -121,12 +130,15 @@ class PrefillWorker:
         )
 
     def health(self) -> common_pb2.HealthResponse:
-        return self.loop.call(
+        health = self.loop.call(
             lambda: health_response(
                 "prefill", self.worker_id, self.fingerprint, self.engine, self.metrics.port, self.transfer
             ),
             timeout=10,
         )
+        if self.drain_state.draining:
+            health.status = DRAINING_STATUS
+        return health
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -134,8 +146,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.worker = worker
 
     def Prefill(self, request, context):  # noqa: N802 - gRPC method names
+        self.worker.drain_state.refuse_new(context)
         try:
-            return self.worker.prefill(request)
+            with self.worker.drain_state.track(request.request_id):
+                return self.worker.prefill(request)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except grpc.RpcError as exc:  # the decode side refused or went away

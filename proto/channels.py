@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent import futures
 
 import grpc
+
+from hybridserve.proto.internal_auth import InternalTokenInterceptor, token_channel
+
+logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20  # state chunks are 1 MiB by default; room for larger ones where faster
 
@@ -23,6 +28,11 @@ def insecure_channel(address: str, *extra: tuple[str, int]) -> grpc.Channel:
     return grpc.insecure_channel(address, options=message_options(*extra))
 
 
+def internal_channel(address: str, token: str | None, *extra: tuple[str, int]) -> grpc.Channel:
+    """A channel to another component that sends the internal token on every call (None: insecure mode)."""
+    return token_channel(insecure_channel(address, *extra), token)
+
+
 def worker_threads(max_num_seqs: int) -> int:
     """gRPC handler threads of a worker. A request holds its token stream for its whole life and its state
     push runs on up to 4 striped streams besides; a pool smaller than that deadlocks under load (the token
@@ -31,10 +41,19 @@ def worker_threads(max_num_seqs: int) -> int:
     return max(256, 8 * max_num_seqs)
 
 
-def start_server(host: str, port: int, register: Callable[[grpc.Server], None], max_workers: int = 32) -> tuple[grpc.Server, int]:
-    """Start a gRPC server with the shared limits; `register` adds the servicers. Returns (server, bound port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=message_options())
+def start_server(host: str, port: int, register: Callable[[grpc.Server], None], max_workers: int = 32,
+                 token: str | None = None) -> tuple[grpc.Server, int]:
+    """Start a gRPC server with the shared limits; `register` adds the servicers; every call must carry
+    `token` (None: insecure mode, logged). Returns (server, bound port)."""
+    interceptors = [InternalTokenInterceptor(token)] if token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=message_options(),
+                         interceptors=interceptors)
     register(server)
     bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind a gRPC server to {host}:{port}")
     server.start()
+    if not token:
+        logger.warning("gRPC server on %s:%d is INSECURE (no internal token): any process that reaches it can call it",
+                       host, bound)
     return server, bound

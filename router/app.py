@@ -7,54 +7,21 @@ http_sd list of every component's /metrics (the router's HTTP port and each work
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from hybridserve.models.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
 from hybridserve.models.tokenizer import load_tokenizer
 from hybridserve.router.admission import AdmissionController
 from hybridserve.router.chat_template import ChatTemplate
-from hybridserve.router.config import AdmissionConfig, OrchestratorConfig
+from hybridserve.router.config import RouterOptions
 from hybridserve.router.frontend import Frontend
 from hybridserve.router.grpc_server import start_router_server
-from hybridserve.router.http_server import MAX_BODY_BYTES, HttpServer, create_app
+from hybridserve.router.http_server import HttpServer, create_app
 from hybridserve.router.metrics import RouterMetrics
 from hybridserve.router.orchestrator import Orchestrator
 
 logger = logging.getLogger(__name__)
 
-
-
-@dataclass(frozen=True)
-class RouterOptions:
-    """Where the router listens and how it behaves; port 0 picks a free port, None disables that door."""
-
-    model_dir: str
-    model_name: str | None = None  # served model id; default: the checkpoint directory's name
-    host: str = "127.0.0.1"
-    http_port: int | None = 8000
-    grpc_port: int | None = 50051
-    max_model_len: int | None = None  # default: the engine's limit (config) or the model's
-    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
-    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    api_key: str | None = None  # required of clients on /v1 (HTTP) and every gRPC call when set
-    max_body_bytes: int = MAX_BODY_BYTES  # larger HTTP request bodies get 413
-
-    def __post_init__(self) -> None:
-        for name in ("http_port", "grpc_port"):
-            port = getattr(self, name)
-            if port is not None and not 0 <= port < 65536:
-                raise ValueError(f"{name} must be in [0, 65535] or None, got {port}")
-        if self.http_port is None and self.grpc_port is None:
-            raise ValueError("the router needs at least one of http_port and grpc_port")
-        if self.max_body_bytes <= 0:
-            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
-        if self.max_model_len is not None and self.max_model_len <= 1:
-            raise ValueError("max_model_len must be > 1")
-
-    @property
-    def served_name(self) -> str:
-        return self.model_name or Path(self.model_dir).name
+__all__ = ["Router", "RouterOptions"]
 
 
 class Router:
@@ -62,7 +29,8 @@ class Router:
         self.options = options
         model_config = ModelConfig.from_dir(options.model_dir)
         self.metrics = RouterMetrics()
-        self.orchestrator = Orchestrator(prefill_addresses, decode_addresses, options.orchestrator, self.metrics)
+        self.orchestrator = Orchestrator(prefill_addresses, decode_addresses, options.orchestrator, self.metrics,
+                                         internal_token=options.internal_token)
         tokenizer = load_tokenizer(options.model_dir)
         max_len = options.max_model_len or model_config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
         self.frontend = Frontend(
@@ -110,6 +78,18 @@ class Router:
             lines.append(f"gRPC         grpc://{self.grpc_address} "
                          "(hybridserve.v1.Router/Generate, Abort, Health; reflection on)")
         return lines
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """SIGTERM: readiness goes false and new requests get 503 / UNAVAILABLE; the requests in flight get
+        `timeout_s` (default: the options') to finish, then are aborted (their clients see an error).
+        Returns whether all finished. Call stop() after."""
+        timeout = self.options.drain_timeout_s if timeout_s is None else timeout_s
+        logger.info("draining: %d requests in flight, up to %.0f s", self.frontend.admission.running, timeout)
+        if self.frontend.admission.drain(timeout):
+            return True
+        logger.warning("drain timeout: aborting %d requests", self.orchestrator.abort_all())
+        self.frontend.admission.drain(5.0)  # the aborted streams send their error and release their slots
+        return False
 
     def stop(self) -> None:
         if self.grpc_server is not None:

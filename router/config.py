@@ -6,6 +6,9 @@ Defaults are chosen for a small deployment (a handful of workers per role); each
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+
+MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt as JSON token ids is ~1 MB
 
 
 def _check(condition: bool, message: str) -> None:
@@ -76,8 +79,12 @@ class AdmissionConfig:
     max_running: int = 256
     max_queued: int = 512
     queue_timeout_s: float = 30.0
+    # requests one client (its API key, or its address without one) may have running or queued at once; more
+    # get 429. 0: no per-client limit (clients behind one proxy share an address)
+    max_per_client: int = 0
 
     def __post_init__(self) -> None:
+        _check(self.max_per_client >= 0, "max_per_client must be >= 0")
         _check(self.max_running >= 1, "max_running must be >= 1")
         _check(self.max_queued >= 0, "max_queued must be >= 0")
         _check(self.queue_timeout_s > 0, "queue_timeout_s must be > 0")
@@ -99,3 +106,41 @@ class OrchestratorConfig:
                 self, "routing",
                 RoutingConfig(**{**self.routing.__dict__, "local_prefill_max_tokens": self.local_prefill_max_tokens}),
             )
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    """Where the router listens and how it behaves; port 0 picks a free port, None disables that door."""
+
+    model_dir: str
+    model_name: str | None = None  # served model id; default: the checkpoint directory's name
+    host: str = "127.0.0.1"
+    http_port: int | None = 8000
+    grpc_port: int | None = 50051
+    max_model_len: int | None = None  # default: the engine's limit (config) or the model's
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    api_key: str | None = None  # required of clients on /v1 (HTTP) and every gRPC call when set
+    max_body_bytes: int = MAX_BODY_BYTES  # larger HTTP request bodies get 413
+    # shared secret the router sends on every call to a worker (WorkerOptions.internal_token); None: insecure
+    internal_token: str | None = None
+    # SIGTERM: seconds the requests in flight get to finish (new ones get 503) before they are aborted
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("http_port", "grpc_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 <= port < 65536:
+                raise ValueError(f"{name} must be in [0, 65535] or None, got {port}")
+        if self.http_port is None and self.grpc_port is None:
+            raise ValueError("the router needs at least one of http_port and grpc_port")
+        if self.max_body_bytes <= 0:
+            raise ValueError(f"max_body_bytes must be positive, got {self.max_body_bytes}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError("max_model_len must be > 1")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or Path(self.model_dir).name

@@ -2,11 +2,14 @@
 
 Generate streams token ids, text deltas, the finish reason and usage (on the last event). It shares the
 frontend's checks and admission control with the HTTP door; a client that cancels aborts the request.
+Internal request ids are always the router's own uuids: a client's `request_id` is a label, echoed back in its
+events and usable in Abort by the same caller only (the same API key, or the same connection without one).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
 from concurrent import futures
 
@@ -15,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from hybridserve.proto.convert import sampling_from_proto
-from hybridserve.router.admission import Overloaded
+from hybridserve.router.admission import Overloaded, client_key
 from hybridserve.router.auth import ApiKeyInterceptor
 from hybridserve.router.frontend import Frontend
 from hybridserve.router.openai_protocol import ApiError
@@ -27,9 +30,45 @@ logger = logging.getLogger(__name__)
 _HTTP_TO_GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND}
 
 
+def caller(context: grpc.ServicerContext) -> str:
+    """Who is calling: their API key (hashed; a key is one client) or, without one, their connection."""
+    key = dict(context.invocation_metadata() or ()).get("authorization")
+    return client_key(key if isinstance(key, str) else None, context.peer())
+
+
+def caller_address(context: grpc.ServicerContext) -> str:
+    """The caller's host (the per-client limit counts a host's connections together), e.g. ipv4:10.0.0.1."""
+    return context.peer().rsplit(":", 1)[0]
+
+
+class CallerRequests:
+    """(caller, the id the caller knows) -> the router's internal ids of that caller's requests in flight."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids: dict[tuple[str, str], set[str]] = {}
+
+    def add(self, owner: tuple[str, str], internal_id: str) -> None:
+        with self._lock:
+            self._ids.setdefault(owner, set()).add(internal_id)
+
+    def remove(self, owner: tuple[str, str], internal_id: str) -> None:
+        with self._lock:
+            ids = self._ids.get(owner)
+            if ids is not None:
+                ids.discard(internal_id)
+                if not ids:
+                    del self._ids[owner]
+
+    def of(self, owner: tuple[str, str]) -> list[str]:
+        with self._lock:
+            return list(self._ids.get(owner, ()))
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
+        self.requests = CallerRequests()
 
     def _prompt(self, request, context) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -51,13 +90,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             params = sampling_from_proto(request.sampling)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        key = dict(context.invocation_metadata() or ()).get("authorization")
+        client = client_key(key if isinstance(key, str) else None, caller_address(context))
         try:
-            self.frontend.admission.acquire()
+            self.frontend.admission.acquire(client=client)
         except Overloaded as exc:
             metrics.requests.labels("grpc/Generate", "429").inc()
             metrics.errors.labels("overloaded").inc()
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        request_id = request.request_id or uuid.uuid4().hex
+        request_id = uuid.uuid4().hex  # never the client's: two clients may send the same label
+        label = request.request_id or request_id
+        owner = (caller(context), label)
+        self.requests.add(owner, request_id)
         context.add_callback(lambda: self.frontend.orchestrator.abort(request_id))
         text = TextStream(self.frontend.tokenizer)
         try:
@@ -65,6 +109,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 delta = text.add(event.token_ids)
                 if event.finish_reason:
                     delta += text.finish()
+                event.request_id = label
                 yield router_pb2.GenerateResponse(event=event, text_delta=delta)
             metrics.requests.labels("grpc/Generate", "200").inc()
         except WorkerError as exc:
@@ -73,10 +118,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                   if exc.code == grpc.StatusCode.UNAVAILABLE else "internal").inc()
             context.abort(exc.code, str(exc))
         finally:
-            self.frontend.admission.release()
+            self.requests.remove(owner, request_id)
+            self.frontend.admission.release(client)
 
     def Abort(self, request, context):  # noqa: N802
-        return common_pb2.AbortResponse(found=self.frontend.orchestrator.abort(request.request_id))
+        """Aborts the caller's own requests of that id (label); another caller's are not found."""
+        ids = self.requests.of((caller(context), request.request_id))
+        found = [self.frontend.orchestrator.abort(internal_id) for internal_id in ids]
+        return common_pb2.AbortResponse(found=any(found))
 
     def Health(self, request, context):  # noqa: N802
         orchestrator = self.frontend.orchestrator

@@ -24,8 +24,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
-from hybridserve.router.admission import Overloaded
+from hybridserve.router.admission import Overloaded, client_key
 from hybridserve.router.auth import authorized, protected
+from hybridserve.router.config import MAX_BODY_BYTES
 from hybridserve.router.frontend import Frontend
 from hybridserve.router.openai_protocol import (
     ApiError,
@@ -48,7 +49,6 @@ def _error(exc: ApiError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
-MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt as JSON token ids is ~1 MB
 
 
 def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = None,
@@ -115,8 +115,9 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
             logger.debug("request %s is %s", label, request_id)
         try:
             req = await parse(request, model)
-            if not frontend.admission.try_acquire():
-                await asyncio.to_thread(frontend.admission.acquire)
+            client = client_key(request.headers.get("authorization"), request.client.host if request.client else "")
+            if not frontend.admission.try_acquire(client):
+                await asyncio.to_thread(frontend.admission.acquire, None, client)
         except ApiError as exc:
             count(endpoint, exc.status)
             return _error(exc)
@@ -131,7 +132,7 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
             nonlocal released
             if not released:
                 released = True
-                frontend.admission.release()
+                frontend.admission.release(client)
 
         try:
             task = asyncio.ensure_future(handler(req, request_id))
@@ -210,9 +211,9 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
     @app.get("/ready")
     async def ready() -> JSONResponse:
         prefill, decode = frontend.orchestrator.workers.snapshot()
-        healthy = {role: sum(1 for h in handles if h.health is not None and h.breaker.available())
+        healthy = {role: sum(1 for h in handles if h.health is not None and not h.draining and h.breaker.available())
                    for role, handles in (("prefill", prefill), ("decode", decode))}
-        ok = healthy["decode"] > 0
+        ok = healthy["decode"] > 0 and not frontend.admission.draining  # draining: SIGTERM, shutting down
         return JSONResponse({"status": "ready" if ok else "not_ready", "healthy_workers": healthy},
                             status_code=200 if ok else 503)
 

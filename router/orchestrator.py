@@ -87,12 +87,12 @@ class Orchestrator:
 
     def __init__(self, prefill_addresses: list[str], decode_addresses: list[str],
                  config: OrchestratorConfig = OrchestratorConfig(), metrics: RouterMetrics | None = None,
-                 subscribe_cache_events: bool = True) -> None:
+                 subscribe_cache_events: bool = True, internal_token: str | None = None) -> None:
         self.config = config
         self.metrics = metrics or RouterMetrics()
         self.index = PrefixIndex()
         self.workers = WorkerSet(self.index, config.resilience, subscribe_cache_events,
-                                 on_resync=lambda reason: self.metrics.index_resyncs.inc())
+                                 on_resync=lambda reason: self.metrics.index_resyncs.inc(), internal_token=internal_token)
         self.policy = RoutingPolicy(config.routing, self.index)
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
@@ -138,6 +138,13 @@ class Orchestrator:
     def num_in_flight(self) -> int:
         with self._lock:
             return len(self._active)
+
+    def abort_all(self) -> int:
+        """Abort every request in flight (the end of a drain); returns how many."""
+        active = self._snapshot_active()
+        for a in active:
+            self.abort(a.request_id)
+        return len(active)
 
     def _snapshot_active(self) -> list[_Active]:
         with self._lock:

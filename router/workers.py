@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from hybridserve.proto import common_pb2, worker_pb2_grpc
-from hybridserve.proto.channels import insecure_channel
+from hybridserve.proto.channels import internal_channel
 from hybridserve.router.cache_subscriber import CacheSubscriber
 from hybridserve.router.circuit_breaker import CircuitBreaker
 from hybridserve.router.config import ResilienceConfig
@@ -23,8 +23,9 @@ from hybridserve.router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
-def channel(address: str) -> grpc.Channel:
-    return insecure_channel(address)
+def channel(address: str, internal_token: str | None = None) -> grpc.Channel:
+    """The router's channel to a worker (sending the internal token on every call when there is one)."""
+    return internal_channel(address, internal_token)
 
 
 @dataclass(eq=False)
@@ -43,6 +44,11 @@ class WorkerHandle:
         return self.address
 
     @property
+    def draining(self) -> bool:
+        """The worker said it is shutting down (SIGTERM): no new requests go to it."""
+        return self.health is not None and self.health.status == "draining"
+
+    @property
     def host(self) -> str:
         return self.address.rsplit(":", 1)[0]
 
@@ -51,8 +57,9 @@ class WorkerSet:
     """Prefill and decode handles, their health poller and cache-event subscribers."""
 
     def __init__(self, index: PrefixIndex, config: ResilienceConfig, subscribe: bool = True,
-                 on_resync=None) -> None:
+                 on_resync=None, internal_token: str | None = None) -> None:
         self._index = index
+        self._internal_token = internal_token
         self._config = config
         self._subscribe = subscribe
         self._on_resync = on_resync
@@ -77,7 +84,7 @@ class WorkerSet:
 
     def _handle(self, role: str, address: str) -> WorkerHandle:
         cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-        stub = cls(channel(address))
+        stub = cls(channel(address, self._internal_token))
         handle = WorkerHandle(role, address, stub, CircuitBreaker(self._config.breaker_failures, self._config.breaker_reset_s))
         if self._subscribe:
             handle.subscriber = CacheSubscriber(address, stub, self._index, self._on_resync)

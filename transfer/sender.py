@@ -19,7 +19,7 @@ import grpc
 import torch
 
 from hybridserve.proto import worker_pb2, worker_pb2_grpc
-from hybridserve.proto.channels import insecure_channel
+from hybridserve.proto.channels import internal_channel
 from hybridserve.transfer.arena import Arena, ArenaFull, ArenaRange
 from hybridserve.transfer.digest import device_digest
 from hybridserve.transfer.grpc_sender import encode_state_streams
@@ -62,8 +62,9 @@ RunOnLoop = Callable[[Callable[[], list[torch.Tensor]]], list[torch.Tensor]]
 class StateSender:
     """Owns the staging arena, the device-plane sources and the gRPC channels of one prefill worker."""
 
-    def __init__(self, config: TransferConfig, device: torch.device) -> None:
+    def __init__(self, config: TransferConfig, device: torch.device, internal_token: str | None = None) -> None:
         self.config = config
+        self._internal_token = internal_token  # sent on every call to a decode worker
         self.device = device
         self.arena = Arena(config.staging_bytes(device), device)
         self.planes = config.offered(device)
@@ -111,10 +112,10 @@ class StateSender:
         """TransferInfo of a decode worker (asked once), its PushState calls and its stub."""
         with self._lock:
             if address not in self._peers:
-                stub = worker_pb2_grpc.DecodeWorkerStub(insecure_channel(address))
+                stub = worker_pb2_grpc.DecodeWorkerStub(internal_channel(address, self._internal_token))
                 reply = stub.TransferInfo(worker_pb2.TransferInfoRequest(device=self.info.device), timeout=30)
                 info = PeerInfo(tuple(reply.planes), reply.host_id, reply.device)
-                calls = [push_state_stub(insecure_channel(address, ("grpc.channel_id", i)))  # own connections
+                calls = [push_state_stub(internal_channel(address, self._internal_token, ("grpc.channel_id", i)))  # own conns
                          for i in range(self.config.grpc_streams)]
                 self._peers[address] = (info, calls, stub)
                 logger.info("state transfers to %s use %s (peer offers %s)", address,

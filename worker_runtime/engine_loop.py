@@ -67,6 +67,18 @@ class EngineLoop:
         self.call(open_and_add)
         return stream
 
+    def fail(self, request_id: str, error: BaseException) -> bool:
+        """Abort a request and end its stream with `error` (its consumer raises it); False if unknown."""
+
+        def run() -> bool:
+            found = self.engine.abort(request_id)
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put(error)
+            return bool(found) or stream is not None
+
+        return bool(self.call(run))
+
     def close_stream(self, request_id: str) -> None:
         """Forget the request's stream (no wait: nothing comes back)."""
         self.post(lambda: self._streams.pop(request_id, None))

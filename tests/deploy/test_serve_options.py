@@ -1,18 +1,27 @@
-"""Deployment options: prefill workers may differ from decode workers in named engine fields only."""
+"""Deployment options: one chain (ServeOptions -> RouterOptions + WorkerOptions -> EngineConfig / TransferConfig);
+prefill workers may differ from decode workers in named engine fields only; what the router and the workers
+must agree on is checked or filled in once."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from hybridserve.deploy.serve import ServeOptions
+from hybridserve.deploy.options import ServeOptions, UpOptions, WorkerOptions
 from hybridserve.engine.config import EngineConfig
+from hybridserve.router.config import RouterOptions
+
+
+def _serve(**kwargs: object) -> ServeOptions:
+    engine = kwargs.pop("engine", EngineConfig())
+    return ServeOptions(router=RouterOptions("m"), worker=WorkerOptions("m", engine), **kwargs)  # type: ignore[arg-type]
 
 
 def test_prefill_workers_get_their_overrides_and_decode_workers_do_not() -> None:
-    options = ServeOptions(model_dir="m", engine=EngineConfig(prefill_chunk_size=256),
-                           prefill_engine_overrides={"prefill_chunk_size": 4096})
-    assert options.engine_for("prefill").prefill_chunk_size == 4096
-    assert options.engine_for("decode").prefill_chunk_size == 256
+    options = _serve(engine=EngineConfig(prefill_chunk_size=256), prefill_engine_overrides={"prefill_chunk_size": 4096})
+    assert options.worker_for("prefill").engine.prefill_chunk_size == 4096
+    assert options.worker_for("decode").engine.prefill_chunk_size == 256
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -21,5 +30,55 @@ def test_prefill_workers_get_their_overrides_and_decode_workers_do_not() -> None
 ])
 def test_bad_overrides_are_refused_before_anything_starts(overrides: dict, message: str) -> None:
     with pytest.raises(ValueError) as info:
-        ServeOptions(model_dir="m", prefill_engine_overrides=overrides)
+        _serve(prefill_engine_overrides=overrides)
     assert message in str(info.value)
+
+
+def test_the_router_takes_the_engine_context_length_and_the_shared_token() -> None:
+    options = _serve(engine=EngineConfig(max_model_len=512))
+    assert options.router.max_model_len == 512
+    secured = options.with_internal_token("t" * 32)
+    assert isinstance(secured, ServeOptions)
+    assert secured.router.internal_token == secured.worker.internal_token == "t" * 32
+    with pytest.raises(ValueError, match="one internal token"):
+        dataclasses.replace(options, router=dataclasses.replace(options.router, internal_token="x" * 16))
+    with pytest.raises(ValueError, match="different checkpoints"):
+        ServeOptions(router=RouterOptions("a"), worker=WorkerOptions("b"))
+    with pytest.raises(ValueError, match="at least 16"):
+        WorkerOptions("m", internal_token="short")
+
+
+def test_up_options_extend_the_same_chain() -> None:
+    up = UpOptions(router=RouterOptions("m", host="0.0.0.0"), worker=WorkerOptions("m", host="node-ip"),
+                   address="auto", num_decode=2)
+    assert up.num_decode == 2 and up.worker_for("decode").host == "node-ip"
+    with pytest.raises(ValueError, match="--timeout"):
+        UpOptions(router=RouterOptions("m"), worker=WorkerOptions("m"), address="auto", timeout_s=0)
+
+
+def test_no_field_is_defined_twice_along_the_chain() -> None:
+    def names(cls: type) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    cluster_own = names(ServeOptions) - {"router", "worker"}
+    for part in (RouterOptions, WorkerOptions, EngineConfig):
+        shared = cluster_own & names(part)
+        assert not shared, f"{part.__name__} repeats {shared}"
+
+
+def test_the_cli_builds_the_chain_and_binds_workers_where_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hybridserve.cli as cli
+    from hybridserve.deploy import serve as serve_module
+
+    seen: list[ServeOptions] = []
+    monkeypatch.setattr(serve_module, "serve", lambda options: seen.append(options) or 0)
+    monkeypatch.delenv("HYBRIDSERVE_INTERNAL_TOKEN", raising=False)
+    assert cli.main(["serve", "--no-ray", "--model", "m", "--max-model-len", "300", "--max-per-client", "3",
+                     "--drain-timeout", "7"]) == 0
+    options = seen[-1]
+    assert options.worker.host == "127.0.0.1" and options.router.max_model_len == 300
+    assert options.router.admission.max_per_client == 3
+    assert options.router.drain_timeout_s == options.worker.drain_timeout_s == 7.0
+    assert options.secure_internal and options.worker.internal_token is None  # serve() makes one per run
+    assert cli.main(["serve", "--address", "10.0.0.1:6379", "--model", "m", "--internal-token", "t" * 20]) == 0
+    assert seen[-1].worker.host == "node-ip" and seen[-1].router.internal_token == "t" * 20

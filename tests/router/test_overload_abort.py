@@ -12,7 +12,7 @@ import pytest
 from router_cluster import MODEL_NAME, Cluster
 
 from hybridserve import SamplingParams
-from hybridserve.proto import router_pb2, router_pb2_grpc
+from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from hybridserve.proto.convert import sampling_to_proto
 from hybridserve.router.config import AdmissionConfig
 from hybridserve.router.orchestrator import WorkerError
@@ -103,3 +103,23 @@ def test_in_flight_request_id_is_not_run_twice(slow) -> None:
         list(first)
     assert aborted.value.code == grpc.StatusCode.CANCELLED
     assert slow.idle(timeout=2.0)
+
+
+def test_grpc_abort_reaches_only_the_callers_own_requests(slow) -> None:
+    """The client's request_id is a label echoed back; another connection's Abort of that label finds nothing
+    and the stream goes on; the caller's own Abort ends it."""
+    own = grpc.insecure_channel(slow.router.grpc_address, options=[("grpc.use_local_subchannel_pool", 1)])
+    other = grpc.insecure_channel(slow.router.grpc_address, options=[("grpc.use_local_subchannel_pool", 1)])
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    request = router_pb2.GenerateRequest(request_id="mine", text="abort me", sampling=sampling_to_proto(params))
+    call = router_pb2_grpc.RouterStub(own).Generate(request, timeout=30)
+    assert next(call).event.request_id == "mine"
+    assert not router_pb2_grpc.RouterStub(other).Abort(common_pb2.AbortRequest(request_id="mine"), timeout=5).found
+    next(call)  # still streaming
+    assert router_pb2_grpc.RouterStub(own).Abort(common_pb2.AbortRequest(request_id="mine"), timeout=5).found
+    with pytest.raises(grpc.RpcError) as ended:
+        list(call)
+    assert ended.value.code() == grpc.StatusCode.CANCELLED
+    assert slow.idle(timeout=2.0)
+    own.close()
+    other.close()

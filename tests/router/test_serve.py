@@ -1,4 +1,5 @@
-"""`hybridserve serve` (worker processes) answers the OpenAI client and gRPC with the offline tokens."""
+"""`hybridserve serve` (worker processes) answers the OpenAI client and gRPC with the offline tokens, and a
+SIGTERM during 20 streams drains: every stream finishes whole, then the process exits 0."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
@@ -64,12 +66,46 @@ def test_serve_answers_openai_and_grpc(model_dir, tmp_path) -> None:
         stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(f"127.0.0.1:{grpc_port}"))
         request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=prompt), sampling=sampling_to_proto(params))
         assert [t for r in stub.Generate(request, timeout=60) for t in r.event.token_ids] == expected
+        _sigterm_during_streams_finishes_them(proc, client)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def _sigterm_during_streams_finishes_them(proc: subprocess.Popen, client: openai.OpenAI, n: int = 20,
+                                         max_tokens: int = 160) -> None:
+    started = threading.Barrier(n + 1, timeout=120)
+    counts: list[int | str] = [0] * n
+
+    def stream(i: int) -> None:
+        try:
+            chunks = client.completions.create(model="served", prompt=[40 + i, 41, 42], max_tokens=max_tokens,
+                                               temperature=0, stream=True, extra_body={"ignore_eos": True,
+                                                                                       "return_token_ids": True})
+            first = True
+            for chunk in chunks:
+                if first:
+                    first = False
+                    started.wait()
+                counts[i] += len(chunk.choices[0].model_extra.get("token_ids") or []) if chunk.choices else 0
+        except Exception as exc:  # reported below, with the others' counts
+            counts[i] = f"{type(exc).__name__}: {exc}"
+            started.abort()
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    started.wait()  # every stream has its first tokens: now stop the server
+    proc.send_signal(signal.SIGTERM)
+    for t in threads:
+        t.join(timeout=180)
+    assert counts == [max_tokens] * n, counts
+    assert proc.wait(timeout=120) == 0
+    rest = proc.stdout.read()
+    assert "draining" in rest, rest[-2000:]
 
 
 def test_old_flag_spellings_still_work_and_warn(capsys) -> None:

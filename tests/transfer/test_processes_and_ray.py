@@ -94,14 +94,21 @@ def test_serve_with_ray_actors_end_to_end() -> None:
 @pytest.mark.slow
 def test_killed_ray_actor_restarts_and_serves_again() -> None:
     ray = pytest.importorskip("ray")
+    from hybridserve.deploy.options import ClusterOptions, WorkerOptions, new_internal_token
     from hybridserve.deploy.ray_workers import RayPlacement, actor_addresses, start_ray_workers
+    from hybridserve.router.config import RouterOptions
 
     model_dir, _ = nemotron_h("M*-M*")
     ray.init(num_cpus=4, resources={"prefill": 1, "decode": 1}, include_dashboard=False, log_to_driver=False,
              namespace=f"test-{os.getpid()}")
     try:
-        actors = start_ray_workers(str(model_dir), EngineConfig(prefill_chunk_size=16), 1, 1, RayPlacement(max_restarts=2))
-        orchestrator = Orchestrator(actor_addresses(actors["prefill"]), actor_addresses(actors["decode"]))
+        token = new_internal_token()  # the actors get it with their options; the orchestrator sends it
+        options = ClusterOptions(router=RouterOptions(str(model_dir), internal_token=token),
+                                 worker=WorkerOptions(str(model_dir), EngineConfig(prefill_chunk_size=16),
+                                                      internal_token=token))
+        actors = start_ray_workers(options, RayPlacement(max_restarts=2))
+        orchestrator = Orchestrator(actor_addresses(actors["prefill"]), actor_addresses(actors["decode"]),
+                                    internal_token=token)
         prompt = random_prompts([20], vocab=128, seed=52)[0]
         expected = _reference(model_dir, [prompt])[0]
         assert _generate(orchestrator, prompt) == expected

@@ -1,0 +1,153 @@
+"""The deployment's configuration as one chain of frozen, validated dataclasses, passed whole.
+
+    ServeOptions / UpOptions  (how many workers, where: local processes, Ray, a Ray cluster)
+      └── ClusterOptions      (what `serve` and `up` share)
+            ├── router: RouterOptions    (the front doors, routing, admission; router/config.py)
+            └── worker: WorkerOptions    (every worker's engine and transfer config, bind host, token)
+                  ├── engine: EngineConfig
+                  └── transfer: TransferConfig
+
+Every field is defined once; what two parts must agree on (the checkpoint, the internal token, the context
+length) is checked or filled in here, not re-typed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from hybridserve.config_flags import from_jsonable, to_jsonable
+from hybridserve.engine.config import EngineConfig
+from hybridserve.router.config import RouterOptions
+from hybridserve.transfer.planes import TransferConfig
+
+_Cluster = TypeVar("_Cluster", bound="ClusterOptions")
+
+NODE_IP = "node-ip"  # WorkerOptions.host of Ray actors: bind the address of the node the actor runs on
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """What every worker of a deployment shares: one process's whole configuration."""
+
+    model_dir: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    # the address the worker's gRPC server binds: 127.0.0.1 for one host; "node-ip" (Ray actors) the node's
+    # own address; 0.0.0.0 only when asked
+    host: str = "127.0.0.1"
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    # shared secret every internal gRPC call carries (router -> worker, worker -> worker); None: insecure
+    internal_token: str | None = None
+    # SIGTERM: seconds the requests in flight get to finish (new ones are refused) before they are aborted
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("the worker host must be an address, 'node-ip' or 0.0.0.0")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if self.internal_token is not None and len(self.internal_token) < 16:
+            raise ValueError("the internal token must be at least 16 characters (or unset for insecure mode)")
+
+    def config_json(self) -> str:
+        """The worker's engine and transfer config as one JSON object (what `hybridserve worker --worker-config`
+        takes and what the worker reports in Health.config_json; the token is not part of it)."""
+        return json.dumps({"engine": to_jsonable(self.engine), "transfer": to_jsonable(self.transfer)}, sort_keys=True)
+
+    def argv(self) -> list[str]:
+        """The `hybridserve worker` flags of this config (the token travels in the environment, not argv)."""
+        return ["--model", self.model_dir, "--host", self.host, "--drain-timeout", str(self.drain_timeout_s),
+                "--worker-config", self.config_json()]
+
+
+def configs_from_json(text: str) -> tuple[EngineConfig, TransferConfig]:
+    """The (engine, transfer) configs of a `--worker-config` JSON object; ValueError naming what is wrong."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--worker-config is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict) or set(data) - {"engine", "transfer"}:
+        raise ValueError('--worker-config must be a JSON object with keys "engine" and "transfer"')
+    return from_jsonable(EngineConfig, data.get("engine", {})), from_jsonable(TransferConfig, data.get("transfer", {}))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterOptions:
+    """A router over prefill and decode workers: what `serve` and `up` share."""
+
+    router: RouterOptions
+    worker: WorkerOptions
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_gpus_per_worker: float = 0.0
+    # EngineConfig fields that differ for prefill workers (e.g. {"prefill_chunk_size": 4096}: a prefill worker
+    # runs no decodes, so big chunks cost no inter-token latency); validated by EngineConfig itself
+    prefill_engine_overrides: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ValueError("a deployment needs --decode-workers >= 1 and --prefill-workers >= 0")
+        if self.num_gpus_per_worker < 0:
+            raise ValueError("--num-gpus-per-worker must be >= 0")
+        if self.router.model_dir != self.worker.model_dir:
+            raise ValueError(f"router and workers name different checkpoints: {self.router.model_dir!r} "
+                             f"vs {self.worker.model_dir!r}")
+        if self.router.internal_token != self.worker.internal_token:
+            raise ValueError("router and workers must share one internal token")
+        if self.router.max_model_len is None:  # the router's limit is the workers' engine limit
+            object.__setattr__(self, "router",
+                               dataclasses.replace(self.router, max_model_len=self.worker.engine.max_model_len))
+        self.worker_for("prefill")  # validates the overrides now, not in a worker process
+
+    def worker_for(self, role: str) -> WorkerOptions:
+        """The options of a worker of `role` (prefill workers get their engine overrides)."""
+        if role != "prefill" or not self.prefill_engine_overrides:
+            return self.worker
+        unknown = set(self.prefill_engine_overrides) - {f.name for f in dataclasses.fields(EngineConfig)}
+        if unknown:
+            raise ValueError(f"prefill worker overrides name no EngineConfig field: {sorted(unknown)}")
+        return dataclasses.replace(self.worker, engine=dataclasses.replace(self.worker.engine,
+                                                                           **self.prefill_engine_overrides))
+
+    def with_internal_token(self: _Cluster, token: str | None) -> _Cluster:
+        """The same options with `token` on both sides (serve generates one per run when none is given)."""
+        return dataclasses.replace(self, router=dataclasses.replace(self.router, internal_token=token),
+                                   worker=dataclasses.replace(self.worker, internal_token=token))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeOptions(ClusterOptions):
+    """`hybridserve serve`: workers on this host (Ray actors, or plain processes with use_ray=False)."""
+
+    ray_address: str | None = None  # a Ray cluster to join; None: start a local one
+    use_ray: bool = True
+    gpus: str | None = None  # --gpus placement (deploy/gpu_placement.py); None: round-robin on a multi-GPU host
+    # where worker processes (--no-ray) write their logs, <worker-id>.log each; None: a fresh temporary
+    # directory. The banner names it, so a failed worker's cause is one `tail` away.
+    log_dir: str | None = None
+    # generate an internal token for this run when none is given (False: insecure internal gRPC)
+    secure_internal: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpOptions(ClusterOptions):
+    """`hybridserve up`: detached actors on a running Ray cluster; the router's ports are on the head node."""
+
+    address: str
+    max_restarts: int = 3
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.timeout_s <= 0:
+            raise ValueError("--timeout must be > 0")
+        if self.max_restarts < 0:
+            raise ValueError("max_restarts must be >= 0")
+
+
+def new_internal_token() -> str:
+    """A fresh unguessable token (256 bits)."""
+    return secrets.token_urlsafe(32)
