@@ -94,6 +94,7 @@ class LLMEngine:
                 num_checkpoint_slots=config.num_checkpoint_slots,
             ),
         )
+        self.cache: StateCache
         if self.tp is not None:
             self.tp.send_layout(layout)
             self.cache = tp_worker.MirroredStateCache(self.tp, self.model_config, layout, config.torch_dtype,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -27,6 +28,7 @@ from hybridserve.engine.request import Request
 from hybridserve.engine.spec_config import SpeculativeConfig
 from hybridserve.kernels.replay_state import advance_states
 from hybridserve.models.hybrid_model import HybridLM
+from hybridserve.models.mamba_mixer import Mamba2Mixer
 from hybridserve.statepool.state_cache import StateCache
 
 
@@ -77,7 +79,7 @@ def snapshot_state(cache: StateCache, model: HybridLM, rollback: str, tokens: in
         if rollback == "intermediate":
             ssm_pool[row] = intermediate_states[layer][decode_row, done - 1]
         else:
-            A = -torch.exp(model.layers[layer].mixer.A_log.float())
+            A = -torch.exp(cast(Mamba2Mixer, model.layers[layer].mixer).A_log.float())  # a Mamba layer's mixer
             advance_states(ssm_pool, cache.replay_cache(layer), source, target, torch.tensor([done]), A)
 
 

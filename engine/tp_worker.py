@@ -15,7 +15,7 @@ import os
 import socket
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from hybridserve.engine.tp_handoff import follow_state_command
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
-from hybridserve.models.parallel import TPGroup
+from hybridserve.models.parallel import TPGroup, VocabParallelLMHead
 from hybridserve.models.tp_shard import dummy_shard, load_shard, local_config
 from hybridserve.statepool.state_cache import CacheLayout, StateCache
 
@@ -141,7 +141,7 @@ class LeaderModel:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, vocab] fp32
         hidden = hidden.to(self.model.lm_head.weight.dtype)
         self.leader.send([LOGITS, hidden.shape[0], hidden.shape[1]], hidden)
-        logits = self.model.lm_head.gathered_logits(hidden)
+        logits = cast(VocabParallelLMHead, self.model.lm_head).gathered_logits(hidden)
         assert logits is not None  # rank 0 receives the gather
         return logits
 
@@ -287,7 +287,7 @@ def follow(model: HybridLM, tp: TPGroup, device: torch.device, config: EngineCon
             states = batch.intermediate_states
         elif command == LOGITS:
             hidden = tp.broadcast(torch.empty(fields[1], fields[2], dtype=model.lm_head.weight.dtype, device=device))
-            model.lm_head.gathered_logits(hidden)
+            cast(VocabParallelLMHead, model.lm_head).gathered_logits(hidden)
         elif command == COPY_STATE:
             assert cache is not None
             cache.copy_state(fields[1], fields[2])
@@ -295,10 +295,11 @@ def follow(model: HybridLM, tp: TPGroup, device: torch.device, config: EngineCon
             assert cache is not None
             count = fields[3]
             index = tp.broadcast(torch.empty(2 * count, dtype=torch.int64, device=device)).tolist()
-            rollback_states(cache, ROLLBACKS[fields[1]], fields[2], index[:count], index[count:], states)
+            rollback_states(cache, cast(str, ROLLBACKS[fields[1]]), fields[2], index[:count], index[count:], states)
         elif command == SNAPSHOT:
             assert cache is not None
-            snapshot_state(cache, model, ROLLBACKS[fields[1]], *fields[2:7], states)
+            tokens, slot, row, done, decode_row = fields[2:7]
+            snapshot_state(cache, model, cast(str, ROLLBACKS[fields[1]]), tokens, slot, row, done, decode_row, states)
         elif command == STATE:
             assert cache is not None
             export, slot, num_tokens, num_pages = fields[1:5]

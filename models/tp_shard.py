@@ -18,6 +18,7 @@ import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -177,7 +178,7 @@ def sharded_model(config: ModelConfig, tp: TPGroup) -> HybridLM:
         model.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)  # type: ignore[assignment]
         model.lm_head = VocabParallelLMHead(config.hidden_size, config.vocab_size, tp)
         for block in model.layers:
-            mixer = block.mixer
+            mixer: Any = block.mixer  # the layer kind below says which module it is
             if block.kind == "mamba":
                 assert config.mamba is not None and local.mamba is not None
                 inner = local.mamba.intermediate_size
