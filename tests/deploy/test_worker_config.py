@@ -25,17 +25,20 @@ ENGINE = EngineConfig(
     speculative_config={"method": "ngram", "num_speculative_tokens": 2}, load_format="dummy", warmup=False,
     max_num_batched_tokens=20,
 )
+# ... and tensor parallelism: its flag and JSON round trip are checked here; a worker process at TP=2 starts follower
+# processes, which tests/engine/test_tensor_parallel.py covers, so the worker-process test below runs ENGINE at TP=1
+ENGINE_ALL = dataclasses.replace(ENGINE, tensor_parallel_size=2)
 TRANSFER = TransferConfig(planes=("grpc",), staging_mb=16, grpc_streams=3, grpc_chunk_bytes=65536, arena_wait_s=5.0)
 
 
 def test_every_field_differs_from_its_default() -> None:
-    for config in (ENGINE, TRANSFER):
+    for config in (ENGINE_ALL, TRANSFER):
         default = type(config)()
         same = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) == getattr(default, f.name)]
         assert same in ([], ["device"]), f"{type(config).__name__} fields left at their default: {same}"  # CI: cpu
 
 
-@pytest.mark.parametrize("config, prefix", [(ENGINE, ""), (TRANSFER, "transfer-")])
+@pytest.mark.parametrize("config, prefix", [(ENGINE_ALL, ""), (TRANSFER, "transfer-")])
 def test_flags_are_generated_from_the_dataclass_and_round_trip(config, prefix: str) -> None:  # noqa: ANN001
     parser = argparse.ArgumentParser()
     add_config_flags(parser, type(config), "config", prefix=prefix)
