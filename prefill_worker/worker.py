@@ -12,19 +12,24 @@ import dataclasses
 import logging
 import time
 import uuid
+from concurrent.futures import Future
 from pathlib import Path
 
 import grpc
+import torch
 
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.engine.outputs import RequestOutput
+from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.models.fingerprint import model_fingerprint
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.proto.channels import start_server, worker_threads
 from hybridserve.proto.convert import sampling_from_proto
 from hybridserve.transfer.manifest import StateHeader
 from hybridserve.transfer.planes import TransferConfig
-from hybridserve.transfer.sender import StateSender
+from hybridserve.transfer.sender import StagedState, StateSender
+from hybridserve.transfer.state_layout import StateTensorSpec, state_views
 from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
 from hybridserve.worker_runtime.engine_loop import EngineLoop
 from hybridserve.worker_runtime.health import health_response
@@ -82,19 +87,8 @@ class PrefillWorker:
         params = dataclasses.replace(sampling_from_proto(request.sampling), max_tokens=1)
         prompt = list(request.prompt_token_ids)
         request_id = request.request_id
-        first = None
-        for out in self.loop.generate(prompt, params, request_id, hold_state=True):
-            first = out
-        if first is None or first.finish_reason == "abort":
-            raise RuntimeError(f"prefill of {request_id} was aborted")
         specs = self.engine.state_specs(len(prompt))  # cache geometry only: safe off the loop thread
-        try:
-            staged = self.sender.stage(
-                specs, lambda fn: self.loop.call(fn), lambda views: self.engine.export_state(request_id, views).parts
-            )
-        except BaseException:
-            self.loop.call(lambda: self.engine.abort(request_id))  # never leave a held state behind
-            raise
+        first, staged = self._prefill_and_stage(prompt, params, request_id, specs)
         header = StateHeader(
             ticket=request.ticket,
             request_id=request_id,
@@ -119,6 +113,40 @@ class PrefillWorker:
             transfer_seconds=elapsed,
             plane=plane,
         )
+
+    def _prefill_and_stage(
+        self, prompt: list[int], params: SamplingParams, request_id: str, specs: list[StateTensorSpec]
+    ) -> tuple[RequestOutput, StagedState]:
+        """Prefill, then stage the state. With arena room free up front, the engine exports into the block at
+        the end of the step the prompt finishes in (its pages and slot free in that step, no extra trip to the
+        loop); otherwise the state is staged after the prefill, waiting for room as `TransferConfig` says."""
+        block = self.sender.reserve_block(specs, timeout=0.0)
+        exported: Future[list[torch.Tensor]] = Future()
+
+        def export_on_loop(rid: str) -> None:  # on the loop thread
+            try:
+                views = state_views(block.data, specs) if block is not None else None
+                exported.set_result(self.engine.export_state(rid, views).parts)
+            except BaseException as exc:
+                exported.set_exception(exc)
+
+        first = None
+        try:
+            on_held = export_on_loop if block is not None else None
+            for out in self.loop.generate(prompt, params, request_id, hold_state=True, on_held=on_held):
+                first = out
+            if first is None or first.finish_reason == "abort":
+                raise RuntimeError(f"prefill of {request_id} was aborted")
+            if block is None:
+                return first, self.sender.stage(
+                    specs, self.loop.call, lambda views: self.engine.export_state(request_id, views).parts)
+            if not exported.done():  # held without the end-of-step hook having run: export now
+                self.loop.call(lambda: export_on_loop(request_id))
+            return first, self.sender.staged(specs, exported.result(), block)
+        except BaseException:
+            self.loop.call(lambda: self.engine.abort(request_id))  # never leave a held state behind
+            self.sender.release_block(block)  # no StagedState holds it (later copies into it are stream-ordered)
+            raise
 
     def health(self) -> common_pb2.HealthResponse:
         return self.loop.call(

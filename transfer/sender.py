@@ -87,21 +87,35 @@ class StateSender:
     # ---- staging (the engine loop calls stage_fn) ----------------------------------------------
     def stage(self, specs: list[StateTensorSpec], run_on_loop: RunOnLoop, stage_fn: StageFn) -> StagedState:
         """Reserve an arena block (or fall back to loose copies), have the loop copy the state in."""
-        nbytes = state_nbytes(specs)
-        block = None
-        if self.arena.fits(nbytes):
-            try:
-                block = self.arena.allocate(nbytes, timeout=self.config.arena_wait_s)
-            except ArenaFull:
-                logger.warning("staging arena full for %d s: this state goes as loose copies over gRPC",
-                               self.config.arena_wait_s)
+        block = self.reserve_block(specs, self.config.arena_wait_s)
         views = state_views(block.data, specs) if block is not None else None
         try:
             parts = run_on_loop(lambda: stage_fn(views))
         except BaseException:
-            if block is not None:
-                self.arena.free(block)
+            self.release_block(block)
             raise
+        return self.staged(specs, parts, block)
+
+    def reserve_block(self, specs: list[StateTensorSpec], timeout: float) -> ArenaRange | None:
+        """An arena block for a state of `specs` (waiting up to `timeout` s); None when there is no room."""
+        nbytes = state_nbytes(specs)
+        if not self.arena.fits(nbytes):
+            return None
+        try:
+            return self.arena.allocate(nbytes, timeout=timeout)
+        except ArenaFull:
+            if timeout > 0:
+                logger.warning("staging arena full for %d s: this state goes as loose copies over gRPC", timeout)
+            return None
+
+    def release_block(self, block: ArenaRange | None) -> None:
+        """Give back a block whose state was never staged (the request failed before its export)."""
+        if block is not None:
+            self.arena.free(block)
+
+    def staged(self, specs: list[StateTensorSpec], parts: list[torch.Tensor], block: ArenaRange | None) -> StagedState:
+        """The state the engine exported into `block` (or as loose copies); called after the export was queued
+        on the loop's stream (the default stream), so the event recorded here follows its copies."""
         ready = None
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
