@@ -35,8 +35,8 @@ class TransferConfig:
     # always available as the fallback
     planes: tuple[str, ...] = (CUDA_IPC, GRPC)
     staging_mb: int | None = None  # the registered staging / landing arena; None: 2048 on CUDA, 256 on CPU
-    grpc_streams: int = 2  # parallel PushState streams: one Python gRPC stream saturates near 0.7 GB/s
-    grpc_chunk_bytes: int = 1 << 20  # well under gRPC's default 4 MiB message limit
+    grpc_streams: int = 2  # parallel PushState streams per transfer (bench/transfer_gpu.sh sweeps 1, 2, 4)
+    grpc_chunk_bytes: int = 1 << 20  # the least CPU per GB on CPU (0.25-4 MiB tried); under gRPC's 4 MiB limit
     arena_wait_s: float = 30.0  # how long a transfer waits for arena room before it fails as RESOURCE_EXHAUSTED
 
     def __post_init__(self) -> None:
