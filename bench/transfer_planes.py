@@ -179,6 +179,7 @@ def main() -> int:
         host = torch.cat([t.detach().cpu().contiguous().view(-1).view(torch.uint8) for _, t in state])
         payload = memoryview(host.numpy()).cast("B")
         peer = _peer_copy_seconds(total) if device.type == "cuda" else None
+        raw_one = None
         for in_flight in args.in_flight:
             with futures.ThreadPoolExecutor(max_workers=in_flight) as pool:
                 list(pool.map(lambda _: raw_tcp_seconds(tcp_port.value, payload), range(in_flight)))  # warm-up
@@ -188,6 +189,8 @@ def main() -> int:
                                                      range(in_flight))))
                         for _ in range(args.repeats))
             raw_send_cpu, raw_recv_cpu = raw_cpu.per_gb(total * in_flight * args.repeats)
+            if in_flight == 1 or raw_one is None:
+                raw_one = raw / in_flight  # one connection's seconds per state (what earlier runs compared with)
             for plane, sender in senders.items():
                 _send_seconds(sender, address, state, send_device, in_flight)  # warm-up (opens handles, agents)
                 with CpuMeter(receiver.pid) as meter:
@@ -198,6 +201,7 @@ def main() -> int:
                 row = {"plane": plane, "tokens": tokens, "bytes": total, "in_flight": in_flight,
                        "seconds": t, "ms_per_state": t * 1e3 / in_flight, "gbps": moved / t / 1e9,
                        "raw_tcp_gbps": moved / raw / 1e9, "of_raw_tcp": raw / t,
+                       "raw_tcp_1conn_gbps": total / raw_one / 1e9, "of_raw_tcp_1conn": raw_one * in_flight / t,
                        "send_cpu_s_per_gb": send_cpu, "recv_cpu_s_per_gb": recv_cpu,
                        "raw_send_cpu_s_per_gb": raw_send_cpu, "raw_recv_cpu_s_per_gb": raw_recv_cpu}
                 if peer is not None:
@@ -208,7 +212,8 @@ def main() -> int:
                            if peer is not None else "")
                 print(f"{plane:>8} {tokens:>6} tok {total / 2**20:7.1f} MiB x{in_flight}: {row['gbps']:7.2f} GB/s "
                       f"{row['ms_per_state']:8.2f} ms/state | raw TCP {row['raw_tcp_gbps']:6.2f} GB/s "
-                      f"({row['of_raw_tcp']:.0%}) {ceiling}| CPU s/GB {send_cpu:.2f} / {recv_cpu:.2f} "
+                      f"({row['of_raw_tcp']:.0%}; 1 conn {row['raw_tcp_1conn_gbps']:.2f} GB/s, {row['of_raw_tcp_1conn']:.0%}) "
+                      f"{ceiling}| CPU s/GB {send_cpu:.2f} / {recv_cpu:.2f} "
                       f"(raw TCP {raw_send_cpu:.2f} / {raw_recv_cpu:.2f})", flush=True)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     result = {"benchmark": "transfer_planes", "device": args.device, "device_name": name, "gpus": gpus,
