@@ -172,7 +172,17 @@ def main() -> int:
             config = TransferConfig(planes=(plane,), staging_mb=staging_mb, grpc_streams=streams)
             senders[name] = StateSender(config, send_device)
 
-    rows = []
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    rows: list[dict] = []
+    result = {"benchmark": "transfer_planes", "device": args.device, "device_name": name, "gpus": gpus,
+              "cpu_count": os.cpu_count(), "ceiling_copy": "peer copy GPU0->GPU1" if gpus >= 2 else "copy within GPU 0",
+              "torch": torch.__version__, "grpcio": grpc.__version__,
+              "command": "python bench/transfer_planes.py " + " ".join(
+                  f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                  for k, v in vars(args).items() if v is not None),
+              "rows": rows}
+    out = Path(args.out or f"bench/results/{'cpu' if device.type == 'cpu' else 'gpu'}/transfer_planes.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     for tokens in args.tokens:
         state = nemotron_state(tokens, str(send_device))
         total = state_nbytes([s for s, _ in state])
@@ -189,8 +199,8 @@ def main() -> int:
                                                      range(in_flight))))
                         for _ in range(args.repeats))
             raw_send_cpu, raw_recv_cpu = raw_cpu.per_gb(total * in_flight * args.repeats)
-            if in_flight == 1 or raw_one is None:
-                raw_one = raw / in_flight  # one connection's seconds per state (what earlier runs compared with)
+            if in_flight == 1:
+                raw_one = raw  # one connection's seconds per state (what earlier runs compared with)
             for plane, sender in senders.items():
                 _send_seconds(sender, address, state, send_device, in_flight)  # warm-up (opens handles, agents)
                 with CpuMeter(receiver.pid) as meter:
@@ -201,30 +211,24 @@ def main() -> int:
                 row = {"plane": plane, "tokens": tokens, "bytes": total, "in_flight": in_flight,
                        "seconds": t, "ms_per_state": t * 1e3 / in_flight, "gbps": moved / t / 1e9,
                        "raw_tcp_gbps": moved / raw / 1e9, "of_raw_tcp": raw / t,
-                       "raw_tcp_1conn_gbps": total / raw_one / 1e9, "of_raw_tcp_1conn": raw_one * in_flight / t,
+                       "raw_tcp_1conn_gbps": total / raw_one / 1e9 if raw_one else None,
+                       "of_raw_tcp_1conn": raw_one * in_flight / t if raw_one else None,
                        "send_cpu_s_per_gb": send_cpu, "recv_cpu_s_per_gb": recv_cpu,
                        "raw_send_cpu_s_per_gb": raw_send_cpu, "raw_recv_cpu_s_per_gb": raw_recv_cpu}
                 if peer is not None:
                     row.update(peer_copy_gbps=total / peer / 1e9, of_peer_copy=peer * in_flight / t)
                 rows.append(row)
+                out.write_text(json.dumps(result, indent=2))  # after every row: a cut-off run keeps its rows
                 copy_kind = "peer copy" if gpus >= 2 else "device copy"
+                one_conn = (f"; 1 conn {row['raw_tcp_1conn_gbps']:.2f} GB/s, {row['of_raw_tcp_1conn']:.0%}"
+                            if raw_one else "")
                 ceiling = (f"{copy_kind} {row['peer_copy_gbps']:6.1f} GB/s ({row['of_peer_copy']:.0%}) "
                            if peer is not None else "")
                 print(f"{plane:>8} {tokens:>6} tok {total / 2**20:7.1f} MiB x{in_flight}: {row['gbps']:7.2f} GB/s "
                       f"{row['ms_per_state']:8.2f} ms/state | raw TCP {row['raw_tcp_gbps']:6.2f} GB/s "
-                      f"({row['of_raw_tcp']:.0%}; 1 conn {row['raw_tcp_1conn_gbps']:.2f} GB/s, {row['of_raw_tcp_1conn']:.0%}) "
+                      f"({row['of_raw_tcp']:.0%}{one_conn}) "
                       f"{ceiling}| CPU s/GB {send_cpu:.2f} / {recv_cpu:.2f} "
                       f"(raw TCP {raw_send_cpu:.2f} / {raw_recv_cpu:.2f})", flush=True)
-    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    result = {"benchmark": "transfer_planes", "device": args.device, "device_name": name, "gpus": gpus,
-              "cpu_count": os.cpu_count(), "ceiling_copy": "peer copy GPU0->GPU1" if gpus >= 2 else "copy within GPU 0",
-              "torch": torch.__version__, "grpcio": grpc.__version__,
-              "command": "python bench/transfer_planes.py " + " ".join(
-                  f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                  for k, v in vars(args).items() if v is not None),
-              "rows": rows}
-    out = Path(args.out or f"bench/results/{'cpu' if device.type == 'cpu' else 'gpu'}/transfer_planes.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     receiver.terminate()
