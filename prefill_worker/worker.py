@@ -16,7 +16,6 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import grpc
-import torch
 
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.llm_engine import LLMEngine
@@ -121,12 +120,13 @@ class PrefillWorker:
         the end of the step the prompt finishes in (its pages and slot free in that step, no extra trip to the
         loop); otherwise the state is staged after the prefill, waiting for room as `TransferConfig` says."""
         block = self.sender.reserve_block(specs, timeout=0.0)
-        exported: Future[list[torch.Tensor]] = Future()
+        exported: Future[StagedState] = Future()
 
         def export_on_loop(rid: str) -> None:  # on the loop thread
             try:
                 views = state_views(block.data, specs) if block is not None else None
-                exported.set_result(self.engine.export_state(rid, views).parts)
+                parts = self.engine.export_state(rid, views).parts
+                exported.set_result(StagedState(specs, parts, block, self.sender.mark_staged()))
             except BaseException as exc:
                 exported.set_exception(exc)
 
@@ -142,7 +142,7 @@ class PrefillWorker:
                     specs, self.loop.call, lambda views: self.engine.export_state(request_id, views).parts)
             if not exported.done():  # held without the end-of-step hook having run: export now
                 self.loop.call(lambda: export_on_loop(request_id))
-            return first, self.sender.staged(specs, exported.result(), block)
+            return first, exported.result()
         except BaseException:
             self.loop.call(lambda: self.engine.abort(request_id))  # never leave a held state behind
             self.sender.release_block(block)  # no StagedState holds it (later copies into it are stream-ordered)

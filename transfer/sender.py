@@ -89,12 +89,19 @@ class StateSender:
         """Reserve an arena block (or fall back to loose copies), have the loop copy the state in."""
         block = self.reserve_block(specs, self.config.arena_wait_s)
         views = state_views(block.data, specs) if block is not None else None
+        ready: list[torch.cuda.Event | None] = []
+
+        def stage_and_mark() -> list[torch.Tensor]:
+            parts = stage_fn(views)
+            ready.append(self.mark_staged())
+            return parts
+
         try:
-            parts = run_on_loop(lambda: stage_fn(views))
+            parts = run_on_loop(stage_and_mark)
         except BaseException:
             self.release_block(block)
             raise
-        return self.staged(specs, parts, block)
+        return StagedState(specs, parts, block, ready[0])
 
     def reserve_block(self, specs: list[StateTensorSpec], timeout: float) -> ArenaRange | None:
         """An arena block for a state of `specs` (waiting up to `timeout` s); None when there is no room."""
@@ -113,14 +120,14 @@ class StateSender:
         if block is not None:
             self.arena.free(block)
 
-    def staged(self, specs: list[StateTensorSpec], parts: list[torch.Tensor], block: ArenaRange | None) -> StagedState:
-        """The state the engine exported into `block` (or as loose copies); called after the export was queued
-        on the loop's stream (the default stream), so the event recorded here follows its copies."""
-        ready = None
-        if self.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))  # the loop's stream is the default stream
-        return StagedState(specs, parts, block, ready)
+    def mark_staged(self) -> torch.cuda.Event | None:
+        """Call on the engine loop thread right after queuing the staging copies: an event that follows them
+        and nothing else (recorded later from another thread, it would also wait for the loop's next step)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))  # the loop's stream is the default stream
+        return event
 
     # ---- moving ---------------------------------------------------------------------------------
     def peer(self, address: str) -> tuple[PeerInfo, list, worker_pb2_grpc.DecodeWorkerStub]:
