@@ -14,7 +14,7 @@ OUT=${1:-bench/results/gpu/transfer}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 nproc | tee -a "$OUT/gpu.txt"
-timeout 200 python bench/transfer_planes.py --device cuda --planes cuda_ipc grpc --grpc-streams 1 2 4 \
+timeout 200 python bench/transfer_planes.py --device cuda --planes cuda_ipc tcp grpc --grpc-streams 1 2 4 \
   --tokens 1024 8192 32768 --in-flight 1 4 --repeats 5 --out "$OUT/transfer_planes.json" 2>&1 \
   | tee "$OUT/transfer_planes.txt"
 timeout 90 python -m pytest -q -x tests/transfer/test_host_copy.py tests/transfer/test_planes.py 2>&1 \

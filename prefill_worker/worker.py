@@ -50,7 +50,7 @@ class PrefillWorker:
             model_dir, config.dtype, self.engine.model_config.ssm_state_dtype, config.load_format, config.seed
         )
         self.transfer = transfer or TransferConfig()
-        self.sender = StateSender(self.transfer, self.engine.config.torch_device)
+        self.sender = StateSender(self.transfer, self.engine.config.torch_device, host)
         self.loop = EngineLoop(self.engine, name=f"{self.worker_id}-loop")
         self.events = CacheEventFeed(self.worker_id, self.loop)
         self.metrics = WorkerMetrics(self.loop, "prefill")

@@ -6,6 +6,8 @@ Device planes move the bytes themselves and report back over gRPC:
             arena (CUDA IPC handle, NVLink / PCIe peer copy); host memory never sees the bytes.
   nixl      NIXL over UCX (RDMA where present, TCP / shared memory otherwise): the decode worker reads the
             prefill worker's registered arena; the optional extra `hybridserve[nixl]`.
+  tcp       any two hosts: the decode worker reads the offered arena range over a plain socket (no gRPC
+            message copies), through pinned pieces on CUDA.
 The prefill worker asks each decode worker once which planes it takes (TransferInfo) and uses the first
 plane of its own preference list that both sides offer and that suits the pair.
 """
@@ -23,8 +25,8 @@ import torch
 
 from hybridserve.transfer.arena import ArenaRange
 
-GRPC, CUDA_IPC, NIXL = "grpc", "cuda_ipc", "nixl"
-PLANES = (CUDA_IPC, NIXL, GRPC)
+GRPC, CUDA_IPC, NIXL, TCP = "grpc", "cuda_ipc", "nixl", "tcp"
+PLANES = (CUDA_IPC, NIXL, TCP, GRPC)
 
 
 @dataclass(frozen=True)

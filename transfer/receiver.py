@@ -24,6 +24,7 @@ from hybridserve.transfer.manifest import TransferError
 from hybridserve.transfer.planes import (
     CUDA_IPC,
     NIXL,
+    TCP,
     PeerInfo,
     PlaneSink,
     TransferConfig,
@@ -72,6 +73,10 @@ class StateReceiver:
             from hybridserve.transfer.nixl_plane import NixlSink
 
             self.sinks[NIXL] = NixlSink(self.arena)
+        if TCP in self.planes:
+            from hybridserve.transfer.tcp_plane import TcpSink
+
+            self.sinks[TCP] = TcpSink(device)
         self.info = PeerInfo(tuple(self.planes), host_id(), device_id(device))
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 

@@ -30,6 +30,7 @@ from hybridserve.transfer.planes import (
     CUDA_IPC,
     GRPC,
     NIXL,
+    TCP,
     PeerInfo,
     PlaneSource,
     TransferConfig,
@@ -63,7 +64,8 @@ RunOnLoop = Callable[[Callable[[], list[torch.Tensor]]], list[torch.Tensor]]
 class StateSender:
     """Owns the staging arena, the device-plane sources and the gRPC channels of one prefill worker."""
 
-    def __init__(self, config: TransferConfig, device: torch.device) -> None:
+    def __init__(self, config: TransferConfig, device: torch.device, host: str = "127.0.0.1") -> None:
+        """`host`: the interface this worker serves on (the tcp plane listens there)."""
         self.config = config
         self.device = device
         keep_freed_host_memory()  # gRPC messages reuse freed heap blocks instead of faulting in fresh pages
@@ -78,6 +80,10 @@ class StateSender:
             from hybridserve.transfer.nixl_plane import NixlSource
 
             self.sources[NIXL] = NixlSource(self.arena)
+        if TCP in self.planes:
+            from hybridserve.transfer.tcp_plane import TcpSource
+
+            self.sources[TCP] = TcpSource(self.arena, host)
         self.info = PeerInfo(tuple(self.planes), host_id(), device_id(device))
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # address -> (what the peer offers, its PushState calls, its stub)
@@ -165,7 +171,9 @@ class StateSender:
                     manifest=build_manifest(header, staged.specs), plane=plane, source_id=source.source_id,
                     source_descriptor=source.descriptor(), offset=staged.block.offset,
                 )
-                reply = stub.OfferState(offer, timeout=PUSH_TIMEOUT_S)
+                exposed = getattr(source, "exposed", None)  # a plane that serves reads only of offered ranges
+                with exposed(staged.block.offset, staged.block.nbytes) if exposed else nullcontext():
+                    reply = stub.OfferState(offer, timeout=PUSH_TIMEOUT_S)
                 if not reply.committed:
                     raise RuntimeError("the decode worker did not commit the state")
                 return plane, reply.bytes_received
