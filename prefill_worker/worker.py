@@ -116,36 +116,46 @@ class PrefillWorker:
     def _prefill_and_stage(
         self, prompt: list[int], params: SamplingParams, request_id: str, specs: list[StateTensorSpec]
     ) -> tuple[RequestOutput, StagedState]:
-        """Prefill, then stage the state. With arena room free up front, the engine exports into the block at
-        the end of the step the prompt finishes in (its pages and slot free in that step, no extra trip to the
-        loop); otherwise the state is staged after the prefill, waiting for room as `TransferConfig` says."""
-        block = self.sender.reserve_block(specs, timeout=0.0)
-        exported: Future[StagedState] = Future()
+        """Prefill, then stage the state. At the end of the step the prompt finishes in, the engine exports it
+        into an arena block if one is free right then (pages and slot free in that step, no extra trip to the
+        loop); otherwise the state stays held and is staged here, waiting for room as `TransferConfig` says.
+        No block is taken before the prompt is done: a queued request holding one could starve finished ones
+        that hold the engine's slots while they wait for arena room."""
+        exported: Future[StagedState | None] = Future()
 
-        def export_on_loop(rid: str) -> None:  # on the loop thread
+        def export_on_loop(rid: str) -> None:  # on the loop thread; never waits
+            block = None
             try:
-                views = state_views(block.data, specs) if block is not None else None
-                parts = self.engine.export_state(rid, views).parts
+                block = self.sender.reserve_block(specs, timeout=0.0)
+                if block is None:
+                    exported.set_result(None)  # no room now: staged after, by the handler
+                    return
+                parts = self.engine.export_state(rid, state_views(block.data, specs)).parts
                 exported.set_result(StagedState(specs, parts, block, self.sender.mark_staged()))
             except BaseException as exc:
+                self.sender.release_block(block)
                 exported.set_exception(exc)
 
         first = None
+        staged: StagedState | None = None
         try:
-            on_held = export_on_loop if block is not None else None
-            for out in self.loop.generate(prompt, params, request_id, hold_state=True, on_held=on_held):
+            for out in self.loop.generate(prompt, params, request_id, hold_state=True, on_held=export_on_loop):
                 first = out
             if first is None or first.finish_reason == "abort":
                 raise RuntimeError(f"prefill of {request_id} was aborted")
-            if block is None:
-                return first, self.sender.stage(
-                    specs, self.loop.call, lambda views: self.engine.export_state(request_id, views).parts)
-            if not exported.done():  # held without the end-of-step hook having run: export now
+            if not exported.done():  # held without the end-of-step hook having run: run it now
                 self.loop.call(lambda: export_on_loop(request_id))
-            return first, exported.result()
+            staged = exported.result()
+            if staged is None:
+                staged = self.sender.stage(
+                    specs, self.loop.call, lambda views: self.engine.export_state(request_id, views).parts)
+            return first, staged
         except BaseException:
             self.loop.call(lambda: self.engine.abort(request_id))  # never leave a held state behind
-            self.sender.release_block(block)  # no StagedState holds it (later copies into it are stream-ordered)
+            if staged is None and exported.done() and exported.exception() is None:
+                done = exported.result()
+                if done is not None:
+                    self.sender.release_block(done.block)  # staged, but nobody will send it
             raise
 
     def health(self) -> common_pb2.HealthResponse:

@@ -276,9 +276,9 @@ def test_a_held_state_is_exported_at_the_end_of_its_step() -> None:
     engine.pool.check()
 
 
-def test_prefill_with_the_arena_full_at_the_start_stages_after_it() -> None:
-    """No arena room when the prompt arrives: the prefill runs anyway and the state is staged after it,
-    once room comes free, and still goes over the device-capable path (not loose copies)."""
+def test_prefill_with_the_arena_full_when_the_prompt_finishes_stages_after_it() -> None:
+    """No arena room when the prompt finishes: the state stays held and is staged once room comes free, into
+    an arena block (not loose copies); the next request takes the end-of-step export."""
     model_dir, _ = nemotron_h("M*-M*")
     cluster = Cluster(model_dir)
     try:
