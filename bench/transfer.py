@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import platform
 import socket
 import statistics
@@ -28,6 +29,7 @@ from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.transfer.grpc_receiver import ReceiveBuffers, StateAssembly, receive_stream
 from hybridserve.transfer.grpc_sender import encode_state_streams
 from hybridserve.transfer.grpc_wire import add_decode_worker_servicer, push_state_stub
+from hybridserve.transfer.host_copy import keep_freed_host_memory
 from hybridserve.transfer.manifest import StateHeader
 from hybridserve.transfer.state_layout import StateTensorSpec
 
@@ -93,26 +95,65 @@ class _Sink(worker_pb2_grpc.DecodeWorkerServicer):
 
 
 def _serve(grpc_port: mp.Value, tcp_port: mp.Value, ready: mp.Event, window_mib: float) -> None:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=channel_options(window_mib))
+    keep_freed_host_memory()  # as the workers do
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=channel_options(window_mib))
     add_decode_worker_servicer(_Sink(), server)
     grpc_port.value = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    listener = socket.create_server(("127.0.0.1", 0))
+    listener = socket.create_server(("127.0.0.1", 0), backlog=64)
     tcp_port.value = listener.getsockname()[1]
     ready.set()
-    buffer = bytearray(64 << 20)
-    view = memoryview(buffer)
-    while True:
+    while True:  # each connection on its own thread: N connections in flight are N concurrent receivers
         conn, _ = listener.accept()
-        with conn:
-            expected = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little")
-            got = 0
-            while got < expected:
-                n = conn.recv_into(view, min(len(buffer), expected - got))
+        threading.Thread(target=_raw_receive, args=(conn,), daemon=True).start()
+
+
+_RAW_BUFFERS: list[bytearray] = []  # reused receive buffers (as the gRPC receiver reuses its own)
+_RAW_LOCK = threading.Lock()
+
+
+def _raw_receive(conn: socket.socket) -> None:
+    with conn:
+        expected = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little")
+        with _RAW_LOCK:
+            fits = [i for i, b in enumerate(_RAW_BUFFERS) if len(b) >= expected]
+            buffer = _RAW_BUFFERS.pop(fits[0]) if fits else bytearray(expected)
+        view = memoryview(buffer)
+        got = 0
+        try:
+            while got < expected:  # the payload lands in one buffer, as a state does
+                n = conn.recv_into(view[got:], expected - got)
                 if n == 0:
                     break
                 got += n
             conn.sendall(got.to_bytes(8, "little"))
+        finally:
+            with _RAW_LOCK:
+                _RAW_BUFFERS.append(buffer)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, all its threads (Linux /proc): what a transfer costs the
+    machine, robust where wall time is not (a shared, small CPU)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds per GB moved, of the sending process (this one) and the receiving one."""
+
+    def __init__(self, receiver_pid: int) -> None:
+        self.pids = (os.getpid(), receiver_pid)
+
+    def __enter__(self) -> CpuMeter:
+        self.start = [cpu_seconds(p) for p in self.pids]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.used = [cpu_seconds(p) - s for p, s in zip(self.pids, self.start)]
+
+    def per_gb(self, moved_bytes: int) -> tuple[float, float]:
+        return self.used[0] / (moved_bytes / 1e9), self.used[1] / (moved_bytes / 1e9)
 
 
 def raw_tcp_seconds(port: int, payload: memoryview) -> float:
@@ -152,6 +193,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/<device>/transfer.json)")
     args = parser.parse_args()
 
+    keep_freed_host_memory()
     ctx = mp.get_context("spawn")
     grpc_port, tcp_port, ready = ctx.Value("i", 0), ctx.Value("i", 0), ctx.Event()
     server = ctx.Process(target=_serve, args=(grpc_port, tcp_port, ready, args.window_mib), daemon=True)
@@ -171,20 +213,26 @@ def main() -> int:
         host = torch.cat([t.detach().cpu().contiguous().view(-1).view(torch.uint8) for _, t in state])
         payload = memoryview(host.numpy()).cast("B")
         raw_tcp_seconds(tcp_port.value, payload)  # warm-up
-        raw = statistics.median(raw_tcp_seconds(tcp_port.value, payload) for _ in range(args.repeats))
+        with CpuMeter(server.pid) as raw_cpu:
+            raw = statistics.median(raw_tcp_seconds(tcp_port.value, payload) for _ in range(args.repeats))
+        raw_send_cpu, raw_recv_cpu = raw_cpu.per_gb(total * args.repeats)
         for chunk_mib, streams in [(c, n) for c in args.chunk_mib for n in args.streams]:
             chunk = int(chunk_mib * (1 << 20))
             grpc_seconds(calls[:streams], state, chunk)  # warm-up
-            times = [grpc_seconds(calls[:streams], state, chunk) for _ in range(args.repeats)]
+            with CpuMeter(server.pid) as meter:
+                times = [grpc_seconds(calls[:streams], state, chunk) for _ in range(args.repeats)]
             t = statistics.median(times)
+            send_cpu, recv_cpu = meter.per_gb(total * args.repeats)
             rows.append({
                 "tokens": tokens, "bytes": total, "chunk_mib": chunk_mib, "streams": streams,
                 "grpc_s": t, "grpc_gbps": total / t / 1e9, "raw_tcp_s": raw, "raw_tcp_gbps": total / raw / 1e9,
-                "ratio": raw / t,
+                "ratio": raw / t, "send_cpu_s_per_gb": send_cpu, "recv_cpu_s_per_gb": recv_cpu,
+                "raw_send_cpu_s_per_gb": raw_send_cpu, "raw_recv_cpu_s_per_gb": raw_recv_cpu,
             })
             print(f"{tokens:>6} tok {total / 2**20:8.1f} MiB chunk {chunk_mib:>4} MiB x{streams}: "
                   f"gRPC {total / t / 1e9:6.2f} GB/s "
-                  f"({t * 1e3:7.1f} ms)  raw TCP {total / raw / 1e9:6.2f} GB/s  ratio {raw / t:5.2f}", flush=True)
+                  f"({t * 1e3:7.1f} ms)  raw TCP {total / raw / 1e9:6.2f} GB/s  ratio {raw / t:5.2f} | CPU s/GB send "
+                  f"{send_cpu:.2f} recv {recv_cpu:.2f} (raw TCP {raw_send_cpu:.2f} / {raw_recv_cpu:.2f})", flush=True)
     device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
     result = {
         "benchmark": "transfer", "device": args.device, "device_name": device_name,

@@ -27,13 +27,14 @@ import torch
 
 from hybridserve.proto import worker_pb2, worker_pb2_grpc
 from hybridserve.transfer.grpc_receiver import StateAssembly, receive_stream
+from hybridserve.transfer.host_copy import keep_freed_host_memory
 from hybridserve.transfer.manifest import StateHeader
 from hybridserve.transfer.planes import GRPC, PLANES, TransferConfig
 from hybridserve.transfer.receiver import StateReceiver
 from hybridserve.transfer.sender import StagedState, StateSender
 from hybridserve.transfer.state_layout import StateTensorSpec, state_nbytes, state_views
+from transfer import CpuMeter, nemotron_state, raw_tcp_seconds
 from transfer import _serve as raw_tcp_serve
-from transfer import nemotron_state, raw_tcp_seconds
 
 MAX_MESSAGE = 64 << 20
 
@@ -110,18 +111,24 @@ def _send_seconds(sender: StateSender, address: str, state, device: torch.device
 
 
 def _peer_copy_seconds(nbytes: int) -> float | None:
-    """The ceiling of the cuda_ipc plane: one device-to-device copy GPU 0 -> GPU 1 in this process."""
-    if torch.cuda.device_count() < 2:
+    """The ceiling of the cuda_ipc plane: one device-to-device copy GPU 0 -> GPU 1 in this process (with one
+    GPU, both workers share it: a copy within GPU 0)."""
+    if not torch.cuda.is_available():
         return None
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0")
+
+    def sync() -> None:
+        for device in {src.device, dst.device}:
+            torch.cuda.synchronize(device)
+
     dst.copy_(src)
-    torch.cuda.synchronize("cuda:0"), torch.cuda.synchronize("cuda:1")
+    sync()
     times = []
     for _ in range(10):
         start = time.perf_counter()
         dst.copy_(src)
-        torch.cuda.synchronize("cuda:0"), torch.cuda.synchronize("cuda:1")
+        sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -133,9 +140,12 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 8192, 32768])
     parser.add_argument("--in-flight", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--grpc-streams", type=int, default=2)
+    parser.add_argument("--grpc-streams", type=int, nargs="+", default=[2],
+                        help="PushState streams per gRPC transfer; several values: one gRPC sender each")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/<device>/transfer_planes.json)")
     args = parser.parse_args()
+    if len(args.grpc_streams) > 1 and GRPC not in args.planes:
+        parser.error("--grpc-streams takes several values only with the grpc plane")
     device = torch.device(args.device)
     gpus = torch.cuda.device_count() if device.type == "cuda" else 0
     state_mb = max(state_nbytes([s for s, _ in nemotron_state(t, "cpu")]) for t in args.tokens) >> 20
@@ -159,40 +169,18 @@ def main() -> int:
         raise RuntimeError("the receiver processes did not start")
     address = f"127.0.0.1:{port.value}"
     send_device = torch.device("cuda:0") if device.type == "cuda" else device
-    senders = {plane: StateSender(TransferConfig(planes=(plane,), staging_mb=staging_mb, grpc_streams=args.grpc_streams),
-                                  send_device) for plane in args.planes}
+    keep_freed_host_memory()
+    senders = {}
+    for plane in args.planes:
+        for streams in args.grpc_streams if plane == GRPC else [1]:
+            name = f"grpc/s{streams}" if plane == GRPC and len(args.grpc_streams) > 1 else plane
+            config = TransferConfig(planes=(plane,), staging_mb=staging_mb, grpc_streams=streams)
+            senders[name] = StateSender(config, send_device)
 
-    rows = []
-    for tokens in args.tokens:
-        state = nemotron_state(tokens, str(send_device))
-        total = state_nbytes([s for s, _ in state])
-        host = torch.cat([t.detach().cpu().contiguous().view(-1).view(torch.uint8) for _, t in state])
-        payload = memoryview(host.numpy()).cast("B")
-        peer = _peer_copy_seconds(total) if device.type == "cuda" else None
-        for in_flight in args.in_flight:
-            with futures.ThreadPoolExecutor(max_workers=in_flight) as pool:
-                list(pool.map(lambda _: raw_tcp_seconds(tcp_port.value, payload), range(in_flight)))  # warm-up
-                raw = statistics.median(
-                    _timed(lambda: list(pool.map(lambda _: raw_tcp_seconds(tcp_port.value, payload), range(in_flight))))
-                    for _ in range(args.repeats))
-            for plane, sender in senders.items():
-                _send_seconds(sender, address, state, send_device, in_flight)  # warm-up (opens handles, agents)
-                t = statistics.median(_send_seconds(sender, address, state, send_device, in_flight)
-                                      for _ in range(args.repeats))
-                moved = total * in_flight
-                row = {"plane": plane, "tokens": tokens, "bytes": total, "in_flight": in_flight,
-                       "seconds": t, "ms_per_state": t * 1e3 / in_flight, "gbps": moved / t / 1e9,
-                       "raw_tcp_gbps": moved / raw / 1e9, "of_raw_tcp": raw / t}
-                if peer is not None:
-                    row.update(peer_copy_gbps=total / peer / 1e9, of_peer_copy=peer * in_flight / t)
-                rows.append(row)
-                ceiling = (f"peer copy {row['peer_copy_gbps']:6.1f} GB/s ({row['of_peer_copy']:.0%})"
-                           if peer is not None else "")
-                print(f"{plane:>8} {tokens:>6} tok {total / 2**20:7.1f} MiB x{in_flight}: {row['gbps']:7.2f} GB/s "
-                      f"{row['ms_per_state']:8.2f} ms/state | raw TCP {row['raw_tcp_gbps']:6.2f} GB/s "
-                      f"({row['of_raw_tcp']:.0%}) {ceiling}", flush=True)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    rows: list[dict] = []
     result = {"benchmark": "transfer_planes", "device": args.device, "device_name": name, "gpus": gpus,
+              "cpu_count": os.cpu_count(), "ceiling_copy": "peer copy GPU0->GPU1" if gpus >= 2 else "copy within GPU 0",
               "torch": torch.__version__, "grpcio": grpc.__version__,
               "command": "python bench/transfer_planes.py " + " ".join(
                   f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
@@ -200,6 +188,52 @@ def main() -> int:
               "rows": rows}
     out = Path(args.out or f"bench/results/{'cpu' if device.type == 'cpu' else 'gpu'}/transfer_planes.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+    for tokens in args.tokens:
+        state = nemotron_state(tokens, str(send_device))
+        total = state_nbytes([s for s, _ in state])
+        host = torch.cat([t.detach().cpu().contiguous().view(-1).view(torch.uint8) for _, t in state])
+        payload = memoryview(host.numpy()).cast("B")
+        peer = _peer_copy_seconds(total) if device.type == "cuda" else None
+        raw_one = None
+        for in_flight in args.in_flight:
+            with futures.ThreadPoolExecutor(max_workers=in_flight) as pool:
+                list(pool.map(lambda _: raw_tcp_seconds(tcp_port.value, payload), range(in_flight)))  # warm-up
+                with CpuMeter(tcp.pid) as raw_cpu:
+                    raw = statistics.median(
+                        _timed(lambda: list(pool.map(lambda _: raw_tcp_seconds(tcp_port.value, payload),
+                                                     range(in_flight))))
+                        for _ in range(args.repeats))
+            raw_send_cpu, raw_recv_cpu = raw_cpu.per_gb(total * in_flight * args.repeats)
+            if in_flight == 1:
+                raw_one = raw  # one connection's seconds per state (what earlier runs compared with)
+            for plane, sender in senders.items():
+                _send_seconds(sender, address, state, send_device, in_flight)  # warm-up (opens handles, agents)
+                with CpuMeter(receiver.pid) as meter:
+                    t = statistics.median(_send_seconds(sender, address, state, send_device, in_flight)
+                                          for _ in range(args.repeats))
+                moved = total * in_flight
+                send_cpu, recv_cpu = meter.per_gb(moved * args.repeats)
+                row = {"plane": plane, "tokens": tokens, "bytes": total, "in_flight": in_flight,
+                       "seconds": t, "ms_per_state": t * 1e3 / in_flight, "gbps": moved / t / 1e9,
+                       "raw_tcp_gbps": moved / raw / 1e9, "of_raw_tcp": raw / t,
+                       "raw_tcp_1conn_gbps": total / raw_one / 1e9 if raw_one else None,
+                       "of_raw_tcp_1conn": raw_one * in_flight / t if raw_one else None,
+                       "send_cpu_s_per_gb": send_cpu, "recv_cpu_s_per_gb": recv_cpu,
+                       "raw_send_cpu_s_per_gb": raw_send_cpu, "raw_recv_cpu_s_per_gb": raw_recv_cpu}
+                if peer is not None:
+                    row.update(peer_copy_gbps=total / peer / 1e9, of_peer_copy=peer * in_flight / t)
+                rows.append(row)
+                out.write_text(json.dumps(result, indent=2))  # after every row: a cut-off run keeps its rows
+                copy_kind = "peer copy" if gpus >= 2 else "device copy"
+                one_conn = (f"; 1 conn {row['raw_tcp_1conn_gbps']:.2f} GB/s, {row['of_raw_tcp_1conn']:.0%}"
+                            if raw_one else "")
+                ceiling = (f"{copy_kind} {row['peer_copy_gbps']:6.1f} GB/s ({row['of_peer_copy']:.0%}) "
+                           if peer is not None else "")
+                print(f"{plane:>8} {tokens:>6} tok {total / 2**20:7.1f} MiB x{in_flight}: {row['gbps']:7.2f} GB/s "
+                      f"{row['ms_per_state']:8.2f} ms/state | raw TCP {row['raw_tcp_gbps']:6.2f} GB/s "
+                      f"({row['of_raw_tcp']:.0%}{one_conn}) "
+                      f"{ceiling}| CPU s/GB {send_cpu:.2f} / {recv_cpu:.2f} "
+                      f"(raw TCP {raw_send_cpu:.2f} / {raw_recv_cpu:.2f})", flush=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     receiver.terminate()

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import logging
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -118,6 +119,8 @@ class LLMEngine:
                 enable_decode_graphs(self.runner, layout.num_slots, -(-self.max_model_len // config.page_size))
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}  # finished, state kept for export
+        # request id -> called on the loop at the end of the step its held request finished in (export there)
+        self._on_held: dict[str, Callable[[str], None]] = {}
         self._reserved: dict[str, Request] = {}  # pages and slot waiting for a remote prefill's state
         self._counter = itertools.count()
         self._arrivals = itertools.count()
@@ -153,11 +156,16 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         hold_state: bool = False,
+        on_held: Callable[[str], None] | None = None,
     ) -> str:
-        """Queue a request; with `hold_state` it keeps its state after finishing until `export_state`."""
+        """Queue a request; with `hold_state` it keeps its state after finishing until `export_state`.
+        `on_held(request_id)` then runs at the end of the step it finished in (e.g. to export the state right
+        there: no extra trip to the loop, pages and slot free a step sooner)."""
         request = self._new_request(prompt_token_ids, params, request_id)
         request.hold_state = hold_state
         self._requests[request.request_id] = request
+        if hold_state and on_held is not None:
+            self._on_held[request.request_id] = on_held
         self.scheduler.add(request)
         return request.request_id
 
@@ -178,6 +186,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (queued, running, reserved, held); False if it is unknown."""
+        self._on_held.pop(request_id, None)
         request = self._requests.pop(request_id, None)
         if request is not None and not request.finished:
             self.scheduler.finish(request, "abort")
@@ -278,6 +287,10 @@ class LLMEngine:
             updated.append(self._output(request))
         if self.spec is not None and self.spec.mtp is not None:
             self.spec.catch_up(self._catch_up_work(update.rows, update.before, output))
+        for out in updated:
+            on_held = self._on_held.pop(out.request_id, None) if out.request_id in self._held else None
+            if on_held is not None:
+                on_held(out.request_id)
         return updated
 
     def _catch_up_work(self, chunks: list[tuple[Request, int]], before: list[int], output: StepOutput) -> list[CatchUp]:

@@ -12,19 +12,23 @@ import dataclasses
 import logging
 import time
 import uuid
+from concurrent.futures import Future
 from pathlib import Path
 
 import grpc
 
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.engine.outputs import RequestOutput
+from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.models.fingerprint import model_fingerprint
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.proto.channels import start_server, worker_threads
 from hybridserve.proto.convert import sampling_from_proto
 from hybridserve.transfer.manifest import StateHeader
 from hybridserve.transfer.planes import TransferConfig
-from hybridserve.transfer.sender import StateSender
+from hybridserve.transfer.sender import StagedState, StateSender
+from hybridserve.transfer.state_layout import StateTensorSpec, state_views
 from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
 from hybridserve.worker_runtime.drain import DRAINING_STATUS, Drain
 from hybridserve.worker_runtime.engine_loop import EngineLoop
@@ -48,7 +52,7 @@ class PrefillWorker:
         )
         self.transfer = transfer or TransferConfig()
         self._internal_token = internal_token  # required on every call to this worker, sent on calls to decode workers
-        self.sender = StateSender(self.transfer, self.engine.config.torch_device, internal_token)
+        self.sender = StateSender(self.transfer, self.engine.config.torch_device, internal_token, host)
         self.loop = EngineLoop(self.engine, name=f"{self.worker_id}-loop")
         self.events = CacheEventFeed(self.worker_id, self.loop)
         self.metrics = WorkerMetrics(self.loop, "prefill")
@@ -91,19 +95,8 @@ class PrefillWorker:
         params = dataclasses.replace(sampling_from_proto(request.sampling), max_tokens=1)
         prompt = list(request.prompt_token_ids)
         request_id = request.request_id
-        first = None
-        for out in self.loop.generate(prompt, params, request_id, hold_state=True):
-            first = out
-        if first is None or first.finish_reason == "abort":
-            raise RuntimeError(f"prefill of {request_id} was aborted")
         specs = self.engine.state_specs(len(prompt))  # cache geometry only: safe off the loop thread
-        try:
-            staged = self.sender.stage(
-                specs, lambda fn: self.loop.call(fn), lambda views: self.engine.export_state(request_id, views).parts
-            )
-        except BaseException:
-            self.loop.call(lambda: self.engine.abort(request_id))  # never leave a held state behind
-            raise
+        first, staged = self._prefill_and_stage(prompt, params, request_id, specs)
         header = StateHeader(
             ticket=request.ticket,
             request_id=request_id,
@@ -128,6 +121,51 @@ class PrefillWorker:
             transfer_seconds=elapsed,
             plane=plane,
         )
+
+    def _prefill_and_stage(
+        self, prompt: list[int], params: SamplingParams, request_id: str, specs: list[StateTensorSpec]
+    ) -> tuple[RequestOutput, StagedState]:
+        """Prefill, then stage the state. At the end of the step the prompt finishes in, the engine exports it
+        into an arena block if one is free right then (pages and slot free in that step, no extra trip to the
+        loop); otherwise the state stays held and is staged here, waiting for room as `TransferConfig` says.
+        No block is taken before the prompt is done: a queued request holding one could starve finished ones
+        that hold the engine's slots while they wait for arena room."""
+        exported: Future[StagedState | None] = Future()
+
+        def export_on_loop(rid: str) -> None:  # on the loop thread; never waits
+            block = None
+            try:
+                block = self.sender.reserve_block(specs, timeout=0.0)
+                if block is None:
+                    exported.set_result(None)  # no room now: staged after, by the handler
+                    return
+                parts = self.engine.export_state(rid, state_views(block.data, specs)).parts
+                exported.set_result(StagedState(specs, parts, block, self.sender.mark_staged()))
+            except BaseException as exc:
+                self.sender.release_block(block)
+                exported.set_exception(exc)
+
+        first = None
+        staged: StagedState | None = None
+        try:
+            for out in self.loop.generate(prompt, params, request_id, hold_state=True, on_held=export_on_loop):
+                first = out
+            if first is None or first.finish_reason == "abort":
+                raise RuntimeError(f"prefill of {request_id} was aborted")
+            if not exported.done():  # held without the end-of-step hook having run: run it now
+                self.loop.call(lambda: export_on_loop(request_id))
+            staged = exported.result()
+            if staged is None:
+                staged = self.sender.stage(
+                    specs, self.loop.call, lambda views: self.engine.export_state(request_id, views).parts)
+            return first, staged
+        except BaseException:
+            self.loop.call(lambda: self.engine.abort(request_id))  # never leave a held state behind
+            if staged is None and exported.done() and exported.exception() is None:
+                done = exported.result()
+                if done is not None:
+                    self.sender.release_block(done.block)  # staged, but nobody will send it
+            raise
 
     def health(self) -> common_pb2.HealthResponse:
         health = self.loop.call(

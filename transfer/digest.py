@@ -4,6 +4,7 @@ digest of the whole staged state (computed on the GPU on both ends of every plan
 from __future__ import annotations
 
 import crc32c
+import numpy as np
 import torch
 
 
@@ -37,8 +38,13 @@ def device_digest(data: torch.Tensor) -> int:
     full = words.numel() // _DIGEST_ROW_WORDS
     grid = words[: full * _DIGEST_ROW_WORDS].view(full, _DIGEST_ROW_WORDS)  # [rows, 4096], no copy
     rest = words[full * _DIGEST_ROW_WORDS :]  # the short last row
-    row_sums = grid.sum(dim=1, dtype=torch.int64)  # [rows]
-    col_sums = grid.sum(dim=0, dtype=torch.int64)  # [4096]
+    if grid.device.type == "cpu":  # numpy's int32 -> int64 sums run ~15x faster than torch's on the CPU
+        host = grid.numpy()  # exact integer sums either way (no overflow: < 2^48), so the digest is the same
+        row_sums = torch.from_numpy(host.sum(axis=1, dtype=np.int64))  # [rows]
+        col_sums = torch.from_numpy(host.sum(axis=0, dtype=np.int64))  # [4096]
+    else:
+        row_sums = grid.sum(dim=1, dtype=torch.int64)  # [rows]
+        col_sums = grid.sum(dim=0, dtype=torch.int64)  # [4096]
     if rest.numel():  # as if zero-padded to a whole row
         last = torch.zeros(_DIGEST_ROW_WORDS, dtype=torch.int64, device=data.device)
         last[: rest.numel()] = rest

@@ -20,6 +20,7 @@ import torch
 from hybridserve.proto import worker_pb2
 from hybridserve.transfer.digest import StreamDigest
 from hybridserve.transfer.grpc_wire import RawStateData
+from hybridserve.transfer.host_copy import copy_bytes
 from hybridserve.transfer.manifest import TransferError
 from hybridserve.transfer.state_layout import StateTensorSpec, state_views
 
@@ -71,7 +72,7 @@ class StateAssembly:
         storage = buffers.acquire(manifest.total_bytes) if buffers else torch.empty(manifest.total_bytes, dtype=torch.uint8)
         self._storage: torch.Tensor | None = storage
         self.buffer = storage[: manifest.total_bytes]
-        self._view = self.buffer.numpy().data.cast("B")
+        self._address = self.buffer.data_ptr()
         self._done: set[int] = set()
         self._lock = threading.Lock()
 
@@ -83,11 +84,12 @@ class StateAssembly:
 
     def write(self, index: int, payload: memoryview | bytes) -> None:
         m = self.manifest
+        if not 0 <= index < m.num_chunks:
+            raise TransferError("DATA_LOSS", f"chunk {index} is outside the state's {m.num_chunks} chunks")
         expected = m.chunk_bytes if index < m.num_chunks - 1 else m.total_bytes - m.chunk_bytes * (m.num_chunks - 1)
         if len(payload) != expected:
             raise TransferError("DATA_LOSS", f"chunk {index} has {len(payload)} bytes, expected {expected}")
-        offset = index * m.chunk_bytes
-        self._view[offset : offset + len(payload)] = payload
+        copy_bytes(self._address + index * m.chunk_bytes, payload)  # bounds: checked above; GIL released
 
     def finish_stream(self, stream_index: int) -> bool:
         """Mark a stream complete; True when it was the last one."""

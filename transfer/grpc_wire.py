@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from hybridserve.proto import worker_pb2, worker_pb2_grpc
+from hybridserve.transfer.host_copy import new_message
 
 PUSH_STATE_METHOD = "/hybridserve.v1.DecodeWorker/PushState"
 _CHUNK_DATA_TAG = (2 << 3) | 2  # StateChunk.data, length-delimited
@@ -55,11 +56,11 @@ def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
 
 
 def encode_data_chunk(index: int, crc32c: int, payload: bytes | memoryview) -> bytes:
-    """The protobuf encoding of StateChunk{data{index, payload, crc32c}}, payload copied once."""
+    """The protobuf encoding of StateChunk{data{index, payload, crc32c}}, payload copied once (without the GIL)."""
     inner_head = bytes([_INDEX_TAG]) + _varint(index) + bytes([_PAYLOAD_TAG]) + _varint(len(payload))
     inner_tail = bytes([_CRC_TAG]) + struct.pack("<I", crc32c)
     inner_len = len(inner_head) + len(payload) + len(inner_tail)
-    return b"".join((bytes([_CHUNK_DATA_TAG]) + _varint(inner_len) + inner_head, payload, inner_tail))
+    return new_message(bytes([_CHUNK_DATA_TAG]) + _varint(inner_len) + inner_head, payload, inner_tail)
 
 
 def decode_state_chunk(raw: bytes) -> worker_pb2.StateChunk | RawStateData:

@@ -6,6 +6,8 @@ Device planes move the bytes themselves and report back over gRPC:
             arena (CUDA IPC handle, NVLink / PCIe peer copy); host memory never sees the bytes.
   nixl      NIXL over UCX (RDMA where present, TCP / shared memory otherwise): the decode worker reads the
             prefill worker's registered arena; the optional extra `hybridserve[nixl]`.
+  tcp       any two hosts: the decode worker reads the offered arena range over a plain socket (no gRPC
+            message copies), through pinned pieces on CUDA.
 The prefill worker asks each decode worker once which planes it takes (TransferInfo) and uses the first
 plane of its own preference list that both sides offer and that suits the pair.
 """
@@ -23,8 +25,8 @@ import torch
 
 from hybridserve.transfer.arena import ArenaRange
 
-GRPC, CUDA_IPC, NIXL = "grpc", "cuda_ipc", "nixl"
-PLANES = (CUDA_IPC, NIXL, GRPC)
+GRPC, CUDA_IPC, NIXL, TCP = "grpc", "cuda_ipc", "nixl", "tcp"
+PLANES = (CUDA_IPC, NIXL, TCP, GRPC)
 
 
 @dataclass(frozen=True)
@@ -35,8 +37,8 @@ class TransferConfig:
     # always available as the fallback
     planes: tuple[str, ...] = (CUDA_IPC, GRPC)
     staging_mb: int | None = None  # the registered staging / landing arena; None: 2048 on CUDA, 256 on CPU
-    grpc_streams: int = 2  # parallel PushState streams: one Python gRPC stream saturates near 0.7 GB/s
-    grpc_chunk_bytes: int = 1 << 20  # well under gRPC's default 4 MiB message limit
+    grpc_streams: int = 2  # parallel PushState streams per transfer (bench/transfer_gpu.sh sweeps 1, 2, 4)
+    grpc_chunk_bytes: int = 1 << 20  # the least CPU per GB on CPU (0.25-4 MiB tried); under gRPC's 4 MiB limit
     arena_wait_s: float = 30.0  # how long a transfer waits for arena room before it fails as RESOURCE_EXHAUSTED
 
     def __post_init__(self) -> None:

@@ -19,10 +19,12 @@ from hybridserve.proto import worker_pb2
 from hybridserve.transfer.arena import Arena, ArenaFull, ArenaRange
 from hybridserve.transfer.digest import device_digest
 from hybridserve.transfer.grpc_receiver import ReceiveBuffers, StateAssembly
+from hybridserve.transfer.host_copy import keep_freed_host_memory
 from hybridserve.transfer.manifest import TransferError
 from hybridserve.transfer.planes import (
     CUDA_IPC,
     NIXL,
+    TCP,
     PeerInfo,
     PlaneSink,
     TransferConfig,
@@ -56,6 +58,7 @@ class StateReceiver:
     def __init__(self, config: TransferConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
+        keep_freed_host_memory()  # gRPC messages reuse freed heap blocks instead of faulting in fresh pages
         self.planes = config.offered(device)
         self.host_buffers = ReceiveBuffers(pin_memory=device.type == "cuda")
         # CPU engines commit straight from the host buffers; the arena lands device planes (and, on CUDA,
@@ -70,6 +73,10 @@ class StateReceiver:
             from hybridserve.transfer.nixl_plane import NixlSink
 
             self.sinks[NIXL] = NixlSink(self.arena)
+        if TCP in self.planes:
+            from hybridserve.transfer.tcp_plane import TcpSink
+
+            self.sinks[TCP] = TcpSink(device)
         self.info = PeerInfo(tuple(self.planes), host_id(), device_id(device))
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 

@@ -24,11 +24,13 @@ from hybridserve.transfer.arena import Arena, ArenaFull, ArenaRange
 from hybridserve.transfer.digest import device_digest
 from hybridserve.transfer.grpc_sender import encode_state_streams
 from hybridserve.transfer.grpc_wire import push_state_stub
+from hybridserve.transfer.host_copy import keep_freed_host_memory
 from hybridserve.transfer.manifest import StateHeader, build_manifest
 from hybridserve.transfer.planes import (
     CUDA_IPC,
     GRPC,
     NIXL,
+    TCP,
     PeerInfo,
     PlaneSource,
     TransferConfig,
@@ -62,10 +64,14 @@ RunOnLoop = Callable[[Callable[[], list[torch.Tensor]]], list[torch.Tensor]]
 class StateSender:
     """Owns the staging arena, the device-plane sources and the gRPC channels of one prefill worker."""
 
-    def __init__(self, config: TransferConfig, device: torch.device, internal_token: str | None = None) -> None:
+    def __init__(self, config: TransferConfig, device: torch.device, internal_token: str | None = None,
+                 host: str = "127.0.0.1") -> None:
+        """`internal_token`: sent on calls to decode workers; `host`: the interface this worker serves on (the tcp
+        plane listens there)."""
         self.config = config
         self._internal_token = internal_token  # sent on every call to a decode worker
         self.device = device
+        keep_freed_host_memory()  # gRPC messages reuse freed heap blocks instead of faulting in fresh pages
         self.arena = Arena(config.staging_bytes(device), device)
         self.planes = config.offered(device)
         self.sources: dict[str, PlaneSource] = {}
@@ -77,6 +83,10 @@ class StateSender:
             from hybridserve.transfer.nixl_plane import NixlSource
 
             self.sources[NIXL] = NixlSource(self.arena)
+        if TCP in self.planes:
+            from hybridserve.transfer.tcp_plane import TcpSource
+
+            self.sources[TCP] = TcpSource(self.arena, host)
         self.info = PeerInfo(tuple(self.planes), host_id(), device_id(device))
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # address -> (what the peer offers, its PushState calls, its stub)
@@ -86,26 +96,47 @@ class StateSender:
     # ---- staging (the engine loop calls stage_fn) ----------------------------------------------
     def stage(self, specs: list[StateTensorSpec], run_on_loop: RunOnLoop, stage_fn: StageFn) -> StagedState:
         """Reserve an arena block (or fall back to loose copies), have the loop copy the state in."""
-        nbytes = state_nbytes(specs)
-        block = None
-        if self.arena.fits(nbytes):
-            try:
-                block = self.arena.allocate(nbytes, timeout=self.config.arena_wait_s)
-            except ArenaFull:
-                logger.warning("staging arena full for %d s: this state goes as loose copies over gRPC",
-                               self.config.arena_wait_s)
+        block = self.reserve_block(specs, self.config.arena_wait_s)
         views = state_views(block.data, specs) if block is not None else None
+        ready: list[torch.cuda.Event | None] = []
+
+        def stage_and_mark() -> list[torch.Tensor]:
+            parts = stage_fn(views)
+            ready.append(self.mark_staged())
+            return parts
+
         try:
-            parts = run_on_loop(lambda: stage_fn(views))
+            parts = run_on_loop(stage_and_mark)
         except BaseException:
-            if block is not None:
-                self.arena.free(block)
+            self.release_block(block)
             raise
-        ready = None
-        if self.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))  # the loop's stream is the default stream
-        return StagedState(specs, parts, block, ready)
+        return StagedState(specs, parts, block, ready[0])
+
+    def reserve_block(self, specs: list[StateTensorSpec], timeout: float) -> ArenaRange | None:
+        """An arena block for a state of `specs` (waiting up to `timeout` s); None when there is no room."""
+        nbytes = state_nbytes(specs)
+        if not self.arena.fits(nbytes):
+            return None
+        try:
+            return self.arena.allocate(nbytes, timeout=timeout)
+        except ArenaFull:
+            if timeout > 0:
+                logger.warning("staging arena full for %d s: this state goes as loose copies over gRPC", timeout)
+            return None
+
+    def release_block(self, block: ArenaRange | None) -> None:
+        """Give back a block whose state was never staged (the request failed before its export)."""
+        if block is not None:
+            self.arena.free(block)
+
+    def mark_staged(self) -> torch.cuda.Event | None:
+        """Call on the engine loop thread right after queuing the staging copies: an event that follows them
+        and nothing else (recorded later from another thread, it would also wait for the loop's next step)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))  # the loop's stream is the default stream
+        return event
 
     # ---- moving ---------------------------------------------------------------------------------
     def peer(self, address: str) -> tuple[PeerInfo, list, worker_pb2_grpc.DecodeWorkerStub]:
@@ -131,7 +162,10 @@ class StateSender:
             with stream_ctx:
                 if staged.ready is not None:
                     torch.cuda.current_stream(self.device).wait_event(staged.ready)
-                digest = device_digest(staged.block.data) if staged.block is not None else 0
+                # host bytes over gRPC are covered end to end by the chunks' crc32c: the device digest is
+                # for bytes that live on a GPU or skip the stream (a host-side reduction costs ~0.6 s / 141 MiB)
+                needs_digest = plane != GRPC or self.device.type == "cuda"
+                digest = device_digest(staged.block.data) if staged.block is not None and needs_digest else 0
                 header = StateHeader(**{**header.__dict__, "device_digest": digest})
                 if plane == GRPC or staged.block is None:
                     return GRPC, self._push(calls, header, staged)
@@ -140,7 +174,9 @@ class StateSender:
                     manifest=build_manifest(header, staged.specs), plane=plane, source_id=source.source_id,
                     source_descriptor=source.descriptor(), offset=staged.block.offset,
                 )
-                reply = stub.OfferState(offer, timeout=PUSH_TIMEOUT_S)
+                exposed = getattr(source, "exposed", None)  # a plane that serves reads only of offered ranges
+                with exposed(staged.block.offset, staged.block.nbytes) if exposed else nullcontext():
+                    reply = stub.OfferState(offer, timeout=PUSH_TIMEOUT_S)
                 if not reply.committed:
                     raise RuntimeError("the decode worker did not commit the state")
                 return plane, reply.bytes_received

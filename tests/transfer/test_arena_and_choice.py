@@ -98,3 +98,25 @@ def _peer(planes: tuple[str, ...], host: str = "h", device: str = "cuda:GPU-1") 
 ])
 def test_the_first_plane_both_offer_that_suits_the_pair_is_chosen(own: PeerInfo, peer: PeerInfo, want: str) -> None:
     assert choose_plane(own, peer) == want
+
+
+@pytest.mark.parametrize("nbytes", [17, 4 * 4096 + 5, 3 * 4 * 4096])
+def test_cpu_digest_equals_the_device_formula(nbytes: int) -> None:
+    """The CPU path sums with numpy; the digest must equal torch's sums (what a GPU computes) bit for bit."""
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    whole = nbytes - nbytes % 4
+    words = data[:whole].view(torch.int32)
+    full = words.numel() // 4096
+    grid = words[: full * 4096].view(full, 4096)
+    rest = torch.zeros(4096, dtype=torch.int64)
+    rest[: words.numel() - full * 4096] = words[full * 4096 :]
+    rows = grid.sum(dim=1, dtype=torch.int64)
+    cols = grid.sum(dim=0, dtype=torch.int64)
+    if words.numel() > full * 4096:
+        rows, cols = torch.cat([rows, rest.sum().view(1)]), cols + rest
+    weights = torch.arange(1, rows.numel() + 1, dtype=torch.int64)
+    col_weights = torch.arange(1, 4097, dtype=torch.int64) * 0x9E3779B1
+    total, by_row, by_col = (int(v) for v in (rows.sum(), (rows * weights).sum(), (cols * col_weights).sum()))
+    tail = int.from_bytes(bytes(data[whole:].tolist()), "little") if whole != nbytes else 0
+    want = (total * 0x100000001B3) ^ (by_row * 0xC2B2AE3D27D4EB4F) ^ by_col ^ (tail << 7) ^ nbytes
+    assert device_digest(data) == want & 0xFFFFFFFFFFFFFFFF

@@ -237,3 +237,59 @@ def test_exported_parts_stay_valid_after_the_slot_is_reused() -> None:
     while engine.has_unfinished():
         engine.step()
     assert all(torch.equal(p, s) for p, s in zip(exported.parts, snapshot))
+
+
+def test_a_held_state_is_exported_at_the_end_of_its_step() -> None:
+    """`on_held` runs in the step the prompt finishes in: the state is exported there and the slot is free
+    before the step returns (no extra trip to the loop); the export equals a later `export_state`."""
+    from hybridserve.engine.llm_engine import LLMEngine
+
+    model_dir, _ = nemotron_h("M*-M*")
+    engine = LLMEngine(model_dir, EngineConfig(max_num_seqs=2, prefill_chunk_size=8, enable_prefix_caching=False))
+    prompt = random_prompts([20], vocab=128, seed=49)[0]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    exports: dict[str, list[torch.Tensor]] = {}
+    free_at_hook: list[int] = []
+
+    def on_held(rid: str) -> None:
+        exports[rid] = engine.export_state(rid).parts
+        free_at_hook.append(engine.pool.slots.num_free)
+
+    engine.add_request(prompt, params, "hooked", hold_state=True, on_held=on_held)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    assert steps == 3 and list(exports) == ["hooked"]  # 20 tokens in chunks of 8: exported in the last step
+    assert free_at_hook == [engine.pool.slots.capacity]
+    engine.add_request(prompt, params, "plain", hold_state=True)
+    while engine.has_unfinished():
+        engine.step()
+    plain = engine.export_state("plain").parts
+    assert all(torch.equal(a, b) for a, b in zip(exports["hooked"], plain))
+    engine.add_request(prompt, params, "aborted", hold_state=True, on_held=on_held)
+    engine.step()
+    assert engine.abort("aborted")
+    while engine.has_unfinished():
+        engine.step()
+    assert "aborted" not in exports
+    engine.pool.check()
+
+
+def test_prefill_with_the_arena_full_when_the_prompt_finishes_stages_after_it() -> None:
+    """No arena room when the prompt finishes: the state stays held and is staged once room comes free, into
+    an arena block (not loose copies); the next request takes the end-of-step export."""
+    model_dir, _ = nemotron_h("M*-M*")
+    cluster = Cluster(model_dir)
+    try:
+        prompts = random_prompts([30, 26], vocab=128, seed=50)
+        sender = cluster.prefill[0].sender
+        hog = sender.arena.allocate(sender.arena.capacity)
+        threading.Timer(0.5, lambda: sender.arena.free(hog)).start()
+        assert cluster.generate(prompts[0]) == _reference(model_dir, [prompts[0]])[0]
+        assert sender.arena.free_bytes() == sender.arena.capacity
+        assert cluster.generate(prompts[1]) == _reference(model_dir, [prompts[1]])[0]  # the hooked path
+        assert sender.arena.free_bytes() == sender.arena.capacity
+        cluster.check_pools()
+    finally:
+        cluster.stop()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import uuid
 from concurrent import futures
+from contextlib import nullcontext
 from pathlib import Path
 
 import grpc
@@ -26,7 +27,7 @@ from hybridserve.proto import worker_pb2, worker_pb2_grpc
 from hybridserve.proto.convert import sampling_to_proto
 from hybridserve.transfer.digest import device_digest
 from hybridserve.transfer.manifest import StateHeader, build_manifest
-from hybridserve.transfer.planes import CUDA_IPC, GRPC, NIXL, TransferConfig, nixl_available
+from hybridserve.transfer.planes import CUDA_IPC, GRPC, NIXL, TCP, TransferConfig, nixl_available
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 CUDA = torch.cuda.is_available()
@@ -36,12 +37,13 @@ IN_NIXL_PROCESS = os.environ.get("HYBRIDSERVE_TEST_NIXL") == "1"
 
 
 def _planes() -> list:
-    planes = [pytest.param((GRPC, "cpu"), id="grpc-cpu")]
+    planes = [pytest.param((GRPC, "cpu"), id="grpc-cpu"), pytest.param((TCP, "cpu"), id="tcp-cpu")]
     planes.append(pytest.param((NIXL, "cpu"), id="nixl-cpu", marks=pytest.mark.skipif(
         not (nixl_available() and IN_NIXL_PROCESS), reason="needs nixl; runs in its own interpreter")))
     gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
     planes += [pytest.param((CUDA_IPC, "cuda"), id="cuda_ipc-gpu", marks=[gpu, pytest.mark.gpu]),
-               pytest.param((GRPC, "cuda"), id="grpc-gpu", marks=[gpu, pytest.mark.gpu])]
+               pytest.param((GRPC, "cuda"), id="grpc-gpu", marks=[gpu, pytest.mark.gpu]),
+               pytest.param((TCP, "cuda"), id="tcp-gpu", marks=[gpu, pytest.mark.gpu])]
     return planes
 
 
@@ -105,7 +107,7 @@ class Pair:
         transfer = TransferConfig(planes=(plane,), staging_mb=8, grpc_chunk_bytes=4096, arena_wait_s=5.0)
         self.prefill = PrefillWorker(self.model_dir, self.config, transfer=transfer)
         self.prefill.start()
-        if plane in (CUDA_IPC, NIXL):  # device planes cross a process boundary, as in deployments
+        if plane in (CUDA_IPC, NIXL, TCP):  # these planes cross a process boundary, as in deployments
             self.decode: DecodeWorker | RemoteDecode = RemoteDecode(self.model_dir, self.config, transfer)
         else:
             self.decode = DecodeWorker(self.model_dir, self.config, transfer=transfer)
@@ -221,8 +223,11 @@ def _offer_fault(pair: Pair, staged, header: StateHeader, fault: str) -> None:
     offer = _offer(pair, staged, header, **changes)
     if fault == "dead-sender":  # a source that is gone: another arena's descriptor whose owner was closed
         offer.source_id, offer.source_descriptor = _dead_source(pair.plane, staged.block.data.device)
-    with pytest.raises(grpc.RpcError) as info:
-        pair.decode_stub.OfferState(offer, timeout=60)
+    source = pair.prefill.sender.sources[pair.plane]
+    exposed = getattr(source, "exposed", None)  # the tcp plane serves only ranges on offer
+    with exposed(staged.block.offset, staged.block.nbytes) if exposed else nullcontext():
+        with pytest.raises(grpc.RpcError) as info:
+            pair.decode_stub.OfferState(offer, timeout=60)
     assert info.value.code() == code[fault], info.value.details()
 
 
@@ -237,6 +242,13 @@ def _dead_source(plane: str, device: torch.device) -> tuple[str, bytes]:
         descriptor = source.descriptor()
         source.close()
         del source
+        return f"dead-{uuid.uuid4().hex}", descriptor
+    if plane == TCP:
+        from hybridserve.transfer.tcp_plane import TcpSource
+
+        source = TcpSource(arena)
+        descriptor = source.descriptor()
+        source.close()  # nothing listens on its port any more
         return f"dead-{uuid.uuid4().hex}", descriptor
     return f"dead-{uuid.uuid4().hex}", b"not a CUDA IPC handle"
 
