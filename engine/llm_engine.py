@@ -309,6 +309,8 @@ class LLMEngine:
             finished=finished,
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
+            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
+            prompt_logprobs=list(request.prompt_logprobs) if request.params.prompt_logprobs is not None else None,
         )
 
     def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:

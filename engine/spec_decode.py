@@ -20,9 +20,11 @@ from typing import cast
 
 import torch
 
+from hybridserve.engine.logprobs import sampled_logprobs
 from hybridserve.engine.model_runner import StepOutput, VerifyInputs
 from hybridserve.engine.mtp_drafter import CatchUp, MTPDrafter
 from hybridserve.engine.ngram_drafter import NgramIndex
+from hybridserve.engine.outputs import TokenLogprob
 from hybridserve.engine.rejection import Acceptance, accept_greedy, accept_sampled
 from hybridserve.engine.request import Request
 from hybridserve.engine.spec_config import SpeculativeConfig
@@ -159,9 +161,31 @@ class SpecDecoder:
         them. The output is kept for this step's commit (snapshot, rollback)."""
         results = self._acceptances(decodes, output)
         new_token_ids = [r.tokens for r in results] + output.new_token_ids[len(results):]
-        output = dataclasses.replace(output, new_token_ids=new_token_ids)
+        logprobs = self._logprobs(decodes, results, output)
+        output = dataclasses.replace(output, new_token_ids=new_token_ids, logprobs=logprobs)
         self._output = output
         return output
+
+    def _logprobs(self, decodes: list[Request], results: list[Acceptance], output: StepOutput
+                  ) -> list[list[TokenLogprob]] | None:
+        """The step's logprobs with those of the kept verify tokens, from the verify logits at their positions
+        (the same function plain decoding applies to its one position)."""
+        wanted = [row for row, r in enumerate(decodes) if r.params.logprobs is not None and row < len(results)]
+        if not wanted:
+            return output.logprobs
+        merged = list(output.logprobs) if output.logprobs is not None else [[] for _ in output.new_token_ids]
+        logits = output.verify_logits
+        assert logits is not None  # results exist only with verify logits
+        rows = [logits[row, : len(results[row].tokens)] for row in wanted]  # [j, V] each
+        params = [decodes[row].params for row in wanted for _ in range(len(results[row].tokens))]
+        tokens = [t for row in wanted for t in results[row].tokens]
+        found = sampled_logprobs(torch.cat(rows), params, tokens)
+        offset = 0
+        for row in wanted:
+            n = len(results[row].tokens)
+            merged[row] = found[offset : offset + n]
+            offset += n
+        return merged
 
     def _acceptances(self, decodes: list[Request], output: StepOutput) -> list[Acceptance]:
         logits = output.verify_logits
