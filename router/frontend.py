@@ -12,12 +12,14 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
+from hybridserve.engine.outputs import TokenLogprob
 from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.models.tokenizer import Tokenizer
+from hybridserve.proto.convert import logprob_from_proto
 from hybridserve.router.admission import AdmissionController
 from hybridserve.router.chat_template import ChatTemplate
 from hybridserve.router.metrics import RouterMetrics
@@ -92,6 +94,8 @@ class Delta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry, when asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., on a first delta
 
 
 class Frontend:
@@ -145,12 +149,14 @@ class Frontend:
 
     @staticmethod
     def sampling(max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
-                 stop_token_ids: Sequence[int] | None, ignore_eos: bool, choice: int) -> SamplingParams:
+                 stop_token_ids: Sequence[int] | None, ignore_eos: bool, choice: int,
+                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         """Choice i of n gets seed + i, so seeded choices differ but stay reproducible."""
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   seed=None if seed is None else seed + choice,
-                                  stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos)
+                                  stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from exc
 
@@ -172,7 +178,9 @@ class Frontend:
                 finish = "stop" if text.stopped else (event.finish_reason or None)
                 if finish and not text.stopped:
                     delta += text.finish()
-                yield Delta(index, delta, list(event.token_ids), finish, event.num_prompt_tokens, event.num_cached_tokens)
+                yield Delta(index, delta, list(event.token_ids), finish, event.num_prompt_tokens, event.num_cached_tokens,
+                            [logprob_from_proto(e) for e in event.logprobs],
+                            [logprob_from_proto(e) for e in event.prompt_logprobs])
                 if finish:
                     return
         finally:

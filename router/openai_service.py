@@ -14,7 +14,9 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridserve.engine.outputs import TokenLogprob
 from hybridserve.router.frontend import Delta, Frontend
+from hybridserve.router.openai_logprobs import chat_logprobs, completion_logprobs
 from hybridserve.router.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -35,6 +37,10 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    streamed: bool = False  # its first SSE chunk went out (the echo goes with it)
+    text_offset: int = 0  # streaming: where the next token's text starts (completions logprobs)
 
 
 @dataclass
@@ -45,6 +51,7 @@ class _Plan:
     created: int
     prompts: list[list[int]]
     choices: list[_Choice]
+    echo_texts: list[str]  # per prompt: what `echo` puts before the completion ("" without echo)
     gens: list[AsyncGenerator[Delta, None]]
 
 
@@ -54,8 +61,13 @@ class OpenAIService:
 
     # ---- entry points ----------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request_id: str):
-        prompts = [self.frontend.encode(p) for p in req.prompts()]
+        texts = req.prompts()
+        prompts = [self.frontend.encode(p) for p in texts]
         plan = self._plan(req, prompts, req.max_tokens, request_id, "cmpl")
+        if req.echo:
+            tokenizer = self.frontend.tokenizer
+            plan.echo_texts = [t if isinstance(t, str) else tokenizer.decode(ids) if tokenizer is not None else ""
+                               for t, ids in zip(texts, prompts)]
         return await self._respond(req, plan, chat=False)
 
     async def chat(self, req: ChatCompletionRequest, request_id: str):
@@ -99,14 +111,20 @@ class OpenAIService:
         f = self.frontend
         choices, gens = [], []
         budgets = [f.max_tokens_for(p, max_tokens) for p in prompts]  # validate all before starting any
+        if isinstance(req, ChatCompletionRequest):
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            prompt_logprobs = None
+        else:
+            logprobs = req.logprobs
+            prompt_logprobs = req.logprobs if req.echo else None
         for p_index, (prompt, budget) in enumerate(zip(prompts, budgets)):
             for k in range(req.n):
                 index = p_index * req.n + k
                 params = f.sampling(budget, req.temperature, req.top_p, req.top_k, req.seed, req.stop_token_ids,
-                                    req.ignore_eos, k)
+                                    req.ignore_eos, k, logprobs, prompt_logprobs)
                 choices.append(_Choice(index, p_index))
                 gens.append(f.deltas(index, prompt, params, f"{request_id}-{index}", req.stop or ()))
-        return _Plan(f"{prefix}-{request_id}", int(time.time()), prompts, choices, gens)
+        return _Plan(f"{prefix}-{request_id}", int(time.time()), prompts, choices, [""] * len(prompts), gens)
 
     async def _respond(self, req, plan: _Plan, chat: bool):
         merged = _merge(plan.gens)
@@ -129,6 +147,18 @@ class OpenAIService:
         return self._body(req, plan, chat)
 
     # ---- bodies ----------------------------------------------------------------------------------
+    def _completion_logprobs(self, req, plan: _Plan, c: _Choice, token_ids: list[int], entries: list[TokenLogprob],
+                             offset: int, with_prompt: bool) -> dict | None:
+        """The completions logprobs of these tokens; with echo (on the first chunk) the prompt's come first."""
+        if req.logprobs is None:
+            return None
+        ids: list[int] = list(token_ids)
+        aligned: list[TokenLogprob | None] = list(entries)
+        if req.echo and with_prompt:
+            ids = plan.prompts[c.prompt_index] + ids
+            aligned = [None, *c.prompt_logprobs] + aligned
+        return completion_logprobs(self.frontend.tokenizer, ids, aligned, offset)
+
     def _usage(self, plan: _Plan) -> dict:
         prompt_tokens = sum(len(p) for p in plan.prompts)
         completion = sum(len(c.token_ids) for c in plan.choices)
@@ -142,9 +172,12 @@ class OpenAIService:
         for c in plan.choices:
             if chat:
                 choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                          "logprobs": None, "finish_reason": c.finish_reason}
+                          "logprobs": chat_logprobs(self.frontend.tokenizer, c.logprobs) if req.logprobs else None,
+                          "finish_reason": c.finish_reason}
             else:
-                choice = {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                choice = {"index": c.index, "text": plan.echo_texts[c.prompt_index] + c.text,
+                          "logprobs": self._completion_logprobs(req, plan, c, c.token_ids, c.logprobs, 0, True),
+                          "finish_reason": c.finish_reason}
             if req.return_token_ids:
                 choice["token_ids"] = c.token_ids
             out.append(choice)
@@ -170,11 +203,21 @@ class OpenAIService:
             delta = first
             while delta is not None:
                 _fold(plan, delta)
+                c = plan.choices[delta.index]
+                opening, c.streamed = not c.streamed, True
                 if chat:
                     choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
-                              "logprobs": None, "finish_reason": delta.finish_reason}
+                              "logprobs": (chat_logprobs(self.frontend.tokenizer, delta.logprobs) if req.logprobs
+                                           else None),
+                              "finish_reason": delta.finish_reason}
                 else:
-                    choice = {"index": delta.index, "text": delta.text, "logprobs": None,
+                    echo = plan.echo_texts[c.prompt_index] if opening else ""
+                    logprobs = self._completion_logprobs(req, plan, c, delta.token_ids, delta.logprobs,
+                                                         c.text_offset, opening)
+                    if logprobs is not None:
+                        c.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1]) \
+                            if logprobs["tokens"] else c.text_offset
+                    choice = {"index": delta.index, "text": echo + delta.text, "logprobs": logprobs,
                               "finish_reason": delta.finish_reason}
                 if req.return_token_ids:
                     choice["token_ids"] = delta.token_ids
@@ -193,6 +236,8 @@ def _fold(plan: _Plan, delta: Delta) -> None:
     c = plan.choices[delta.index]
     c.text += delta.text
     c.token_ids.extend(delta.token_ids)
+    c.logprobs.extend(delta.logprobs)
+    c.prompt_logprobs.extend(delta.prompt_logprobs)
     c.num_cached_tokens = max(c.num_cached_tokens, delta.num_cached_tokens)
     if delta.finish_reason:
         c.finish_reason = delta.finish_reason
