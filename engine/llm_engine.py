@@ -170,6 +170,9 @@ class LLMEngine:
                 f"the KV pool holds {self.pool.num_pages * self.pool.page_size} tokens in all: lower max_tokens, "
                 "shorten the prompt, or give the cache more memory"
             )
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}")
         request_id = request_id if request_id is not None else f"req-{next(self._counter)}"
         if request_id in self._requests or request_id in self._held or request_id in self._reserved:
             raise ValueError(f"request id {request_id!r} is already in use")

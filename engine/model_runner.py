@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.engine.logits_processors import process_logits
 from hybridserve.engine.logprobs import gather_logprobs, sampled_logprobs
 from hybridserve.engine.outputs import TokenLogprob
 from hybridserve.engine.request import Request
@@ -177,8 +178,10 @@ class ModelRunner:
             return StepOutput(hidden, batch, new_token_ids, verify_logits, first_sampled, None, prompt_logprobs)
         rows = batch.cu_seqlens[torch.tensor(due, device=self.device) + 1] - 1
         last_hidden = hidden[rows]  # [num_due, hidden]
-        logits = self.model.compute_logits(last_hidden)
         requests = [chunks[i][0] for i in due]
+        logits = process_logits(self.model.compute_logits(last_hidden), [r.params for r in requests],
+                                [(r.prompt_token_ids, r.output_token_ids) for r in requests],
+                                self.model.config.eos_token_ids)
         for row, request in enumerate(requests):
             if request.hold_state:  # a prefill worker ships it to decode (the MTP drafter needs it)
                 request.last_hidden = last_hidden[row]

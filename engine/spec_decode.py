@@ -20,6 +20,7 @@ from typing import cast
 
 import torch
 
+from hybridserve.engine.logits_processors import needs_processing, process_row
 from hybridserve.engine.logprobs import sampled_logprobs
 from hybridserve.engine.model_runner import StepOutput, VerifyInputs
 from hybridserve.engine.mtp_drafter import CatchUp, MTPDrafter
@@ -159,12 +160,29 @@ class SpecDecoder:
     def accept(self, decodes: list[Request], output: StepOutput) -> StepOutput:
         """The step's output with each verify row's new tokens: its accepted drafts + one target token; counts
         them. The output is kept for this step's commit (snapshot, rollback)."""
+        output = self._processed(decodes, output)
         results = self._acceptances(decodes, output)
         new_token_ids = [r.tokens for r in results] + output.new_token_ids[len(results):]
         logprobs = self._logprobs(decodes, results, output)
         output = dataclasses.replace(output, new_token_ids=new_token_ids, logprobs=logprobs)
         self._output = output
         return output
+
+    def _processed(self, decodes: list[Request], output: StepOutput) -> StepOutput:
+        """Verify logits with each request's logits processors, position j seeing the drafts before it as output."""
+        logits = output.verify_logits
+        if logits is None or not any(needs_processing(r.params) for r in decodes):
+            return output
+        logits = logits.clone()
+        eos = self.model.config.eos_token_ids
+        for row, request in enumerate(decodes):
+            if not needs_processing(request.params):
+                continue
+            drafts = request.draft_tokens[: self.num_drafts]
+            for j in range(len(drafts) + 1):
+                process_row(logits[row, j], request.params, request.prompt_token_ids,
+                            request.output_token_ids + drafts[:j], eos)
+        return dataclasses.replace(output, verify_logits=logits)
 
     def _logprobs(self, decodes: list[Request], results: list[Acceptance], output: StepOutput
                   ) -> list[list[TokenLogprob]] | None:

@@ -19,6 +19,11 @@ def sampling_from_proto(options: common_pb2.SamplingOptions) -> SamplingParams:
         ignore_eos=bool(options.ignore_eos),
         logprobs=int(options.logprobs) if options.HasField("logprobs") else None,
         prompt_logprobs=int(options.prompt_logprobs) if options.HasField("prompt_logprobs") else None,
+        min_tokens=int(options.min_tokens),
+        logit_bias=tuple((int(t), float(b)) for t, b in sorted(options.logit_bias.items())),
+        presence_penalty=float(options.presence_penalty),
+        frequency_penalty=float(options.frequency_penalty),
+        repetition_penalty=float(options.repetition_penalty) if options.HasField("repetition_penalty") else 1.0,
     )
 
 
@@ -30,7 +35,13 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingOptions:
         top_k=params.top_k,
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
+        logit_bias=dict(params.logit_bias),
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
     )
+    if params.repetition_penalty != 1.0:
+        options.repetition_penalty = params.repetition_penalty
     if params.seed is not None:
         options.seed = params.seed
     if params.logprobs is not None:

@@ -13,6 +13,7 @@ import queue
 import threading
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -147,18 +148,22 @@ class Frontend:
                            param=param, code="context_length_exceeded")
         return requested
 
-    @staticmethod
-    def sampling(max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
-                 stop_token_ids: Sequence[int] | None, ignore_eos: bool, choice: int,
-                 logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
-        """Choice i of n gets seed + i, so seeded choices differ but stay reproducible."""
+    def sampling(self, max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
+                 stop_token_ids: Sequence[int] | None, ignore_eos: bool, choice: int, **extras: Any) -> SamplingParams:
+        """Choice i of n gets seed + i, so seeded choices differ but stay reproducible. `extras`: further
+        SamplingParams fields (logprobs, penalties, logit_bias, min_tokens); a bad value is a 400 naming it."""
+        bias = extras.get("logit_bias") or {}
+        if any(t >= self.vocab_size for t in bias):
+            raise ApiError(400, f"logit_bias token ids must be below the vocabulary size {self.vocab_size}",
+                           param="logit_bias")
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   seed=None if seed is None else seed + choice,
-                                  stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos,
-                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                                  stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos, **extras)
         except ValueError as exc:
-            raise ApiError(400, str(exc)) from exc
+            message = str(exc)
+            param = next((name for name in ("min_tokens", *extras) if message.startswith(name)), None)
+            raise ApiError(400, message, param=param) from exc
 
     # ---- one generation --------------------------------------------------------------------------
     async def deltas(self, index: int, prompt: list[int], params: SamplingParams, request_id: str,

@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and the OpenAI error body.
 
 Unknown fields and unsupported values are refused with 400 rather than ignored: a client that asks for
-something we do not do should find out. Extensions: `top_k`, `ignore_eos`, `stop_token_ids`, and
-`return_token_ids` (adds `token_ids` to each choice, and `prompt_token_ids` to the response).
+something we do not do should find out. Extensions (vLLM's): `top_k`, `min_tokens`, `repetition_penalty`,
+`ignore_eos`, `stop_token_ids`, and `return_token_ids` (adds `token_ids` to each choice, and `prompt_token_ids` to the response).
 """
 
 from __future__ import annotations
@@ -48,9 +48,11 @@ class _SamplingFields(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -66,18 +68,14 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
         return stops
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("presence and frequency penalties are not supported (must be 0)")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, value: dict | None) -> dict | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids (decimal strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return value
 
     @model_validator(mode="after")
@@ -85,6 +83,12 @@ class _SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
+
+    def sampling_extras(self) -> dict[str, Any]:
+        """The SamplingParams fields beyond the basic ones, as given."""
+        return {"min_tokens": self.min_tokens, "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+                "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()}}
 
     @property
     def include_usage(self) -> bool:
@@ -108,8 +112,10 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (must equal n)")
+        if self.best_of is not None and not self.n <= self.best_of <= MAX_N:
+            raise ValueError(f"best_of must be in [n, {MAX_N}], got {self.best_of}")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of > n cannot be streamed (the best choices are known only at the end)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self

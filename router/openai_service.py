@@ -8,6 +8,7 @@ the workers served from their prefix caches (the first choice of each prompt).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncGenerator
@@ -117,11 +118,15 @@ class OpenAIService:
         else:
             logprobs = req.logprobs
             prompt_logprobs = req.logprobs if req.echo else None
+        candidates = _candidates(req)
+        if candidates > req.n and logprobs is None:
+            logprobs = 0  # best_of ranks candidates by their cumulative logprob
         for p_index, (prompt, budget) in enumerate(zip(prompts, budgets)):
-            for k in range(req.n):
-                index = p_index * req.n + k
+            for k in range(candidates):
+                index = p_index * candidates + k
                 params = f.sampling(budget, req.temperature, req.top_p, req.top_k, req.seed, req.stop_token_ids,
-                                    req.ignore_eos, k, logprobs, prompt_logprobs)
+                                    req.ignore_eos, k, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                    **req.sampling_extras())
                 choices.append(_Choice(index, p_index))
                 gens.append(f.deltas(index, prompt, params, f"{request_id}-{index}", req.stop or ()))
         return _Plan(f"{prefix}-{request_id}", int(time.time()), prompts, choices, [""] * len(prompts), gens)
@@ -169,7 +174,7 @@ class OpenAIService:
 
     def _body(self, req, plan: _Plan, chat: bool) -> dict:
         out = []
-        for c in plan.choices:
+        for c in _best(req, plan):
             if chat:
                 choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
                           "logprobs": chat_logprobs(self.frontend.tokenizer, c.logprobs) if req.logprobs else None,
@@ -230,6 +235,26 @@ class OpenAIService:
         finally:
             await merged.aclose()
         yield "data: [DONE]\n\n"
+
+
+def _candidates(req) -> int:
+    """Generations per prompt: best_of (completions) or n."""
+    return getattr(req, "best_of", None) or req.n
+
+
+def _best(req, plan: _Plan) -> list[_Choice]:
+    """The choices to answer: with best_of > n, each prompt's n candidates of highest cumulative logprob,
+    re-indexed in that order (usage still counts every candidate, as OpenAI bills them)."""
+    candidates = _candidates(req)
+    if candidates == req.n:
+        return plan.choices
+    chosen = []
+    for p_index in range(len(plan.prompts)):
+        group = plan.choices[p_index * candidates : (p_index + 1) * candidates]
+        group.sort(key=lambda c: sum(e.logprob for e in c.logprobs), reverse=True)
+        for k, c in enumerate(group[: req.n]):
+            chosen.append(dataclasses.replace(c, index=p_index * req.n + k))
+    return chosen
 
 
 def _fold(plan: _Plan, delta: Delta) -> None:
