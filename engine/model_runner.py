@@ -13,6 +13,7 @@ from hybridserve.engine.outputs import TokenLogprob
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampler import sample
 from hybridserve.engine.scheduler import SchedulerOutput
+from hybridserve.engine.structured_output import GrammarBackend
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.state_cache import StateCache
@@ -153,6 +154,7 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self.state_block = state_block
+        self.grammar: GrammarBackend | None = None  # set by the engine on its first structured request
 
     def execute(
         self, work: SchedulerOutput, checkpoint_slots: list[int] | None = None, verify: VerifyInputs | None = None
@@ -182,6 +184,9 @@ class ModelRunner:
         logits = process_logits(self.model.compute_logits(last_hidden), [r.params for r in requests],
                                 [(r.prompt_token_ids, r.output_token_ids) for r in requests],
                                 self.model.config.eos_token_ids)
+        if self.grammar is not None and any(r.grammar is not None for r in requests):
+            logits = logits.float()
+            self.grammar.apply(logits, [r.grammar for r in requests])
         for row, request in enumerate(requests):
             if request.hold_state:  # a prefill worker ships it to decode (the MTP drafter needs it)
                 request.last_hidden = last_hidden[row]

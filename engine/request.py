@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[TokenLogprob] = []  # with params.logprobs, one per output token
         self.prompt_logprobs: list[TokenLogprob | None] = [None]  # with params.prompt_logprobs, filled per chunk
+        self.grammar: Any = None  # xgrammar GrammarMatcher of params.structured: advanced by the kept tokens
         self.params = params
         self.arrival = arrival
         self.status = RequestStatus.WAITING

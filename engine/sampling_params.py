@@ -3,6 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow: a JSON schema (`spec`, JSON text), any JSON object, a regex (`spec`),
+    or one of `choices`. `field` names the API field it came from, for error messages."""
+
+    kind: Literal["json", "json_object", "regex", "choice"]
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+    field: str = "structured_output"
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"{self.field}: the kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+        if self.kind in ("json", "regex") and not self.spec:
+            raise ValueError(f"{self.field}: a {self.kind} grammar needs its spec")
+        if self.kind == "choice" and (not self.choices or not all(isinstance(c, str) and c for c in self.choices)):
+            raise ValueError(f"{self.field}: give at least one non-empty string to choose from")
+        object.__setattr__(self, "choices", tuple(self.choices))
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # top alternatives per position (OpenAI's top_logprobs limit)
@@ -26,6 +49,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # [-2, 2], subtracted once from every token already in the output
     frequency_penalty: float = 0.0  # [-2, 2], subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # > 0; 1 is off; applies to prompt and output tokens
+    structured: StructuredOutput | None = None  # the output follows this grammar (engine.structured_output)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:

@@ -196,6 +196,8 @@ class Scheduler:
                     request.prompt_logprobs.extend(entries[have - first :])
             for token in output.new_token_ids[index]:
                 request.output_token_ids.append(token)
+                if request.grammar is not None:
+                    request.grammar.accept_token(token)
                 if logprobs:
                     request.output_logprobs.append(logprobs[appended])
                 appended += 1
@@ -229,6 +231,8 @@ class Scheduler:
         """Why the request stops after appending `token`, or None: "stop" (EOS, a stop token), "length"."""
         params = request.params
         if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if request.grammar is not None and request.grammar.is_terminated():
             return "stop"
         if token in params.stop_token_ids:
             return "stop"

@@ -29,6 +29,7 @@ from hybridserve.engine.outputs import TokenLogprob
 from hybridserve.engine.rejection import Acceptance, accept_greedy, accept_sampled
 from hybridserve.engine.request import Request
 from hybridserve.engine.spec_config import SpeculativeConfig
+from hybridserve.engine.structured_output import GrammarBackend, fill_verify_masks
 from hybridserve.kernels.replay_state import advance_states
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.models.mamba_mixer import Mamba2Mixer
@@ -129,6 +130,7 @@ class SpecDecoder:
             self.mtp = MTPDrafter(model, cache, page_size, self.num_drafts)
         self._step: _VerifyStep | None = None
         self._output: StepOutput | None = None
+        self.grammar: GrammarBackend | None = None  # set by the engine on its first structured request
         self._external: Callable[[Request], list[int]] | None = None
 
     def set_drafter(self, drafter: Callable[[Request], list[int]] | None) -> None:
@@ -171,17 +173,18 @@ class SpecDecoder:
     def _processed(self, decodes: list[Request], output: StepOutput) -> StepOutput:
         """Verify logits with each request's logits processors, position j seeing the drafts before it as output."""
         logits = output.verify_logits
-        if logits is None or not any(needs_processing(r.params) for r in decodes):
+        if logits is None or not any(needs_processing(r.params) or r.grammar is not None for r in decodes):
             return output
-        logits = logits.clone()
+        logits = logits.float().clone()
         eos = self.model.config.eos_token_ids
         for row, request in enumerate(decodes):
-            if not needs_processing(request.params):
-                continue
             drafts = request.draft_tokens[: self.num_drafts]
-            for j in range(len(drafts) + 1):
-                process_row(logits[row, j], request.params, request.prompt_token_ids,
-                            request.output_token_ids + drafts[:j], eos)
+            if needs_processing(request.params):
+                for j in range(len(drafts) + 1):
+                    process_row(logits[row, j], request.params, request.prompt_token_ids,
+                                request.output_token_ids + drafts[:j], eos)
+            if request.grammar is not None and self.grammar is not None:
+                fill_verify_masks(self.grammar, logits[row], request.grammar, drafts)
         return dataclasses.replace(output, verify_logits=logits)
 
     def _logprobs(self, decodes: list[Request], results: list[Acceptance], output: StepOutput

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hybridserve.engine.outputs import RequestOutput, TokenLogprob
-from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.engine.sampling_params import SamplingParams, StructuredOutput
 from hybridserve.proto import common_pb2
 
 
@@ -24,6 +24,9 @@ def sampling_from_proto(options: common_pb2.SamplingOptions) -> SamplingParams:
         presence_penalty=float(options.presence_penalty),
         frequency_penalty=float(options.frequency_penalty),
         repetition_penalty=float(options.repetition_penalty) if options.HasField("repetition_penalty") else 1.0,
+        structured=StructuredOutput(options.structured_kind, options.structured_spec,  # type: ignore[arg-type]
+                                    tuple(options.structured_choices), options.structured_field or "structured_output")
+        if options.structured_kind else None,
     )
 
 
@@ -40,6 +43,11 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingOptions:
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
     )
+    if params.structured is not None:
+        options.structured_kind = params.structured.kind
+        options.structured_spec = params.structured.spec
+        options.structured_choices.extend(params.structured.choices)
+        options.structured_field = params.structured.field
     if params.repetition_penalty != 1.0:
         options.repetition_penalty = params.repetition_penalty
     if params.seed is not None:

@@ -7,10 +7,13 @@ something we do not do should find out. Extensions (vLLM's): `top_k`, `min_token
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from hybridserve.engine.sampling_params import StructuredOutput
 
 MAX_N = 16
 MAX_STOP_STRINGS = 4
@@ -32,6 +35,20 @@ class ApiError(Exception):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(BaseModel):
@@ -56,6 +73,10 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's extra_body spelling
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     return_token_ids: bool = False
 
     @field_validator("stop")
@@ -84,9 +105,37 @@ class _SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed with stream=true")
         return self
 
+    def structured(self) -> StructuredOutput | None:
+        """The grammar the output must follow (response_format or one guided_* field), or None."""
+        given = [name for name in ("response_format", "guided_json", "guided_regex", "guided_choice")
+                 if getattr(self, name) is not None and not (name == "response_format" and self.response_format
+                                                             and self.response_format.type == "text")]
+        if len(given) > 1:
+            raise ApiError(400, f"give at most one of {', '.join(given)}", param=given[1])
+        if not given:
+            return None
+        name = given[0]
+        try:
+            if name == "response_format":
+                rf = self.response_format
+                assert rf is not None
+                if rf.type == "json_object":
+                    return StructuredOutput("json_object", field=name)
+                if rf.json_schema is None or rf.json_schema.schema_ is None:
+                    raise ValueError("response_format json_schema needs json_schema.schema")
+                return StructuredOutput("json", json.dumps(rf.json_schema.schema_), field=name)
+            if name == "guided_json":
+                spec = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+                return StructuredOutput("json", spec, field=name)
+            if name == "guided_regex":
+                return StructuredOutput("regex", self.guided_regex or "", field=name)
+            return StructuredOutput("choice", choices=tuple(self.guided_choice or ()), field=name)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=name) from exc
+
     def sampling_extras(self) -> dict[str, Any]:
         """The SamplingParams fields beyond the basic ones, as given."""
-        return {"min_tokens": self.min_tokens, "presence_penalty": self.presence_penalty,
+        return {"structured": self.structured(), "min_tokens": self.min_tokens, "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
                 "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()}}
 
