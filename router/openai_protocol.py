@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hybridserve.engine.sampling_params import StructuredOutput
+from hybridserve.router.tool_calls import forced_call_schema
 
 MAX_N = 16
 MAX_STOP_STRINGS = 4
@@ -198,6 +199,31 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -205,12 +231,46 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in self.tool_names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
         return self
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {t.function.name for t in self.tools or []}
+
+    @property
+    def forced_tool(self) -> str | None:
+        """'' for tool_choice 'required', the function's name for a named choice, None when not forced."""
+        if self.tools and self.tool_choice == "required":
+            return ""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def structured(self) -> StructuredOutput | None:
+        forced = self.forced_tool
+        if forced is None:
+            return super().structured()
+        if super().structured() is not None:
+            raise ApiError(400, "a forced tool_choice cannot be combined with response_format / guided_*",
+                           param="tool_choice")
+        schema = forced_call_schema([t.model_dump(exclude_none=True) for t in self.tools or []], forced or None)
+        return StructuredOutput("json", json.dumps(schema), field="tool_choice")
 
     @property
     def max_new_tokens(self) -> int | None:

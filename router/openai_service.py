@@ -26,6 +26,7 @@ from hybridserve.router.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from hybridserve.router.tool_calls import parse_tool_calls
 
 _DONE = object()
 
@@ -41,6 +42,7 @@ class _Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     streamed: bool = False  # its first SSE chunk went out (the echo goes with it)
+    held: str = ""  # streaming with tools: text held until the calls in it are known
     text_offset: int = 0  # streaming: where the next token's text starts (completions logprobs)
 
 
@@ -72,18 +74,20 @@ class OpenAIService:
         return await self._respond(req, plan, chat=False)
 
     async def chat(self, req: ChatCompletionRequest, request_id: str):
-        prompt = self.chat_prompt(req.messages, req.add_generation_prompt)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
+        prompt = self.chat_prompt(req.messages, req.add_generation_prompt, tools)
         plan = self._plan(req, [prompt], req.max_new_tokens, request_id, "chatcmpl")
         return await self._respond(req, plan, chat=True)
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    tools: list[dict] | None = None) -> list[int]:
         """Token ids of chat messages rendered through the checkpoint's chat template; ApiError 400 if it cannot."""
         template = self.frontend.chat_template
         if template is None:
             raise ApiError(400, "this model has no tokenizer, so chat completions are not available", param="messages")
         rendered = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in messages]
         try:
-            text = template.render(rendered, add_generation_prompt=add_generation_prompt)
+            text = template.render(rendered, add_generation_prompt=add_generation_prompt, tools=tools)
         except ValueError as exc:
             raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages") from exc
         return self.frontend.encode(text, param="messages")
@@ -152,6 +156,18 @@ class OpenAIService:
         return self._body(req, plan, chat)
 
     # ---- bodies ----------------------------------------------------------------------------------
+    @staticmethod
+    def _message(req, text: str, finish_reason: str | None) -> dict[str, Any]:
+        """The assistant message of a chat choice: its tool calls when the request has tools and the text holds
+        calls (NemotronH's <TOOLCALL> format or a JSON call object), else the text."""
+        if not getattr(req, "parses_tool_calls", False):
+            return {"role": "assistant", "content": text}
+        content, calls = parse_tool_calls(text, req.tool_names)
+        if not calls:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": content,
+                "tool_calls": [call.body(i) for i, call in enumerate(calls)]}
+
     def _completion_logprobs(self, req, plan: _Plan, c: _Choice, token_ids: list[int], entries: list[TokenLogprob],
                              offset: int, with_prompt: bool) -> dict | None:
         """The completions logprobs of these tokens; with echo (on the first chunk) the prompt's come first."""
@@ -176,9 +192,10 @@ class OpenAIService:
         out = []
         for c in _best(req, plan):
             if chat:
-                choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                message = self._message(req, c.text, c.finish_reason)
+                choice = {"index": c.index, "message": message,
                           "logprobs": chat_logprobs(self.frontend.tokenizer, c.logprobs) if req.logprobs else None,
-                          "finish_reason": c.finish_reason}
+                          "finish_reason": "tool_calls" if message.get("tool_calls") else c.finish_reason}
             else:
                 choice = {"index": c.index, "text": plan.echo_texts[c.prompt_index] + c.text,
                           "logprobs": self._completion_logprobs(req, plan, c, c.token_ids, c.logprobs, 0, True),
@@ -211,6 +228,21 @@ class OpenAIService:
                 c = plan.choices[delta.index]
                 opening, c.streamed = not c.streamed, True
                 if chat:
+                    if req.parses_tool_calls:  # calls are known at the end: the text is held until then
+                        c.held += delta.text
+                        if not delta.finish_reason:
+                            delta = await anext(merged, None)
+                            continue
+                        message = self._message(req, c.held, delta.finish_reason)
+                        message.pop("role")
+                        calls = message.get("tool_calls") or []
+                        tool_delta: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
+                        if calls:
+                            tool_delta["tool_calls"] = calls
+                        yield chunk([{"index": delta.index, "delta": tool_delta, "logprobs": None,
+                                      "finish_reason": "tool_calls" if calls else delta.finish_reason}])
+                        delta = await anext(merged, None)
+                        continue
                     choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
                               "logprobs": (chat_logprobs(self.frontend.tokenizer, delta.logprobs) if req.logprobs
                                            else None),
