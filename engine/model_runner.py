@@ -193,7 +193,7 @@ class ModelRunner:
         tokens_out = sample(logits, [r.params for r in requests], [r.generator for r in requests])
         for index, token in zip(due, tokens_out):
             new_token_ids[index] = [token]
-        logprobs = None
+        logprobs: list[list[TokenLogprob]] | None = None
         wanted = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
         if wanted:
             logprobs = [[] for _ in chunks]

@@ -58,14 +58,14 @@ class GrammarBackend:
 
     def apply(self, logits: torch.Tensor, matchers: Sequence[Any | None]) -> None:
         """Mask logits [R, V] in place: row r may only take tokens matchers[r] accepts next (None: unmasked)."""
-        rows = [i for i, m in enumerate(matchers) if m is not None]
+        rows = [(i, m) for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return
         bitmask = self._xgr.allocate_token_bitmask(len(matchers), self.vocab_size)  # [R, ceil(V / 32)] int32
-        for i in rows:
-            matchers[i].fill_next_token_bitmask(bitmask, i)
+        for i, matcher in rows:
+            matcher.fill_next_token_bitmask(bitmask, i)
         self._xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size,
-                                              indices=rows)
+                                              indices=[i for i, _ in rows])
 
 
 def fill_verify_masks(backend: GrammarBackend, logits: torch.Tensor, matcher: Any, drafts: Sequence[int]) -> None:
