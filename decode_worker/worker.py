@@ -332,7 +332,7 @@ def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context:
             if out.finished:  # prompt tokens only for prompts this worker prefilled itself
                 worker.metrics.observe_finished(len(out.prompt_token_ids) if local else 0, len(out.token_ids),
                                                 out.finish_reason or "")
-            yield token_event(out, out.token_ids[sent:])
+            yield token_event(out, sent)
             sent = max(sent, len(out.token_ids))
     except (TransferError, TimeoutError, ConnectionError, RuntimeError, ValueError) as exc:
         yield common_pb2.TokenEvent(request_id=request_id, finish_reason="error", error=str(exc))

@@ -23,6 +23,7 @@ from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.engine.spec_memory import spec_working_bytes, write_checkpoint_hidden
+from hybridserve.engine.structured_output import GrammarBackend
 from hybridserve.engine.warmup import WarmupReport, warm_up
 from hybridserve.models.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
 from hybridserve.models.hybrid_model import HybridLM
@@ -178,11 +179,31 @@ class LLMEngine:
                 f"the KV pool holds {self.pool.num_pages * self.pool.page_size} tokens in all: lower max_tokens, "
                 "shorten the prompt, or give the cache more memory"
             )
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}")
+        grammar = self._grammar_matcher(params)
         request_id = request_id if request_id is not None else f"req-{next(self._counter)}"
         if request_id in self._requests or request_id in self._held or request_id in self._reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-        return Request(request_id, tokens, params, seed, arrival=next(self._arrivals))
+        request = Request(request_id, tokens, params, seed, arrival=next(self._arrivals))
+        request.grammar = grammar
+        return request
+
+    def _grammar_matcher(self, params: SamplingParams):  # noqa: ANN202 - xgrammar GrammarMatcher | None
+        """The request's grammar matcher (the backend is built on the first structured request)."""
+        if params.structured is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError(f"{params.structured.field}: structured outputs need the model's tokenizer; "
+                             f"{self.model_dir} ships none")
+        if self.runner.grammar is None:
+            backend = GrammarBackend(self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
+            self.runner.grammar = backend
+            if self.spec is not None:
+                self.spec.grammar = backend
+        return self.runner.grammar.matcher(params.structured)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (queued, running, reserved, held); False if it is unknown."""
@@ -232,6 +253,8 @@ class LLMEngine:
         if request is None:
             raise ValueError(f"no reservation for request {request_id!r} (aborted or expired)")
         (tp_handoff if self.tp is not None else handoff).commit(self, request, tensors, first_token, num_cached_tokens)
+        if request.grammar is not None:  # the prefill worker sampled it under the same grammar
+            request.grammar.accept_token(first_token)
         self._requests[request_id] = request
         self.scheduler.running.append(request)
         reason = self.scheduler.stop_reason(request, first_token)
@@ -322,6 +345,8 @@ class LLMEngine:
             finished=finished,
             num_draft_tokens=request.num_draft_tokens,
             num_accepted_tokens=request.num_accepted_tokens,
+            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
+            prompt_logprobs=list(request.prompt_logprobs) if request.params.prompt_logprobs is not None else None,
         )
 
     def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:

@@ -7,9 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.engine.logits_processors import process_logits
+from hybridserve.engine.logprobs import gather_logprobs, sampled_logprobs
+from hybridserve.engine.outputs import TokenLogprob
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampler import sample
 from hybridserve.engine.scheduler import SchedulerOutput
+from hybridserve.engine.structured_output import GrammarBackend
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.state_cache import StateCache
@@ -37,6 +41,8 @@ class StepOutput:
     new_token_ids: list[list[int]]  # per scheduled row
     verify_logits: torch.Tensor | None = None  # [num_decode, T, vocab] fp32
     num_verify_rows: int = 0  # the first rows are verify rows: they computed exactly the tokens they keep
+    logprobs: list[list[TokenLogprob]] | None = None  # per row, one per new token of requests that asked
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] | None = None  # row -> (first prompt position, ...)
 
 
 def build_forward_batch(
@@ -148,6 +154,7 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self.state_block = state_block
+        self.grammar: GrammarBackend | None = None  # set by the engine on its first structured request
 
     def execute(
         self, work: SchedulerOutput, checkpoint_slots: list[int] | None = None, verify: VerifyInputs | None = None
@@ -168,19 +175,59 @@ class ModelRunner:
         first_sampled = nd if verify is not None else 0
         due = [i for i in range(first_sampled, len(chunks)) if chunks[i][1] == chunks[i][0].num_pending_tokens]
         new_token_ids: list[list[int]] = [[] for _ in chunks]
+        prompt_logprobs = self._prompt_logprobs(chunks, nd, hidden, batch)
         if not due:
-            return StepOutput(hidden, batch, new_token_ids, verify_logits, first_sampled)
+            return StepOutput(hidden, batch, new_token_ids, verify_logits, first_sampled, None, prompt_logprobs)
         rows = batch.cu_seqlens[torch.tensor(due, device=self.device) + 1] - 1
         last_hidden = hidden[rows]  # [num_due, hidden]
-        logits = self.model.compute_logits(last_hidden)
         requests = [chunks[i][0] for i in due]
+        logits = process_logits(self.model.compute_logits(last_hidden), [r.params for r in requests],
+                                [(r.prompt_token_ids, r.output_token_ids) for r in requests],
+                                self.model.config.eos_token_ids)
+        if self.grammar is not None and any(r.grammar is not None for r in requests):
+            logits = logits.float()
+            self.grammar.apply(logits, [r.grammar for r in requests])
         for row, request in enumerate(requests):
             if request.hold_state:  # a prefill worker ships it to decode (the MTP drafter needs it)
                 request.last_hidden = last_hidden[row]
         tokens_out = sample(logits, [r.params for r in requests], [r.generator for r in requests])
         for index, token in zip(due, tokens_out):
             new_token_ids[index] = [token]
-        return StepOutput(hidden, batch, new_token_ids, verify_logits, first_sampled)
+        logprobs: list[list[TokenLogprob]] | None = None
+        wanted = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
+        if wanted:
+            logprobs = [[] for _ in chunks]
+            found = sampled_logprobs(logits[torch.tensor(wanted, device=logits.device)],
+                                     [requests[row].params for row in wanted], [tokens_out[row] for row in wanted])
+            for row, entry in zip(wanted, found):
+                logprobs[due[row]] = [entry]
+        return StepOutput(hidden, batch, new_token_ids, verify_logits, first_sampled, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, chunks: list[tuple[Request, int]], num_decode: int, hidden: torch.Tensor,
+                         batch: ForwardBatch) -> dict[int, tuple[int, list[TokenLogprob]]] | None:
+        """Raw logprobs of the prompt tokens each prefill chunk predicts, for requests that asked: the logits
+        at position q score prompt token q + 1 (only those rows go through the LM head)."""
+        wanted = [i for i in range(num_decode, len(chunks)) if chunks[i][0].params.prompt_logprobs is not None]
+        if not wanted:
+            return None
+        cu = batch.cu_seqlens.tolist()
+        sources: list[int] = []
+        targets: list[int] = []
+        num_top: list[int] = []
+        spans: dict[int, tuple[int, int, int]] = {}  # row -> (first position, offset into targets, count)
+        for i in wanted:
+            request, count = chunks[i]
+            start, prompt = request.num_computed_tokens, request.prompt_token_ids
+            positions = range(start + 1, min(start + count + 1, len(prompt)))
+            spans[i] = (start + 1, len(targets), len(positions))
+            sources.extend(cu[i] + p - 1 - start for p in positions)
+            targets.extend(prompt[p] for p in positions)
+            num_top.extend([request.params.prompt_logprobs or 0] * len(positions))
+        if not targets:
+            return None
+        logits = self.model.compute_logits(hidden[torch.tensor(sources, device=hidden.device)])  # [P, V]
+        entries = gather_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, num_top)
+        return {i: (first, entries[offset : offset + n]) for i, (first, offset, n) in spans.items() if n}
 
     def prompt_logits(self, request: Request) -> torch.Tensor:
         """Logits at every prompt position [L, vocab] for a request holding its slot and pages (one pass)."""

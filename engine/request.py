@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybridserve.engine.ngram_drafter import NgramIndex
+from hybridserve.engine.outputs import TokenLogprob
 from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.statepool.block_hash import BlockHash
 
@@ -30,6 +31,9 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprob] = []  # with params.logprobs, one per output token
+        self.prompt_logprobs: list[TokenLogprob | None] = [None]  # with params.prompt_logprobs, filled per chunk
+        self.grammar: Any = None  # xgrammar GrammarMatcher of params.structured: advanced by the kept tokens
         self.params = params
         self.arrival = arrival
         self.status = RequestStatus.WAITING

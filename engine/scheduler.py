@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
 from hybridserve.engine.request import Request, RequestStatus
-from hybridserve.statepool.pool import StatePool, StateSnapshot
+from hybridserve.statepool.pool import NO_HIT, StatePool, StateSnapshot
 
 if TYPE_CHECKING:
     from hybridserve.engine.model_runner import StepOutput
@@ -118,7 +118,8 @@ class Scheduler:
             request = self.waiting[0]
             if not self.pool.can_admit():
                 break
-            hit = self.pool.match(request)
+            # prompt logprobs need the logits of every prompt position: such a request recomputes its prefix
+            hit = self.pool.match(request) if request.params.prompt_logprobs is None else NO_HIT
             count = min(request.num_tokens - hit.num_tokens, budget)
             if not self.pool.admit(request, hit, hit.num_tokens + count):
                 break
@@ -187,8 +188,18 @@ class Scheduler:
         stops: dict[int, str] = {}
         for index, (request, count) in enumerate(rows):
             appended = 0
+            logprobs = output.logprobs[index] if output.logprobs is not None else []
+            if output.prompt_logprobs is not None and index in output.prompt_logprobs:
+                first, entries = output.prompt_logprobs[index]
+                have = len(request.prompt_logprobs)
+                if first <= have:  # a recompute after preemption repeats positions it already reported
+                    request.prompt_logprobs.extend(entries[have - first :])
             for token in output.new_token_ids[index]:
                 request.output_token_ids.append(token)
+                if request.grammar is not None:
+                    request.grammar.accept_token(token)
+                if logprobs:
+                    request.output_logprobs.append(logprobs[appended])
                 appended += 1
                 reason = self.stop_reason(request, token)
                 if reason is not None:
@@ -220,6 +231,8 @@ class Scheduler:
         """Why the request stops after appending `token`, or None: "stop" (EOS, a stop token), "length"."""
         params = request.params
         if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if request.grammar is not None and request.grammar.is_terminated():
             return "stop"
         if token in params.stop_token_ids:
             return "stop"

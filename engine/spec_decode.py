@@ -20,12 +20,16 @@ from typing import cast
 
 import torch
 
+from hybridserve.engine.logits_processors import needs_processing, process_row
+from hybridserve.engine.logprobs import sampled_logprobs
 from hybridserve.engine.model_runner import StepOutput, VerifyInputs
 from hybridserve.engine.mtp_drafter import CatchUp, MTPDrafter
 from hybridserve.engine.ngram_drafter import NgramIndex
+from hybridserve.engine.outputs import TokenLogprob
 from hybridserve.engine.rejection import Acceptance, accept_greedy, accept_sampled
 from hybridserve.engine.request import Request
 from hybridserve.engine.spec_config import SpeculativeConfig
+from hybridserve.engine.structured_output import GrammarBackend, fill_verify_masks
 from hybridserve.kernels.replay_state import advance_states
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.models.mamba_mixer import Mamba2Mixer
@@ -126,6 +130,7 @@ class SpecDecoder:
             self.mtp = MTPDrafter(model, cache, page_size, self.num_drafts)
         self._step: _VerifyStep | None = None
         self._output: StepOutput | None = None
+        self.grammar: GrammarBackend | None = None  # set by the engine on its first structured request
         self._external: Callable[[Request], list[int]] | None = None
 
     def set_drafter(self, drafter: Callable[[Request], list[int]] | None) -> None:
@@ -157,11 +162,51 @@ class SpecDecoder:
     def accept(self, decodes: list[Request], output: StepOutput) -> StepOutput:
         """The step's output with each verify row's new tokens: its accepted drafts + one target token; counts
         them. The output is kept for this step's commit (snapshot, rollback)."""
+        output = self._processed(decodes, output)
         results = self._acceptances(decodes, output)
         new_token_ids = [r.tokens for r in results] + output.new_token_ids[len(results):]
-        output = dataclasses.replace(output, new_token_ids=new_token_ids)
+        logprobs = self._logprobs(decodes, results, output)
+        output = dataclasses.replace(output, new_token_ids=new_token_ids, logprobs=logprobs)
         self._output = output
         return output
+
+    def _processed(self, decodes: list[Request], output: StepOutput) -> StepOutput:
+        """Verify logits with each request's logits processors, position j seeing the drafts before it as output."""
+        logits = output.verify_logits
+        if logits is None or not any(needs_processing(r.params) or r.grammar is not None for r in decodes):
+            return output
+        logits = logits.float().clone()
+        eos = self.model.config.eos_token_ids
+        for row, request in enumerate(decodes):
+            drafts = request.draft_tokens[: self.num_drafts]
+            if needs_processing(request.params):
+                for j in range(len(drafts) + 1):
+                    process_row(logits[row, j], request.params, request.prompt_token_ids,
+                                request.output_token_ids + drafts[:j], eos)
+            if request.grammar is not None and self.grammar is not None:
+                fill_verify_masks(self.grammar, logits[row], request.grammar, drafts)
+        return dataclasses.replace(output, verify_logits=logits)
+
+    def _logprobs(self, decodes: list[Request], results: list[Acceptance], output: StepOutput
+                  ) -> list[list[TokenLogprob]] | None:
+        """The step's logprobs with those of the kept verify tokens, from the verify logits at their positions
+        (the same function plain decoding applies to its one position)."""
+        wanted = [row for row, r in enumerate(decodes) if r.params.logprobs is not None and row < len(results)]
+        if not wanted:
+            return output.logprobs
+        merged = list(output.logprobs) if output.logprobs is not None else [[] for _ in output.new_token_ids]
+        logits = output.verify_logits
+        assert logits is not None  # results exist only with verify logits
+        rows = [logits[row, : len(results[row].tokens)] for row in wanted]  # [j, V] each
+        params = [decodes[row].params for row in wanted for _ in range(len(results[row].tokens))]
+        tokens = [t for row in wanted for t in results[row].tokens]
+        found = sampled_logprobs(torch.cat(rows), params, tokens)
+        offset = 0
+        for row in wanted:
+            n = len(results[row].tokens)
+            merged[row] = found[offset : offset + n]
+            offset += n
+        return merged
 
     def _acceptances(self, decodes: list[Request], output: StepOutput) -> list[Acceptance]:
         logits = output.verify_logits

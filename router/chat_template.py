@@ -17,6 +17,7 @@ FALLBACK_TEMPLATE = (
     "{% for message in messages %}<|{{ message.role }}|>\n{{ message.content }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+FALLBACK_TOOLS = "{% if tools %}<|tools|>\n{{ tools | tojson }}\n{% endif %}"  # before the messages
 
 
 def _token_text(value: Any) -> str:
@@ -46,14 +47,16 @@ class ChatTemplate:
             source = named.get("default") or next(iter(named.values()), None)
         bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
         if not source:
-            return cls(FALLBACK_TEMPLATE, bos, eos, is_fallback=True)
+            return cls(FALLBACK_TOOLS + FALLBACK_TEMPLATE, bos, eos, is_fallback=True)
         return cls(source, bos, eos)
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text; raises ValueError when the template refuses the conversation."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text (`tools` as transformers' apply_chat_template passes them); raises ValueError when the
+        template refuses the conversation."""
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token, eos_token=self.eos_token)
+                                         bos_token=self.bos_token, eos_token=self.eos_token, tools=tools)
         except _TemplateError as exc:
             raise ValueError(str(exc)) from exc
 

@@ -12,12 +12,15 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
+from hybridserve.engine.outputs import TokenLogprob
 from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.models.tokenizer import Tokenizer
+from hybridserve.proto.convert import logprob_from_proto
 from hybridserve.router.admission import AdmissionController
 from hybridserve.router.chat_template import ChatTemplate
 from hybridserve.router.metrics import RouterMetrics
@@ -92,6 +95,8 @@ class Delta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry, when asked
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., on a first delta
 
 
 class Frontend:
@@ -143,16 +148,22 @@ class Frontend:
                            param=param, code="context_length_exceeded")
         return requested
 
-    @staticmethod
-    def sampling(max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
-                 stop_token_ids: Sequence[int] | None, ignore_eos: bool, choice: int) -> SamplingParams:
-        """Choice i of n gets seed + i, so seeded choices differ but stay reproducible."""
+    def sampling(self, max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
+                 stop_token_ids: Sequence[int] | None, ignore_eos: bool, choice: int, **extras: Any) -> SamplingParams:
+        """Choice i of n gets seed + i, so seeded choices differ but stay reproducible. `extras`: further
+        SamplingParams fields (logprobs, penalties, logit_bias, min_tokens); a bad value is a 400 naming it."""
+        bias = extras.get("logit_bias") or {}
+        if any(t >= self.vocab_size for t in bias):
+            raise ApiError(400, f"logit_bias token ids must be below the vocabulary size {self.vocab_size}",
+                           param="logit_bias")
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                   seed=None if seed is None else seed + choice,
-                                  stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos)
+                                  stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos, **extras)
         except ValueError as exc:
-            raise ApiError(400, str(exc)) from exc
+            message = str(exc)
+            param = next((name for name in ("min_tokens", *extras) if message.startswith(name)), None)
+            raise ApiError(400, message, param=param) from exc
 
     # ---- one generation --------------------------------------------------------------------------
     async def deltas(self, index: int, prompt: list[int], params: SamplingParams, request_id: str,
@@ -172,7 +183,9 @@ class Frontend:
                 finish = "stop" if text.stopped else (event.finish_reason or None)
                 if finish and not text.stopped:
                     delta += text.finish()
-                yield Delta(index, delta, list(event.token_ids), finish, event.num_prompt_tokens, event.num_cached_tokens)
+                yield Delta(index, delta, list(event.token_ids), finish, event.num_prompt_tokens, event.num_cached_tokens,
+                            [logprob_from_proto(e) for e in event.logprobs],
+                            [logprob_from_proto(e) for e in event.prompt_logprobs])
                 if finish:
                     return
         finally:

@@ -18,7 +18,7 @@ ERROR_KINDS = ("invalid_request", "unauthorized", "not_found", "overloaded", "un
 # the label values each labelled family is created with at 0, so a dashboard shows a flat 0 on a healthy system
 # instead of "No data" until the first event (tests/router/test_metrics_zeros.py keeps them in step with the code)
 GENERATE_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "grpc/Generate")
-ROUTES = (("local", "no_prefill_worker"), ("local", "decode_prefix_hit"), ("local", "short_tail"),
+ROUTES = (("local", "no_prefill_worker"), ("local", "decode_prefix_hit"), ("local", "short_tail"), ("local", "needs_local"),
           ("disaggregated", "prefill_cached_prefix"), ("disaggregated", "prefill_least_cost"))
 RETRY_STAGES = ("generate_local", "reserve", "prefill", "stream")
 

@@ -1,19 +1,24 @@
 """Request bodies of the OpenAI-compatible API (pydantic), and the OpenAI error body.
 
 Unknown fields and unsupported values are refused with 400 rather than ignored: a client that asks for
-something we do not do should find out. Extensions: `top_k`, `ignore_eos`, `stop_token_ids`, and
-`return_token_ids` (adds `token_ids` to each choice, and `prompt_token_ids` to the response).
+something we do not do should find out. Extensions (vLLM's): `top_k`, `min_tokens`, `repetition_penalty`,
+`ignore_eos`, `stop_token_ids`, and `return_token_ids` (adds `token_ids` to each choice, and `prompt_token_ids` to the response).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from hybridserve.engine.sampling_params import StructuredOutput
+from hybridserve.router.tool_calls import forced_call_schema
+
 MAX_N = 16
 MAX_STOP_STRINGS = 4
+MAX_LOGPROBS = 20  # top alternatives per position (engine.sampling_params.MAX_LOGPROBS)
 
 
 class ApiError(Exception):
@@ -33,6 +38,20 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -47,12 +66,18 @@ class _SamplingFields(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's extra_body spelling
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     return_token_ids: bool = False
 
     @field_validator("stop")
@@ -65,18 +90,14 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} non-empty strings")
         return stops
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float) -> float:
-        if value != 0.0:
-            raise ValueError("presence and frequency penalties are not supported (must be 0)")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, value: dict | None) -> dict | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids (decimal strings), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return value
 
     @model_validator(mode="after")
@@ -84,6 +105,40 @@ class _SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream=true")
         return self
+
+    def structured(self) -> StructuredOutput | None:
+        """The grammar the output must follow (response_format or one guided_* field), or None."""
+        given = [name for name in ("response_format", "guided_json", "guided_regex", "guided_choice")
+                 if getattr(self, name) is not None and not (name == "response_format" and self.response_format
+                                                             and self.response_format.type == "text")]
+        if len(given) > 1:
+            raise ApiError(400, f"give at most one of {', '.join(given)}", param=given[1])
+        if not given:
+            return None
+        name = given[0]
+        try:
+            if name == "response_format":
+                rf = self.response_format
+                assert rf is not None
+                if rf.type == "json_object":
+                    return StructuredOutput("json_object", field=name)
+                if rf.json_schema is None or rf.json_schema.schema_ is None:
+                    raise ValueError("response_format json_schema needs json_schema.schema")
+                return StructuredOutput("json", json.dumps(rf.json_schema.schema_), field=name)
+            if name == "guided_json":
+                spec = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+                return StructuredOutput("json", spec, field=name)
+            if name == "guided_regex":
+                return StructuredOutput("regex", self.guided_regex or "", field=name)
+            return StructuredOutput("choice", choices=tuple(self.guided_choice or ()), field=name)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=name) from exc
+
+    def sampling_extras(self) -> dict[str, Any]:
+        """The SamplingParams fields beyond the basic ones, as given."""
+        return {"structured": self.structured(), "min_tokens": self.min_tokens, "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+                "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()}}
 
     @property
     def include_usage(self) -> bool:
@@ -94,7 +149,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -107,12 +162,10 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
-        if self.logprobs is not None:
-            raise ValueError("logprobs is not supported")
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (must equal n)")
+        if self.best_of is not None and not self.n <= self.best_of <= MAX_N:
+            raise ValueError(f"best_of must be in [n, {MAX_N}], got {self.best_of}")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of > n cannot be streamed (the best choices are known only at the end)")
         if self.suffix:
             raise ValueError("suffix is not supported")
         return self
@@ -146,19 +199,78 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
-    def _unsupported(self):
-        if self.logprobs or self.top_logprobs is not None:
-            raise ValueError("logprobs is not supported")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in self.tool_names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
         return self
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {t.function.name for t in self.tools or []}
+
+    @property
+    def forced_tool(self) -> str | None:
+        """'' for tool_choice 'required', the function's name for a named choice, None when not forced."""
+        if self.tools and self.tool_choice == "required":
+            return ""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def structured(self) -> StructuredOutput | None:
+        forced = self.forced_tool
+        if forced is None:
+            return super().structured()
+        if super().structured() is not None:
+            raise ApiError(400, "a forced tool_choice cannot be combined with response_format / guided_*",
+                           param="tool_choice")
+        schema = forced_call_schema([t.model_dump(exclude_none=True) for t in self.tools or []], forced or None)
+        return StructuredOutput("json", json.dumps(schema), field="tool_choice")
 
     @property
     def max_new_tokens(self) -> int | None:

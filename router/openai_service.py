@@ -8,13 +8,16 @@ the workers served from their prefix caches (the first choice of each prompt).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridserve.engine.outputs import TokenLogprob
 from hybridserve.router.frontend import Delta, Frontend
+from hybridserve.router.openai_logprobs import chat_logprobs, completion_logprobs
 from hybridserve.router.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -23,6 +26,7 @@ from hybridserve.router.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from hybridserve.router.tool_calls import parse_tool_calls
 
 _DONE = object()
 
@@ -35,6 +39,11 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    streamed: bool = False  # its first SSE chunk went out (the echo goes with it)
+    held: str = ""  # streaming with tools: text held until the calls in it are known
+    text_offset: int = 0  # streaming: where the next token's text starts (completions logprobs)
 
 
 @dataclass
@@ -45,6 +54,7 @@ class _Plan:
     created: int
     prompts: list[list[int]]
     choices: list[_Choice]
+    echo_texts: list[str]  # per prompt: what `echo` puts before the completion ("" without echo)
     gens: list[AsyncGenerator[Delta, None]]
 
 
@@ -54,23 +64,30 @@ class OpenAIService:
 
     # ---- entry points ----------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request_id: str):
-        prompts = [self.frontend.encode(p) for p in req.prompts()]
+        texts = req.prompts()
+        prompts = [self.frontend.encode(p) for p in texts]
         plan = self._plan(req, prompts, req.max_tokens, request_id, "cmpl")
+        if req.echo:
+            tokenizer = self.frontend.tokenizer
+            plan.echo_texts = [t if isinstance(t, str) else tokenizer.decode(ids) if tokenizer is not None else ""
+                               for t, ids in zip(texts, prompts)]
         return await self._respond(req, plan, chat=False)
 
     async def chat(self, req: ChatCompletionRequest, request_id: str):
-        prompt = self.chat_prompt(req.messages, req.add_generation_prompt)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
+        prompt = self.chat_prompt(req.messages, req.add_generation_prompt, tools)
         plan = self._plan(req, [prompt], req.max_new_tokens, request_id, "chatcmpl")
         return await self._respond(req, plan, chat=True)
 
-    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                    tools: list[dict] | None = None) -> list[int]:
         """Token ids of chat messages rendered through the checkpoint's chat template; ApiError 400 if it cannot."""
         template = self.frontend.chat_template
         if template is None:
             raise ApiError(400, "this model has no tokenizer, so chat completions are not available", param="messages")
         rendered = [{**m.model_dump(exclude_none=True), "content": m.text()} for m in messages]
         try:
-            text = template.render(rendered, add_generation_prompt=add_generation_prompt)
+            text = template.render(rendered, add_generation_prompt=add_generation_prompt, tools=tools)
         except ValueError as exc:
             raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages") from exc
         return self.frontend.encode(text, param="messages")
@@ -99,14 +116,24 @@ class OpenAIService:
         f = self.frontend
         choices, gens = [], []
         budgets = [f.max_tokens_for(p, max_tokens) for p in prompts]  # validate all before starting any
+        if isinstance(req, ChatCompletionRequest):
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+            prompt_logprobs = None
+        else:
+            logprobs = req.logprobs
+            prompt_logprobs = req.logprobs if req.echo else None
+        candidates = _candidates(req)
+        if candidates > req.n and logprobs is None:
+            logprobs = 0  # best_of ranks candidates by their cumulative logprob
         for p_index, (prompt, budget) in enumerate(zip(prompts, budgets)):
-            for k in range(req.n):
-                index = p_index * req.n + k
+            for k in range(candidates):
+                index = p_index * candidates + k
                 params = f.sampling(budget, req.temperature, req.top_p, req.top_k, req.seed, req.stop_token_ids,
-                                    req.ignore_eos, k)
+                                    req.ignore_eos, k, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                    **req.sampling_extras())
                 choices.append(_Choice(index, p_index))
                 gens.append(f.deltas(index, prompt, params, f"{request_id}-{index}", req.stop or ()))
-        return _Plan(f"{prefix}-{request_id}", int(time.time()), prompts, choices, gens)
+        return _Plan(f"{prefix}-{request_id}", int(time.time()), prompts, choices, [""] * len(prompts), gens)
 
     async def _respond(self, req, plan: _Plan, chat: bool):
         merged = _merge(plan.gens)
@@ -129,6 +156,30 @@ class OpenAIService:
         return self._body(req, plan, chat)
 
     # ---- bodies ----------------------------------------------------------------------------------
+    @staticmethod
+    def _message(req, text: str, finish_reason: str | None) -> dict[str, Any]:
+        """The assistant message of a chat choice: its tool calls when the request has tools and the text holds
+        calls (NemotronH's <TOOLCALL> format or a JSON call object), else the text."""
+        if not getattr(req, "parses_tool_calls", False):
+            return {"role": "assistant", "content": text}
+        content, calls = parse_tool_calls(text, req.tool_names)
+        if not calls:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": content,
+                "tool_calls": [call.body(i) for i, call in enumerate(calls)]}
+
+    def _completion_logprobs(self, req, plan: _Plan, c: _Choice, token_ids: list[int], entries: list[TokenLogprob],
+                             offset: int, with_prompt: bool) -> dict | None:
+        """The completions logprobs of these tokens; with echo (on the first chunk) the prompt's come first."""
+        if req.logprobs is None:
+            return None
+        ids: list[int] = list(token_ids)
+        aligned: list[TokenLogprob | None] = list(entries)
+        if req.echo and with_prompt:
+            ids = plan.prompts[c.prompt_index] + ids
+            aligned = [None, *c.prompt_logprobs] + aligned
+        return completion_logprobs(self.frontend.tokenizer, ids, aligned, offset)
+
     def _usage(self, plan: _Plan) -> dict:
         prompt_tokens = sum(len(p) for p in plan.prompts)
         completion = sum(len(c.token_ids) for c in plan.choices)
@@ -139,12 +190,16 @@ class OpenAIService:
 
     def _body(self, req, plan: _Plan, chat: bool) -> dict:
         out = []
-        for c in plan.choices:
+        for c in _best(req, plan):
             if chat:
-                choice = {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                          "logprobs": None, "finish_reason": c.finish_reason}
+                message = self._message(req, c.text, c.finish_reason)
+                choice = {"index": c.index, "message": message,
+                          "logprobs": chat_logprobs(self.frontend.tokenizer, c.logprobs) if req.logprobs else None,
+                          "finish_reason": "tool_calls" if message.get("tool_calls") else c.finish_reason}
             else:
-                choice = {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason}
+                choice = {"index": c.index, "text": plan.echo_texts[c.prompt_index] + c.text,
+                          "logprobs": self._completion_logprobs(req, plan, c, c.token_ids, c.logprobs, 0, True),
+                          "finish_reason": c.finish_reason}
             if req.return_token_ids:
                 choice["token_ids"] = c.token_ids
             out.append(choice)
@@ -170,11 +225,36 @@ class OpenAIService:
             delta = first
             while delta is not None:
                 _fold(plan, delta)
+                c = plan.choices[delta.index]
+                opening, c.streamed = not c.streamed, True
                 if chat:
+                    if req.parses_tool_calls:  # calls are known at the end: the text is held until then
+                        c.held += delta.text
+                        if not delta.finish_reason:
+                            delta = await anext(merged, None)
+                            continue
+                        message = self._message(req, c.held, delta.finish_reason)
+                        message.pop("role")
+                        calls = message.get("tool_calls") or []
+                        tool_delta: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
+                        if calls:
+                            tool_delta["tool_calls"] = calls
+                        yield chunk([{"index": delta.index, "delta": tool_delta, "logprobs": None,
+                                      "finish_reason": "tool_calls" if calls else delta.finish_reason}])
+                        delta = await anext(merged, None)
+                        continue
                     choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
-                              "logprobs": None, "finish_reason": delta.finish_reason}
+                              "logprobs": (chat_logprobs(self.frontend.tokenizer, delta.logprobs) if req.logprobs
+                                           else None),
+                              "finish_reason": delta.finish_reason}
                 else:
-                    choice = {"index": delta.index, "text": delta.text, "logprobs": None,
+                    echo = plan.echo_texts[c.prompt_index] if opening else ""
+                    logprobs = self._completion_logprobs(req, plan, c, delta.token_ids, delta.logprobs,
+                                                         c.text_offset, opening)
+                    if logprobs is not None:
+                        c.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1]) \
+                            if logprobs["tokens"] else c.text_offset
+                    choice = {"index": delta.index, "text": echo + delta.text, "logprobs": logprobs,
                               "finish_reason": delta.finish_reason}
                 if req.return_token_ids:
                     choice["token_ids"] = delta.token_ids
@@ -189,10 +269,32 @@ class OpenAIService:
         yield "data: [DONE]\n\n"
 
 
+def _candidates(req) -> int:
+    """Generations per prompt: best_of (completions) or n."""
+    return getattr(req, "best_of", None) or req.n
+
+
+def _best(req, plan: _Plan) -> list[_Choice]:
+    """The choices to answer: with best_of > n, each prompt's n candidates of highest cumulative logprob,
+    re-indexed in that order (usage still counts every candidate, as OpenAI bills them)."""
+    candidates = _candidates(req)
+    if candidates == req.n:
+        return plan.choices
+    chosen = []
+    for p_index in range(len(plan.prompts)):
+        group = plan.choices[p_index * candidates : (p_index + 1) * candidates]
+        group.sort(key=lambda c: sum(e.logprob for e in c.logprobs), reverse=True)
+        for k, c in enumerate(group[: req.n]):
+            chosen.append(dataclasses.replace(c, index=p_index * req.n + k))
+    return chosen
+
+
 def _fold(plan: _Plan, delta: Delta) -> None:
     c = plan.choices[delta.index]
     c.text += delta.text
     c.token_ids.extend(delta.token_ids)
+    c.logprobs.extend(delta.logprobs)
+    c.prompt_logprobs.extend(delta.prompt_logprobs)
     c.num_cached_tokens = max(c.num_cached_tokens, delta.num_cached_tokens)
     if delta.finish_reason:
         c.finish_reason = delta.finish_reason

@@ -166,6 +166,8 @@ class Orchestrator:
                 decision = self.policy.decide(prompt, prefill, decode, self.workers.block_size(), exclude)
             except NoWorkerError as exc:
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
+            if not decision.local and _needs_local(params):
+                decision = Decision(decision.decode, None, "needs_local", 0)
             self.metrics.routing.labels("local" if decision.local else "disaggregated", decision.reason).inc()
             self.recent_decisions.append((active.request_id, decision))
             try:
@@ -294,3 +296,9 @@ class Orchestrator:
                                   timeout=self.config.resilience.control_timeout_s)
             except grpc.RpcError:
                 pass  # the worker is gone; its reservation expires on its own
+
+
+def _needs_local(params: SamplingParams) -> bool:
+    """Logprobs are computed where tokens are sampled: the prefill worker's first token would arrive without
+    its logprob and its prompt logprobs would stay there, so such requests prefill on their decode worker."""
+    return params.logprobs is not None or params.prompt_logprobs is not None

@@ -28,7 +28,8 @@ from hybridserve.statepool.block_hash import block_hashes
 
 logger = logging.getLogger(__name__)
 
-REASONS = ("no_prefill_worker", "decode_prefix_hit", "short_tail", "prefill_cached_prefix", "prefill_least_cost")
+REASONS = ("no_prefill_worker", "decode_prefix_hit", "short_tail", "needs_local", "prefill_cached_prefix",
+           "prefill_least_cost")  # needs_local: the orchestrator's override for requests with logprobs
 
 
 class NoWorkerError(RuntimeError):

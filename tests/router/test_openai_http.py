@@ -121,7 +121,7 @@ def _post(cluster, path: str, content: bytes | str) -> httpx.Response:
     ('{"model": "tiny-hybrid", "prompt": "' + "x" * 300 + '"}', 400, "prompt"),
     ('{"model": "tiny-hybrid", "prompt": [5, 999]}', 400, "prompt"),
     ('{"model": "tiny-hybrid", "prompt": "hi", "n": 0}', 400, "n"),
-    ('{"model": "tiny-hybrid", "prompt": "hi", "logprobs": 2}', 400, None),
+    ('{"model": "tiny-hybrid", "prompt": "hi", "logprobs": 21}', 400, "logprobs"),
     ('{"model": "tiny-hybrid", "prompt": "hi", "colour": "red"}', 400, "colour"),
     ('{"model": "no-such-model", "prompt": "hi"}', 404, "model"),
 ])
