@@ -12,9 +12,7 @@ runs (triton.testing.do_bench) and is printed beside its floor (bytes / copy ban
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_graph import capture  # noqa: E402
 from decode_step import bench_decode_step  # noqa: E402
 from peer import load_peer  # noqa: E402
+from sections import run_sections, write_json  # noqa: E402
 from skinny_linear import bench_skinny_linear  # noqa: E402
 
 from hybridserve.kernels.replay_state_update import ReplayCache, replay_state_update_triton  # noqa: E402
@@ -307,19 +306,8 @@ def main() -> None:
                 "decode": lambda: bench_decode_step(ceil, median_ms, args.quick),
                 "linear": lambda: bench_skinny_linear(ceil, args.quick),
                 "attention": lambda: _attention(ceil, args.quick)}
-    for name, run in sections.items():
-        if name in args.skip:
-            continue
-        try:
-            result[name] = run()
-        except Exception:  # noqa: BLE001 - record and keep going: one broken row must not lose the others
-            result[name] = {"error": traceback.format_exc()}
-            print(f"{name} failed:\n{result[name]['error']}", flush=True)
-        torch.cuda.empty_cache()
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+    run_sections(sections, args.skip, result)
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import json
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sections import run_sections, write_json  # noqa: E402
 
 from hybridserve.models.config import ModelConfig, MoEConfig  # noqa: E402
 from hybridserve.models.forward_batch import ForwardBatch  # noqa: E402
@@ -209,20 +210,8 @@ def main() -> None:
         "fp8": lambda: bench_layer(config, device, timer, ceil, True, batches[:3], prefill),
         "step": lambda: bench_model_step(config, device, timer, ceil),
     }
-    for name, run in sections.items():
-        if name in args.skip:
-            continue
-        try:
-            result[name] = run()
-        except Exception:  # noqa: BLE001 - record and keep going: one broken section must not lose the others
-            result[name] = {"error": traceback.format_exc()}
-            print(f"{name} failed:\n{result[name]['error']}", flush=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+    run_sections(sections, args.skip, result)
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from peer import load_peer  # noqa: E402
+from sections import write_json  # noqa: E402
 
 from hybridserve.kernels.replay_state import ReplayCache  # noqa: E402
 from hybridserve.kernels.replay_state_update import replay_state_update_triton  # noqa: E402
@@ -203,10 +204,7 @@ def main() -> None:
             result["cases"][case] = [{**k, "summary": summary(k)} for k in kernels]
             for k in result["cases"][case]:
                 print(case, json.dumps(k["summary"]), flush=True)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1))
-        print(f"wrote {args.out}")
+    write_json(result, args.out)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [entry for entry in sys.path if Path(entry or ".").resolve() != _HERE]
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 logger = logging.getLogger("train_demo")
@@ -54,63 +53,10 @@ _card = _sibling("train_demo_card")
 _eval = _sibling("train_demo_eval")
 EOS, load_corpus, train_tokenizer = _data.EOS, _data.load_corpus, _data.train_tokenizer
 encode_stream, windows_of = _data.encode_stream, _data.windows_of
-MTP, init_mtp, recurrent_mtp, model_card = _mtp.MTP, _mtp.init_mtp, _mtp.recurrent_mtp, _card.model_card
+MTP, init_mtp, forward_losses, model_card = _mtp.MTP, _mtp.init_mtp, _mtp.forward_losses, _card.model_card
 
 
 # ------------------------------------------------------------------------------------------- training
-
-
-def forward_losses(trunk, mtp: MTP, batch: torch.Tensor, depths: int) -> tuple[torch.Tensor, list, torch.Tensor, list]:  # noqa: ANN001
-    """batch [B, L+1] -> (trunk CE, [MTP CE of depths 1..K], trunk logits [B,L,V], [depth-d logits [B,L-d,V]])."""
-    x = batch[:, :-1]
-    h = trunk.model(input_ids=x, use_cache=False).last_hidden_state  # after norm_f
-    logits = trunk.lm_head(h)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten().long())
-    gs = recurrent_mtp(mtp, trunk.model.embeddings(x[:, 1:]), h[:, :-1], depths)  # slots q = 1..L-1
-    mtp_losses, mtp_logits = [], []
-    for d, g in enumerate(gs, start=1):  # depth d is valid from slot d-1 on; slot i predicts x_(i+2)
-        lg = trunk.lm_head(g[:, d - 1 :])
-        mtp_losses.append(F.cross_entropy(lg.float().flatten(0, 1), batch[:, d + 1 :].flatten().long()))
-        mtp_logits.append(lg)
-    return loss, mtp_losses, logits, mtp_logits
-
-
-@torch.no_grad()
-def evaluate(trunk, mtp: MTP, windows: torch.Tensor, batch_size: int, device: str, depths: int) -> dict:  # noqa: ANN001
-    """Held-out trunk loss / top-1 and, per MTP depth, loss / top-1 over non-overlapping windows."""
-    nan = float("nan")
-    if windows.shape[0] == 0:
-        return {"trunk_loss_nats_per_token": nan, "trunk_top1_accuracy": nan, "mtp_loss_nats_per_token": nan,
-                "mtp_top1_accuracy": nan, "mtp_depths": [], "tokens": 0}
-    trunk.eval()
-    mtp.eval()
-    nll = correct = n = 0.0
-    d_nll, d_correct, d_n = [0.0] * depths, [0] * depths, [0] * depths
-    for start in range(0, windows.shape[0], batch_size):
-        batch = windows[start : start + batch_size].to(device).long()
-        with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=device != "cpu"):
-            loss, mtp_losses, logits, mtp_logits = forward_losses(trunk, mtp, batch, depths)
-        count = batch[:, 1:].numel()
-        nll += float(loss) * count
-        correct += int((logits.argmax(-1) == batch[:, 1:]).sum())
-        n += count
-        for d in range(depths):
-            target = batch[:, d + 2 :]
-            d_nll[d] += float(mtp_losses[d]) * target.numel()
-            d_correct[d] += int((mtp_logits[d].argmax(-1) == target).sum())
-            d_n[d] += target.numel()
-    trunk.train()
-    mtp.train()
-    per_depth = [{"depth": d + 1, "loss_nats_per_token": d_nll[d] / d_n[d], "top1_accuracy": d_correct[d] / d_n[d]}
-                 for d in range(depths)]
-    return {
-        "trunk_loss_nats_per_token": nll / n,
-        "trunk_top1_accuracy": correct / n,
-        "mtp_loss_nats_per_token": per_depth[0]["loss_nats_per_token"],
-        "mtp_top1_accuracy": per_depth[0]["top1_accuracy"],
-        "mtp_depths": per_depth,
-        "tokens": int(n),
-    }
 
 
 def lr_at(step: int, total: int, warmup: int, peak: float, floor: float) -> float:
@@ -355,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             history.append({"step": step, "loss": loss.item(), "mtp_losses": [m.item() for m in mtp_losses],
                             "elapsed_s": elapsed})
         if validation_windows.shape[0] and ((args.eval_every and step % args.eval_every == 0) or step == total):
-            val = evaluate(trunk, mtp, validation_windows, args.batch_size, device, args.mtp_depths)
+            val = _eval.heldout_metrics(trunk, mtp, validation_windows, args.batch_size, device, args.mtp_depths)
             val_loss = val["trunk_loss_nats_per_token"] + args.mtp_weight * sum(
                 d["loss_nats_per_token"] for d in val["mtp_depths"])
             logger.info("validation @%d: trunk %.4f mtp %s", step, val["trunk_loss_nats_per_token"],
@@ -414,69 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     write_outputs(report, cfg, mtp_kinds, out_dir, args.tar)
     logger.info("saved %s (model.safetensors %.2f MB) at %.0fs", out_dir, size_mb, time.perf_counter() - t_start)
-    _evaluate_all(report, trunk, mtp, tokenizer, corpus, heldout_windows, train_stream, args, deadline, out_dir,
+    _eval.evaluate_trained(report, trunk, mtp, tokenizer, corpus, heldout_windows, train_stream, args, deadline, out_dir,
                   lambda: write_outputs(report, cfg, mtp_kinds, out_dir, args.tar))
     report["train"]["total_time_s"] = round(time.perf_counter() - t_start, 1)
     write_outputs(report, cfg, mtp_kinds, out_dir, args.tar)
     logger.info("wrote %s in %.1fs total", out_dir, report["train"]["total_time_s"])
     return 0
-
-
-def _evaluate_all(report: dict, trunk, mtp, tokenizer, corpus, heldout_windows, train_stream,  # noqa: ANN001, PLR0913
-                  args: argparse.Namespace, deadline: float, out_dir: Path, save) -> None:  # noqa: ANN001
-    """Held-out loss, reload check, samples, parse rate and acceptance into `report` (phases skipped when the
-    time budget is spent, and said so)."""
-    device = args.device
-    report["heldout"] = evaluate(trunk, mtp, heldout_windows, args.batch_size, device, args.mtp_depths)
-    logger.info("held-out (bf16 weights): %s", report["heldout"])
-    from transformers import NemotronHForCausalLM as Loaded
-
-    reloaded = Loaded.from_pretrained(str(out_dir), dtype=torch.float32).to(device).eval()
-    probe = train_stream[:257][None].to(device).long()
-    with torch.no_grad():
-        diff = float((trunk(probe, use_cache=False).logits - reloaded(probe, use_cache=False).logits).abs().max())
-    report["model"]["reload_max_logit_diff"] = diff
-    logger.info("reloaded checkpoint: max |logit diff| %.2e", diff)
-    del reloaded
-    gen_budget = max(0.0, min(60.0, deadline - time.perf_counter() - 45.0))
-    samples = _eval.greedy_hf(trunk, tokenizer, list(SAMPLE_PROMPTS), 64, device, gen_budget)
-    report["samples"] = {s["prompt"]: s["text"] for s in samples}
-    prompts = _eval.heldout_prompts(corpus.heldout, args.eval_prompts)
-    gens = _eval.greedy_hf(trunk, tokenizer, prompts, args.gen_tokens, device,
-                           max(0.0, min(60.0, deadline - time.perf_counter() - 45.0)))
-    passed = [_eval.parses(g["prompt"], g["text"], g["finished"]) for g in gens]
-    report["parse"] = {"prompts": len(prompts), "generated": len(gens), "max_tokens": args.gen_tokens,
-                       "parse_rate": sum(passed) / max(1, len(gens)), "path": "transformers generate (greedy)",
-                       "examples": [{"prompt": g["prompt"], "continuation": g["text"], "parses": ok}
-                                    for g, ok in list(zip(gens, passed))[:6]]}
-    logger.info("parse rate %.3f over %d held-out prompts", report["parse"]["parse_rate"], len(gens))
-    acc = _eval.replay_acceptance(trunk, mtp, recurrent_mtp, gens, args.mtp_depths, device)
-    report["acceptance"] = {"path": "replay of the greedy continuations through trunk + recurrent MTP",
-                            "acceptance_length": acc}
-    logger.info("MTP acceptance length (replay) %s", {k: round(v, 3) for k, v in acc.items()})
-    save()  # the transformers-side numbers are on disk before the engine runs
-    if args.no_engine_eval or not device.startswith("cuda"):
-        return
-    if deadline - time.perf_counter() < 40.0:
-        logger.warning("no time left for the engine evaluation")
-        report["engine"] = {"skipped": "time budget"}
-        return
-    del trunk, mtp
-    torch.cuda.empty_cache()
-    try:
-        engine = _eval.engine_eval(out_dir, prompts, args.gen_tokens, args.mtp_depths, deadline)
-    except Exception as exc:  # noqa: BLE001 - the engine numbers are extra; the report says why they are missing
-        logger.warning("engine evaluation failed: %r", exc)
-        report["engine"] = {"error": repr(exc)}
-        return
-    ok = [_eval.parses(p, t or "", f) for p, t, f in zip(prompts, engine.pop("texts"), engine.pop("finished"))]
-    engine["parse_rate"] = sum(ok) / max(1, len(ok))
-    report["engine"] = engine
-    logger.info("engine: parse rate %.3f, acceptance %s (%.0fs)", engine["parse_rate"], engine["acceptance_length"],
-                engine["seconds"])
-
-
-SAMPLE_PROMPTS = ("def fib(n):", "import os\n\n\ndef ", "class Stack:\n    def __init__(self):")
 
 
 if __name__ == "__main__":

@@ -15,12 +15,14 @@ accepted tokens + 1, which is what greedy speculative decoding with this drafter
 
 from __future__ import annotations
 
+import argparse
 import ast
 import logging
 import time
 from pathlib import Path
 
 import torch
+from train_demo_mtp import MTP, forward_losses, recurrent_mtp  # loaded by train_demo.py before this module
 
 logger = logging.getLogger("train_demo")
 STOPS = ("\ndef ", "\nclass ", "\n@", "\nif __name__", "\nasync def ")
@@ -150,3 +152,98 @@ def engine_eval(model_dir: Path, prompts: list[str], max_tokens: int, max_k: int
         del llm
     result["seconds"] = round(time.perf_counter() - t0, 1)
     return result
+
+
+@torch.no_grad()
+def heldout_metrics(trunk, mtp: MTP, windows: torch.Tensor, batch_size: int, device: str, depths: int) -> dict:  # noqa: ANN001
+    """Held-out trunk loss / top-1 and, per MTP depth, loss / top-1 over non-overlapping windows."""
+    nan = float("nan")
+    if windows.shape[0] == 0:
+        return {"trunk_loss_nats_per_token": nan, "trunk_top1_accuracy": nan, "mtp_loss_nats_per_token": nan,
+                "mtp_top1_accuracy": nan, "mtp_depths": [], "tokens": 0}
+    trunk.eval()
+    mtp.eval()
+    nll = correct = n = 0.0
+    d_nll, d_correct, d_n = [0.0] * depths, [0] * depths, [0] * depths
+    for start in range(0, windows.shape[0], batch_size):
+        batch = windows[start : start + batch_size].to(device).long()
+        with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=device != "cpu"):
+            loss, mtp_losses, logits, mtp_logits = forward_losses(trunk, mtp, batch, depths)
+        count = batch[:, 1:].numel()
+        nll += float(loss) * count
+        correct += int((logits.argmax(-1) == batch[:, 1:]).sum())
+        n += count
+        for d in range(depths):
+            target = batch[:, d + 2 :]
+            d_nll[d] += float(mtp_losses[d]) * target.numel()
+            d_correct[d] += int((mtp_logits[d].argmax(-1) == target).sum())
+            d_n[d] += target.numel()
+    trunk.train()
+    mtp.train()
+    per_depth = [{"depth": d + 1, "loss_nats_per_token": d_nll[d] / d_n[d], "top1_accuracy": d_correct[d] / d_n[d]}
+                 for d in range(depths)]
+    return {
+        "trunk_loss_nats_per_token": nll / n,
+        "trunk_top1_accuracy": correct / n,
+        "mtp_loss_nats_per_token": per_depth[0]["loss_nats_per_token"],
+        "mtp_top1_accuracy": per_depth[0]["top1_accuracy"],
+        "mtp_depths": per_depth,
+        "tokens": int(n),
+    }
+
+
+def evaluate_trained(report: dict, trunk, mtp, tokenizer, corpus, heldout_windows, train_stream,  # noqa: ANN001, PLR0913
+                  args: argparse.Namespace, deadline: float, out_dir: Path, save) -> None:  # noqa: ANN001
+    """Held-out loss, reload check, samples, parse rate and acceptance into `report` (phases skipped when the
+    time budget is spent, and said so)."""
+    device = args.device
+    report["heldout"] = heldout_metrics(trunk, mtp, heldout_windows, args.batch_size, device, args.mtp_depths)
+    logger.info("held-out (bf16 weights): %s", report["heldout"])
+    from transformers import NemotronHForCausalLM as Loaded
+
+    reloaded = Loaded.from_pretrained(str(out_dir), dtype=torch.float32).to(device).eval()
+    probe = train_stream[:257][None].to(device).long()
+    with torch.no_grad():
+        diff = float((trunk(probe, use_cache=False).logits - reloaded(probe, use_cache=False).logits).abs().max())
+    report["model"]["reload_max_logit_diff"] = diff
+    logger.info("reloaded checkpoint: max |logit diff| %.2e", diff)
+    del reloaded
+    gen_budget = max(0.0, min(60.0, deadline - time.perf_counter() - 45.0))
+    samples = greedy_hf(trunk, tokenizer, list(SAMPLE_PROMPTS), 64, device, gen_budget)
+    report["samples"] = {s["prompt"]: s["text"] for s in samples}
+    prompts = heldout_prompts(corpus.heldout, args.eval_prompts)
+    gens = greedy_hf(trunk, tokenizer, prompts, args.gen_tokens, device,
+                           max(0.0, min(60.0, deadline - time.perf_counter() - 45.0)))
+    passed = [parses(g["prompt"], g["text"], g["finished"]) for g in gens]
+    report["parse"] = {"prompts": len(prompts), "generated": len(gens), "max_tokens": args.gen_tokens,
+                       "parse_rate": sum(passed) / max(1, len(gens)), "path": "transformers generate (greedy)",
+                       "examples": [{"prompt": g["prompt"], "continuation": g["text"], "parses": ok}
+                                    for g, ok in list(zip(gens, passed))[:6]]}
+    logger.info("parse rate %.3f over %d held-out prompts", report["parse"]["parse_rate"], len(gens))
+    acc = replay_acceptance(trunk, mtp, recurrent_mtp, gens, args.mtp_depths, device)
+    report["acceptance"] = {"path": "replay of the greedy continuations through trunk + recurrent MTP",
+                            "acceptance_length": acc}
+    logger.info("MTP acceptance length (replay) %s", {k: round(v, 3) for k, v in acc.items()})
+    save()  # the transformers-side numbers are on disk before the engine runs
+    if args.no_engine_eval or not device.startswith("cuda"):
+        return
+    if deadline - time.perf_counter() < 40.0:
+        logger.warning("no time left for the engine evaluation")
+        report["engine"] = {"skipped": "time budget"}
+        return
+    del trunk, mtp
+    torch.cuda.empty_cache()
+    try:
+        engine = engine_eval(out_dir, prompts, args.gen_tokens, args.mtp_depths, deadline)
+    except Exception as exc:  # noqa: BLE001 - the engine numbers are extra; the report says why they are missing
+        logger.warning("engine evaluation failed: %r", exc)
+        report["engine"] = {"error": repr(exc)}
+        return
+    ok = [parses(p, t or "", f) for p, t, f in zip(prompts, engine.pop("texts"), engine.pop("finished"))]
+    engine["parse_rate"] = sum(ok) / max(1, len(ok))
+    report["engine"] = engine
+    logger.info("engine: parse rate %.3f, acceptance %s (%.0fs)", engine["parse_rate"], engine["acceptance_length"],
+                engine["seconds"])
+
+
+SAMPLE_PROMPTS = ("def fib(n):", "import os\n\n\ndef ", "class Stack:\n    def __init__(self):")

@@ -150,3 +150,18 @@ def init_mtp(mtp: MTP, std: float) -> None:
     for module in mtp.modules():
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, std=std)
+
+
+def forward_losses(trunk, mtp: MTP, batch: torch.Tensor, depths: int) -> tuple[torch.Tensor, list, torch.Tensor, list]:  # noqa: ANN001
+    """batch [B, L+1] -> (trunk CE, [MTP CE of depths 1..K], trunk logits [B,L,V], [depth-d logits [B,L-d,V]])."""
+    x = batch[:, :-1]
+    h = trunk.model(input_ids=x, use_cache=False).last_hidden_state  # after norm_f
+    logits = trunk.lm_head(h)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten().long())
+    gs = recurrent_mtp(mtp, trunk.model.embeddings(x[:, 1:]), h[:, :-1], depths)  # slots q = 1..L-1
+    mtp_losses, mtp_logits = [], []
+    for d, g in enumerate(gs, start=1):  # depth d is valid from slot d-1 on; slot i predicts x_(i+2)
+        lg = trunk.lm_head(g[:, d - 1 :])
+        mtp_losses.append(F.cross_entropy(lg.float().flatten(0, 1), batch[:, d + 1 :].flatten().long()))
+        mtp_logits.append(lg)
+    return loss, mtp_losses, logits, mtp_logits

@@ -20,11 +20,6 @@ PROMPT = "The quick brown fox jumps over the lazy dog, again and again."
 
 
 @pytest.fixture(scope="module")
-def client(cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
 def offline(model_dir):
     llm = LLM(str(model_dir))
 

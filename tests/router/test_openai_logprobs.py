@@ -5,7 +5,6 @@ prompt logits; such requests prefill on their decode worker (the prefill worker'
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 import torch
 from router_cluster import MODEL_NAME
@@ -13,11 +12,6 @@ from router_cluster import MODEL_NAME
 from hybridserve import LLM
 
 PROMPT = "Logprobs, echo and top alternatives."
-
-
-@pytest.fixture(scope="module")
-def client(cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")

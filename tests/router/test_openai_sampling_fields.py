@@ -5,18 +5,12 @@ max_completion_tokens and user; bad values get a 400 naming the field."""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 from router_cluster import MODEL_NAME
 
 from hybridserve import LLM, SamplingParams
 
 PROMPT = "Sampling fields, one by one."
-
-
-@pytest.fixture(scope="module")
-def client(cluster) -> openai.OpenAI:
-    return openai.OpenAI(base_url=cluster.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 def _ids(choice) -> list[int]:
