@@ -16,6 +16,7 @@ and lm_head(g_q) predicts x_{q+1}. Embedding and lm_head are the trunk's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import logging
@@ -51,6 +52,7 @@ _data = _sibling("train_demo_data")
 _mtp = _sibling("train_demo_mtp")
 _card = _sibling("train_demo_card")
 _eval = _sibling("train_demo_eval")
+_scan = _sibling("train_demo_scan")
 EOS, load_corpus, train_tokenizer = _data.EOS, _data.load_corpus, _data.train_tokenizer
 encode_stream, windows_of = _data.encode_stream, _data.windows_of
 MTP, init_mtp, forward_losses, model_card = _mtp.MTP, _mtp.init_mtp, _mtp.forward_losses, _card.model_card
@@ -160,6 +162,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-files", type=int, default=None, help="debug: only the first N files")
     p.add_argument("--tokenizer-dir", type=Path, default=None, help="reuse a trained tokenizer")
     p.add_argument("--compile", action="store_true", help="torch.compile the loss function")
+    p.add_argument("--torch-scan", action="store_true", help="train with transformers' torch scan, not mamba_ssm's")
+    p.add_argument("--line-break-rate", type=float, default=0.15,
+                   help="share of training line ends encoded as a piece boundary (prompts ending in a newline)")
     args = p.parse_args(argv)
     if args.calib_steps <= 10:
         p.error("--calib-steps must exceed 10 (steps 10..calib-steps are timed)")
@@ -217,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer.save_pretrained(str(out_dir))
     else:
         tokenizer = train_tokenizer(tokenizer_texts(corpus.train, args.tokenizer_mb), args.vocab_size, out_dir)
-    train_stream = encode_stream(tokenizer, [t for _, t in corpus.train])
+    train_stream = encode_stream(tokenizer, [t for _, t in corpus.train], args.line_break_rate, args.seed)
     heldout_stream = encode_stream(tokenizer, [t for _, t in corpus.heldout])
     validation_stream = encode_stream(tokenizer, [t for _, t in corpus.validation])
     tok_time = time.perf_counter() - t0
@@ -264,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     t_calib = None
     autocast = device != "cpu"
     history: list[dict] = []
+    scan_patch = contextlib.ExitStack()
+    triton_scan = False if args.torch_scan else scan_patch.enter_context(_scan.fast_scan(device))
     while total is None or step < total:
         offsets = torch.randint(0, train_stream.numel() - args.seq_len - 1, (args.batch_size,), generator=gen)
         batch = stream_dev[offsets.to(device)[:, None] + span[None, :]].long()
@@ -314,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             break
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+    scan_patch.close()
     train_time = time.perf_counter() - t_loop
     tokens_seen = step * args.batch_size * args.seq_len
     logger.info("trained %d steps, %.1fM tokens in %.1fs", step, tokens_seen / 1e6, train_time)
@@ -339,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         "train": {
             "steps": step, "tokens_seen": tokens_seen, "train_time_s": round(train_time, 1),
             "total_time_s": nan, "tokenizer_and_encoding_s": round(tok_time, 1),
-            "shipped_step": best["step"] or step,
+            "shipped_step": best["step"] or step, "triton_scan": triton_scan,
         },
         "data": {
             "corpus": str(corpus.root), "python": (corpus.manifest or {}).get("python", platform.python_version()),

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
+import re
 import sysconfig
 import tarfile
 from dataclasses import dataclass
@@ -119,12 +121,36 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):  # noqa: 
     return fast
 
 
-def encode_stream(tokenizer, texts: list[str]) -> torch.Tensor:  # noqa: ANN001
-    """All documents concatenated, each followed by EOS."""
+def line_pieces(text: str, rate: float, rng: random.Random) -> list[str]:
+    """`text` split right after a random `rate` share of its newlines (all pieces joined give `text` back)."""
+    if rate <= 0.0:
+        return [text]
+    pieces, start = [], 0
+    for match in re.finditer("\n", text):
+        end = match.end()
+        if end < len(text) and rng.random() < rate:
+            pieces.append(text[start:end])
+            start = end
+    pieces.append(text[start:])
+    return pieces
+
+
+def encode_stream(tokenizer, texts: list[str], line_break_rate: float = 0.0, seed: int = 0) -> torch.Tensor:  # noqa: ANN001
+    """All documents concatenated, each followed by EOS.
+
+    With `line_break_rate` > 0 a random share of line ends is encoded as a piece boundary: BPE then ends the
+    line with a lone newline token and starts the next one with its indentation, which is exactly how a
+    prompt that ends in a newline is tokenized. Without it the model only ever sees newline+indent merged
+    and, given a prompt ending in a bare newline, continues at column 0 (the prompt-boundary problem).
+    """
     eos = tokenizer.convert_tokens_to_ids(EOS)
+    rng = random.Random(seed)
+    split = [line_pieces(text, line_break_rate, rng) for text in texts]
+    encoded = iter(tokenizer._tokenizer.encode_batch([p for pieces in split for p in pieces], add_special_tokens=False))
     ids: list[int] = []
-    for enc in tokenizer._tokenizer.encode_batch(texts, add_special_tokens=False):
-        ids.extend(enc.ids)
+    for pieces in split:
+        for _ in pieces:
+            ids.extend(next(encoded).ids)
         ids.append(eos)
     return torch.tensor(ids, dtype=torch.int32)
 

@@ -1,0 +1,93 @@
+"""Training-time Mamba2 chunk scan for bench/train_demo.py: transformers' NemotronH runs its SSD scan as a
+chain of fp32 einsums whose backward dominates a training step of the small demo model (~1 % of the GPU's
+matmul peak). mamba_ssm's Triton `mamba_chunk_scan_combined` has a fused forward and backward; when its
+sources are present (`bash ../shared/device/fetch.sh --peer` -> .peer/) it is patched in for the training
+loop only, after a check against transformers' own scan on the same inputs. Evaluation runs unpatched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("train_demo")
+
+
+def _triton_scan(combined: Callable[..., Any]) -> Callable[..., Any]:
+    """transformers' `mamba2_chunk_scan` signature on top of mamba_ssm's combined Triton scan."""
+
+    def scan(hidden_states, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,  # noqa: ANN001, ANN202, N803, PLR0913
+             dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **_: Any):
+        # hidden_states [b, l, h, p]; dt [b, l, h]; A [h]; B, C [b, l, g, n]
+        return combined(hidden_states, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
+                        initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                        return_final_states=return_final_states)
+
+    return scan
+
+
+def _max_rel_error(reference: Callable[..., Any], candidate: Callable[..., Any], device: str) -> float:
+    """Largest relative error of output and input gradients, candidate vs reference, on one random input."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    b, length, heads, dim, groups, state = 2, 256, 8, 64, 2, 32
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(device).requires_grad_()
+
+    x, dt, b_, c_ = rand(b, length, heads, dim), rand(b, length, heads, scale=0.5), rand(b, length, groups, state), \
+        rand(b, length, groups, state)
+    a = (-torch.rand(heads, generator=gen) - 0.5).to(device)
+    d, bias = torch.ones(heads, device=device), torch.zeros(heads, device=device)
+    worst = 0.0
+    outs = []
+    for fn in (reference, candidate):
+        y = fn(x, dt, a, b_, c_, 32, D=d, dt_bias=bias, dt_softplus=True).float()
+        grads = torch.autograd.grad(y.square().sum(), (x, dt, b_, c_))
+        outs.append((y, *grads))
+    for ref, got in zip(*outs):
+        worst = max(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-12)))
+    return worst
+
+
+@contextmanager
+def fast_scan(device: str) -> Iterator[bool]:
+    """Patch the Triton scan into transformers' NemotronH while the block runs; yields whether it did."""
+    if not device.startswith("cuda"):
+        yield False
+        return
+    try:
+        from peer import load_peer  # bench/peer.py, put on sys.path by train_demo.py's loader
+    except ImportError:
+        import importlib.util
+        from pathlib import Path
+
+        spec = importlib.util.spec_from_file_location("peer", Path(__file__).resolve().parent / "peer.py")
+        assert spec is not None and spec.loader is not None  # ships next to this file
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        load_peer = module.load_peer
+    try:
+        combined = load_peer()["mamba_chunk_scan_combined"]
+    except ImportError as exc:
+        logger.warning("mamba_ssm Triton sources not available (%s): training with transformers' torch scan", exc)
+        yield False
+        return
+    from transformers.models.nemotron_h import modeling_nemotron_h as modeling
+
+    reference = modeling.mamba2_chunk_scan
+    patched = _triton_scan(combined)
+    error = _max_rel_error(reference, patched, device)
+    if error > 1e-2:
+        logger.warning("Triton scan differs from transformers' by %.2e (> 1e-2): not used", error)
+        yield False
+        return
+    logger.info("training with mamba_ssm's Triton chunk scan (max rel. error vs transformers %.1e)", error)
+    modeling.mamba2_chunk_scan = patched
+    try:
+        yield True
+    finally:
+        modeling.mamba2_chunk_scan = reference
