@@ -164,6 +164,27 @@ def moe_experts_ref(
     return out.to(x.dtype) if shared_out is None else out.to(x.dtype) + shared_out
 
 
+def moe_layer_ref(
+    x: torch.Tensor,  # [N, hidden] router input
+    router_weight: torch.Tensor,  # [E, hidden]
+    correction_bias: torch.Tensor,  # [E] fp32
+    spec: RouterSpec,
+    w_up: torch.Tensor,  # [E, I, D]
+    w_down: torch.Tensor,  # [E, D, I]
+    up_scale: torch.Tensor | None = None,  # [E, I]
+    down_scale: torch.Tensor | None = None,  # [E, D]
+    expert_x: torch.Tensor | None = None,  # [N, D] the experts' input when it is not x (latent MoE)
+    shared_out: torch.Tensor | None = None,  # [N, D]
+    shared_up: torch.Tensor | None = None,  # [S * I, D] with spec.num_shared = S
+    shared_down: torch.Tensor | None = None,  # [D, S * I]
+    small_max_pairs: int | None = None,  # the Triton path's dispatch threshold: one path here
+) -> torch.Tensor:
+    """A whole MoE layer's routed part: `route_topk` then `moe_experts_ref` -> [N, D] in the experts' dtype."""
+    weights, ids = route_topk(x, router_weight, correction_bias, spec)
+    return moe_experts_ref(x if expert_x is None else expert_x, w_up, w_down, weights, ids, up_scale, down_scale,
+                           shared_out, shared_up, shared_down)
+
+
 def quantize_fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, out, in] -> (float8_e4m3fn weights, per-channel fp32 scales [E, out]) with amax / 448 scaling."""
     amax = weight.float().abs().amax(dim=-1).clamp_min(1e-12)  # [E, out]

@@ -26,14 +26,15 @@ from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting, nex
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scaling,
+def topk_choice(
+    logits_ptr, bias_ptr, row, E, scaling,
     K: tl.constexpr, K_BLOCK: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
     NORM: tl.constexpr, SHARED: tl.constexpr,
 ):
-    """One token per program: sigmoid scores, bias-corrected choice limited to the TOPK_GROUP groups with the best
-    top-2 sums, K arg-maxes; weights are the unbiased scores (normalised) times the scaling factor."""
-    row = tl.program_id(0).to(tl.int64)
+    """Token `row`'s choice from its fp32 logits [E]: sigmoid scores, bias-corrected choice limited to the
+    TOPK_GROUP groups with the best top-2 sums, K arg-maxes; weights are the unbiased scores (normalised) times
+    the scaling factor; slots K .. K + SHARED - 1 hold the shared chunks (experts E.., weight 1).
+    -> (ids [K_BLOCK] int64, weights [K_BLOCK] fp32). Shared by the router kernel and the small-M up kernel."""
     offs = tl.arange(0, N_GROUP * PER_GROUP)
     valid = offs < E
     score = tl.sigmoid(tl.load(logits_ptr + row * E + offs, mask=valid, other=0.0))
@@ -68,20 +69,77 @@ def _route_kernel(
     if SHARED > 0:  # the shared expert's chunks: experts E .. E + SHARED - 1, weight 1
         chosen = tl.where(slots >= K, (E + slots - K).to(tl.int64), chosen)
         weight = tl.where(slots >= K, 1.0, weight)
+    return chosen, weight
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scaling,
+    K: tl.constexpr, K_BLOCK: tl.constexpr, N_GROUP: tl.constexpr, PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    NORM: tl.constexpr, SHARED: tl.constexpr,
+):
+    """One token per program: `topk_choice`, stored as [N, K + SHARED] ids and weights."""
+    row = tl.program_id(0).to(tl.int64)
+    chosen, weight = topk_choice(logits_ptr, bias_ptr, row, E, scaling, K, K_BLOCK, N_GROUP, PER_GROUP,
+                                 TOPK_GROUP, NORM, SHARED)
+    slots = tl.arange(0, K_BLOCK)
     width = K + SHARED
     tl.store(ids_ptr + row * width + slots, chosen, mask=slots < width)
     tl.store(weights_ptr + row * width + slots, weight, mask=slots < width)
 
 
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, E, D, x_m, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """logits[t, e] = sum_k x[t, k] * W[e, k] in fp32 from the weight's own dtype (no fp32 copy of it): one
+    program per (token, BLOCK_E experts), so a few tokens' router GEMV spreads over many SMs."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
+    acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < D
+        xv = tl.load(x_ptr + row * x_m + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * D + k[None, :], mask=e_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        acc += w.to(tl.float32) * xv[None, :]
+    tl.store(logits_ptr + row * E + offs_e, tl.sum(acc, 1), mask=e_ok)
+
+
+# up to this many tokens the router logits come from `_router_logits_kernel` (one launch, no fp32 weight copy);
+# above, cuBLAS (the weight read once for all tokens)
+ROUTER_GEMV_MAX_TOKENS = 16
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[N, hidden] x, [E, hidden] weight -> fp32 logits [N, E], as F.linear(x.float(), weight.float())."""
+    n, (num_experts, d) = x.shape[0], weight.shape
+    if n > ROUTER_GEMV_MAX_TOKENS or n == 0:
+        return F.linear(x.float(), weight.float()).contiguous()
+    x, weight = x.contiguous(), weight.contiguous()
+    logits = torch.empty(n, num_experts, dtype=torch.float32, device=x.device)
+    block_e = 4 if not interpreting() else 8
+    _router_logits_kernel[(n, triton.cdiv(num_experts, block_e))](x, weight, logits, num_experts, d, x.stride(0),
+                                                                  BLOCK_E=block_e, BLOCK_K=512 if not
+                                                                  interpreting() else 32, num_warps=4)
+    return logits
+
+
+def groups_fit(spec: RouterSpec) -> bool:
+    """The choice kernel needs power-of-two groups and experts per group (others take the reference)."""
+    per_group = spec.num_experts // spec.n_group
+    return not (per_group & (per_group - 1) or spec.n_group & (spec.n_group - 1))
+
+
 def route_topk_triton(
     x: torch.Tensor, weight: torch.Tensor, correction_bias: torch.Tensor, spec: RouterSpec
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `route_topk`: cuBLAS fp32 logits, then one kernel for the choice (10 torch kernels in
-    the reference). Expert counts / groups that are not powers of two take the reference."""
-    per_group = spec.num_experts // spec.n_group
-    if per_group & (per_group - 1) or spec.n_group & (spec.n_group - 1):
+    """Same contract as `route_topk`: fp32 logits (`router_logits`), then one kernel for the choice (10 torch
+    kernels in the reference). Expert counts / groups that are not powers of two take the reference."""
+    if not groups_fit(spec):
         return route_topk(x, weight, correction_bias, spec)
-    logits = F.linear(x.float(), weight.float()).contiguous()  # [N, E]
+    per_group = spec.num_experts // spec.n_group
+    logits = router_logits(x, weight)  # [N, E]
     n, width = logits.shape[0], spec.top_k + spec.num_shared
     weights = torch.empty(n, width, dtype=torch.float32, device=x.device)
     ids = torch.empty(n, width, dtype=torch.int64, device=x.device)
@@ -153,26 +211,29 @@ def moe_align_triton(
     return sorted_pairs, block_expert, used_rows
 
 
-# (BLOCK_N, BLOCK_K, warps, stages): decode blocks (BLOCK_M <= 32) stream weight tiles, prefill blocks are MMA
-# tiles; kept small so the first call of each launch family compiles in seconds
-_DECODE_TILES = [(n, k, 4, s) for n in (32, 64) for k in (128, 256) for s in (3, 4)]
-_PREFILL_TILES = [(64, 64, 4, 3), (64, 128, 4, 4), (64, 64, 8, 4), (128, 64, 4, 3), (128, 64, 4, 4),
-                  (128, 64, 8, 3), (128, 128, 4, 3), (128, 128, 8, 3)]
+# (BLOCK_N, BLOCK_K, warps, stages, GROUP_M): decode blocks (BLOCK_M <= 32) stream weight tiles; prefill blocks
+# (BLOCK_M 64 / 128) are Hopper warpgroup-MMA tiles, 8 warps (two warpgroups) over 128 x 128 / 256 accumulators,
+# 3-4 stages of cp.async, GROUP_M blocks of rows sharing each weight tile while it is in L2 (an expert's rows
+# are adjacent blocks); kept to a few so the first call of each launch family compiles and tunes in seconds
+_DECODE_TILES = [(n, k, 4, s, 1) for n in (32, 64) for k in (128, 256) for s in (3, 4)]
+_PREFILL_TILES = [(128, 64, 8, 3, 8), (128, 64, 8, 4, 8), (256, 64, 8, 3, 8), (128, 128, 8, 3, 8),
+                  (128, 64, 4, 4, 8), (64, 64, 4, 4, 8), (128, 64, 8, 4, 1)]
 
 
 def _gemm_configs() -> list[triton.Config]:
     """Autotune space on the GPU; one small config under the interpreter (tests)."""
     if interpreting():
-        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-            for n, k, w, s in sorted(set(_DECODE_TILES) | set(_PREFILL_TILES))]
+        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}, num_warps=w, num_stages=s)
+            for n, k, w, s, g in sorted(set(_DECODE_TILES) | set(_PREFILL_TILES))]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
     """The decode tiles for BLOCK_M <= 32, the prefill tiles above."""
     block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 16))
     tiles = set(_DECODE_TILES if isinstance(block_m, int) and block_m <= 32 else _PREFILL_TILES)
-    kept = [c for c in configs if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in tiles]
+    kept = [c for c in configs
+            if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages, c.kwargs["GROUP_M"]) in tiles]
     return kept or configs
 
 
@@ -181,21 +242,30 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
 @triton.jit
 def _moe_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, scale_ptr, route_w_ptr, out_ptr, sorted_ptr, block_expert_ptr, used_rows_ptr,
-    num_pairs, num_routed, N_OUT, K, a_m, w_e, w_n, ws_e, ws_n, out_m,
+    num_pairs, num_routed, num_blocks, N_OUT, K, a_m, w_e, w_n, ws_e, ws_n, out_m,
     SHARED: tl.constexpr, A_ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    RELU2: tl.constexpr, ROUTE_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, RELU2: tl.constexpr, ROUTE_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
     """out[pair, n] = act(sum_k a[pair // A_ROW_DIV, k] * W[e, n, k] * scale[e, n]) (* route weight[pair]);
-    with SHARED, experts e >= num_routed are chunks of the shared expert's weight at ws_ptr."""
-    pid_m = tl.program_id(0)
+    with SHARED, experts e >= num_routed are chunks of the shared expert's weight at ws_ptr. One program per
+    (row block, column tile), GROUP_M row blocks at a time walking the column tiles (the swizzle that keeps a
+    group's gathered rows and each weight tile in L2)."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N_OUT, BLOCK_N)
+    group = pid // (GROUP_M * n_tiles)
+    first_m = group * GROUP_M
+    group_rows = tl.minimum(num_blocks - first_m, GROUP_M)
+    in_group = pid % (GROUP_M * n_tiles)
+    pid_m = first_m + in_group % group_rows
+    pid_n = in_group // group_rows
     if pid_m * BLOCK_M >= tl.load(used_rows_ptr):
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BLOCK_M]
     row_ok = pairs < num_pairs
     a_rows = a_ptr + (pairs // A_ROW_DIV).to(tl.int64)[:, None] * a_m
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N_OUT
     if SHARED:
         if expert >= num_routed:
@@ -265,17 +335,42 @@ def _grouped_gemm(
     n_out, k = w.shape[1], w.shape[2]
     ws, ws_e, ws_n = shared if shared is not None else (w, 0, 0)
 
-    def grid(meta: dict) -> tuple[int, int]:
-        return (block_expert.numel(), triton.cdiv(n_out, meta["BLOCK_N"]))
+    num_blocks = block_expert.numel()
+
+    def grid(meta: dict) -> tuple[int]:
+        return (num_blocks * triton.cdiv(n_out, meta["BLOCK_N"]),)
 
     _moe_gemm_kernel[grid](
         a, w, ws, scale if scale is not None else a, route_w if route_w is not None else a, out,
-        sorted_pairs, block_expert, used_rows, num_pairs, w.shape[0], n_out, k, a.stride(0), w.stride(0),
+        sorted_pairs, block_expert, used_rows, num_pairs, w.shape[0], num_blocks, n_out, k, a.stride(0), w.stride(0),
         w.stride(1), ws_e, ws_n, out.stride(0), SHARED=shared is not None, A_ROW_DIV=a_row_div, BLOCK_M=block_m,
         RELU2=relu2, ROUTE_WEIGHT=route_w is not None, HAS_SCALE=scale is not None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 or interpreting() else "tf32",
         DOT_UPCAST=interpreting() and a.dtype == torch.bfloat16,
     )
+
+
+def check_expert_inputs(
+    x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, up_scale: torch.Tensor | None,
+    shared_out: torch.Tensor | None, shared_up: torch.Tensor | None, shared_down: torch.Tensor | None,
+) -> int:
+    """ValueError naming what does not fit; -> the number of shared-expert chunks (0 without them)."""
+    d = x.shape[1]
+    num_experts, inter = w_up.shape[0], w_up.shape[1]
+    chunks = 0
+    if shared_up is not None and shared_down is not None:
+        chunks = shared_up.shape[0] // inter
+        if (chunks == 0 or shared_up.shape != (chunks * inter, d) or shared_down.shape != (d, chunks * inter)
+                or shared_up.dtype != w_up.dtype or shared_down.dtype != w_down.dtype or up_scale is not None):
+            raise ValueError(f"shared expert up {tuple(shared_up.shape)} / down {tuple(shared_down.shape)} must be "
+                             f"whole [{inter}]-row chunks in the (unquantized) experts' dtype {w_up.dtype}")
+    if w_up.shape[2] != d or w_down.shape != (num_experts, d, inter):
+        raise ValueError(f"expert weights up {tuple(w_up.shape)} / down {tuple(w_down.shape)} do not fit x [.., {d}]")
+    if (w_up.dtype == torch.float8_e4m3fn) != (up_scale is not None):
+        raise ValueError("fp8 expert weights need their scales (and only fp8 weights take scales)")
+    if shared_out is not None and (shared_out.shape != x.shape or shared_out.dtype != x.dtype):
+        raise ValueError(f"shared_out must be {tuple(x.shape)} {x.dtype}, got {tuple(shared_out.shape)} {shared_out.dtype}")
+    return chunks
 
 
 def moe_experts_triton(
@@ -294,24 +389,13 @@ def moe_experts_triton(
     shared chunks run in the grouped GEMMs with the routed experts)."""
     n, d = x.shape
     num_experts, inter = w_up.shape[0], w_up.shape[1]
-    chunks = 0
-    if shared_up is not None and shared_down is not None:
-        chunks = shared_up.shape[0] // inter
-        if (shared_up.shape != (chunks * inter, d) or shared_down.shape != (d, chunks * inter)
-                or shared_up.dtype != w_up.dtype or shared_down.dtype != w_down.dtype or up_scale is not None):
-            raise ValueError(f"shared expert up {tuple(shared_up.shape)} / down {tuple(shared_down.shape)} must be "
-                             f"whole [{inter}]-row chunks in the (unquantized) experts' dtype {w_up.dtype}")
-        shared_up, shared_down = shared_up.contiguous(), shared_down.contiguous()
-    if w_up.shape[2] != d or w_down.shape != (num_experts, d, inter):
-        raise ValueError(f"expert weights up {tuple(w_up.shape)} / down {tuple(w_down.shape)} do not fit x [.., {d}]")
+    chunks = check_expert_inputs(x, w_up, w_down, up_scale, shared_out, shared_up, shared_down)
+    if chunks:
+        shared_up, shared_down = cast(torch.Tensor, shared_up).contiguous(), cast(torch.Tensor, shared_down).contiguous()
     if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != n:
         raise ValueError(f"topk ids {tuple(topk_ids.shape)} and weights {tuple(topk_weights.shape)} must be [N, k]")
-    if (w_up.dtype == torch.float8_e4m3fn) != (up_scale is not None):
-        raise ValueError("fp8 expert weights need their scales (and only fp8 weights take scales)")
     k = topk_ids.shape[1]
     pairs = n * k
-    if shared_out is not None and (shared_out.shape != x.shape or shared_out.dtype != x.dtype):
-        raise ValueError(f"shared_out must be {tuple(x.shape)} {x.dtype}, got {tuple(shared_out.shape)} {shared_out.dtype}")
     if pairs == 0:
         return torch.zeros_like(x) if shared_out is None else shared_out.clone()
     x = x.contiguous()

@@ -17,7 +17,7 @@ import torch
 
 from hybridserve.kernels.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from hybridserve.kernels.gated_rmsnorm import add_rmsnorm_ref, gated_rmsnorm_ref, relu2_ref, rmsnorm_ref
-from hybridserve.kernels.moe import moe_experts_ref, route_topk
+from hybridserve.kernels.moe import moe_experts_ref, moe_layer_ref, route_topk
 from hybridserve.kernels.paged_attention import paged_attention_ref, write_kv_pages
 from hybridserve.kernels.replay_state import replay_state_update_ref
 from hybridserve.kernels.ssd_scan import ssd_scan_varlen_ref
@@ -97,6 +97,8 @@ relu2 = _dispatch(relu2_ref, "gated_rmsnorm_triton", "relu2_triton")
 moe_experts = _dispatch(moe_experts_ref, "moe_triton", "moe_experts_triton")
 # NemotronH's router (sigmoid, group-limited top-k with the correction bias): fp32 logits + one choice kernel
 moe_route = _dispatch(route_topk, "moe_triton", "route_topk_triton")
+# router + experts (+ shared) of one MoE layer: three launches at decode sizes, the grouped GEMMs above
+moe_layer = _dispatch(moe_layer_ref, "moe_small_triton", "moe_layer_triton")
 
 __all__ = [
     "add_rmsnorm",
@@ -105,6 +107,7 @@ __all__ = [
     "gated_rmsnorm",
     "linear",
     "moe_experts",
+    "moe_layer",
     "moe_route",
     "multi_token_state_update",
     "paged_attention",

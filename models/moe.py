@@ -1,7 +1,7 @@
 """NemotronH mixture of experts: the sigmoid group-limited top-k router, routed relu2 experts (optionally in a
 latent space, bf16 or fp8 weights) and a shared expert. Sync-free (no `.tolist()` / `.item()` / `unique`), so
-a decode step with MoE layers captures as a CUDA graph; the experts run through `ops.moe_experts` (the fused
-Triton path on CUDA, the batched torch reference elsewhere)."""
+a decode step with MoE layers captures as a CUDA graph; the layer runs through `ops.moe_layer` (on CUDA the
+Triton small-M path at decode sizes and the grouped GEMMs above; the batched torch reference elsewhere)."""
 
 from __future__ import annotations
 
@@ -79,11 +79,17 @@ class MoE(nn.Module):
             self.fc1_latent_proj = Linear(hidden_size, config.latent_size, bias=bias)
             self.fc2_latent_proj = Linear(config.latent_size, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
-        weights, ids = self.gate(x)
-        if self.shared_chunks:  # one pass: routed and shared experts in the same grouped GEMMs
-            return self.experts(x, weights, ids, shared=self.shared_experts)
+    def forward(self, x: torch.Tensor, small_max_pairs: int | None = None) -> torch.Tensor:
+        """[N, hidden] -> [N, hidden] through `ops.moe_layer` (router + experts in a few launches);
+        small_max_pairs overrides the Triton path's small-M threshold (benchmarks compare both paths)."""
+        gate, experts = self.gate, self.experts
+        args = (gate.weight, gate.e_score_correction_bias, gate.spec, experts.up_proj, experts.down_proj,
+                experts.up_proj_scale, experts.down_proj_scale)
+        if self.shared_chunks:  # one pass: routed and shared experts in the same GEMMs
+            shared = self.shared_experts
+            return ops.moe_layer(x, *args, shared_up=shared.up_proj.weight, shared_down=shared.down_proj.weight,
+                                 small_max_pairs=small_max_pairs)
         if isinstance(self.fc1_latent_proj, nn.Identity):  # the shared expert's add fused into the combine
-            return self.experts(x, weights, ids, self.shared_experts(x))
-        routed = self.experts(self.fc1_latent_proj(x), weights, ids)
+            return ops.moe_layer(x, *args, shared_out=self.shared_experts(x), small_max_pairs=small_max_pairs)
+        routed = ops.moe_layer(x, *args, expert_x=self.fc1_latent_proj(x), small_max_pairs=small_max_pairs)
         return self.fc2_latent_proj(routed) + self.shared_experts(x)

@@ -1,0 +1,230 @@
+"""Triton MoE layer for decode-sized batches: no sorting, alignment or padded blocks, three launches.
+
+At a handful of tokens the grouped path's alignment, 16-row padded blocks and separate combine are launch
+latency, not work (1 token on an H200: ~7 launches, 1.9x the bytes floor). Here every (token, slot) pair is
+one GEMV and the launches are:
+  1. `_router_logits_kernel` (moe_triton): fp32 router logits, spread over E / 4 programs per token;
+  2. `_small_up_kernel`: one program per (token, column tile, slot); each recomputes its token's top-k choice
+     from the logits (a few hundred bytes; `topk_choice`, the router kernel's own code), streams its expert's
+     [BLOCK_N, D] weight rows and writes relu2(x @ W^T) for its pair; the tile-0 programs store the choice;
+  3. `_small_down_kernel`: one program per (token, column tile) loops over the token's slots, so the routing
+     weight, the sum over experts, the rounding and the shared-expert add happen in registers (no combine
+     launch, no atomics: deterministic, and autotuning can rerun it).
+The shared expert's chunks are slots K.. (experts E..), so it streams in the same launches. Fixed shapes and no
+host sync: CUDA-graph capturable. `moe_layer_triton` dispatches on the number of pairs (tokens x slots):
+`SMALL_M_MAX_PAIRS` and below take this path, above the grouped GEMMs of `moe_triton`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hybridserve.kernels.moe import RouterSpec
+from hybridserve.kernels.moe_triton import (
+    check_expert_inputs,
+    groups_fit,
+    moe_experts_triton,
+    route_topk_triton,
+    router_logits,
+    topk_choice,
+)
+from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting, next_pow2
+
+# pairs (tokens x (top_k + shared chunks)) up to which the layer takes the small-M path; Nano has 6 + 2 slots,
+# so 64 is 8 tokens (bench/moe.py measures both paths at 1 / 8 / 32 / 128 tokens to place it)
+SMALL_M_MAX_PAIRS = 64
+
+
+def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """(BLOCK_N, BLOCK_K, warps, stages) on the GPU; one small config under the interpreter (tests)."""
+    if interpreting():
+        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in tiles]
+
+
+# up: 6 + 2 experts x 1856 / BLOCK_N tiles is 232-928 programs at one token; down: 2688 / BLOCK_N programs per
+# token each streaming all 8 slots, so its tiles are narrower (more programs) and deeper along K
+_UP_TILES = [(16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3), (32, 256, 8, 4)]
+_DOWN_TILES = [(8, 256, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (32, 256, 4, 4)]
+
+
+@triton.jit
+def _expert_rows(w_ptr, ws_ptr, expert, num_routed, offs_n, w_e, w_n, ws_e, ws_n, SHARED: tl.constexpr):
+    """Pointers to rows offs_n of `expert`'s weight: a routed expert's, or a shared chunk's (expert >= E)."""
+    if SHARED:
+        if expert >= num_routed:
+            rows = ws_ptr + (expert - num_routed) * ws_e + offs_n.to(tl.int64)[:, None] * ws_n
+        else:
+            rows = w_ptr + expert * w_e + offs_n.to(tl.int64)[:, None] * w_n
+    else:
+        rows = w_ptr + expert * w_e + offs_n.to(tl.int64)[:, None] * w_n
+    return rows
+
+
+@triton.jit
+def _gemv(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum_k a[k] * W[n, k] for the tile's rows, fp32 (bf16 products are exact in fp32; fp8 casts exactly)."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+    return tl.sum(acc, 1)
+
+
+@triton.autotune(configs=_configs(_UP_TILES), key=["N_OUT", "K", "WIDTH", "HAS_SCALE"],
+                 cache_results=PERSIST_AUTOTUNE)
+@triton.jit
+def _small_up_kernel(
+    x_ptr, logits_ptr, bias_ptr, w_ptr, ws_ptr, scale_ptr, h_ptr, ids_ptr, weights_ptr,
+    E, N_OUT, K, scaling, x_m, w_e, w_n, ws_e, ws_n,
+    TOP_K: tl.constexpr, WIDTH: tl.constexpr, K_BLOCK: tl.constexpr, N_GROUP: tl.constexpr,
+    PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
+    HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """h[t * WIDTH + j, n] = relu2(x[t] . W[e_tj, n] * scale[e_tj, n]) for one (token t, column tile, slot j)."""
+    token = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1)
+    slot = tl.program_id(2)
+    chosen, weight = topk_choice(logits_ptr, bias_ptr, token, E, scaling, TOP_K, K_BLOCK, N_GROUP, PER_GROUP,
+                                 TOPK_GROUP, NORM, SHARED)
+    slots = tl.arange(0, K_BLOCK)
+    mine = slots == slot
+    if pid_n == 0:
+        tl.store(ids_ptr + token * WIDTH + slots, chosen, mask=mine)
+        tl.store(weights_ptr + token * WIDTH + slots, weight, mask=mine)
+    expert = tl.sum(tl.where(mine, chosen, 0), 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N_OUT
+    w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
+    h = _gemv(x_ptr + token * x_m, w_rows, n_ok, K, BLOCK_N, BLOCK_K)
+    if HAS_SCALE:
+        h *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
+    h = tl.maximum(h.to(h_ptr.dtype.element_ty).to(tl.float32), 0.0)  # relu2 of the rounded projection
+    tl.store(h_ptr + (token * WIDTH + slot) * N_OUT + offs_n, (h * h).to(h_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.autotune(configs=_configs(_DOWN_TILES), key=["N_OUT", "K", "WIDTH", "HAS_SCALE", "HAS_SHARED_OUT"],
+                 cache_results=PERSIST_AUTOTUNE)
+@triton.jit
+def _small_down_kernel(
+    h_ptr, ids_ptr, weights_ptr, w_ptr, ws_ptr, scale_ptr, shared_ptr, out_ptr,
+    E, N_OUT, K, w_e, w_n, ws_e, ws_n, out_m,
+    WIDTH: tl.constexpr, SHARED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SHARED_OUT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[t, n] = round(sum_j w_tj * round(h[t * WIDTH + j] . W[e_tj, n] * scale)) (+ shared_out[t, n]): each
+    pair's product rounds to the activation dtype before its routing weight, the sum is fp32 and rounds once,
+    as transformers' experts (and `moe_experts_ref`) compute it."""
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N_OUT
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(WIDTH):
+        expert = tl.load(ids_ptr + token * WIDTH + j)
+        w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
+        part = _gemv(h_ptr + (token * WIDTH + j) * K, w_rows, n_ok, K, BLOCK_N, BLOCK_K)
+        if HAS_SCALE:
+            part *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
+        total += part.to(h_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + token * WIDTH + j)
+    out = total.to(out_ptr.dtype.element_ty)
+    if HAS_SHARED_OUT:
+        shared = tl.load(shared_ptr + token * out_m + offs_n, mask=n_ok, other=0.0)
+        out = (out.to(tl.float32) + shared.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * out_m + offs_n, out, mask=n_ok)
+
+
+def moe_small_triton(
+    x: torch.Tensor,  # [N, hidden] router input
+    router_weight: torch.Tensor,  # [E, hidden]
+    correction_bias: torch.Tensor,  # [E]
+    spec: RouterSpec,
+    w_up: torch.Tensor,  # [E, I, D]
+    w_down: torch.Tensor,  # [E, D, I]
+    up_scale: torch.Tensor | None,  # [E, I] fp32 (fp8 weights)
+    down_scale: torch.Tensor | None,  # [E, D]
+    expert_x: torch.Tensor,  # [N, D] expert input (x, or its latent projection)
+    shared_out: torch.Tensor | None,  # [N, D]
+    shared_up: torch.Tensor | None,  # [S * I, D], S = spec.num_shared
+    shared_down: torch.Tensor | None,  # [D, S * I]
+) -> torch.Tensor:
+    """The small-M layer (see the module docstring) -> [N, D] in expert_x's dtype. Inputs checked by the caller."""
+    n, d = expert_x.shape
+    num_experts, inter = w_up.shape[0], w_up.shape[1]
+    width = spec.top_k + spec.num_shared
+    logits = router_logits(x, router_weight)  # [N, E] fp32
+    bias = correction_bias.float().contiguous()
+    ids = torch.empty(n, width, dtype=torch.int64, device=x.device)
+    weights = torch.empty(n, width, dtype=torch.float32, device=x.device)
+    hidden = torch.empty(n * width, inter, dtype=expert_x.dtype, device=x.device)
+    fused = spec.num_shared > 0
+    up_s = shared_up if fused and shared_up is not None else w_up
+    down_s = shared_down if fused and shared_down is not None else w_down
+    scale_dummy = weights  # never read without HAS_SCALE
+
+    def up_grid(meta: dict) -> tuple[int, int, int]:
+        return (n, triton.cdiv(inter, meta["BLOCK_N"]), width)
+
+    _small_up_kernel[up_grid](
+        expert_x, logits, bias, w_up, up_s, up_scale if up_scale is not None else scale_dummy, hidden, ids, weights,
+        num_experts, inter, d, float(spec.routed_scaling_factor), expert_x.stride(0), w_up.stride(0),
+        w_up.stride(1), inter * d if fused else 0, d if fused else 0,
+        TOP_K=spec.top_k, WIDTH=width, K_BLOCK=next_pow2(width), N_GROUP=spec.n_group,
+        PER_GROUP=num_experts // spec.n_group, TOPK_GROUP=spec.topk_group, NORM=spec.norm_topk_prob,
+        SHARED=spec.num_shared, HAS_SCALE=up_scale is not None,
+    )
+    out = torch.empty(n, d, dtype=expert_x.dtype, device=x.device)
+
+    def down_grid(meta: dict) -> tuple[int, int]:
+        return (n, triton.cdiv(d, meta["BLOCK_N"]))
+
+    _small_down_kernel[down_grid](
+        hidden, ids, weights, w_down, down_s, down_scale if down_scale is not None else scale_dummy,
+        shared_out if shared_out is not None else out, out, num_experts, d, inter, w_down.stride(0),
+        w_down.stride(1), inter if fused else 0, spec.num_shared * inter if fused else 0, out.stride(0),
+        WIDTH=width, SHARED=fused, HAS_SCALE=down_scale is not None, HAS_SHARED_OUT=shared_out is not None,
+    )
+    return out
+
+
+def moe_layer_triton(
+    x: torch.Tensor,  # [N, hidden]
+    router_weight: torch.Tensor,  # [E, hidden]
+    correction_bias: torch.Tensor,  # [E] fp32
+    spec: RouterSpec,
+    w_up: torch.Tensor,  # [E, I, D]
+    w_down: torch.Tensor,  # [E, D, I]
+    up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
+    expert_x: torch.Tensor | None = None,  # [N, D]: the experts' input when it is not x (latent MoE)
+    shared_out: torch.Tensor | None = None,
+    shared_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
+    small_max_pairs: int | None = None,
+) -> torch.Tensor:
+    """Same contract as `moe_layer_ref`: router + routed experts (+ shared) -> [N, D]. Up to `small_max_pairs`
+    (default SMALL_M_MAX_PAIRS) pairs the three-launch small-M path, above it the grouped GEMMs."""
+    limit = SMALL_M_MAX_PAIRS if small_max_pairs is None else small_max_pairs
+    xe = x if expert_x is None else expert_x
+    n, width = x.shape[0], spec.top_k + spec.num_shared
+    chunks = check_expert_inputs(xe, w_up, w_down, up_scale, shared_out, shared_up, shared_down)
+    if chunks != spec.num_shared:
+        raise ValueError(f"the router appends {spec.num_shared} shared-expert chunks, shared_up / shared_down hold "
+                         f"{chunks}")
+    if xe.shape[0] != n:
+        raise ValueError(f"expert_x has {xe.shape[0]} rows, x has {n}")
+    if not (0 < n * width <= limit and groups_fit(spec)):
+        weights, ids = route_topk_triton(x, router_weight, correction_bias, spec)
+        return moe_experts_triton(xe, w_up, w_down, weights, ids, up_scale, down_scale, shared_out, shared_up,
+                                  shared_down)
+    contiguous = [t.contiguous() if t is not None else None for t in (w_up, w_down, shared_up, shared_down)]
+    return moe_small_triton(x, router_weight, correction_bias, spec, contiguous[0], contiguous[1], up_scale,
+                            down_scale, xe.contiguous(), shared_out.contiguous() if shared_out is not None else None,
+                            contiguous[2], contiguous[3])
+
+
+__all__ = ["SMALL_M_MAX_PAIRS", "moe_layer_triton", "moe_small_triton"]
