@@ -241,13 +241,13 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
                  prune_configs_by={"early_config_prune": _prune}, cache_results=PERSIST_AUTOTUNE)
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, ws_ptr, scale_ptr, route_w_ptr, out_ptr, sorted_ptr, block_expert_ptr, used_rows_ptr,
+    a_ptr, w_ptr, ws_ptr, scale_ptr, out_ptr, sorted_ptr, block_expert_ptr, used_rows_ptr,
     num_pairs, num_routed, num_blocks, N_OUT, K, a_m, w_e, w_n, ws_e, ws_n, out_m,
     SHARED: tl.constexpr, A_ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, RELU2: tl.constexpr, ROUTE_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    GROUP_M: tl.constexpr, RELU2: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
-    """out[pair, n] = act(sum_k a[pair // A_ROW_DIV, k] * W[e, n, k] * scale[e, n]) (* route weight[pair]);
+    """out[pair, n] = act(sum_k a[pair // A_ROW_DIV, k] * W[e, n, k] * scale[e, n]), rounded to out's dtype;
     with SHARED, experts e >= num_routed are chunks of the shared expert's weight at ws_ptr. One program per
     (row block, column tile), GROUP_M row blocks at a time walking the column tiles (the swizzle that keeps a
     group's gathered rows and each weight tile in L2)."""
@@ -290,24 +290,23 @@ def _moe_gemm_kernel(
     if RELU2:  # on the projection rounded to the output dtype, as relu2(linear(x)) computes it
         acc = tl.maximum(acc.to(out_ptr.dtype.element_ty).to(tl.float32), 0.0)
         acc = acc * acc
-    if ROUTE_WEIGHT:  # the routed product rounds to the activation dtype first, as transformers' experts do
-        acc = acc.to(a_ptr.dtype.element_ty).to(tl.float32)
-        acc *= tl.load(route_w_ptr + pairs, mask=row_ok, other=0.0)[:, None]
     tl.store(out_ptr + pairs.to(tl.int64)[:, None] * out_m + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _moe_combine_kernel(pair_ptr, shared_ptr, out_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr,
+def _moe_combine_kernel(pair_ptr, route_w_ptr, shared_ptr, out_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr,
                         HAS_SHARED: tl.constexpr):
-    """out[t] = round(sum_j pair_out[t * K + j]) (+ shared[t]): the fp32 sum rounded to the output dtype first,
-    as transformers adds the shared expert to the rounded routed sum."""
+    """out[t] = round(sum_j w[t, j] * pair_out[t * K + j]) (+ shared[t]): each pair's product already rounded to
+    the activation dtype (half the bytes of fp32 pair rows, the same numbers: transformers' experts round it
+    before the routing weight too), the fp32 sum rounded to the output dtype before the shared expert's add."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < D
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(K):
-        acc += tl.load(pair_ptr + (row * K + j) * D + offs, mask=mask, other=0.0)
+        pair = tl.load(pair_ptr + (row * K + j) * D + offs, mask=mask, other=0.0).to(tl.float32)
+        acc += pair * tl.load(route_w_ptr + row * K + j)
     out = acc.to(out_ptr.dtype.element_ty)
     if HAS_SHARED:
         out = (out.to(tl.float32) + tl.load(shared_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32))
@@ -326,7 +325,7 @@ def choose_block_m(num_pairs: int, num_experts: int) -> int:
 
 
 def _grouped_gemm(
-    a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, route_w: torch.Tensor | None,
+    a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
     out: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_pairs: int, a_row_div: int,
     block_m: int, relu2: bool, shared: tuple[torch.Tensor, int, int] | None = None,
 ) -> None:
@@ -341,10 +340,10 @@ def _grouped_gemm(
         return (num_blocks * triton.cdiv(n_out, meta["BLOCK_N"]),)
 
     _moe_gemm_kernel[grid](
-        a, w, ws, scale if scale is not None else a, route_w if route_w is not None else a, out,
+        a, w, ws, scale if scale is not None else a, out,
         sorted_pairs, block_expert, used_rows, num_pairs, w.shape[0], num_blocks, n_out, k, a.stride(0), w.stride(0),
         w.stride(1), ws_e, ws_n, out.stride(0), SHARED=shared is not None, A_ROW_DIV=a_row_div, BLOCK_M=block_m,
-        RELU2=relu2, ROUTE_WEIGHT=route_w is not None, HAS_SCALE=scale is not None,
+        RELU2=relu2, HAS_SCALE=scale is not None,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 or interpreting() else "tf32",
         DOT_UPCAST=interpreting() and a.dtype == torch.bfloat16,
     )
@@ -405,13 +404,13 @@ def moe_experts_triton(
     align = moe_align_triton(topk_ids, num_experts + chunks, block_m)
     hidden = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     up_shared = (cast(torch.Tensor, shared_up), inter * d, d) if chunks else None  # chunk c: rows c*I .. of [S*I, D]
-    _grouped_gemm(x, w_up, up_scale, None, hidden, align, pairs, k, block_m, relu2=True, shared=up_shared)
-    pair_out = torch.empty(pairs, d, dtype=torch.float32, device=x.device)
+    _grouped_gemm(x, w_up, up_scale, hidden, align, pairs, k, block_m, relu2=True, shared=up_shared)
+    pair_out = torch.empty(pairs, d, dtype=x.dtype, device=x.device)  # each pair's rounded product
     down_shared = (cast(torch.Tensor, shared_down), inter, chunks * inter) if chunks else None  # columns c*I ..
-    _grouped_gemm(hidden, w_down, down_scale, topk_weights.reshape(-1).float().contiguous(), pair_out, align,
-                  pairs, 1, block_m, relu2=False, shared=down_shared)
+    _grouped_gemm(hidden, w_down, down_scale, pair_out, align, pairs, 1, block_m, relu2=False, shared=down_shared)
     out = torch.empty_like(x)
     shared = shared_out.contiguous() if shared_out is not None else out
-    _moe_combine_kernel[(n, triton.cdiv(d, 1024))](pair_out, shared, out, d, K=k, BLOCK_D=1024,
+    route_w = topk_weights.reshape(-1).float().contiguous()
+    _moe_combine_kernel[(n, triton.cdiv(d, 1024))](pair_out, route_w, shared, out, d, K=k, BLOCK_D=1024,
                                                    HAS_SHARED=shared_out is not None, num_warps=4)
     return out

@@ -17,10 +17,14 @@ def test_moe_bench_smoke_run(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(out.read_text())
     assert result["tiny"] and result["ceilings"]["copy_GBps"] > 0
-    for section in ("layer", "fp8"):
+    for section in ("decode", "fp8_decode"):
         rows = result[section]
-        assert isinstance(rows, list), rows
-        assert {r["phase"] for r in rows} == {"decode", "prefill"}
-        assert all(r["layer_ms"] > 0 and r["floor_ms"] > 0 for r in rows)
-        assert all(r["shared_fused"] == (section == "layer") for r in rows)  # fp8 experts keep the shared MLP apart
-    assert result["step"]["graph_ms"] > 0 and result["step"]["floor_ms"] > 0
+        assert isinstance(rows, list) and [r["tokens"] for r in rows] == [1, 4], rows
+        for path in ("grouped", "small", "default"):
+            assert all(r[f"{path}_ms"] > 0 and r[f"{path}_over_floor"] > 0 for r in rows)
+        assert all(r["shared_fused"] == (section == "decode") for r in rows)  # fp8 experts keep the shared MLP apart
+    for section in ("prefill", "fp8_prefill"):
+        assert result[section]["experts_TFLOPs"] > 0 and result[section]["same_shape_mm_TFLOPs"] > 0
+    assert result["step"]["graph_ms"] > 0 and result["step"]["graph_grouped_only_ms"] > 0
+    assert result["step"]["floor_ms"] > 0
+    assert any(line.startswith("step batch 1") for line in result["summary"])

@@ -33,12 +33,12 @@ def compile_for_hopper(kernel: Any, signature: dict, constexprs: dict, aligned: 
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3})
     ptx = compiled.asm["ptx"]
     return {"cubin": bool(compiled.asm.get("cubin")), "cp.async": "cp.async" in ptx, "wgmma": "wgmma" in ptx,
-            "ld.global.v4": "ld.global.v4" in ptx}
+            "ld.global.v4": "ld.global.v4" in ptx, "cp.async 16B": "cp.async.cg.shared.global" in ptx}
 
 
 def main() -> None:
     found = {}
-    pointers = {"a_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*bf16", "scale_ptr": "*fp32", "route_w_ptr": "*fp32",
+    pointers = {"a_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*bf16", "scale_ptr": "*fp32",
                 "out_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "used_rows_ptr": "*i32"}
     strides = ("N_OUT", "K", "a_m", "w_e", "w_n", "ws_e", "ws_n", "out_m")
     ints = {n: "i32" for n in ("num_pairs", "num_routed", "num_blocks", *strides)}
@@ -46,9 +46,9 @@ def main() -> None:
         for up in (True, False):
             constexprs = {"SHARED": weights == "*bf16", "A_ROW_DIV": 6 if up else 1, "BLOCK_M": block_m,
                           "BLOCK_N": 64 if block_m == 16 else 128, "BLOCK_K": 128 if block_m == 16 else 64,
-                          "GROUP_M": 1 if block_m == 16 else 8, "RELU2": up, "ROUTE_WEIGHT": not up,
+                          "GROUP_M": 1 if block_m == 16 else 8, "RELU2": up,
                           "HAS_SCALE": weights != "*bf16", "DOT_PRECISION": "tf32", "DOT_UPCAST": False}
-            signature = {**pointers, "w_ptr": weights, "ws_ptr": weights, "out_ptr": "*bf16" if up else "*fp32", **ints}
+            signature = {**pointers, "w_ptr": weights, "ws_ptr": weights, "out_ptr": "*bf16", **ints}
             found[f"gemm {weights} {'up' if up else 'down'} {block_m}"] = compile_for_hopper(
                 _moe_gemm_kernel, signature, constexprs, aligned=(*pointers, *strides),
                 num_warps=4 if block_m == 16 else 8)
@@ -64,7 +64,8 @@ def main() -> None:
             "scaling": "fp32"}, route)
     for shared in (False, True):
         found[f"combine shared={shared}"] = compile_for_hopper(
-            _moe_combine_kernel, {"pair_ptr": "*fp32", "shared_ptr": "*bf16", "out_ptr": "*bf16", "D": "i32"},
+            _moe_combine_kernel, {"pair_ptr": "*bf16", "route_w_ptr": "*fp32", "shared_ptr": "*bf16", "out_ptr": "*bf16",
+                                  "D": "i32"},
             {"K": 6, "BLOCK_D": 1024, "HAS_SHARED": shared}, aligned=("pair_ptr", "shared_ptr", "out_ptr", "D"))
     found["router logits"] = compile_for_hopper(_router_logits_kernel, {
         "x_ptr": "*bf16", "w_ptr": "*bf16", "logits_ptr": "*fp32", "E": "i32", "D": "i32", "x_m": "i32"},
@@ -78,12 +79,12 @@ def main() -> None:
             "scaling": "fp32", "x_m": "i32"}, {
             "TOP_K": 6, "WIDTH": 6 if fp8 else 8, "K_BLOCK": 8, "N_GROUP": 1, "PER_GROUP": 128, "TOPK_GROUP": 1,
             "NORM": True, "SHARED": 0 if fp8 else 2, "HAS_SCALE": fp8, "BLOCK_N": 32, "BLOCK_K": 256},
-            aligned=("x_ptr", "w_ptr", "ws_ptr", "h_ptr", "K", "w_e", "w_n", "x_m"))
+            aligned=("x_ptr", "w_ptr", "ws_ptr", "h_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "x_m"))
         found[f"small down {weights}"] = compile_for_hopper(_small_down_kernel, {
             "h_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", "w_ptr": weights, "ws_ptr": weights,
             "scale_ptr": "*fp32", "shared_ptr": "*bf16", "out_ptr": "*bf16", **small_ints, "out_m": "i32"}, {
             "WIDTH": 6 if fp8 else 8, "SHARED": not fp8, "HAS_SCALE": fp8, "HAS_SHARED_OUT": fp8, "BLOCK_N": 16,
-            "BLOCK_K": 256}, aligned=("h_ptr", "w_ptr", "ws_ptr", "out_ptr", "K", "w_e", "w_n", "out_m"))
+            "BLOCK_K": 256}, aligned=("h_ptr", "w_ptr", "ws_ptr", "out_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "out_m"))
     print(json.dumps(found))
 
 

@@ -227,5 +227,5 @@ def test_kernels_compile_for_hopper():
         if name.startswith("small"):  # the GEMVs stream 16-byte vectors (an unaligned pointer gives 2-byte loads)
             assert found["ld.global.v4"], name
         if name.startswith("gemm"):
-            assert found["cp.async"], name
+            assert found["cp.async"] and found["cp.async 16B"], name
             assert found["wgmma"] == name.endswith("128"), name
