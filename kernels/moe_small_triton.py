@@ -7,9 +7,9 @@ one GEMV and the launches are:
   2. `_small_up_kernel`: one program per (token, column tile, slot); each recomputes its token's top-k choice
      from the logits (a few hundred bytes; `topk_choice`, the router kernel's own code), streams its expert's
      [BLOCK_N, D] weight rows and writes relu2(x @ W^T) for its pair; the tile-0 programs store the choice;
-  3. `_small_down_kernel`: one program per (token, column tile) loops over the token's slots, so the routing
-     weight, the sum over experts, the rounding and the shared-expert add happen in registers (no combine
-     launch, no atomics: deterministic, and autotuning can rerun it).
+  3. `_small_down_kernel`: one program per (token, column tile) streams all the token's slots at once, so the
+     routing weight, the sum over experts, the rounding and the shared-expert add happen in registers (no
+     combine launch, no atomics: deterministic, and autotuning can rerun it).
 The shared expert's chunks are slots K.. (experts E..), so it streams in the same launches. Fixed shapes and no
 host sync: CUDA-graph capturable. `moe_layer_triton` dispatches on the number of pairs (tokens x slots):
 `SMALL_M_MAX_PAIRS` and below take this path, above the grouped GEMMs of `moe_triton`.
@@ -44,10 +44,11 @@ def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in tiles]
 
 
-# up: 6 + 2 experts x 1856 / BLOCK_N tiles is 232-928 programs at one token; down: 2688 / BLOCK_N programs per
-# token each streaming all 8 slots, so its tiles are narrower (more programs) and deeper along K
-_UP_TILES = [(16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3), (32, 256, 8, 4)]
-_DOWN_TILES = [(8, 256, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 512, 8, 3), (32, 256, 4, 4)]
+# up: 6 + 2 experts x 1856 / BLOCK_N tiles is 232-928 programs at one token, one [BLOCK_N, BLOCK_K] tile each
+# per step; down: 2688 / BLOCK_N programs per token, each a [8 slots, BLOCK_N, BLOCK_K] tile per step (these
+# loads are not software-pipelined: the bytes in flight are the tile times the programs an SM holds)
+_UP_TILES = [(16, 256, 4, 1), (32, 128, 4, 1), (32, 256, 4, 1), (64, 128, 4, 1), (32, 256, 8, 1), (64, 256, 8, 1)]
+_DOWN_TILES = [(4, 256, 4, 1), (8, 128, 4, 1), (8, 256, 4, 1), (8, 256, 8, 1), (16, 128, 8, 1), (16, 256, 8, 1)]
 
 
 @triton.jit
@@ -114,23 +115,46 @@ def _small_up_kernel(
 def _small_down_kernel(
     h_ptr, ids_ptr, weights_ptr, w_ptr, ws_ptr, scale_ptr, shared_ptr, out_ptr,
     E, N_OUT, K, w_e, w_n, ws_e, ws_n, out_m,
-    WIDTH: tl.constexpr, SHARED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SHARED_OUT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    WIDTH: tl.constexpr, SLOTS: tl.constexpr, SHARED: tl.constexpr, HAS_SCALE: tl.constexpr,
+    HAS_SHARED_OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[t, n] = round(sum_j w_tj * round(h[t * WIDTH + j] . W[e_tj, n] * scale)) (+ shared_out[t, n]): each
     pair's product rounds to the activation dtype before its routing weight, the sum is fp32 and rounds once,
-    as transformers' experts (and `moe_experts_ref`) compute it."""
+    as transformers' experts (and `moe_experts_ref`) compute it. The token's slots stream side by side as one
+    [SLOTS, BLOCK_N, BLOCK_K] tile per step: 8x the bytes in flight of a slot-by-slot loop, which a token's
+    2688 / BLOCK_N programs need to reach the bandwidth at batch 1."""
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N_OUT
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(WIDTH):
-        expert = tl.load(ids_ptr + token * WIDTH + j)
-        w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
-        part = _gemv(h_ptr + (token * WIDTH + j) * K, w_rows, n_ok, K, BLOCK_N, BLOCK_K)
-        if HAS_SCALE:
-            part *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
-        total += part.to(h_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + token * WIDTH + j)
+    slots = tl.arange(0, SLOTS)
+    s_ok = slots < WIDTH
+    experts = tl.load(ids_ptr + token * WIDTH + slots, mask=s_ok, other=0)  # [SLOTS] int64
+    n3 = offs_n.to(tl.int64)[None, :, None]
+    if SHARED:
+        is_shared = (experts >= E)[:, None, None]
+        routed = w_ptr + (tl.minimum(experts, E - 1) * w_e)[:, None, None] + n3 * w_n
+        chunk = ws_ptr + (tl.maximum(experts - E, 0) * ws_e)[:, None, None] + n3 * ws_n
+    else:
+        routed = w_ptr + (experts * w_e)[:, None, None] + n3 * w_n
+    h_rows = h_ptr + (token * WIDTH + slots).to(tl.int64)[:, None] * K  # [SLOTS, 1]
+    acc = tl.zeros([SLOTS, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        hv = tl.load(h_rows + k[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        ok = s_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
+        k3 = k[None, None, :]
+        if SHARED:  # two masked loads, not a pointer select (a select loses the pointers' known alignment)
+            w = tl.load(routed + k3, mask=ok & ~is_shared, other=0.0).to(tl.float32)
+            w += tl.load(chunk + k3, mask=ok & is_shared, other=0.0).to(tl.float32)
+        else:
+            w = tl.load(routed + k3, mask=ok, other=0.0).to(tl.float32)
+        acc += tl.sum(w * hv[:, None, :], 2)
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + experts[:, None] * N_OUT + offs_n[None, :], mask=s_ok[:, None] & n_ok[None, :],
+                       other=0.0)
+    route_w = tl.load(weights_ptr + token * WIDTH + slots, mask=s_ok, other=0.0)
+    total = tl.sum(acc.to(h_ptr.dtype.element_ty).to(tl.float32) * route_w[:, None], 0)  # [BLOCK_N]
     out = total.to(out_ptr.dtype.element_ty)
     if HAS_SHARED_OUT:
         shared = tl.load(shared_ptr + token * out_m + offs_n, mask=n_ok, other=0.0)
@@ -186,7 +210,8 @@ def moe_small_triton(
         hidden, ids, weights, w_down, down_s, down_scale if down_scale is not None else scale_dummy,
         shared_out if shared_out is not None else out, out, num_experts, d, inter, w_down.stride(0),
         w_down.stride(1), inter if fused else 0, spec.num_shared * inter if fused else 0, out.stride(0),
-        WIDTH=width, SHARED=fused, HAS_SCALE=down_scale is not None, HAS_SHARED_OUT=shared_out is not None,
+        WIDTH=width, SLOTS=next_pow2(width), SHARED=fused, HAS_SCALE=down_scale is not None,
+        HAS_SHARED_OUT=shared_out is not None,
     )
     return out
 

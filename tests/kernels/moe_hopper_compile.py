@@ -83,7 +83,7 @@ def main() -> None:
         found[f"small down {weights}"] = compile_for_hopper(_small_down_kernel, {
             "h_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", "w_ptr": weights, "ws_ptr": weights,
             "scale_ptr": "*fp32", "shared_ptr": "*bf16", "out_ptr": "*bf16", **small_ints, "out_m": "i32"}, {
-            "WIDTH": 6 if fp8 else 8, "SHARED": not fp8, "HAS_SCALE": fp8, "HAS_SHARED_OUT": fp8, "BLOCK_N": 16,
+            "WIDTH": 6 if fp8 else 8, "SLOTS": 8, "SHARED": not fp8, "HAS_SCALE": fp8, "HAS_SHARED_OUT": fp8, "BLOCK_N": 8,
             "BLOCK_K": 256}, aligned=("h_ptr", "w_ptr", "ws_ptr", "out_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "out_m"))
     print(json.dumps(found))
 
