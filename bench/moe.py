@@ -48,6 +48,7 @@ from hybridserve.models.weights import dummy_model  # noqa: E402
 CONFIG = Path(__file__).resolve().parent / "configs" / "nemotron-3-nano-30b-a3b.json"
 DECODE_BATCHES = (1, 8, 32, 128)
 PREFILL_TOKENS = 4096
+PREFILL_BLOCK_M = (64, 128)  # grouped-GEMM row blocks measured at prefill (the default picks 128 at 4K tokens)
 LAYER_COPIES = 4  # distinct decode-layer copies per graph (2.6 GB each at Nano's shapes)
 CONTEXT, PAGE = 512, 16
 PATHS = {"grouped": 0, "small": 1 << 30, "default": None}  # small_max_pairs per measured path
@@ -170,11 +171,19 @@ def bench_prefill(config: ModelConfig, device: torch.device, timer: Timer, ceil:
         "experts_TFLOPs": flops / experts_ms / 1e9, "same_shape_mm_TFLOPs": flops / mm_ms / 1e9,
         "experts_pct_of_same_shape_mm": 100 * mm_ms / experts_ms,
         "experts_pct_of_square_peak": 100 * flops / experts_ms / 1e9 / ceil["bf16_matmul_TFLOPs"]}
-    print(_fmt("prefill ", row), flush=True)
-    if device.type == "cuda":
-        from hybridserve.kernels.moe_triton import _moe_gemm_kernel
+    if device.type == "cuda":  # the row-block height is chosen before the alignment: each one measured
+        from hybridserve.kernels.moe_triton import _moe_gemm_kernel, moe_experts_triton
 
+        shared_w = (shared.up_proj.weight, shared.down_proj.weight) if shared is not None else (None, None)
+        for block_m in PREFILL_BLOCK_M:
+            with torch.no_grad():
+                ms = timer(lambda bm=block_m: moe_experts_triton(
+                    latent, experts.up_proj, experts.down_proj, weights, ids, experts.up_proj_scale,
+                    experts.down_proj_scale, None, *shared_w, block_m=bm))
+            row[f"experts_ms_block_m{block_m}"] = ms
+            row[f"experts_pct_of_same_shape_mm_block_m{block_m}"] = 100 * mm_ms / ms
         row["gemm_configs"] = _best_configs(_moe_gemm_kernel)
+    print(_fmt("prefill ", {k: v for k, v in row.items() if k != "gemm_configs"}), flush=True)
     return row
 
 
@@ -258,7 +267,9 @@ def summary(result: dict[str, Any]) -> list[str]:
             lines.append(f"{section} {r['tokens']} tokens: expert GEMMs {r['experts_ms']:.3f} ms = "
                          f"{r['experts_TFLOPs']:.0f} TFLOP/s, {r['experts_pct_of_same_shape_mm']:.0f} % of torch.mm of "
                          f"the same shapes ({r['same_shape_mm_TFLOPs']:.0f} TFLOP/s), "
-                         f"{r['experts_pct_of_square_peak']:.0f} % of the square bf16 peak; layer {r['layer_ms']:.3f} ms")
+                         f"{r['experts_pct_of_square_peak']:.0f} % of the square bf16 peak; layer {r['layer_ms']:.3f} ms; "
+                         + ", ".join(f"block_m {m}: {r[f'experts_pct_of_same_shape_mm_block_m{m}']:.0f} %"
+                                     for m in PREFILL_BLOCK_M if f"experts_ms_block_m{m}" in r))
     step = result.get("step")
     if isinstance(step, dict) and "floor_ms" in step:
         for name in ("graph", "graph_grouped_only"):

@@ -216,8 +216,11 @@ def moe_align_triton(
 # 3-4 stages of cp.async, GROUP_M blocks of rows sharing each weight tile while it is in L2 (an expert's rows
 # are adjacent blocks); kept to a few so the first call of each launch family compiles and tunes in seconds
 _DECODE_TILES = [(n, k, 4, s, 1) for n in (32, 64) for k in (128, 256) for s in (3, 4)]
-_PREFILL_TILES = [(128, 64, 8, 3, 8), (128, 64, 8, 4, 8), (256, 64, 8, 3, 8), (128, 128, 8, 3, 8),
-                  (128, 64, 4, 4, 8), (64, 64, 4, 4, 8), (128, 64, 8, 4, 1)]
+_PREFILL_TILES = {  # by BLOCK_M: 128 rows as two warpgroups (8 warps), 64 rows as one (4 warps) or two
+    128: [(128, 64, 8, 3, 8), (128, 64, 8, 4, 8), (256, 64, 8, 3, 8), (128, 128, 8, 3, 8), (128, 64, 4, 4, 8),
+          (128, 64, 8, 4, 1)],
+    64: [(128, 64, 4, 4, 8), (256, 64, 4, 3, 8), (128, 128, 4, 3, 8), (256, 64, 8, 3, 8), (64, 64, 4, 4, 8)],
+}
 
 
 def _gemm_configs() -> list[triton.Config]:
@@ -225,13 +228,14 @@ def _gemm_configs() -> list[triton.Config]:
     if interpreting():
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}, num_warps=w, num_stages=s)
-            for n, k, w, s, g in sorted(set(_DECODE_TILES) | set(_PREFILL_TILES))]
+            for n, k, w, s, g in sorted(set(_DECODE_TILES).union(*_PREFILL_TILES.values()))]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    """The decode tiles for BLOCK_M <= 32, the prefill tiles above."""
+    """The decode tiles for BLOCK_M <= 32, the prefill tiles of that BLOCK_M above."""
     block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 16))
-    tiles = set(_DECODE_TILES if isinstance(block_m, int) and block_m <= 32 else _PREFILL_TILES)
+    block_m = block_m if isinstance(block_m, int) else 16
+    tiles = set(_DECODE_TILES if block_m <= 32 else _PREFILL_TILES[64 if block_m <= 64 else 128])
     kept = [c for c in configs
             if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages, c.kwargs["GROUP_M"]) in tiles]
     return kept or configs
@@ -383,6 +387,7 @@ def moe_experts_triton(
     shared_out: torch.Tensor | None = None,  # [N, D] in x's dtype
     shared_up: torch.Tensor | None = None,  # [S * I, D] the shared expert's chunks: experts E .. E + S - 1
     shared_down: torch.Tensor | None = None,  # [D, S * I]
+    block_m: int | None = None,  # rows per aligned block (16 / 32 / 64 / 128); default `choose_block_m`
 ) -> torch.Tensor:
     """Same contract as `moe_experts_ref`: [N, D] in x's dtype (sum, rounding and shared add in one kernel;
     shared chunks run in the grouped GEMMs with the routed experts)."""
@@ -400,7 +405,10 @@ def moe_experts_triton(
     x = x.contiguous()
     w_up = w_up if w_up.stride(-1) == 1 else w_up.contiguous()  # rows are read along K
     w_down = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
-    block_m = choose_block_m(pairs, num_experts + chunks)
+    if block_m is None:
+        block_m = choose_block_m(pairs, num_experts + chunks)
+    elif block_m not in (16, 32, 64, 128):
+        raise ValueError(f"block_m must be 16, 32, 64 or 128, got {block_m}")
     align = moe_align_triton(topk_ids, num_experts + chunks, block_m)
     hidden = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     up_shared = (cast(torch.Tensor, shared_up), inter * d, d) if chunks else None  # chunk c: rows c*I .. of [S*I, D]

@@ -182,6 +182,16 @@ def test_router_appends_the_shared_chunks(n_group):
         torch.testing.assert_close(w[:, :3].sort(-1)[0], plain_w.sort(-1)[0], rtol=1e-6, atol=0)
 
 
+@ku.interp_only
+def test_block_m_override_gives_the_same_result():
+    x, w_up, w_down, weights, ids = _case(20, 2, 4, 16, 16, torch.float32, seed=2)
+    ref = moe_experts_ref(x, w_up, w_down, weights, ids)
+    for block_m in (16, 32):
+        ku.assert_close(moe_experts_triton(x, w_up, w_down, weights, ids, block_m=block_m), ref, 1e-5, "block_m")
+    with pytest.raises(ValueError, match="block_m"):
+        moe_experts_triton(x, w_up, w_down, weights, ids, block_m=48)
+
+
 def test_block_m_grows_with_rows_per_expert():
     assert [choose_block_m(p, 128) for p in (6, 768, 24576)] == [16, 16, 128]
 
