@@ -4,7 +4,7 @@ their floors, with the device's copy bandwidth and bf16 matmul peak measured in 
 Timing: triton's do_bench median (CUDA events around each run, L2 flushed before each, warm-up first) of
 CUDA-graph replays; the decode layer's graph runs LAYER_COPIES distinct copies of the layer back to back (as a
 model's layers run; the graph's own launch is spread over them), the time is per layer.
-  decode 1 / 8 / 32 / 128 tokens, the layer (router + routed experts + shared expert) through both Triton paths:
+  decode 1 / 8 / 16 / 32 / 128 tokens, the layer (router + routed experts + shared expert) through both Triton paths:
   `grouped` (alignment + grouped GEMMs + combine) and `small` (the small-M path: logits, up, down), and the
   `default` dispatch (SMALL_M_MAX_PAIRS); floor = bytes the layer must read (the distinct routed experts, the
   shared expert, the router) / copy bandwidth.
@@ -46,7 +46,7 @@ from hybridserve.models.moe import MoE  # noqa: E402
 from hybridserve.models.weights import dummy_model  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "nemotron-3-nano-30b-a3b.json"
-DECODE_BATCHES = (1, 8, 32, 128)
+DECODE_BATCHES = (1, 8, 16, 32, 128)
 PREFILL_TOKENS = 4096
 PREFILL_BLOCK_M = (64, 128)  # grouped-GEMM row blocks measured at prefill (the default picks 128 at 4K tokens)
 LAYER_COPIES = 4  # distinct decode-layer copies per graph (2.6 GB each at Nano's shapes)
@@ -313,7 +313,7 @@ def main() -> None:
     sections: dict[str, Callable[[], Any]] = {
         "decode": lambda: bench_decode(config, device, timer, ceil, False, batches, copies),
         "prefill": lambda: bench_prefill(config, device, timer, ceil, False, prefill),
-        "fp8_decode": lambda: bench_decode(config, device, timer, ceil, True, batches[:3], copies),
+        "fp8_decode": lambda: bench_decode(config, device, timer, ceil, True, batches[:4], copies),
         "fp8_prefill": lambda: bench_prefill(config, device, timer, ceil, True, prefill),
         "step": lambda: bench_model_step(config, device, timer, ceil),
     }

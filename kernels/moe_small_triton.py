@@ -47,8 +47,10 @@ def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 # up: 6 + 2 experts x 1856 / BLOCK_N tiles is 232-928 programs at one token, one [BLOCK_N, BLOCK_K] tile each
 # per step; down: 2688 / BLOCK_N programs per token, each a [8 slots, BLOCK_N, BLOCK_K] tile per step (these
 # loads are not software-pipelined: the bytes in flight are the tile times the programs an SM holds)
-_UP_TILES = [(16, 256, 4, 1), (32, 128, 4, 1), (32, 256, 4, 1), (64, 128, 4, 1), (32, 256, 8, 1), (64, 256, 8, 1)]
-_DOWN_TILES = [(4, 256, 4, 1), (8, 128, 4, 1), (8, 256, 4, 1), (8, 256, 8, 1), (16, 128, 8, 1), (16, 256, 8, 1)]
+_UP_TILES = [(16, 256, 4, 1), (16, 512, 4, 1), (32, 128, 4, 1), (32, 256, 4, 1), (64, 128, 4, 1), (32, 256, 8, 1),
+             (32, 512, 8, 1), (64, 256, 8, 1)]
+_DOWN_TILES = [(4, 256, 4, 1), (4, 512, 4, 1), (8, 128, 4, 1), (8, 256, 4, 1), (8, 256, 8, 1), (16, 128, 8, 1),
+               (16, 256, 8, 1)]
 
 
 @triton.jit

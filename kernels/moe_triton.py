@@ -118,10 +118,11 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), weight.float()).contiguous()
     x, weight = x.contiguous(), weight.contiguous()
     logits = torch.empty(n, num_experts, dtype=torch.float32, device=x.device)
-    block_e = 4 if not interpreting() else 8
+    # a whole row per step (one dependent memory round trip for hidden <= 4096), 8K elements per program
+    block_k = 32 if interpreting() else min(next_pow2(d), 4096)
+    block_e = 8 if interpreting() else max(1, 8192 // block_k)
     _router_logits_kernel[(n, triton.cdiv(num_experts, block_e))](x, weight, logits, num_experts, d, x.stride(0),
-                                                                  BLOCK_E=block_e, BLOCK_K=512 if not
-                                                                  interpreting() else 32, num_warps=4)
+                                                                  BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
     return logits
 
 

@@ -69,7 +69,7 @@ def main() -> None:
             {"K": 6, "BLOCK_D": 1024, "HAS_SHARED": shared}, aligned=("pair_ptr", "shared_ptr", "out_ptr", "D"))
     found["router logits"] = compile_for_hopper(_router_logits_kernel, {
         "x_ptr": "*bf16", "w_ptr": "*bf16", "logits_ptr": "*fp32", "E": "i32", "D": "i32", "x_m": "i32"},
-        {"BLOCK_E": 4, "BLOCK_K": 512}, aligned=("x_ptr", "w_ptr", "logits_ptr", "D", "x_m"))
+        {"BLOCK_E": 2, "BLOCK_K": 4096}, aligned=("x_ptr", "w_ptr", "logits_ptr", "D", "x_m"))
     small_ints = {n: "i32" for n in ("E", "N_OUT", "K", "w_e", "w_n", "ws_e", "ws_n")}
     for weights in ("*bf16", "*fp8e4nv"):
         fp8 = weights != "*bf16"
