@@ -107,3 +107,29 @@ def test_bad_inputs_name_what_to_change():
     with pytest.raises(ValueError, match="fp8 expert weights"):
         moe_layer_triton(**{**inputs, "spec": RouterSpec(8, 2, 1, 1, True, 2.5), "shared_up": None,
                             "shared_down": None}, up_scale=torch.ones(8, 16))
+
+
+@ku.gpu
+@ku.cuda_only
+@pytest.mark.parametrize("tokens", [1, 8, 16])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_small_path_matches_the_reference_and_replays_as_a_graph(tokens, fp8):
+    """Nano's routing (128 experts, top 6, 2 shared chunks or fp8 experts) at reduced widths on the GPU: the
+    small path equals the reference layer and the grouped path, and a CUDA-graph replay gives the same bits."""
+    inputs = _layer(tokens, 128, 6, 1, 1, 256, 128, 0 if fp8 else 2, torch.bfloat16, seed=tokens)
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    inputs["correction_bias"] = inputs["correction_bias"].float()
+    if fp8:
+        inputs["w_up"], inputs["up_scale"] = quantize_fp8_rows(inputs["w_up"])
+        inputs["w_down"], inputs["down_scale"] = quantize_fp8_rows(inputs["w_down"])
+        inputs["shared_out"] = torch.randn(tokens, 256, device="cuda").bfloat16()
+    ref = moe_layer_ref(**inputs)
+    out = moe_layer_triton(**inputs, small_max_pairs=1 << 20)
+    ku.assert_close(out, ref, 1e-2, "small path vs reference")
+    ku.assert_close(moe_layer_triton(**inputs, small_max_pairs=0), out, 1e-2, "grouped vs small path")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_layer_triton(**inputs, small_max_pairs=1 << 20)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)
