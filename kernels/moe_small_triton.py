@@ -248,10 +248,10 @@ def moe_layer_triton(
         weights, ids = route_topk_triton(x, router_weight, correction_bias, spec)
         return moe_experts_triton(xe, w_up, w_down, weights, ids, up_scale, down_scale, shared_out, shared_up,
                                   shared_down)
-    contiguous = [t.contiguous() if t is not None else None for t in (w_up, w_down, shared_up, shared_down)]
-    return moe_small_triton(x, router_weight, correction_bias, spec, contiguous[0], contiguous[1], up_scale,
-                            down_scale, xe.contiguous(), shared_out.contiguous() if shared_out is not None else None,
-                            contiguous[2], contiguous[3])
+    shared_up, shared_down, shared_out = (t.contiguous() if t is not None else None
+                                          for t in (shared_up, shared_down, shared_out))
+    return moe_small_triton(x, router_weight, correction_bias, spec, w_up.contiguous(), w_down.contiguous(),
+                            up_scale, down_scale, xe.contiguous(), shared_out, shared_up, shared_down)
 
 
 __all__ = ["SMALL_M_MAX_PAIRS", "moe_layer_triton", "moe_small_triton"]
