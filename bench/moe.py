@@ -232,7 +232,7 @@ def bench_model_step(config: ModelConfig, device: torch.device, timer: Timer, ce
     # slot 0's conv + ssm state of every Mamba layer ([slot, layer, ...]), read and written once
     state_bytes = 2 * sum(t[0].numel() * t.element_size() for t in (cache.ssm_states, cache.conv_states))
     floor_ms = (weight_bytes + active_bytes + state_bytes) / ceil["copy_GBps"] / 1e6
-    row: dict[str, Any] = {"batch": 1, "context": CONTEXT, "dense_weight_GB": weight_bytes / 1e9,
+    row: dict[str, Any] = {"batch": 1, "context": CONTEXT, "moe_layers": len(experts), "dense_weight_GB": weight_bytes / 1e9,
                            "active_expert_GB": active_bytes / 1e9, "state_GB": state_bytes / 1e9, "floor_ms": floor_ms}
     with torch.no_grad():
         row["eager_ms"] = timer(step, graph=False)
@@ -267,15 +267,22 @@ def summary(result: dict[str, Any]) -> list[str]:
             lines.append(f"{section} {r['tokens']} tokens: expert GEMMs {r['experts_ms']:.3f} ms = "
                          f"{r['experts_TFLOPs']:.0f} TFLOP/s, {r['experts_pct_of_same_shape_mm']:.0f} % of torch.mm of "
                          f"the same shapes ({r['same_shape_mm_TFLOPs']:.0f} TFLOP/s), "
-                         f"{r['experts_pct_of_square_peak']:.0f} % of the square bf16 peak; layer {r['layer_ms']:.3f} ms; "
-                         + ", ".join(f"block_m {m}: {r[f'experts_pct_of_same_shape_mm_block_m{m}']:.0f} %"
-                                     for m in PREFILL_BLOCK_M if f"experts_ms_block_m{m}" in r))
+                         f"{r['experts_pct_of_square_peak']:.0f} % of the square bf16 peak; layer {r['layer_ms']:.3f} ms"
+                         + "".join(f"; block_m {m}: {r[f'experts_pct_of_same_shape_mm_block_m{m}']:.0f} %"
+                                   for m in PREFILL_BLOCK_M if f"experts_ms_block_m{m}" in r))
     step = result.get("step")
     if isinstance(step, dict) and "floor_ms" in step:
         for name in ("graph", "graph_grouped_only"):
             if f"{name}_ms" in step:
                 lines.append(f"step batch 1 ({name}): {step[name + '_ms']:.3f} ms vs floor {step['floor_ms']:.3f} ms = "
                              f"{step[name + '_over_floor']:.2f}x")
+        one = [r for r in result.get("decode") or [] if isinstance(r, dict) and r.get("tokens") == 1]
+        if one and "graph_ms" in step:  # where the step's time goes: its MoE layers as measured alone, the rest
+            moe_ms, moe_floor = step["moe_layers"] * one[0]["default_ms"], step["moe_layers"] * one[0]["floor_ms"]
+            rest, rest_floor = step["graph_ms"] - moe_ms, step["floor_ms"] - moe_floor
+            lines.append(f"  of which {step['moe_layers']} MoE layers ~{moe_ms:.3f} ms (floor {moe_floor:.3f}), the rest "
+                         f"(Mamba, attention, norms, lm_head) ~{rest:.3f} ms (floor {rest_floor:.3f}, "
+                         f"{rest / rest_floor:.2f}x)")
     return lines
 
 
