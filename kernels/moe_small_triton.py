@@ -3,7 +3,7 @@
 At a handful of tokens the grouped path's alignment, 16-row padded blocks and separate combine are launch
 latency, not work (1 token on an H200: ~7 launches, 1.9x the bytes floor). Here every (token, slot) pair is
 one GEMV and the launches are:
-  1. `_router_logits_kernel` (moe_triton): fp32 router logits, spread over E / 4 programs per token;
+  1. `_router_logits_kernel` (moe_triton): fp32 router logits, E / BLOCK_E programs per token (64 at Nano);
   2. `_small_up_kernel`: one program per (token, column tile, slot); each recomputes its token's top-k choice
      from the logits (a few hundred bytes; `topk_choice`, the router kernel's own code), streams its expert's
      [BLOCK_N, D] weight rows and writes relu2(x @ W^T) for its pair; the tile-0 programs store the choice;
