@@ -16,8 +16,9 @@ small path off): floor = the weights the step reads (every dense weight, the act
 lm_head; not the embedding table) plus the Mamba state read + written, over copy bandwidth (the KV cache read,
 ~3 MB, is left out).
 
-GPU (one H200, ~3-4 min, most of it compiling and autotuning):
-  source .whl/setup.sh && python bench/moe.py --device cuda --out $OUT/moe.json
+GPU (one H200; a cold Triton cache spends most of the time compiling and autotuning; `wall_s` in the JSON):
+  source .whl/setup.sh && python bench/moe.py --device cuda --skip fp8_decode fp8_prefill --out $OUT/moe.json
+  source .whl/setup.sh && python bench/moe.py --device cuda --skip decode prefill step --out $OUT/moe_fp8.json
 CPU smoke run (tiny shapes, the torch reference, plain timing): python bench/moe.py --device cpu
 """
 
@@ -295,6 +296,7 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[],
                         help="sections to skip: decode prefill fp8_decode fp8_prefill step")
     args = parser.parse_args()
+    started = time.perf_counter()
     device = torch.device(args.device)
     data = json.loads(args.config.read_text())
     cpu = device.type == "cpu"
@@ -325,7 +327,8 @@ def main() -> None:
         "step": lambda: bench_model_step(config, device, timer, ceil),
     }
     run_sections(sections, args.skip, result)
-    result["summary"] = summary(result)
+    result["wall_s"] = time.perf_counter() - started
+    result["summary"] = [*summary(result), f"wall {result['wall_s']:.0f} s"]
     print("\n".join(result["summary"]), flush=True)
     write_json(result, args.out)
 
