@@ -33,8 +33,9 @@ from hybridserve.kernels.moe_triton import (
 from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting, next_pow2
 
 # pairs (tokens x (top_k + shared chunks)) up to which the layer takes the small-M path; Nano has 6 + 2 slots,
-# so 64 is 8 tokens (bench/moe.py measures both paths at 1 / 8 / 32 / 128 tokens to place it)
-SMALL_M_MAX_PAIRS = 64
+# so 8 is one token. On the H200 (bench/results/h200/moe/small_path.json) the small path ties the grouped
+# GEMMs at 1 token (59.2 vs 59.6 us) and loses from 8 tokens on (301 vs 220 us).
+SMALL_M_MAX_PAIRS = 8
 
 
 def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
