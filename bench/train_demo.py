@@ -157,7 +157,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-windows", type=int, default=256, help="held-out windows evaluated at the end")
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-prompts", type=int, default=64, help="held-out function prompts of the parse test")
-    p.add_argument("--gen-tokens", type=int, default=96)
+    p.add_argument("--gen-tokens", type=int, default=256, help="long enough for every held-out body (longest 184)")
     p.add_argument("--no-engine-eval", action="store_true", help="skip the hybridserve engine evaluation")
     p.add_argument("--max-files", type=int, default=None, help="debug: only the first N files")
     p.add_argument("--tokenizer-dir", type=Path, default=None, help="reuse a trained tokenizer")
@@ -218,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.tokenizer_dir is not None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(args.tokenizer_dir), local_files_only=True)
-        tokenizer.save_pretrained(str(out_dir))
+        tokenizer = _data.save_with_bos(AutoTokenizer.from_pretrained(str(args.tokenizer_dir), local_files_only=True),
+                                        out_dir)
     else:
         tokenizer = train_tokenizer(tokenizer_texts(corpus.train, args.tokenizer_mb), args.vocab_size, out_dir)
     train_stream = encode_stream(tokenizer, [t for _, t in corpus.train], args.line_break_rate, args.seed)

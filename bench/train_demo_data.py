@@ -108,6 +108,21 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):  # noqa: 
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS, pad_token=EOS, bos_token=EOS, unk_token=None, model_max_length=4096
     )
+    return save_with_bos(fast, out_dir)
+
+
+def save_with_bos(fast, out_dir: Path):  # noqa: ANN001, ANN201 - PreTrainedTokenizerFast
+    """Give the tokenizer a BOS (the document separator EOS, GPT-2 style) on encode with special tokens, and save
+    it in transformers' layout. Training documents follow an EOS, so a prompt that starts with one reads as
+    the start of a file: without it the model cannot tell a prompt's first line from the middle of a file
+    and indents top-level code as if it were a method body."""
+    from tokenizers import processors
+
+    eos_id = fast.convert_tokens_to_ids(EOS)
+    fast._tokenizer.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{EOS} $A", pair=f"{EOS} $A {EOS} $B", special_tokens=[(EOS, eos_id)]),
+    ])
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(out_dir))
     # the class name transformers 4.x and 5.x both resolve (5.x writes its own `TokenizersBackend`)
@@ -118,7 +133,9 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):  # noqa: 
     special = out_dir / "special_tokens_map.json"
     if not special.is_file():
         special.write_text(json.dumps({"bos_token": EOS, "eos_token": EOS, "pad_token": EOS}, indent=2) + "\n")
-    return fast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(out_dir), local_files_only=True)
 
 
 def line_pieces(text: str, rate: float, rng: random.Random) -> list[str]:

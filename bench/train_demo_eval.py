@@ -4,7 +4,9 @@ function prompts and whether they parse, and MTP acceptance at K = 1..3.
 Prompts: the header (signature line, plus the docstring where there is one) of top-level functions of
 held-out files, which training never saw. A continuation stops at the first top-level `def` / `class` /
 `@` / `if __name__` line (the usual stop sequences of code completion) or at EOS, else it is cut at its last
-complete line; it passes when `ast.parse(prompt + continuation)` succeeds.
+complete line; it passes when `ast.parse(prompt + continuation)` succeeds. The token limit (--gen-tokens, 256)
+is set so that every held-out function's own body fits (the longest is 184 tokens; 96 cut off 9 of 64).
+Prompts are encoded as the engine encodes them, with the tokenizer's BOS.
 
 Acceptance is measured two ways: through hybridserve's own engine (`LLM(..., speculative_config=mtp)`,
 greedy, the serving drafter applied K times) where it runs, and always by replaying the model's own greedy
@@ -89,7 +91,7 @@ def greedy_hf(trunk, tokenizer, prompts: list[str], max_tokens: int, device: str
         if time.perf_counter() - t0 > budget_s:
             logger.warning("greedy generation: time budget spent after %d of %d prompts", len(out), len(prompts))
             break
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        ids = tokenizer.encode(prompt)  # with BOS, as the engine and the server encode a prompt
         x = torch.tensor([ids], device=device)
         gen = trunk.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
                              eos_token_id=eos, pad_token_id=eos)[0, len(ids) :].tolist()

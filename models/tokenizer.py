@@ -27,8 +27,11 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self._tokenizer.eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`. As in vLLM, a plain prompt gets the tokenizer's own special tokens (its
+        post-processor's BOS, where it has one); text rendered by a chat template passes False, since the
+        template writes them itself."""
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: list[int]) -> str:
         return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))

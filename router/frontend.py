@@ -118,12 +118,13 @@ class Frontend:
         self._generation_threads = _DaemonThreads("generate")  # one pool per front end, reused across requests
 
     # ---- inputs ----------------------------------------------------------------------------------
-    def encode(self, prompt: str | Sequence[int], param: str = "prompt") -> list[int]:
-        """Token ids of a text or token-id prompt, checked against the vocabulary; raises ApiError."""
+    def encode(self, prompt: str | Sequence[int], param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text or token-id prompt, checked against the vocabulary; raises ApiError. Text from a
+        chat template passes add_special_tokens=False (the template writes BOS itself)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ApiError(400, "this model has no tokenizer: send token ids", param=param)
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             ids = [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self.vocab_size]

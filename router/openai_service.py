@@ -90,7 +90,7 @@ class OpenAIService:
             text = template.render(rendered, add_generation_prompt=add_generation_prompt, tools=tools)
         except ValueError as exc:
             raise ApiError(400, f"the chat template refused the messages: {exc}", param="messages") from exc
-        return self.frontend.encode(text, param="messages")
+        return self.frontend.encode(text, param="messages", add_special_tokens=False)
 
     def tokenize(self, req: TokenizeRequest) -> dict:
         """vLLM's /tokenize answer: the ids the server would run, their count and the context length."""
