@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     autocast = device != "cpu"
     history: list[dict] = []
     scan_patch = contextlib.ExitStack()
-    triton_scan = False if args.torch_scan else scan_patch.enter_context(_scan.fast_scan(device))
+    triton_scan = False if args.torch_scan else scan_patch.enter_context(_scan.fast_scan(device, cfg))
     while total is None or step < total:
         offsets = torch.randint(0, train_stream.numel() - args.seq_len - 1, (args.batch_size,), generator=gen)
         batch = stream_dev[offsets.to(device)[:, None] + span[None, :]].long()

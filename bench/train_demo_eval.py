@@ -215,7 +215,7 @@ def evaluate_trained(report: dict, trunk, mtp, tokenizer, corpus, heldout_window
     report["samples"] = {s["prompt"]: s["text"] for s in samples}
     prompts = heldout_prompts(corpus.heldout, args.eval_prompts)
     gens = greedy_hf(trunk, tokenizer, prompts, args.gen_tokens, device,
-                           max(0.0, min(60.0, deadline - time.perf_counter() - 45.0)))
+                     max(0.0, min(40.0, deadline - time.perf_counter() - 60.0)))
     passed = [parses(g["prompt"], g["text"], g["finished"]) for g in gens]
     report["parse"] = {"prompts": len(prompts), "generated": len(gens), "max_tokens": args.gen_tokens,
                        "parse_rate": sum(passed) / max(1, len(gens)), "path": "transformers generate (greedy)",

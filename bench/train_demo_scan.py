@@ -30,13 +30,16 @@ def _triton_scan(combined: Callable[..., Any]) -> Callable[..., Any]:
     return scan
 
 
-def _max_rel_error(reference: Callable[..., Any], candidate: Callable[..., Any], device: str) -> float:
-    """Largest relative error of output and input gradients, candidate vs reference, on one random input."""
+def _max_rel_error(reference: Callable[..., Any], candidate: Callable[..., Any], device: str, cfg: dict) -> float:
+    """Largest relative error of output and input gradients, candidate vs reference, on one random input with
+    the model's head / state / chunk sizes and the training loop's bf16 activations (mamba_ssm autotunes per
+    those sizes and dtypes, so the check's tuning is the training loop's too)."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    b, length, heads, dim, groups, state = 2, 256, 8, 64, 2, 32
+    b, length = 2, 4 * cfg["chunk_size"]
+    heads, dim, groups, state = cfg["mamba_num_heads"], cfg["mamba_head_dim"], cfg["n_groups"], cfg["ssm_state_size"]
 
     def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * scale).to(device).requires_grad_()
+        return (torch.randn(*shape, generator=gen) * scale).to(device, torch.bfloat16).requires_grad_()
 
     x, dt, b_, c_ = rand(b, length, heads, dim), rand(b, length, heads, scale=0.5), rand(b, length, groups, state), \
         rand(b, length, groups, state)
@@ -45,16 +48,16 @@ def _max_rel_error(reference: Callable[..., Any], candidate: Callable[..., Any],
     worst = 0.0
     outs = []
     for fn in (reference, candidate):
-        y = fn(x, dt, a, b_, c_, 32, D=d, dt_bias=bias, dt_softplus=True).float()
+        y = fn(x, dt, a, b_, c_, cfg["chunk_size"], D=d, dt_bias=bias, dt_softplus=True).float()
         grads = torch.autograd.grad(y.square().sum(), (x, dt, b_, c_))
         outs.append((y, *grads))
     for ref, got in zip(*outs):
-        worst = max(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-12)))
+        worst = max(worst, float((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)))
     return worst
 
 
 @contextmanager
-def fast_scan(device: str) -> Iterator[bool]:
+def fast_scan(device: str, cfg: dict) -> Iterator[bool]:
     """Patch the Triton scan into transformers' NemotronH while the block runs; yields whether it did."""
     if not device.startswith("cuda"):
         yield False
@@ -80,9 +83,9 @@ def fast_scan(device: str) -> Iterator[bool]:
 
     reference = modeling.mamba2_chunk_scan
     patched = _triton_scan(combined)
-    error = _max_rel_error(reference, patched, device)
-    if error > 1e-2:
-        logger.warning("Triton scan differs from transformers' by %.2e (> 1e-2): not used", error)
+    error = _max_rel_error(reference, patched, device, cfg)
+    if error > 5e-2:  # bf16 inputs and gradients: rounding is ~1e-2; a wrong kernel is off by O(1)
+        logger.warning("Triton scan differs from transformers' by %.2e (> 5e-2): not used", error)
         yield False
         return
     logger.info("training with mamba_ssm's Triton chunk scan (max rel. error vs transformers %.1e)", error)
