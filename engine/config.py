@@ -93,9 +93,6 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-        if tp > 1 and self.speculative is not None and self.speculative.method == "mtp":
-            raise ValueError("the MTP drafter does not run with tensor_parallel_size > 1 yet: use "
-                             "speculative_config method 'ngram', or tensor_parallel_size=1")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         for name in ("state_block", "num_kv_pages"):

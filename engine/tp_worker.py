@@ -2,9 +2,10 @@
 ranks 1..N-1 are follower processes that hold their shards and state pools and replay rank 0's device work.
 
 Rank 0 broadcasts every command before running it itself, as one int64 header (the command and its sizes)
-then its tensors: a forward's packed input ids + ForwardBatch metadata, a logits call's hidden rows, a state
-copy's slots, the pool layout. Followers never schedule; every rank's pools have the same layout and the
-same indices, so the prefix cache and its events stay one logical cache on rank 0. gloo on CPU, NCCL on CUDA.
+then its tensors: a forward's packed input ids + ForwardBatch metadata (an MTP drafter pass: also its
+previous hidden rows), a logits call's hidden rows, a state copy's slots, the pool layout. Followers never
+schedule; every rank's pools have the same layout and the same indices, so the prefix cache and its events
+stay one logical cache on rank 0. gloo on CPU, NCCL on CUDA.
 """
 
 from __future__ import annotations
@@ -28,13 +29,13 @@ from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.models.parallel import TPGroup, VocabParallelLMHead
-from hybridserve.models.tp_shard import dummy_shard, load_shard, local_config
+from hybridserve.models.tp_shard import dummy_shard, has_mtp_weights, load_shard, local_config
 from hybridserve.statepool.state_cache import CacheLayout, StateCache
 
 logger = logging.getLogger(__name__)
 
 HEADER = 16  # int64 fields of a command header
-STOP, LAYOUT, FORWARD, LOGITS, COPY_STATE, ROLLBACK, SNAPSHOT, STATE = range(8)
+STOP, LAYOUT, FORWARD, LOGITS, COPY_STATE, ROLLBACK, SNAPSHOT, STATE, MTP_FORWARD = range(9)
 ROLLBACKS = (None, "intermediate", "replay")
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a dead rank surfaces as an error on the others, not a hang
 
@@ -145,8 +146,13 @@ class LeaderModel:
         assert logits is not None  # rank 0 receives the gather
         return logits
 
-    def mtp_forward(self, *args: Any) -> torch.Tensor:
-        raise ValueError("the MTP drafter does not run with tensor_parallel_size > 1")
+    def mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, batch: ForwardBatch,
+                    cache: StateCache) -> torch.Tensor:  # [N], [N, hidden] -> [N, hidden]
+        """One pass of the sharded MTP drafter on every rank (its attention KV lives in each rank's pages)."""
+        header, payload = pack_forward(input_ids, batch)
+        prev_hidden = prev_hidden.to(self.model.lm_head.weight.dtype)
+        self.leader.send([MTP_FORWARD, *header[1:], prev_hidden.shape[1]], payload, prev_hidden)
+        return self.model.mtp_forward(input_ids, prev_hidden, batch, cache)
 
 
 class MirroredStateCache(StateCache):
@@ -184,9 +190,19 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return device
 
 
+def rank_model_config(model_dir: Path, config: EngineConfig) -> ModelConfig:
+    """The checkpoint's config, with its MTP drafter only when the engine drafts with it and it ships weights
+    (as `weights.load_model` decides at TP=1)."""
+    model_config = ModelConfig.from_dir(model_dir)
+    spec = config.speculative
+    keep = spec is not None and spec.method == "mtp" and model_config.has_mtp and (
+        config.load_format == "dummy" or has_mtp_weights(model_dir))
+    return model_config if keep else dataclasses.replace(model_config, mtp_layer_types=())
+
+
 def load_rank_model(model_dir: Path, config: EngineConfig, tp: TPGroup, device: torch.device) -> HybridLM:
-    """This rank's shard of the checkpoint (or of the dummy weights), without the MTP drafter."""
-    model_config = dataclasses.replace(ModelConfig.from_dir(model_dir), mtp_layer_types=())
+    """This rank's shard of the checkpoint (or of the dummy weights)."""
+    model_config = rank_model_config(model_dir, config)
     if config.load_format == "dummy":
         return dummy_shard(model_config, config.torch_dtype, device, tp, config.seed)
     return load_shard(model_dir, model_config, config.torch_dtype, device, tp)
@@ -211,7 +227,7 @@ def start_leader(model_dir: Path, config: EngineConfig) -> tuple[Leader, LeaderM
     size = config.tensor_parallel_size
     model_config = ModelConfig.from_dir(model_dir)
     for rank in range(size):  # shape errors before any process starts
-        local_config(dataclasses.replace(model_config, mtp_layer_types=()), TPGroup(rank, size))
+        local_config(rank_model_config(model_dir, config), TPGroup(rank, size))
     backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
     processes: list[Any] = []
     owns_group = not dist.is_initialized()
@@ -277,14 +293,18 @@ def follow(model: HybridLM, tp: TPGroup, device: torch.device, config: EngineCon
             cache = StateCache(model.config, layout, config.torch_dtype, ssm_dtype, device)
             if spec is not None and spec.rollback == "replay":
                 cache.enable_replay(spec.num_verify_tokens)
-        elif command == FORWARD:
+        elif command in (FORWARD, MTP_FORWARD):
             size = sum(max(f, 0) for f in (fields[1], fields[2] + 1, 3 * fields[2], fields[2] * fields[3],
                                            fields[1], fields[4], fields[9]))
             payload = tp.broadcast(torch.empty(size, dtype=torch.int64, device=device))
             input_ids, batch = unpack_forward(fields, payload)
             assert cache is not None, "rank 0 sends the layout before any forward"
-            model(input_ids, batch, cache)
-            states = batch.intermediate_states
+            if command == FORWARD:
+                model(input_ids, batch, cache)
+                states = batch.intermediate_states
+            else:
+                prev = torch.empty(fields[1], fields[11], dtype=model.lm_head.weight.dtype, device=device)
+                model.mtp_forward(input_ids, tp.broadcast(prev), batch, cache)
         elif command == LOGITS:
             hidden = tp.broadcast(torch.empty(fields[1], fields[2], dtype=model.lm_head.weight.dtype, device=device))
             cast(VocabParallelLMHead, model.lm_head).gathered_logits(hidden)

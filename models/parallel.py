@@ -1,6 +1,10 @@
 """Tensor-parallel building blocks: the group handle, row-parallel linears (one all-reduce each), the
 vocab-parallel embedding and lm_head, and the Mamba2 gated RMSNorm whose groups may span ranks.
 
+The MoE block shards every expert's intermediate dim (each rank a column slice of every expert's up_proj and
+the matching row slice of down_proj, the shared expert likewise, router and latent projections replicated):
+its partial output is linear in the slices, so one all-reduce per block, as for the MLP.
+
 Column-parallel layers need no class of their own: a rank's shard of q/k/v, up_proj or in_proj is a plain
 `Linear` over its slice of the output rows (`models/tp_shard.py` slices the checkpoint). Hand-written rather
 than taken from a training library (Megatron, DTensor) because the engine runs eager packed-token forwards
@@ -17,7 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.kernels import ops
+from hybridserve.models.config import MoEConfig
 from hybridserve.models.layers import Linear
+from hybridserve.models.moe import MoE
 
 
 @dataclass(frozen=True)
@@ -129,3 +135,16 @@ class ShardedGatedRMSNorm(nn.Module):
         self.tp.all_reduce(sums)
         rstd = torch.rsqrt(sums / self.group_size + self.eps)  # [N, G]
         return (self.weight.float() * gated * rstd[:, group]).to(x.dtype)
+
+
+class TensorParallelMoE(MoE):
+    """The MoE block over this rank's slice of every expert's (and the shared expert's) intermediate dim; the
+    router and the latent projections are replicated. The partial sums of all ranks add up to the block's
+    output (one all-reduce); the down projections' biases are loaded on rank 0 only (zeros elsewhere)."""
+
+    def __init__(self, hidden_size: int, config: MoEConfig, bias: bool, tp: TPGroup) -> None:
+        super().__init__(hidden_size, config, bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+        return self.tp.all_reduce(super().forward(x))

@@ -112,18 +112,9 @@ def test_shards_reassemble_the_checkpoint_tensors() -> None:
 def test_tensor_parallel_config_errors_are_clear() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         EngineConfig(tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="MTP drafter does not run"):
-        EngineConfig(tensor_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     model_dir, _ = nemotron_h("M*-M")
     with pytest.raises(ValueError, match="divisible by tensor_parallel_size=3"):
         LLM(model_dir, tensor_parallel_size=3)  # fails before any process starts
-    with pytest.raises(ValueError, match="MoE models"):
-        local_config(_moe_config(), TPGroup(0, 2))
-
-
-def _moe_config() -> ModelConfig:
-    return ModelConfig.from_dir(nemotron_h("M*EM", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                                           moe_shared_expert_intermediate_size=24, n_group=2, topk_group=1)[0])
 
 
 @pytest.mark.parametrize("rollback", ["intermediate", "replay"])

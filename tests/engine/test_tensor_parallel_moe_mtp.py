@@ -1,0 +1,102 @@
+"""Tensor parallelism for the MoE block and the MTP drafter (TP=2, gloo on CPU, one spawned follower rank):
+MoE layers (shared expert fused into the expert GEMMs, or apart behind a latent projection) give transformers'
+logits and the TP=1 engine's greedy tokens; the sharded MTP drafter verifies with both rollbacks and gives the
+TP=1 drafter's drafts and plain greedy decoding's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import hf_greedy, hf_logits, nemotron_h_moe, nemotron_h_mtp, random_prompts
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.models.config import ModelConfig
+from hybridserve.models.default_model import default_model_dir
+from hybridserve.models.parallel import TPGroup
+from hybridserve.models.tp_shard import local_config, shard_tensor
+
+RTOL, ATOL = 1e-4, 1e-5
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+@pytest.mark.parametrize("latent", [None, 8], ids=["fused-shared", "latent"])
+def test_moe_tp2_matches_tp1_and_transformers(latent: int | None) -> None:
+    """Every expert's intermediate dim split over the ranks, router replicated, one all-reduce per block."""
+    model_dir, hf = nemotron_h_moe("ME*E", moe_latent_size=latent)
+    prompts = random_prompts([7, 21], vocab=128, seed=5)
+    llm = LLM(model_dir, tensor_parallel_size=2, prefill_chunk_size=8)
+    try:
+        expected = _tokens(LLM(model_dir, prefill_chunk_size=8), prompts)
+        torch.testing.assert_close(llm.prompt_logits(prompts[1]), hf_logits(hf, prompts[1]), rtol=RTOL, atol=ATOL)
+        assert _tokens(llm, prompts) == expected
+        assert expected[0] == hf_greedy(hf, prompts[0], GREEDY.max_tokens)
+    finally:
+        llm.engine.close()
+
+
+def test_moe_shards_reassemble_the_experts() -> None:
+    """Rank slices of up_proj [E, I, D] / down_proj [E, D, I] tile the intermediate dim; the shared expert's
+    down-projection bias is kept once (rank 0)."""
+    config = ModelConfig.from_dir(nemotron_h_moe("ME*E")[0])
+    assert config.moe is not None
+    e, i, d = config.moe.num_experts, config.moe.intermediate_size, config.hidden_size
+    up, down = torch.randn(e, i, d), torch.randn(e, d, i)
+    ranks = [TPGroup(r, 2) for r in range(2)]
+    ups = [shard_tensor("layers.1.mixer.experts.up_proj", up, config, tp) for tp in ranks]
+    downs = [shard_tensor("layers.1.mixer.experts.down_proj", down, config, tp) for tp in ranks]
+    torch.testing.assert_close(torch.cat(ups, dim=1), up)
+    torch.testing.assert_close(torch.cat(downs, dim=2), down)
+    local = local_config(config, ranks[1]).moe
+    assert local is not None and local.intermediate_size == i // 2 and local.num_experts == e
+    bias = torch.randn(d)
+    name = "layers.1.mixer.shared_experts.down_proj.bias"
+    assert torch.equal(shard_tensor(name, bias, config, ranks[0]), bias)
+    assert not shard_tensor(name, bias, config, ranks[1]).any()
+    with pytest.raises(ValueError, match="moe_intermediate_size \\(16\\) must be divisible by tensor_parallel_size=3"):
+        local_config(config, TPGroup(0, 3))
+
+
+def test_mtp_with_moe_layer_tp2_drafts_as_tp1() -> None:
+    """A drafter with an attention and a MoE layer (per-expert checkpoint tensors): TP=2 drafts and tokens equal
+    TP=1's, and the tokens equal plain greedy decoding."""
+    model_dir, _ = nemotron_h_mtp("M*-M", ("attention", "moe"), moe=True)
+    options = dict(max_model_len=128, page_size=8, max_num_seqs=4)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    prompts = random_prompts([6, 19], vocab=128, seed=12)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    llm = LLM(model_dir, tensor_parallel_size=2, speculative_config=spec, **options)
+    try:
+        one = LLM(model_dir, speculative_config=spec, **options)
+        expected = _tokens(one, prompts, params)
+        assert expected == _tokens(LLM(model_dir, **options), prompts, params)
+        assert _tokens(llm, prompts, params) == expected
+        assert llm.engine.spec is not None and one.engine.spec is not None
+        two_metrics, one_metrics = llm.engine.spec.metrics, one.engine.spec.metrics
+        assert two_metrics.num_draft_tokens == one_metrics.num_draft_tokens > 0
+        assert two_metrics.num_accepted_tokens == one_metrics.num_accepted_tokens  # the same drafts
+    finally:
+        llm.engine.close()
+
+
+@pytest.mark.parametrize("rollback", ["intermediate", "replay"])
+def test_demo_mtp_verify_tp2_accepts_and_rejects(rollback: str) -> None:
+    """The trained demo drafter at TP=2: verify steps that accept every draft and steps that reject some, each
+    rolling both ranks' Mamba state back; the tokens equal TP=1 greedy decoding without a drafter."""
+    prompts = ["def fibonacci(n):\n    if n < 2:\n        return n\n", "import os\nimport sys\n\n\ndef main("]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "rollback": rollback}
+    llm = LLM(default_model_dir(), tensor_parallel_size=2, speculative_config=spec, max_num_seqs=2)
+    try:
+        plain = [o.token_ids for o in LLM(default_model_dir(), max_num_seqs=2).generate(prompts, params)]
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == plain
+        assert llm.engine.spec is not None
+        metrics = llm.engine.spec.metrics
+        assert 0 < metrics.num_accepted_tokens < metrics.num_draft_tokens  # accepted drafts and rejected ones
+        assert metrics.acceptance_length > 1.5  # steps with every draft accepted
+    finally:
+        llm.engine.close()
