@@ -227,7 +227,7 @@ def start_leader(model_dir: Path, config: EngineConfig) -> tuple[Leader, LeaderM
     size = config.tensor_parallel_size
     model_config = ModelConfig.from_dir(model_dir)
     for rank in range(size):  # shape errors before any process starts
-        local_config(rank_model_config(model_dir, config), TPGroup(rank, size))
+        local_config(rank_model_config(model_dir, config), TPGroup(rank, size, None, config.enable_expert_parallel))
     backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
     processes: list[Any] = []
     owns_group = not dist.is_initialized()
@@ -243,7 +243,7 @@ def start_leader(model_dir: Path, config: EngineConfig) -> tuple[Leader, LeaderM
     elif dist.get_world_size() != size or dist.get_rank() != 0:
         raise ValueError(f"torch.distributed has world size {dist.get_world_size()}, rank {dist.get_rank()}; "
                          f"a TP={size} engine runs on rank 0 of a group of {size}")
-    tp = TPGroup(0, size)
+    tp = TPGroup(0, size, None, config.enable_expert_parallel)
     device = rank_device(config, 0)
     share_cores(device, size)
     leader = Leader(tp, device, processes, owns_group, dataclasses.replace(model_config, mtp_layer_types=()))
@@ -266,7 +266,7 @@ def follower_main(rank: int, size: int, init: str | None, model_dir: str, config
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init or "env://", rank=rank, world_size=size,
                                 timeout=COLLECTIVE_TIMEOUT)
-    tp = TPGroup(rank, size)
+    tp = TPGroup(rank, size, None, config.enable_expert_parallel)
     model = load_rank_model(Path(model_dir), config, tp, device)
     try:
         follow(model, tp, device, config, dataclasses.replace(ModelConfig.from_dir(model_dir), mtp_layer_types=()))

@@ -3,7 +3,9 @@ vocab-parallel embedding and lm_head, and the Mamba2 gated RMSNorm whose groups 
 
 The MoE block shards every expert's intermediate dim (each rank a column slice of every expert's up_proj and
 the matching row slice of down_proj, the shared expert likewise, router and latent projections replicated):
-its partial output is linear in the slices, so one all-reduce per block, as for the MLP.
+its partial output is linear in the slices, so one all-reduce per block, as for the MLP. With expert
+parallelism each rank holds whole experts instead (a contiguous 1/size of them) and zeroes the routing weight of
+the others; the same all-reduce combines the ranks' experts.
 
 Column-parallel layers need no class of their own: a rank's shard of q/k/v, up_proj or in_proj is a plain
 `Linear` over its slice of the output rows (`models/tp_shard.py` slices the checkpoint). Hand-written rather
@@ -13,6 +15,7 @@ over its own kernels and needs only these four pieces.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -23,16 +26,18 @@ from torch import nn
 from hybridserve.kernels import ops
 from hybridserve.models.config import MoEConfig
 from hybridserve.models.layers import Linear
-from hybridserve.models.moe import MoE
+from hybridserve.models.moe import MoE, TopkRouter
 
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This process's place in a tensor-parallel group (`group` None: torch.distributed's default group)."""
+    """This process's place in a tensor-parallel group (`group` None: torch.distributed's default group);
+    `expert_parallel`: MoE blocks hold whole experts, a 1/size subset each, instead of a slice of every one."""
 
     rank: int
     size: int
     group: dist.ProcessGroup | None = None
+    expert_parallel: bool = False
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place; returns the tensor."""
@@ -148,3 +153,44 @@ class TensorParallelMoE(MoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
         return self.tp.all_reduce(super().forward(x))
+
+
+class ExpertParallelMoE(MoE):
+    """The MoE block over this rank's experts [rank * E/size, (rank + 1) * E/size), whole; the router is
+    replicated, the shared expert split like an MLP, one all-reduce. A token's choices held elsewhere keep a
+    zero weight and are pointed at distinct local experts it did not choose (the expert kernels take each token
+    at most once per expert, and have no way to skip a pair), so they cost compute but add nothing; sync-free,
+    so a decode step still captures as a CUDA graph."""
+
+    def __init__(self, hidden_size: int, config: MoEConfig, bias: bool, tp: TPGroup) -> None:
+        local_experts = config.num_experts // tp.size
+        shared = config.shared_intermediate_size // tp.size
+        super().__init__(hidden_size, dataclasses.replace(config, shared_intermediate_size=shared), bias)
+        self.tp = tp
+        self.first_expert = tp.rank * local_experts
+        self.shared_chunks = 0  # routed experts are whole, the shared expert a slice: chunk sizes differ
+        self.gate = TopkRouter(hidden_size, config, 0)
+        self.experts.up_proj = nn.Parameter(self.experts.up_proj[:local_experts], requires_grad=False)
+        self.experts.down_proj = nn.Parameter(self.experts.down_proj[:local_experts], requires_grad=False)
+
+    def local_routes(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global (weights, ids) [N, k] -> local ones: other ranks' experts get weight 0 and a free local id."""
+        num_local = self.experts.up_proj.shape[0]
+        local = ids - self.first_expert
+        inside = (local >= 0) & (local < num_local)  # [N, k]
+        clamped = local.clamp(0, num_local - 1)
+        used = torch.zeros(ids.shape[0], num_local, dtype=torch.int32, device=ids.device)
+        used.scatter_add_(1, clamped, inside.to(torch.int32))  # [N, E_local] experts this token chose here
+        order = torch.arange(num_local, device=ids.device)
+        free = ((used > 0).to(torch.int64) * num_local + order).sort(dim=1).values % num_local  # unused ids first
+        nth_outside = (~inside).to(torch.int64).cumsum(dim=1) - 1
+        filler = free.gather(1, nth_outside.clamp(min=0))
+        return weights.masked_fill(~inside, 0.0), torch.where(inside, clamped, filler)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+        weights, ids = self.local_routes(*self.gate(x))
+        if isinstance(self.fc1_latent_proj, nn.Identity):
+            out = self.experts(x, weights, ids, self.shared_experts(x))
+        else:
+            out = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, ids)) + self.shared_experts(x)
+        return self.tp.all_reduce(out)

@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from hybridserve.models.config import ModelConfig
+from hybridserve.models.config import ModelConfig, MoEConfig
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.models.parallel import (
+    ExpertParallelMoE,
     RowParallelLinear,
     ShardedGatedRMSNorm,
     TensorParallelMoE,
@@ -101,12 +102,7 @@ def local_config(config: ModelConfig, tp: TPGroup) -> ModelConfig:
         if moe.fp8_experts:
             raise ValueError("fp8 MoE experts do not run with tensor_parallel_size > 1 yet; use bf16 experts "
                              "(moe_fp8=False) or tensor_parallel_size=1")
-        for field, value in (("moe_intermediate_size", moe.intermediate_size),
-                             ("moe_shared_expert_intermediate_size", moe.shared_intermediate_size)):
-            if value % tp.size:
-                raise ValueError(f"{field} ({value}) must be divisible by tensor_parallel_size={tp.size}")
-        changes["moe"] = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // tp.size,
-                                             shared_intermediate_size=moe.shared_intermediate_size // tp.size)
+        changes["moe"] = local_moe(moe, tp)
     if config.mamba is not None:
         shard = mamba_shards(config, tp.size)[tp.rank]
         changes["mamba"] = dataclasses.replace(config.mamba, num_heads=shard.num_heads, n_groups=len(shard.groups))
@@ -119,6 +115,23 @@ def local_config(config: ModelConfig, tp: TPGroup) -> ModelConfig:
                              f"tensor_parallel_size={tp.size}")
         changes["mlp_intermediate_size"] = config.mlp_intermediate_size // tp.size
     return dataclasses.replace(config, **changes)  # type: ignore[arg-type]
+
+
+def local_moe(moe: MoEConfig, tp: TPGroup) -> MoEConfig:
+    """This rank's MoE shapes: every expert's intermediate slice, or (expert parallel) whole experts, E/size of
+    them (the router keeps all E; the module cuts its expert tensors); the shared expert sliced either way."""
+    checks = [("n_routed_experts", moe.num_experts) if tp.expert_parallel else
+              ("moe_intermediate_size", moe.intermediate_size),
+              ("moe_shared_expert_intermediate_size", moe.shared_intermediate_size)]
+    for field, value in checks:
+        if value % tp.size:
+            raise ValueError(f"{field} ({value}) must be divisible by tensor_parallel_size={tp.size}")
+    if tp.expert_parallel and moe.num_experts // tp.size < moe.experts_per_token:
+        raise ValueError(f"expert parallel with tensor_parallel_size={tp.size} leaves {moe.num_experts // tp.size} "
+                         f"experts per rank, fewer than num_experts_per_tok ({moe.experts_per_token}); use a "
+                         "smaller size or drop --enable-expert-parallel")
+    inner = moe.intermediate_size if tp.expert_parallel else moe.intermediate_size // tp.size
+    return dataclasses.replace(moe, intermediate_size=inner, shared_intermediate_size=moe.shared_intermediate_size // tp.size)
 
 
 def _span(start: int, count: int, unit: int = 1, base: int = 0) -> torch.Tensor:
@@ -162,9 +175,14 @@ def shard_index(name: str, config: ModelConfig, tp: TPGroup) -> tuple[int, torch
     elif kind == "moe":
         moe = config.moe
         assert moe is not None
-        cut = _span(tp.rank, 1, moe.intermediate_size // tp.size)
         shared = _span(tp.rank, 1, moe.shared_intermediate_size // tp.size)
-        table = {"experts.up_proj": (1, cut), "experts.down_proj": (2, cut),
+        if tp.expert_parallel:  # whole experts: rows of the stacked [E, ...] tensors
+            experts = _span(tp.rank, 1, moe.num_experts // tp.size)
+            up, down = (0, experts), (0, experts)
+        else:
+            cut = _span(tp.rank, 1, moe.intermediate_size // tp.size)
+            up, down = (1, cut), (2, cut)
+        table = {"experts.up_proj": up, "experts.down_proj": down,
                  "shared_experts.up_proj": (0, shared), "shared_experts.down_proj.weight": (1, shared)}
     else:
         raise ValueError(f"layers of type {kind!r} have no tensor-parallel sharding")
@@ -210,6 +228,15 @@ def sharded_model(config: ModelConfig, tp: TPGroup) -> HybridLM:
     return model
 
 
+def expert_held(index: int, config: ModelConfig, tp: TPGroup) -> bool:
+    """Whether this rank holds (a slice of) routed expert `index`."""
+    if not tp.expert_parallel:
+        return True
+    assert config.moe is not None
+    per_rank = config.moe.num_experts // tp.size
+    return tp.rank * per_rank <= index < (tp.rank + 1) * per_rank
+
+
 def has_mtp_weights(model_dir: str | Path) -> bool:
     """Whether the checkpoint ships `mtp.*` tensors (reads the safetensors headers only)."""
     for path in checkpoint_files(Path(model_dir)):
@@ -239,7 +266,9 @@ def _swap_row_parallel(block: Any, config: ModelConfig, local: ModelConfig, tp: 
         mixer.down_proj = RowParallelLinear(local.mlp_intermediate_size, config.hidden_size, config.mlp_bias, tp)
     else:
         assert local.moe is not None
-        block.mixer = TensorParallelMoE(config.hidden_size, local.moe, config.mlp_bias, tp)
+        assert config.moe is not None
+        block.mixer = (ExpertParallelMoE(config.hidden_size, config.moe, config.mlp_bias, tp) if tp.expert_parallel
+                       else TensorParallelMoE(config.hidden_size, local.moe, config.mlp_bias, tp))
 
 
 def _fill(model: HybridLM, values: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> HybridLM:
@@ -271,10 +300,11 @@ def load_shard(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, d
                 if expert is not None and expert[4] != "input_scale":
                     if expert[4] != "weight":
                         raise ValueError("fp8 MoE checkpoints do not run with tensor_parallel_size > 1 yet")
-                    stacked = f"{expert[1]}.{expert[3]}"
-                    if stacked in wanted:  # [I, D] / [D, I] -> this rank's slice, stacked to [E, ...] below
-                        one = shard_tensor(stacked, handle.get_tensor(raw)[None], config, tp)[0]
-                        experts.setdefault(stacked, {})[int(expert[2])] = one
+                    stacked, index = f"{expert[1]}.{expert[3]}", int(expert[2])
+                    if stacked in wanted and expert_held(index, config, tp):  # stacked to [E, ...] below
+                        one = handle.get_tensor(raw)[None]  # [1, I, D] / [1, D, I]: whole, or this rank's slice
+                        experts.setdefault(stacked, {})[index] = one[0] if tp.expert_parallel else shard_tensor(
+                            stacked, one, config, tp)[0]
                 elif name in wanted:
                     values[name] = shard_tensor(name, handle.get_tensor(raw), config, tp)
     values.update({name: torch.stack([per[i] for i in sorted(per)]) for name, per in experts.items()})

@@ -12,7 +12,7 @@ from checkpoints import hf_greedy, hf_logits, nemotron_h_moe, nemotron_h_mtp, ra
 from hybridserve import LLM, SamplingParams
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.default_model import default_model_dir
-from hybridserve.models.parallel import TPGroup
+from hybridserve.models.parallel import ExpertParallelMoE, TPGroup
 from hybridserve.models.tp_shard import local_config, shard_tensor
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -23,12 +23,14 @@ def _tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY)
     return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
 
 
-@pytest.mark.parametrize("latent", [None, 8], ids=["fused-shared", "latent"])
-def test_moe_tp2_matches_tp1_and_transformers(latent: int | None) -> None:
-    """Every expert's intermediate dim split over the ranks, router replicated, one all-reduce per block."""
+@pytest.mark.parametrize(("latent", "expert_parallel"), [(None, False), (8, False), (8, True)],
+                         ids=["fused-shared", "latent", "latent-expert-parallel"])
+def test_moe_tp2_matches_tp1_and_transformers(latent: int | None, expert_parallel: bool) -> None:
+    """Every expert's intermediate dim split over the ranks (or, expert parallel, 4 whole experts per rank),
+    router replicated, one all-reduce per block."""
     model_dir, hf = nemotron_h_moe("ME*E", moe_latent_size=latent)
     prompts = random_prompts([7, 21], vocab=128, seed=5)
-    llm = LLM(model_dir, tensor_parallel_size=2, prefill_chunk_size=8)
+    llm = LLM(model_dir, tensor_parallel_size=2, prefill_chunk_size=8, enable_expert_parallel=expert_parallel)
     try:
         expected = _tokens(LLM(model_dir, prefill_chunk_size=8), prompts)
         torch.testing.assert_close(llm.prompt_logits(prompts[1]), hf_logits(hf, prompts[1]), rtol=RTOL, atol=ATOL)
@@ -60,7 +62,29 @@ def test_moe_shards_reassemble_the_experts() -> None:
         local_config(config, TPGroup(0, 3))
 
 
-def test_mtp_with_moe_layer_tp2_drafts_as_tp1() -> None:
+def test_expert_parallel_routes_and_shards() -> None:
+    """Rank 1 of 2 holds experts 4..7: a token's choices there keep their weights (local ids 0..3), the others
+    get weight 0 and distinct unused local ids; too few experts per rank for top-k is a clear error."""
+    config = ModelConfig.from_dir(nemotron_h_moe("ME*E")[0])
+    assert config.moe is not None
+    tp = TPGroup(1, 2, expert_parallel=True)
+    with torch.device("meta"):
+        moe = ExpertParallelMoE(config.hidden_size, config.moe, False, tp)
+    assert moe.experts.up_proj.shape[0] == 4 and moe.gate.weight.shape[0] == 8
+    ids = torch.tensor([[5, 0, 1], [4, 6, 7], [0, 1, 2]])
+    weights = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.2, 0.3], [0.4, 0.4, 0.4]])
+    local_w, local_ids = moe.local_routes(weights, ids)
+    torch.testing.assert_close(local_w, torch.tensor([[0.5, 0.0, 0.0], [0.1, 0.2, 0.3], [0.0, 0.0, 0.0]]))
+    assert local_ids[:, 0].tolist()[:2] == [1, 0] and local_ids[1].tolist() == [0, 2, 3]
+    assert all(len(set(row)) == 3 and all(0 <= i < 4 for i in row) for row in local_ids.tolist())
+    up = torch.randn(8, 16, config.hidden_size)
+    torch.testing.assert_close(shard_tensor("layers.1.mixer.experts.up_proj", up, config, tp), up[4:])
+    with pytest.raises(ValueError, match="leaves 2 experts per rank, fewer than num_experts_per_tok \\(3\\)"):
+        local_config(config, TPGroup(0, 4, expert_parallel=True))
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_mtp_with_moe_layer_tp2_drafts_as_tp1(expert_parallel: bool) -> None:
     """A drafter with an attention and a MoE layer (per-expert checkpoint tensors): TP=2 drafts and tokens equal
     TP=1's, and the tokens equal plain greedy decoding."""
     model_dir, _ = nemotron_h_mtp("M*-M", ("attention", "moe"), moe=True)
@@ -68,7 +92,8 @@ def test_mtp_with_moe_layer_tp2_drafts_as_tp1() -> None:
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     prompts = random_prompts([6, 19], vocab=128, seed=12)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    llm = LLM(model_dir, tensor_parallel_size=2, speculative_config=spec, **options)
+    llm = LLM(model_dir, tensor_parallel_size=2, speculative_config=spec, enable_expert_parallel=expert_parallel,
+              **options)
     try:
         one = LLM(model_dir, speculative_config=spec, **options)
         expected = _tokens(one, prompts, params)
