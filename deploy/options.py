@@ -124,7 +124,9 @@ class ServeOptions(ClusterOptions):
 
     ray_address: str | None = None  # a Ray cluster to join; None: start a local one
     use_ray: bool = True
-    gpus: str | None = None  # --gpus placement (deploy/gpu_placement.py); None: round-robin on a multi-GPU host
+    # --gpus placement (deploy/gpu_placement.py; a tensor-parallel worker's index is the first of its
+    # contiguous GPUs); None: round-robin on a multi-GPU host, one contiguous GPU set per TP group
+    gpus: str | None = None
     # where worker processes (--no-ray) write their logs, <worker-id>.log each; None: a fresh temporary
     # directory. The banner names it, so a failed worker's cause is one `tail` away.
     log_dir: str | None = None

@@ -229,6 +229,9 @@ def start_leader(model_dir: Path, config: EngineConfig) -> tuple[Leader, LeaderM
     for rank in range(size):  # shape errors before any process starts
         local_config(rank_model_config(model_dir, config), TPGroup(rank, size, None, config.enable_expert_parallel))
     backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
+    if backend == "nccl" and torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs (rank r on cuda:r) but this process sees "
+                         f"{torch.cuda.device_count()}: set CUDA_VISIBLE_DEVICES to {size} GPUs or lower the size")
     processes: list[Any] = []
     owns_group = not dist.is_initialized()
     if owns_group:
