@@ -82,6 +82,8 @@ class ClusterOptions:
     worker: WorkerOptions
     num_prefill: int = 1
     num_decode: int = 1
+    # GPUs of a worker actor (Ray); a worker with tensor_parallel_size N > 1 and a value > 0 reserves N GPUs
+    # on one node instead (a placement group, one bundle per rank, STRICT_PACK)
     num_gpus_per_worker: float = 0.0
     # EngineConfig fields that differ for prefill workers (e.g. {"prefill_chunk_size": 4096}: a prefill worker
     # runs no decodes, so big chunks cost no inter-token latency); validated by EngineConfig itself

@@ -75,3 +75,28 @@ def test_tensor_parallel_groups_that_do_not_fit_are_refused(num_gpus: int, sizes
                                                              message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         assign_gpu_groups(WORKERS, num_gpus, sizes, spec)
+
+
+def test_ray_tp_group_bundles() -> None:
+    from hybridserve.deploy.ray_workers import group_bundles
+
+    assert group_bundles(2, "decode") == [{"GPU": 1.0, "CPU": 1.0, "decode": 1.0}, {"GPU": 1.0, "CPU": 1.0}]
+    assert group_bundles(1, None) == [{"GPU": 1.0, "CPU": 1.0}]
+
+
+def test_ray_reserves_a_tp_group_on_logical_gpus() -> None:
+    """A local Ray with 3 logical GPUs: a TP=2 group gets a STRICT_PACK placement group whose two bundles hold
+    distinct GPU ids (the actor's CUDA_VISIBLE_DEVICES); releasing it frees them for the next group."""
+    ray = pytest.importorskip("ray")
+    from hybridserve.deploy.ray_workers import RayPlacement, _reserve_group, release_group
+
+    ray.init(num_cpus=3, num_gpus=3, resources={"decode": 2}, include_dashboard=False, log_to_driver=False)
+    try:
+        group, ids = _reserve_group("hybridserve-decode-0", 2, "decode", RayPlacement(num_gpus=1, ready_timeout_s=60))
+        assert len(set(ids)) == 2 and set(ids) <= {"0", "1", "2"}
+        assert ray.util.placement_group_table(group)["strategy"] == "STRICT_PACK"
+        release_group("hybridserve-decode-0")
+        _, again = _reserve_group("hybridserve-decode-1", 2, "decode", RayPlacement(num_gpus=1, ready_timeout_s=60))
+        assert len(set(again)) == 2
+    finally:
+        ray.shutdown()
