@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from hybridserve.deploy.options import NODE_IP, ClusterOptions, WorkerOptions
 
@@ -74,7 +75,7 @@ def group_bundles(size: int, role: str | None) -> list[dict[str, float]]:
     return bundles
 
 
-def _reserve_group(name: str, size: int, role: str | None, placement: RayPlacement) -> tuple[object, list[str]]:
+def _reserve_group(name: str, size: int, role: str | None, placement: RayPlacement) -> tuple[Any, list[str]]:
     """A ready STRICT_PACK placement group for a TP group and the node GPU ids of its bundles, in rank order."""
     import ray
     from ray.util.placement_group import placement_group

@@ -6,6 +6,10 @@ then its tensors: a forward's packed input ids + ForwardBatch metadata (an MTP d
 previous hidden rows), a logits call's hidden rows, a state copy's slots, the pool layout. Followers never
 schedule; every rank's pools have the same layout and the same indices, so the prefix cache and its events
 stay one logical cache on rank 0. gloo on CPU, NCCL on CUDA.
+
+CUDA graphs: on CAPTURE every rank captures the same decode buckets in lockstep, so each graph holds the
+block's NCCL all-reduces; a FORWARD is still broadcast eagerly (its header and inputs), and every rank then
+picks the same bucket from the same batch and replays its own graph (engine/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybridserve.engine.config import DTYPES, EngineConfig
+from hybridserve.engine.cuda_graphs import DecodeGraphs, GraphedModel
 from hybridserve.engine.spec_decode import rollback_states, snapshot_state
 from hybridserve.engine.tp_handoff import follow_state_command
 from hybridserve.models.config import ModelConfig
@@ -35,7 +40,7 @@ from hybridserve.statepool.state_cache import CacheLayout, StateCache
 logger = logging.getLogger(__name__)
 
 HEADER = 16  # int64 fields of a command header
-STOP, LAYOUT, FORWARD, LOGITS, COPY_STATE, ROLLBACK, SNAPSHOT, STATE, MTP_FORWARD = range(9)
+STOP, LAYOUT, FORWARD, LOGITS, COPY_STATE, ROLLBACK, SNAPSHOT, STATE, MTP_FORWARD, CAPTURE = range(10)
 ROLLBACKS = (None, "intermediate", "replay")
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a dead rank surfaces as an error on the others, not a hang
 
@@ -94,6 +99,14 @@ class Leader:
         self.tp.broadcast(header)
         for tensor in tensors:
             self.tp.broadcast(tensor.contiguous())
+
+    def capture_graphs(self, model: LeaderModel, cache: StateCache, max_batch: int, max_pages: int) -> DecodeGraphs:
+        """Capture rank 0's decode graphs with the followers capturing theirs (the all-reduces pair up);
+        rank 0's forwards then replay too. A capture error raises: ranks must not disagree on graphs."""
+        self.send([CAPTURE, max_batch, max_pages])
+        graphs = capture_rank_graphs(model.model, cache, max_batch, max_pages)
+        model.model = cast(HybridLM, GraphedModel(model.model, graphs))
+        return graphs
 
     def send_layout(self, layout: CacheLayout) -> None:
         self.send([LAYOUT, layout.num_pages, layout.page_size, layout.num_slots, layout.conv_width,
@@ -179,6 +192,13 @@ class MirroredStateCache(StateCache):
             self.leader.send([SNAPSHOT, code, tokens, *rest])
         else:
             raise ValueError(f"unknown mirrored state op {op!r}")
+
+
+def capture_rank_graphs(model: HybridLM, cache: StateCache, max_batch: int, max_pages: int) -> DecodeGraphs:
+    """This rank's decode graphs (every rank captures the same buckets in the same order)."""
+    graphs = DecodeGraphs(model, cache, max_batch, max_pages)
+    graphs.capture()
+    return graphs
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -286,6 +306,7 @@ def follow(model: HybridLM, tp: TPGroup, device: torch.device, config: EngineCon
     spec = config.speculative
     header = torch.zeros(HEADER, dtype=torch.int64, device=device)
     ssm_dtype = DTYPES[model.config.ssm_state_dtype]
+    forward: Any = model  # a GraphedModel once rank 0 asked for CUDA graphs
     while True:
         fields = tp.broadcast(header).tolist()
         command = fields[0]
@@ -303,11 +324,14 @@ def follow(model: HybridLM, tp: TPGroup, device: torch.device, config: EngineCon
             input_ids, batch = unpack_forward(fields, payload)
             assert cache is not None, "rank 0 sends the layout before any forward"
             if command == FORWARD:
-                model(input_ids, batch, cache)
+                forward(input_ids, batch, cache)
                 states = batch.intermediate_states
             else:
                 prev = torch.empty(fields[1], fields[11], dtype=model.lm_head.weight.dtype, device=device)
                 model.mtp_forward(input_ids, tp.broadcast(prev), batch, cache)
+        elif command == CAPTURE:
+            assert cache is not None
+            forward = GraphedModel(model, capture_rank_graphs(model, cache, fields[1], fields[2]))
         elif command == LOGITS:
             hidden = tp.broadcast(torch.empty(fields[1], fields[2], dtype=model.lm_head.weight.dtype, device=device))
             cast(VocabParallelLMHead, model.lm_head).gathered_logits(hidden)
