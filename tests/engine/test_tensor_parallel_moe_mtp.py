@@ -125,3 +125,37 @@ def test_demo_mtp_verify_tp2_accepts_and_rejects(rollback: str) -> None:
         assert metrics.acceptance_length > 1.5  # steps with every draft accepted
     finally:
         llm.engine.close()
+
+
+def test_disaggregated_mtp_prefill_tp1_to_decode_tp2() -> None:
+    """P/D with MTP across TP sizes over gRPC: a TP=1 prefill worker ships the drafter's KV and the last hidden
+    state in the unsharded layout, a TP=2 decode worker slices it and drafts from its first step; the tokens
+    equal plain in-process decoding."""
+    import dataclasses
+
+    from hybridserve.decode_worker.worker import DecodeWorker
+    from hybridserve.engine.config import EngineConfig
+    from hybridserve.prefill_worker.worker import PrefillWorker
+    from hybridserve.router.orchestrator import Orchestrator
+    from hybridserve.transfer.planes import TransferConfig
+
+    model_dir, _ = nemotron_h_mtp()
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    config = EngineConfig(prefill_chunk_size=16, max_num_seqs=4, page_size=8, speculative_config=spec)
+    prompts = random_prompts([6, 29], vocab=128, seed=62)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = _tokens(LLM(model_dir, page_size=8), prompts, params)
+    decode = DecodeWorker(model_dir, dataclasses.replace(config, tensor_parallel_size=2))
+    prefill = PrefillWorker(model_dir, config, transfer=TransferConfig(grpc_chunk_bytes=512))
+    try:
+        for worker in (prefill, decode):
+            worker.start()
+        orchestrator = Orchestrator([prefill.address], [decode.address])
+        got = [[t for event in orchestrator.generate(p, params) for t in event.token_ids] for p in prompts]
+        assert got == expected
+        metrics = decode.loop.call(lambda: decode.engine.spec.metrics)
+        assert metrics.num_draft_tokens > 0
+    finally:
+        prefill.stop()
+        decode.stop()
+        decode.engine.close()
