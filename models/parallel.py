@@ -157,10 +157,11 @@ class TensorParallelMoE(MoE):
 
 class ExpertParallelMoE(MoE):
     """The MoE block over this rank's experts [rank * E/size, (rank + 1) * E/size), whole; the router is
-    replicated, the shared expert split like an MLP, one all-reduce. A token's choices held elsewhere keep a
-    zero weight and are pointed at distinct local experts it did not choose (the expert kernels take each token
-    at most once per expert, and have no way to skip a pair), so they cost compute but add nothing; sync-free,
-    so a decode step still captures as a CUDA graph."""
+    replicated, the shared expert split like an MLP, one all-reduce. The expert kernels cannot skip a pair and
+    take a token at most once per expert, so each (token, choice) pair runs as its own row with one choice:
+    pairs routed to other ranks get weight 0 on local expert 0, which a decode step reads anyway once any pair
+    lands there (weight bytes read ~ the experts routed here + 1, as with TP slices), and the k rows of a token
+    are summed in fp32. Sync-free, so a decode step still captures as a CUDA graph."""
 
     def __init__(self, hidden_size: int, config: MoEConfig, bias: bool, tp: TPGroup) -> None:
         local_experts = config.num_experts // tp.size
@@ -174,23 +175,23 @@ class ExpertParallelMoE(MoE):
         self.experts.down_proj = nn.Parameter(self.experts.down_proj[:local_experts], requires_grad=False)
 
     def local_routes(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Global (weights, ids) [N, k] -> local ones: other ranks' experts get weight 0 and a free local id."""
-        num_local = self.experts.up_proj.shape[0]
+        """Global (weights, ids) [N, k] -> local ones: other ranks' experts get weight 0 on local expert 0."""
         local = ids - self.first_expert
-        inside = (local >= 0) & (local < num_local)  # [N, k]
-        clamped = local.clamp(0, num_local - 1)
-        used = torch.zeros(ids.shape[0], num_local, dtype=torch.int32, device=ids.device)
-        used.scatter_add_(1, clamped, inside.to(torch.int32))  # [N, E_local] experts this token chose here
-        order = torch.arange(num_local, device=ids.device)
-        free = ((used > 0).to(torch.int64) * num_local + order).sort(dim=1).values % num_local  # unused ids first
-        nth_outside = (~inside).to(torch.int64).cumsum(dim=1) - 1
-        filler = free.gather(1, nth_outside.clamp(min=0))
-        return weights.masked_fill(~inside, 0.0), torch.where(inside, clamped, filler)
+        inside = (local >= 0) & (local < self.experts.up_proj.shape[0])  # [N, k]
+        return weights.masked_fill(~inside, 0.0), local.masked_fill(~inside, 0)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [N, D], local routes [N, k] -> this rank's weighted sum of each token's experts [N, D] (fp32)."""
+        n, k = ids.shape
+        pairs = x.repeat_interleave(k, dim=0)  # [N * k, D]: one row per (token, choice)
+        out = self.experts(pairs, weights.reshape(-1, 1), ids.reshape(-1, 1))  # [N * k, D]
+        return out.view(n, k, -1).float().sum(dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
         weights, ids = self.local_routes(*self.gate(x))
         if isinstance(self.fc1_latent_proj, nn.Identity):
-            out = self.experts(x, weights, ids, self.shared_experts(x))
+            out = self.routed(x, weights, ids).to(x.dtype) + self.shared_experts(x)
         else:
-            out = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, ids)) + self.shared_experts(x)
+            latent = self.fc1_latent_proj(x)
+            out = self.fc2_latent_proj(self.routed(latent, weights, ids).to(latent.dtype)) + self.shared_experts(x)
         return self.tp.all_reduce(out)

@@ -126,10 +126,6 @@ def local_moe(moe: MoEConfig, tp: TPGroup) -> MoEConfig:
     for field, value in checks:
         if value % tp.size:
             raise ValueError(f"{field} ({value}) must be divisible by tensor_parallel_size={tp.size}")
-    if tp.expert_parallel and moe.num_experts // tp.size < moe.experts_per_token:
-        raise ValueError(f"expert parallel with tensor_parallel_size={tp.size} leaves {moe.num_experts // tp.size} "
-                         f"experts per rank, fewer than num_experts_per_tok ({moe.experts_per_token}); use a "
-                         "smaller size or drop --enable-expert-parallel")
     inner = moe.intermediate_size if tp.expert_parallel else moe.intermediate_size // tp.size
     return dataclasses.replace(moe, intermediate_size=inner, shared_intermediate_size=moe.shared_intermediate_size // tp.size)
 

@@ -13,7 +13,7 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.default_model import default_model_dir
 from hybridserve.models.parallel import ExpertParallelMoE, TPGroup
-from hybridserve.models.tp_shard import local_config, shard_tensor
+from hybridserve.models.tp_shard import local_config, local_moe, shard_tensor
 
 RTOL, ATOL = 1e-4, 1e-5
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -64,23 +64,35 @@ def test_moe_shards_reassemble_the_experts() -> None:
 
 def test_expert_parallel_routes_and_shards() -> None:
     """Rank 1 of 2 holds experts 4..7: a token's choices there keep their weights (local ids 0..3), the others
-    get weight 0 and distinct unused local ids; too few experts per rank for top-k is a clear error."""
+    get weight 0 on local expert 0; the block over rank 1's experts alone equals the full block restricted to
+    them (each pair a row of its own; the zero-weight pairs add nothing); experts that do not divide over the
+    ranks are a clear error."""
     config = ModelConfig.from_dir(nemotron_h_moe("ME*E")[0])
     assert config.moe is not None
     tp = TPGroup(1, 2, expert_parallel=True)
-    with torch.device("meta"):
-        moe = ExpertParallelMoE(config.hidden_size, config.moe, False, tp)
+    moe = ExpertParallelMoE(config.hidden_size, config.moe, False, tp)
     assert moe.experts.up_proj.shape[0] == 4 and moe.gate.weight.shape[0] == 8
     ids = torch.tensor([[5, 0, 1], [4, 6, 7], [0, 1, 2]])
     weights = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.2, 0.3], [0.4, 0.4, 0.4]])
     local_w, local_ids = moe.local_routes(weights, ids)
     torch.testing.assert_close(local_w, torch.tensor([[0.5, 0.0, 0.0], [0.1, 0.2, 0.3], [0.0, 0.0, 0.0]]))
-    assert local_ids[:, 0].tolist()[:2] == [1, 0] and local_ids[1].tolist() == [0, 2, 3]
-    assert all(len(set(row)) == 3 and all(0 <= i < 4 for i in row) for row in local_ids.tolist())
+    assert local_ids.tolist() == [[1, 0, 0], [0, 2, 3], [0, 0, 0]]
+    generator = torch.Generator().manual_seed(0)
+    for param in (moe.experts.up_proj, moe.experts.down_proj):
+        param.data = torch.randn(param.shape, generator=generator) * 0.3
+    x = torch.randn(3, config.hidden_size, generator=generator)
+    got = moe.routed(x, local_w, local_ids)
+    want = torch.zeros_like(got)
+    for j in range(3):
+        hidden = torch.relu(torch.einsum("nd,nid->ni", x, moe.experts.up_proj[local_ids[:, j]])).square()
+        want += local_w[:, j, None] * torch.einsum("ni,ndi->nd", hidden, moe.experts.down_proj[local_ids[:, j]])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     up = torch.randn(8, 16, config.hidden_size)
     torch.testing.assert_close(shard_tensor("layers.1.mixer.experts.up_proj", up, config, tp), up[4:])
-    with pytest.raises(ValueError, match="leaves 2 experts per rank, fewer than num_experts_per_tok \\(3\\)"):
-        local_config(config, TPGroup(0, 4, expert_parallel=True))
+    with pytest.raises(ValueError, match="n_routed_experts \\(8\\) must be divisible by tensor_parallel_size=3"):
+        local_config(config, TPGroup(0, 3, expert_parallel=True))
+    one_each = local_moe(config.moe, TPGroup(0, 8, expert_parallel=True))  # 1 expert per rank under top-3 routing
+    assert one_each.intermediate_size == config.moe.intermediate_size and one_each.shared_intermediate_size == 4
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
