@@ -171,8 +171,13 @@ class ExpertParallelMoE(MoE):
         self.first_expert = tp.rank * local_experts
         self.shared_chunks = 0  # routed experts are whole, the shared expert a slice: chunk sizes differ
         self.gate = TopkRouter(hidden_size, config, 0)
-        self.experts.up_proj = nn.Parameter(self.experts.up_proj[:local_experts], requires_grad=False)
-        self.experts.down_proj = nn.Parameter(self.experts.down_proj[:local_experts], requires_grad=False)
+        experts = self.experts
+        experts.up_proj = nn.Parameter(experts.up_proj[:local_experts], requires_grad=False)
+        experts.down_proj = nn.Parameter(experts.down_proj[:local_experts], requires_grad=False)
+        for name in ("up_proj_scale", "down_proj_scale"):  # fp8 per-channel scales, one row per expert
+            scale = getattr(experts, name)
+            if scale is not None:
+                experts.register_buffer(name, scale[:local_experts])
 
     def local_routes(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Global (weights, ids) [N, k] -> local ones: other ranks' experts get weight 0 on local expert 0."""

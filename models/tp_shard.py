@@ -9,7 +9,8 @@ Sharding (Megatron-style column then row parallel, one all-reduce per block):
   Attention: query heads split evenly; KV heads split, or replicated (rank r keeps KV head r // (TP/Hkv))
           when TP > num_kv_heads.
   MLP: up_proj rows / down_proj columns. Embedding and lm_head: vocab rows (ceil(V/TP) each, zero padded).
-  MoE: every routed expert's intermediate slice (up_proj [E, I/TP, D], down_proj [E, D, I/TP]), the shared
+  MoE: every routed expert's intermediate slice (up_proj [E, I/TP, D], down_proj [E, D, I/TP]; fp8 scale rows
+          of up sliced alike, down's replicated), or with expert parallelism whole experts [E/TP, ...]; the shared
           expert like the MLP; router and latent projections replicated; down-projection biases on rank 0.
   MTP drafter (`mtp.layers.*`): its mixers like the trunk's; the fusion projection and norms replicated.
 """
@@ -27,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from hybridserve.models.config import ModelConfig, MoEConfig
+from hybridserve.models.fp8_weights import set_expert_precision
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.models.parallel import (
     ExpertParallelMoE,
@@ -38,7 +40,14 @@ from hybridserve.models.parallel import (
     VocabParallelLMHead,
     vocab_shard,
 )
-from hybridserve.models.weights import _EXPERT_KEY, _load_dtype, _normalize, checkpoint_files, dummy_values
+from hybridserve.models.weights import (
+    _EXPERT_KEY,
+    _load_dtype,
+    _normalize,
+    checkpoint_files,
+    dummy_values,
+    read_state_dict,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +107,7 @@ def local_config(config: ModelConfig, tp: TPGroup) -> ModelConfig:
         return config
     changes: dict[str, object] = {}
     if config.moe is not None:
-        moe = config.moe
-        if moe.fp8_experts:
-            raise ValueError("fp8 MoE experts do not run with tensor_parallel_size > 1 yet; use bf16 experts "
-                             "(moe_fp8=False) or tensor_parallel_size=1")
-        changes["moe"] = local_moe(moe, tp)
+        changes["moe"] = local_moe(config.moe, tp)
     if config.mamba is not None:
         shard = mamba_shards(config, tp.size)[tp.rank]
         changes["mamba"] = dataclasses.replace(config.mamba, num_heads=shard.num_heads, n_groups=len(shard.groups))
@@ -179,7 +184,10 @@ def shard_index(name: str, config: ModelConfig, tp: TPGroup) -> tuple[int, torch
             cut = _span(tp.rank, 1, moe.intermediate_size // tp.size)
             up, down = (1, cut), (2, cut)
         table = {"experts.up_proj": up, "experts.down_proj": down,
-                 "shared_experts.up_proj": (0, shared), "shared_experts.down_proj.weight": (1, shared)}
+                 "shared_experts.up_proj": (0, shared), "shared_experts.down_proj.weight": (1, shared),
+                 "experts.up_proj_scale": up}  # fp8 [E, I] scales follow up's rows
+        if tp.expert_parallel:  # fp8 [E, D] scales of down: per expert (TP: whole output rows, replicated)
+            table["experts.down_proj_scale"] = down
     else:
         raise ValueError(f"layers of type {kind!r} have no tensor-parallel sharding")
     for key, value in table.items():
@@ -284,6 +292,8 @@ def load_shard(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, d
                tp: TPGroup) -> HybridLM:
     """This rank's shard filled from a safetensors checkpoint, one global tensor in memory at a time
     (per-expert tensors, as published MoE checkpoints store them, sliced one expert at a time and stacked)."""
+    if stores_fp8(model_dir):
+        return _load_fp8_shard(Path(model_dir), config, dtype, device, tp)
     model = sharded_model(config, tp)
     wanted = set(dict([*model.named_parameters(), *model.named_buffers()]))
     values: dict[str, torch.Tensor] = {}
@@ -294,8 +304,6 @@ def load_shard(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, d
                 name = _normalize(raw)
                 expert = _EXPERT_KEY.match(name)
                 if expert is not None and expert[4] != "input_scale":
-                    if expert[4] != "weight":
-                        raise ValueError("fp8 MoE checkpoints do not run with tensor_parallel_size > 1 yet")
                     stacked, index = f"{expert[1]}.{expert[3]}", int(expert[2])
                     if stacked in wanted and expert_held(index, config, tp):  # stacked to [E, ...] below
                         one = handle.get_tensor(raw)[None]  # [1, I, D] / [1, D, I]: whole, or this rank's slice
@@ -307,6 +315,33 @@ def load_shard(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, d
     if "lm_head.weight" not in values and config.tie_word_embeddings and "embeddings.weight" in values:
         values["lm_head.weight"] = values["embeddings.weight"]
     logger.info("rank %d/%d: loaded its shard of %s", tp.rank, tp.size, model_dir)
+    return _fill(model, values, dtype, device)
+
+
+def stores_fp8(model_dir: str | Path) -> bool:
+    """Whether the checkpoint stores fp8 weights (`*.weight_scale` tensors; reads the safetensors headers only)."""
+    for path in checkpoint_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as handle:
+            if any(name.endswith(".weight_scale") for name in handle.keys()):
+                return True
+    return False
+
+
+def _load_fp8_shard(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                    tp: TPGroup) -> HybridLM:
+    """An fp8 checkpoint's shard: read whole as `weights.load_model` reads it (dense fp8 dequantized, routed
+    experts stacked and kept fp8 with per-channel scales), then sliced. Holds the checkpoint in host memory
+    once per rank, unlike the streaming bf16 path."""
+    state = read_state_dict(model_dir)
+    if config.moe is not None:
+        fp8 = set_expert_precision(state, None)
+        config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, fp8_experts=fp8))
+    if "lm_head.weight" not in state and config.tie_word_embeddings and "embeddings.weight" in state:
+        state["lm_head.weight"] = state["embeddings.weight"]
+    model = sharded_model(config, tp)
+    wanted = dict([*model.named_parameters(), *model.named_buffers()])
+    values = {name: shard_tensor(name, state[name], config, tp) for name in wanted if name in state}
+    logger.info("rank %d/%d: loaded its shard of the fp8 checkpoint %s", tp.rank, tp.size, model_dir)
     return _fill(model, values, dtype, device)
 
 

@@ -5,9 +5,15 @@ TP=1 drafter's drafts and plain greedy decoding's tokens."""
 
 from __future__ import annotations
 
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 from checkpoints import hf_greedy, hf_logits, nemotron_h_moe, nemotron_h_mtp, random_prompts
+from safetensors.torch import load_file, save_file
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.models.config import ModelConfig
@@ -171,3 +177,39 @@ def test_disaggregated_mtp_prefill_tp1_to_decode_tp2() -> None:
         prefill.stop()
         decode.stop()
         decode.engine.close()
+
+
+def _fp8_experts_checkpoint(source: Path) -> Path:
+    """source with its routed experts stored as ModelOpt FP8 does (per-expert float8_e4m3fn, per-tensor
+    weight_scale, input_scale) and the attention q_proj as fp8 with a per-channel [out, 1] scale (dense fp8)."""
+    directory = Path(tempfile.mkdtemp(prefix="hybridserve-tp-fp8-"))
+    shutil.copytree(source, directory, dirs_exist_ok=True)
+    tensors = load_file(str(directory / "model.safetensors"))
+    for name in [n for n in tensors if (".experts." in n and "shared" not in n) or n.endswith("q_proj.weight")]:
+        weight = tensors[name]
+        scale = weight.abs().amax(dim=1, keepdim=True) / 448.0 if "q_proj" in name else weight.abs().max().reshape(1) / 448.0
+        tensors[name] = (weight / scale).to(torch.float8_e4m3fn)
+        tensors[name + "_scale"] = scale.float()
+        tensors[name.replace(".weight", ".input_scale")] = torch.ones(1)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8"}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_fp8_moe_tp2_matches_tp1(expert_parallel: bool) -> None:
+    """fp8 experts at TP=2: each rank's slice of every expert (or its whole experts) with the matching rows of
+    the per-channel scales; dense fp8 weights dequantized as at TP=1; logits and greedy tokens equal TP=1's."""
+    model_dir = _fp8_experts_checkpoint(nemotron_h_moe("ME*E")[0])
+    prompts = random_prompts([9, 20], vocab=128, seed=7)
+    llm = LLM(model_dir, tensor_parallel_size=2, prefill_chunk_size=8, enable_expert_parallel=expert_parallel)
+    try:
+        one = LLM(model_dir, prefill_chunk_size=8)
+        assert one.engine.model.layers[1].mixer.experts.up_proj.dtype == torch.float8_e4m3fn
+        assert llm.engine.model.layers[1].mixer.experts.up_proj.dtype == torch.float8_e4m3fn
+        torch.testing.assert_close(llm.prompt_logits(prompts[1]), one.prompt_logits(prompts[1]), rtol=RTOL, atol=ATOL)
+        assert _tokens(llm, prompts) == _tokens(one, prompts)
+    finally:
+        llm.engine.close()
