@@ -18,6 +18,8 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -279,10 +281,26 @@ def start_leader(model_dir: Path, config: EngineConfig) -> tuple[Leader, LeaderM
     return leader, LeaderModel(model, leader)
 
 
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this process when its parent (rank 0) is gone: a SIGKILLed worker or a killed Ray actor sends no
+    STOP, and an NCCL follower would otherwise wait out the collective timeout holding its GPU."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        logger.warning("tensor-parallel follower %d: rank 0 (pid %d) is gone, exiting", os.getpid(), parent)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="tp-parent-watch").start()
+
+
 def follower_main(rank: int, size: int, init: str | None, model_dir: str, config: EngineConfig) -> None:
     """A follower rank: join the group, load the shard, then replay rank 0's commands until STOP. `init`
     None: torch.distributed is set up by a launcher (torchrun's env://)."""
     logging.basicConfig(level=os.environ.get("HYBRIDSERVE_LOG_LEVEL", "WARNING"))
+    if init is not None:  # spawned by rank 0
+        exit_with_parent()
     device = rank_device(config, rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     share_cores(device, size)
