@@ -13,6 +13,11 @@
 #   pd-2gpu-grpc        the pair, state over gRPC (through host memory)
 #   pd-1gpu             1 prefill + 1 decode worker sharing GPU 0 (CUDA IPC on one device)
 #   colocated-1gpu-nocache  colocated-1gpu with prefix caching off (cache cost on unique prompts)
+#   colocated-2gpu-tp2  one worker at --tensor-parallel-size 2 on GPUs 0-1 (rank 0 serves, rank 1 follows)
+# MODEL_CONFIG (default bench/configs/nemotron-nano-9b-v2.json) picks the shapes, e.g. the Nemotron-H-56B ones:
+#   MODEL_CONFIG=bench/configs/nemotron-h-56b-base-8k.json WORKLOADS=512:128 RATES=1,4,inf \
+#     bash bench/serve_gpu.sh bench/results/h200/serve_56b_tp2 colocated-2gpu-tp2
+# GPU_MEMORY_GB (24) is each worker's cache budget.
 # Workloads: random 512/128 and 2048/256 prompts, rates 4, 8, 16 req/s and all at once; NUM_PROMPTS (64)
 # each, after a warm-up pass of 32 all-at-once requests per workload (WARM_PASS=0 skips it: then the first
 # measured rates pay Triton's compile and autotune of new step shapes) and 4 warm-up requests.
@@ -35,8 +40,8 @@ if [ "$#" -eq 0 ]; then
   else set -- "$@" pd-1gpu; fi
 fi
 MODEL=$(mktemp -d)
-cp bench/configs/nemotron-nano-9b-v2.json "$MODEL/config.json"
-COMMON=(--no-ray --model "$MODEL" --device cuda --dtype bfloat16 --load-format dummy --gpu-memory-gb 24
+cp "${MODEL_CONFIG:-bench/configs/nemotron-nano-9b-v2.json}" "$MODEL/config.json"
+COMMON=(--no-ray --model "$MODEL" --device cuda --dtype bfloat16 --load-format dummy --gpu-memory-gb "${GPU_MEMORY_GB:-24}"
         --max-num-seqs 32 --max-model-len 4096 --port 8000 --grpc-port 50051)
 # EXTRA_ARGS="--prefill-chunk-size 2048" adds engine / router flags to every deployment
 read -r -a EXTRA <<< "${EXTRA_ARGS:-}"
@@ -49,6 +54,7 @@ deployment_args() {
     colocated-1gpu) echo --prefill-workers 0 --decode-workers 1 --gpus 0 ;;
     colocated-1gpu-nocache) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-prefix-caching ;;
     colocated-2gpu-dp) echo --prefill-workers 0 --decode-workers 2 --gpus 0,1 ;;
+    colocated-2gpu-tp2) echo --prefill-workers 0 --decode-workers 1 --tensor-parallel-size 2 ;;
     pd-2gpu-cuda_ipc) echo --prefill-workers 1 --decode-workers 1 --gpus prefill=0,decode=1 --transfer-planes cuda_ipc,grpc ;;
     pd-2gpu-cuda_ipc-chunk4k) echo --prefill-workers 1 --decode-workers 1 --gpus prefill=0,decode=1 --transfer-planes cuda_ipc,grpc \
       --prefill-worker-overrides '{"prefill_chunk_size":4096}' ;;

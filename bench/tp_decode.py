@@ -6,10 +6,19 @@ steps (the whole step: scheduler, broadcast to the follower ranks, forward, all-
 sampling). Floor of one step on rank 0:
   weight bytes of its shard (embedding rows aside) / measured device copy bandwidth
   + (layers + 1) all-reduces of [batch, hidden] at the all-reduce time measured for that size on the group.
-Optionally (`--agreement N`) top-1 agreement TP=N vs TP=1: teacher-forced argmax over one N-token sequence.
+Optionally (`--agreement N`) top-1 agreement TP=N vs TP=1: teacher-forced argmax over one N-token sequence
+(keeps every engine alive; without it each engine is closed after its rows, so a model that fills one GPU at
+TP=1 can be timed at TP=1 and then TP=2). `--cuda-graphs`: decode steps replay CUDA graphs (at TP > 1 the
+graphs hold the NCCL all-reduces).
 
 GPU (2 GPUs, ~3 min):  python bench/tp_decode.py --device cuda --dtype bfloat16 --tp 1 2 --batch 1 32 \
     --agreement 1000 --out bench/results/h200/tp_decode.json
+Nemotron-H-56B shapes (H200 x2, ~6 min; TP=1 holds 113 GB of weights on one H200, drop `1` on 80 GB GPUs):
+    python bench/tp_decode.py --config bench/configs/nemotron-h-56b-base-8k.json --device cuda \
+    --dtype bfloat16 --tp 1 2 --batch 1 32 --steps 30 --cuda-graphs --out bench/results/h200/tp_decode_56b.json
+  (shapes: 118 layers "M-M-M-M*-...", 54 Mamba-2 / 54 MLP / 10 attention, hidden 8192, FFN 32768, 64 query / 8 KV
+  heads of 128, 256 Mamba heads of 64, state 256, 8 groups, vocab 131072: NVIDIA's model card and the
+  Megatron-Bridge NemotronHModelProvider56B; the config.json file itself was not reachable here)
 Trained weights, top-1:  python bench/tp_decode.py --device cuda --dtype bfloat16 --model models/demo_model \
     --batch 1 --agreement 1000
 CPU smoke:             python bench/tp_decode.py --config <tiny config dir> --device cpu --steps 3
@@ -18,6 +27,7 @@ CPU smoke:             python bench/tp_decode.py --config <tiny config dir> --de
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import shutil
@@ -151,6 +161,7 @@ def main() -> None:
     parser.add_argument("--agreement", type=int, default=0, help="tokens of the TP-vs-TP=1 top-1 check (0: off)")
     parser.add_argument("--model", type=Path, help="a checkpoint directory: its weights instead of dummy ones "
                         "(e.g. models/demo_model for a trained model's top-1 agreement)")
+    parser.add_argument("--cuda-graphs", action="store_true", help="replay decode steps from CUDA graphs")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.model is not None:
@@ -171,7 +182,7 @@ def main() -> None:
             device=args.device, dtype=args.dtype, tensor_parallel_size=tp,
             load_format="dummy" if args.model is None else "safetensors",
             max_num_seqs=max(args.batch), max_model_len=PROMPT + args.steps + args.agreement + 64,
-            enable_prefix_caching=False, cuda_graphs=False, warmup=False,
+            enable_prefix_caching=False, cuda_graphs=args.cuda_graphs, warmup=False,
             gpu_memory_gb=4.0 if args.device == "cuda" else None))  # the engines share GPU 0
         weights = shard_weight_bytes(engine)
         layers = engine.model_config.num_layers
@@ -183,7 +194,14 @@ def main() -> None:
                              allreduce_ms=1000 * comm, step_over_floor=step / floor))
             print(f"TP={tp} batch={batch:3d}  step {step:8.3f} ms  floor {floor:8.3f} ms "
                   f"(weights {weights / 1e9:.2f} GB, all-reduce {1000 * comm:.3f} ms)  x{step / floor:.2f}")
-        engines[tp] = engine
+        if args.agreement:
+            engines[tp] = engine
+        else:  # free this size's GPU memory before the next one loads
+            engine.close()
+            del engine
+            gc.collect()  # graphs and the proxy's references form cycles
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
     base = {r["batch"]: r["step_ms"] for r in rows if r["tp"] == 1}
     for r in rows:
         r["vs_tp1"] = r["step_ms"] / base[r["batch"]] if r["batch"] in base else None
@@ -195,6 +213,7 @@ def main() -> None:
     result = dict(
         device=torch.cuda.get_device_name(0) if args.device == "cuda" else platform.processor() or "cpu",
         torch=torch.__version__, config=str(config_file), dtype=args.dtype, steps=args.steps,
+        cuda_graphs=args.cuda_graphs, nccl=".".join(map(str, torch.cuda.nccl.version())) if args.device == "cuda" else None,
         copy_bandwidth_gbs=bandwidth / 1e9,
         allreduce_us={str(tp): {str(k): 1e6 * v for k, v in t.items()} for tp, t in collectives.items()},
         rows=rows, top1_agreement=top1,

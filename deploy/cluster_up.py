@@ -119,7 +119,7 @@ def up(options: UpOptions) -> list[str]:
     """Create or scale the deployment, wait until every worker is healthy; returns the endpoint lines."""
     import ray
 
-    from hybridserve.deploy.ray_workers import RayPlacement, actor_addresses, start_ray_workers
+    from hybridserve.deploy.ray_workers import RayPlacement, actor_addresses, release_group, start_ray_workers
 
     _connect(options.address)
     if options.worker.internal_token is None:
@@ -135,6 +135,7 @@ def up(options: UpOptions) -> list[str]:
         role = name[len(WORKER_PREFIX):].rsplit("-", 1)[0]
         if role in keep and _index(name) >= keep[role]:
             ray.kill(ray.get_actor(name), no_restart=True)
+            release_group(name)
     router: Any = ray.remote(RouterActor).options(  # an actor handle: Ray's stubs type its methods as plain functions
         name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
         resources={HEAD_RESOURCE: 0.001}, max_restarts=options.max_restarts,
@@ -165,7 +166,10 @@ def down(address: str, timeout_s: float = 60.0) -> list[str]:
             logger.warning("router did not stop cleanly: %s", exc)
         ray.kill(router, no_restart=True)
         removed.append(ROUTER_NAME)
+    from hybridserve.deploy.ray_workers import release_group
+
     for name in _named_workers():
         ray.kill(ray.get_actor(name), no_restart=True)
+        release_group(name)
         removed.append(name)
     return removed

@@ -7,6 +7,10 @@ decode workers), so 1 prefill + 1 decode worker on 2 GPUs run on GPU 0 and GPU 1
   "0,1,1"                        one GPU per worker, in start order
 A worker's own GPU comes first in its CUDA_VISIBLE_DEVICES (so it runs on cuda:0) and the host's other GPUs
 after it, so same-host GPU->GPU state transfer (CUDA IPC) can reach its peers.
+
+A tensor-parallel worker (tensor_parallel_size N: N processes, rank r on cuda:r) takes N contiguous GPUs, its
+group first in its CUDA_VISIBLE_DEVICES (`assign_gpu_groups`); by default the groups do not share GPUs and
+more GPUs than the host has is refused; under `--gpus` a worker's index is its group's first GPU.
 """
 
 from __future__ import annotations
@@ -33,6 +37,37 @@ def assign_gpus(worker_ids: list[str], num_gpus: int, spec: str | None = None) -
     logger.info("GPU placement%s: %s", " (some workers share a GPU: split memory with --gpu-memory-gb)" if shared else "",
                 ", ".join(f"{wid} -> GPU {gpu}" for wid, gpu in mapping.items()))
     return mapping
+
+
+def assign_gpu_groups(worker_ids: list[str], num_gpus: int, sizes: dict[str, int],
+                      spec: str | None = None) -> dict[str, list[int]]:
+    """worker id -> its GPU indices (`sizes[wid]` contiguous ones, default 1); {} on a host without GPUs and
+    no spec. All workers of size 1: `assign_gpus` (round-robin, sharing allowed). Raises ValueError naming
+    what to change."""
+    sizes = {wid: sizes.get(wid, 1) for wid in worker_ids}
+    if all(size == 1 for size in sizes.values()):
+        return {wid: [gpu] for wid, gpu in assign_gpus(worker_ids, num_gpus, spec).items()}
+    if not spec:
+        if num_gpus <= 0:
+            return {}
+        needed = sum(sizes.values())
+        if needed > num_gpus:
+            raise ValueError(f"the workers need {needed} GPUs ({', '.join(f'{w}: {n}' for w, n in sizes.items())}) "
+                             f"but this host has {num_gpus}: lower --tensor-parallel-size or the worker counts, or "
+                             "let workers share GPUs with --gpus (a tensor-parallel worker's index is its first GPU)")
+        starts = [sum(list(sizes.values())[:i]) for i in range(len(worker_ids))]
+        mapping = dict(zip(worker_ids, starts))
+    else:
+        if num_gpus <= 0:
+            raise ValueError("--gpus was given but this host has no GPU")
+        mapping = _parse(spec, worker_ids)
+    groups = {wid: list(range(start, start + sizes[wid])) for wid, start in mapping.items()}
+    for wid, group in groups.items():
+        if group[0] < 0 or group[-1] >= num_gpus:
+            raise ValueError(f"{wid} (tensor_parallel_size {sizes[wid]}) would run on GPUs {group[0]}..{group[-1]} "
+                             f"but this host has {num_gpus} (valid: 0..{num_gpus - 1})")
+    logger.info("GPU placement: %s", ", ".join(f"{wid} -> GPUs {g}" for wid, g in groups.items()))
+    return groups
 
 
 def _parse(spec: str, worker_ids: list[str]) -> dict[str, int]:
@@ -79,7 +114,8 @@ def host_gpus(environ: dict[str, str]) -> list[str]:
     return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]
 
 
-def visible_devices(gpu: int, gpus: list[str]) -> str:
-    """CUDA_VISIBLE_DEVICES for a worker on host GPU `gpu`: its own first, the others after (peers stay
-    reachable for CUDA IPC)."""
-    return ",".join([gpus[gpu], *(d for i, d in enumerate(gpus) if i != gpu)])
+def visible_devices(gpu: int | list[int], gpus: list[str]) -> str:
+    """CUDA_VISIBLE_DEVICES for a worker on host GPU `gpu` (or a TP group's GPUs, rank r on the r-th): its
+    own first, the others after (peers stay reachable for CUDA IPC)."""
+    own = [gpu] if isinstance(gpu, int) else gpu
+    return ",".join([*(gpus[g] for g in own), *(d for i, d in enumerate(gpus) if i not in own)])

@@ -92,7 +92,10 @@ def serve_worker(role: str, worker_id: str, options: WorkerOptions, port: int, r
         tmp = Path(ready_file).with_suffix(".tmp")
         tmp.write_text(json.dumps({"address": address, "role": role, "worker_id": worker_id, "pid": os.getpid()}))
         tmp.rename(ready_file)
-    print(f"{role} worker {worker_id} serving on {address}", flush=True)
+    leader = worker.engine.tp  # TP > 1: this process is rank 0 (gRPC + scheduler), the follower ranks its children
+    group = (f" (tensor parallel: rank 0 of {leader.tp.size}, follower pids "
+             f"{','.join(str(p.pid) for p in leader.processes)})") if leader is not None else ""
+    print(f"{role} worker {worker_id} serving on {address}{group}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

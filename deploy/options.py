@@ -82,6 +82,8 @@ class ClusterOptions:
     worker: WorkerOptions
     num_prefill: int = 1
     num_decode: int = 1
+    # GPUs of a worker actor (Ray); a worker with tensor_parallel_size N > 1 and a value > 0 reserves N GPUs
+    # on one node instead (a placement group, one bundle per rank, STRICT_PACK)
     num_gpus_per_worker: float = 0.0
     # EngineConfig fields that differ for prefill workers (e.g. {"prefill_chunk_size": 4096}: a prefill worker
     # runs no decodes, so big chunks cost no inter-token latency); validated by EngineConfig itself
@@ -124,7 +126,9 @@ class ServeOptions(ClusterOptions):
 
     ray_address: str | None = None  # a Ray cluster to join; None: start a local one
     use_ray: bool = True
-    gpus: str | None = None  # --gpus placement (deploy/gpu_placement.py); None: round-robin on a multi-GPU host
+    # --gpus placement (deploy/gpu_placement.py; a tensor-parallel worker's index is the first of its
+    # contiguous GPUs); None: round-robin on a multi-GPU host, one contiguous GPU set per TP group
+    gpus: str | None = None
     # where worker processes (--no-ray) write their logs, <worker-id>.log each; None: a fresh temporary
     # directory. The banner names it, so a failed worker's cause is one `tail` away.
     log_dir: str | None = None

@@ -2,6 +2,11 @@
 
 An actor's constructor starts the worker's gRPC server; after a restart (`max_restarts`) the new instance
 serves on a new port, so callers re-read `address()`.
+
+A tensor-parallel worker on GPUs (tensor_parallel_size N > 1) reserves a placement group of N one-GPU bundles
+packed on one node (STRICT_PACK); the actor (rank 0) runs in bundle 0 and is told the GPU ids of all N bundles,
+which become its CUDA_VISIBLE_DEVICES before CUDA starts, so its follower ranks (child processes) use the GPUs
+reserved for them.
 """
 
 from __future__ import annotations
@@ -9,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from hybridserve.deploy.options import NODE_IP, ClusterOptions, WorkerOptions
 
@@ -18,8 +24,11 @@ logger = logging.getLogger(__name__)
 class WorkerActor:
     """Wrapped by `ray.remote` in `start_ray_workers`; kept a plain class so it is importable without Ray."""
 
-    def __init__(self, role: str, options: WorkerOptions, worker_id: str) -> None:
+    def __init__(self, role: str, options: WorkerOptions, worker_id: str, group_gpus: list[str] | None = None) -> None:
         import ray
+
+        if group_gpus:  # a TP group's GPUs (its placement group's bundles), rank r on cuda:r; CUDA is not up yet
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(group_gpus)
 
         from hybridserve.decode_worker.worker import DecodeWorker
         from hybridserve.prefill_worker.worker import PrefillWorker
@@ -54,15 +63,47 @@ class RayPlacement:
     max_restarts: int = 3
     namespace: str = "hybridserve"
     detached: bool = False  # `hybridserve up`: actors outlive the driver that created them
+    ready_timeout_s: float = 600.0  # how long a TP group's placement group may wait for its GPUs
+
+
+def group_bundles(size: int, role: str | None) -> list[dict[str, float]]:
+    """The placement-group bundles of a TP group: one GPU (and one CPU) per rank; bundle 0 (rank 0, the actor)
+    also takes the node's `role` custom resource when placement asks for it."""
+    bundles: list[dict[str, float]] = [{"GPU": 1.0, "CPU": 1.0} for _ in range(size)]
+    if role is not None:
+        bundles[0][role] = 1.0
+    return bundles
+
+
+def _reserve_group(name: str, size: int, role: str | None, placement: RayPlacement) -> tuple[Any, list[str]]:
+    """A ready STRICT_PACK placement group for a TP group and the node GPU ids of its bundles, in rank order."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = placement_group(group_bundles(size, role), strategy="STRICT_PACK", name=f"{name}-gpus",
+                            lifetime="detached" if placement.detached else None)
+    ray.get(group.ready(), timeout=placement.ready_timeout_s)
+
+    def gpu_ids() -> list[str]:
+        return [str(i) for i in ray.get_gpu_ids()]
+
+    probe = ray.remote(gpu_ids)
+    ids = ray.get([probe.options(num_gpus=1, num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
+        group, placement_group_bundle_index=rank)).remote() for rank in range(size)])
+    return group, [gpu for bundle in ids for gpu in bundle]
 
 
 def start_ray_workers(options: ClusterOptions, placement: RayPlacement) -> dict[str, list]:
     """Named actors `hybridserve-<role>-<i>` (an existing one is reused); returns {"prefill": [...], "decode": [...]}."""
     import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     remote_cls = ray.remote(WorkerActor)
     actors: dict[str, list] = {"prefill": [], "decode": []}
     for role, count in (("prefill", options.num_prefill), ("decode", options.num_decode)):
+        worker = options.worker_for(role)
+        size = worker.engine.tensor_parallel_size
         for i in range(count):
             name = worker_name(role, i)
             actor_options: dict[str, object] = dict(
@@ -73,8 +114,36 @@ def start_ray_workers(options: ClusterOptions, placement: RayPlacement) -> dict[
                 actor_options["resources"] = {role: 1}
             if placement.detached:
                 actor_options.update(lifetime="detached", namespace=placement.namespace)
-            actors[role].append(remote_cls.options(**actor_options).remote(role, options.worker_for(role), name))
+            group_gpus = None
+            # a TP group: N GPUs on one node, the actor in bundle 0 (a running actor keeps its reservation)
+            if size > 1 and placement.num_gpus > 0 and not _exists(name, placement.namespace):
+                group, group_gpus = _reserve_group(name, size, role if placement.use_custom_resources else None,
+                                                   placement)
+                actor_options.update(num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    group, placement_group_bundle_index=0))
+            actors[role].append(remote_cls.options(**actor_options).remote(role, worker, name, group_gpus))
     return actors
+
+
+def _exists(name: str, namespace: str) -> bool:
+    """Whether the named actor runs (then `get_if_exists` reuses it, and its GPUs stay reserved)."""
+    import ray
+
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return False
+    return True
+
+
+def release_group(name: str) -> None:
+    """Free the placement group of worker actor `name` (a TP group's GPUs), if it has one."""
+    from ray.util import get_placement_group, remove_placement_group
+
+    try:
+        remove_placement_group(get_placement_group(f"{name}-gpus"))
+    except ValueError:  # no such group: a TP=1 or CPU worker
+        pass
 
 
 def worker_name(role: str, index: int) -> str:

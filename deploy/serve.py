@@ -10,7 +10,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from hybridserve.deploy.gpu_placement import assign_gpus, host_gpus, visible_devices
+from hybridserve.deploy.gpu_placement import assign_gpu_groups, host_gpus, visible_devices
 from hybridserve.deploy.launch import WorkerProcess, start_worker_process
 from hybridserve.deploy.options import ServeOptions, new_internal_token
 from hybridserve.router.app import Router
@@ -36,9 +36,10 @@ class Deployment:
             workers = [(role, f"{role}-{i}") for role, count in (("prefill", options.num_prefill),
                                                                  ("decode", options.num_decode)) for i in range(count)]
             gpus = host_gpus(dict(os.environ)) if options.worker.engine.device.startswith("cuda") else []
-            placement = assign_gpus([wid for _, wid in workers], len(gpus), options.gpus)
-            for wid, gpu in placement.items():
-                print(f"hybridserve: {wid} on GPU {gpus[gpu]}", flush=True)
+            sizes = {wid: role_options[role].engine.tensor_parallel_size for role, wid in workers}
+            placement = assign_gpu_groups([wid for _, wid in workers], len(gpus), sizes, options.gpus)
+            for wid, group in placement.items():
+                print(f"hybridserve: {wid} on GPU {','.join(gpus[g] for g in group)}", flush=True)
             self.log_dir = Path(options.log_dir) if options.log_dir else Path(tempfile.mkdtemp(prefix="hybridserve-logs-"))
             print(f"hybridserve: worker logs in {self.log_dir}", flush=True)
             for role, wid in workers:

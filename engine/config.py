@@ -58,6 +58,9 @@ class EngineConfig:
     # processes (one GPU each) that shard the model: rank 0 runs the scheduler, the others follow its steps
     # (engine/tp_worker.py); gloo on CPU, NCCL on CUDA
     tensor_parallel_size: int = 1
+    # MoE blocks at tensor_parallel_size > 1: each rank holds a subset of whole experts (expert parallel)
+    # instead of a slice of every expert
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -93,9 +96,8 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
-        if tp > 1 and self.speculative is not None and self.speculative.method == "mtp":
-            raise ValueError("the MTP drafter does not run with tensor_parallel_size > 1 yet: use "
-                             "speculative_config method 'ngram', or tensor_parallel_size=1")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
         for name in ("state_block", "num_kv_pages"):

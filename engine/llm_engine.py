@@ -113,11 +113,14 @@ class LLMEngine:
                 self.cache.enable_replay(spec.num_verify_tokens)
             self.spec = SpecDecoder(spec, self.model, self.cache, config.page_size)
         self.lookahead = lookahead
-        if config.cuda_graphs and device.type == "cuda" and self.tp is None:  # TP steps run eagerly for now
+        if config.cuda_graphs and device.type == "cuda":
+            max_pages = -(-self.max_model_len // config.page_size)
             if self.spec is not None:  # every decode step is a verify step, which runs eagerly for now
                 logger.info("speculative decoding: decode steps run without CUDA graphs")
+            elif self.tp is not None:  # every rank captures, the all-reduces inside the graphs
+                self.tp.capture_graphs(cast(tp_worker.LeaderModel, self.model), self.cache, layout.num_slots, max_pages)
             else:
-                enable_decode_graphs(self.runner, layout.num_slots, -(-self.max_model_len // config.page_size))
+                enable_decode_graphs(self.runner, layout.num_slots, max_pages)
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}  # finished, state kept for export
         # request id -> called on the loop at the end of the step its held request finished in (export there)

@@ -2,9 +2,14 @@
 ranks 1..N-1 are follower processes that hold their shards and state pools and replay rank 0's device work.
 
 Rank 0 broadcasts every command before running it itself, as one int64 header (the command and its sizes)
-then its tensors: a forward's packed input ids + ForwardBatch metadata, a logits call's hidden rows, a state
-copy's slots, the pool layout. Followers never schedule; every rank's pools have the same layout and the
-same indices, so the prefix cache and its events stay one logical cache on rank 0. gloo on CPU, NCCL on CUDA.
+then its tensors: a forward's packed input ids + ForwardBatch metadata (an MTP drafter pass: also its
+previous hidden rows), a logits call's hidden rows, a state copy's slots, the pool layout. Followers never
+schedule; every rank's pools have the same layout and the same indices, so the prefix cache and its events
+stay one logical cache on rank 0. gloo on CPU, NCCL on CUDA.
+
+CUDA graphs: on CAPTURE every rank captures the same decode buckets in lockstep, so each graph holds the
+block's NCCL all-reduces; a FORWARD is still broadcast eagerly (its header and inputs), and every rank then
+picks the same bucket from the same batch and replays its own graph (engine/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -22,19 +29,20 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hybridserve.engine.config import DTYPES, EngineConfig
+from hybridserve.engine.cuda_graphs import DecodeGraphs, GraphedModel
 from hybridserve.engine.spec_decode import rollback_states, snapshot_state
 from hybridserve.engine.tp_handoff import follow_state_command
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.models.parallel import TPGroup, VocabParallelLMHead
-from hybridserve.models.tp_shard import dummy_shard, load_shard, local_config
+from hybridserve.models.tp_shard import dummy_shard, has_mtp_weights, load_shard, local_config
 from hybridserve.statepool.state_cache import CacheLayout, StateCache
 
 logger = logging.getLogger(__name__)
 
 HEADER = 16  # int64 fields of a command header
-STOP, LAYOUT, FORWARD, LOGITS, COPY_STATE, ROLLBACK, SNAPSHOT, STATE = range(8)
+STOP, LAYOUT, FORWARD, LOGITS, COPY_STATE, ROLLBACK, SNAPSHOT, STATE, MTP_FORWARD, CAPTURE = range(10)
 ROLLBACKS = (None, "intermediate", "replay")
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # a dead rank surfaces as an error on the others, not a hang
 
@@ -94,6 +102,14 @@ class Leader:
         for tensor in tensors:
             self.tp.broadcast(tensor.contiguous())
 
+    def capture_graphs(self, model: LeaderModel, cache: StateCache, max_batch: int, max_pages: int) -> DecodeGraphs:
+        """Capture rank 0's decode graphs with the followers capturing theirs (the all-reduces pair up);
+        rank 0's forwards then replay too. A capture error raises: ranks must not disagree on graphs."""
+        self.send([CAPTURE, max_batch, max_pages])
+        graphs = capture_rank_graphs(model.model, cache, max_batch, max_pages)
+        model.model = cast(HybridLM, GraphedModel(model.model, graphs))
+        return graphs
+
     def send_layout(self, layout: CacheLayout) -> None:
         self.send([LAYOUT, layout.num_pages, layout.page_size, layout.num_slots, layout.conv_width,
                    layout.num_checkpoints])
@@ -145,8 +161,13 @@ class LeaderModel:
         assert logits is not None  # rank 0 receives the gather
         return logits
 
-    def mtp_forward(self, *args: Any) -> torch.Tensor:
-        raise ValueError("the MTP drafter does not run with tensor_parallel_size > 1")
+    def mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, batch: ForwardBatch,
+                    cache: StateCache) -> torch.Tensor:  # [N], [N, hidden] -> [N, hidden]
+        """One pass of the sharded MTP drafter on every rank (its attention KV lives in each rank's pages)."""
+        header, payload = pack_forward(input_ids, batch)
+        prev_hidden = prev_hidden.to(self.model.lm_head.weight.dtype)
+        self.leader.send([MTP_FORWARD, *header[1:], prev_hidden.shape[1]], payload, prev_hidden)
+        return self.model.mtp_forward(input_ids, prev_hidden, batch, cache)
 
 
 class MirroredStateCache(StateCache):
@@ -175,6 +196,13 @@ class MirroredStateCache(StateCache):
             raise ValueError(f"unknown mirrored state op {op!r}")
 
 
+def capture_rank_graphs(model: HybridLM, cache: StateCache, max_batch: int, max_pages: int) -> DecodeGraphs:
+    """This rank's decode graphs (every rank captures the same buckets in the same order)."""
+    graphs = DecodeGraphs(model, cache, max_batch, max_pages)
+    graphs.capture()
+    return graphs
+
+
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
     """The device of one rank: its own GPU (cuda:rank of the group's CUDA_VISIBLE_DEVICES), or the CPU."""
     device = config.torch_device
@@ -184,9 +212,19 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return device
 
 
+def rank_model_config(model_dir: Path, config: EngineConfig) -> ModelConfig:
+    """The checkpoint's config, with its MTP drafter only when the engine drafts with it and it ships weights
+    (as `weights.load_model` decides at TP=1)."""
+    model_config = ModelConfig.from_dir(model_dir)
+    spec = config.speculative
+    keep = spec is not None and spec.method == "mtp" and model_config.has_mtp and (
+        config.load_format == "dummy" or has_mtp_weights(model_dir))
+    return model_config if keep else dataclasses.replace(model_config, mtp_layer_types=())
+
+
 def load_rank_model(model_dir: Path, config: EngineConfig, tp: TPGroup, device: torch.device) -> HybridLM:
-    """This rank's shard of the checkpoint (or of the dummy weights), without the MTP drafter."""
-    model_config = dataclasses.replace(ModelConfig.from_dir(model_dir), mtp_layer_types=())
+    """This rank's shard of the checkpoint (or of the dummy weights)."""
+    model_config = rank_model_config(model_dir, config)
     if config.load_format == "dummy":
         return dummy_shard(model_config, config.torch_dtype, device, tp, config.seed)
     return load_shard(model_dir, model_config, config.torch_dtype, device, tp)
@@ -211,8 +249,11 @@ def start_leader(model_dir: Path, config: EngineConfig) -> tuple[Leader, LeaderM
     size = config.tensor_parallel_size
     model_config = ModelConfig.from_dir(model_dir)
     for rank in range(size):  # shape errors before any process starts
-        local_config(dataclasses.replace(model_config, mtp_layer_types=()), TPGroup(rank, size))
+        local_config(rank_model_config(model_dir, config), TPGroup(rank, size, None, config.enable_expert_parallel))
     backend = "nccl" if config.torch_device.type == "cuda" else "gloo"
+    if backend == "nccl" and torch.cuda.device_count() < size:
+        raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs (rank r on cuda:r) but this process sees "
+                         f"{torch.cuda.device_count()}: set CUDA_VISIBLE_DEVICES to {size} GPUs or lower the size")
     processes: list[Any] = []
     owns_group = not dist.is_initialized()
     if owns_group:
@@ -227,7 +268,7 @@ def start_leader(model_dir: Path, config: EngineConfig) -> tuple[Leader, LeaderM
     elif dist.get_world_size() != size or dist.get_rank() != 0:
         raise ValueError(f"torch.distributed has world size {dist.get_world_size()}, rank {dist.get_rank()}; "
                          f"a TP={size} engine runs on rank 0 of a group of {size}")
-    tp = TPGroup(0, size)
+    tp = TPGroup(0, size, None, config.enable_expert_parallel)
     device = rank_device(config, 0)
     share_cores(device, size)
     leader = Leader(tp, device, processes, owns_group, dataclasses.replace(model_config, mtp_layer_types=()))
@@ -240,17 +281,33 @@ def start_leader(model_dir: Path, config: EngineConfig) -> tuple[Leader, LeaderM
     return leader, LeaderModel(model, leader)
 
 
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """End this process when its parent (rank 0) is gone: a SIGKILLed worker or a killed Ray actor sends no
+    STOP, and an NCCL follower would otherwise wait out the collective timeout holding its GPU."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        logger.warning("tensor-parallel follower %d: rank 0 (pid %d) is gone, exiting", os.getpid(), parent)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="tp-parent-watch").start()
+
+
 def follower_main(rank: int, size: int, init: str | None, model_dir: str, config: EngineConfig) -> None:
     """A follower rank: join the group, load the shard, then replay rank 0's commands until STOP. `init`
     None: torch.distributed is set up by a launcher (torchrun's env://)."""
     logging.basicConfig(level=os.environ.get("HYBRIDSERVE_LOG_LEVEL", "WARNING"))
+    if init is not None:  # spawned by rank 0
+        exit_with_parent()
     device = rank_device(config, rank)
     backend = "nccl" if device.type == "cuda" else "gloo"
     share_cores(device, size)
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init or "env://", rank=rank, world_size=size,
                                 timeout=COLLECTIVE_TIMEOUT)
-    tp = TPGroup(rank, size)
+    tp = TPGroup(rank, size, None, config.enable_expert_parallel)
     model = load_rank_model(Path(model_dir), config, tp, device)
     try:
         follow(model, tp, device, config, dataclasses.replace(ModelConfig.from_dir(model_dir), mtp_layer_types=()))
@@ -267,6 +324,7 @@ def follow(model: HybridLM, tp: TPGroup, device: torch.device, config: EngineCon
     spec = config.speculative
     header = torch.zeros(HEADER, dtype=torch.int64, device=device)
     ssm_dtype = DTYPES[model.config.ssm_state_dtype]
+    forward: Any = model  # a GraphedModel once rank 0 asked for CUDA graphs
     while True:
         fields = tp.broadcast(header).tolist()
         command = fields[0]
@@ -277,14 +335,21 @@ def follow(model: HybridLM, tp: TPGroup, device: torch.device, config: EngineCon
             cache = StateCache(model.config, layout, config.torch_dtype, ssm_dtype, device)
             if spec is not None and spec.rollback == "replay":
                 cache.enable_replay(spec.num_verify_tokens)
-        elif command == FORWARD:
+        elif command in (FORWARD, MTP_FORWARD):
             size = sum(max(f, 0) for f in (fields[1], fields[2] + 1, 3 * fields[2], fields[2] * fields[3],
                                            fields[1], fields[4], fields[9]))
             payload = tp.broadcast(torch.empty(size, dtype=torch.int64, device=device))
             input_ids, batch = unpack_forward(fields, payload)
             assert cache is not None, "rank 0 sends the layout before any forward"
-            model(input_ids, batch, cache)
-            states = batch.intermediate_states
+            if command == FORWARD:
+                forward(input_ids, batch, cache)
+                states = batch.intermediate_states
+            else:
+                prev = torch.empty(fields[1], fields[11], dtype=model.lm_head.weight.dtype, device=device)
+                model.mtp_forward(input_ids, tp.broadcast(prev), batch, cache)
+        elif command == CAPTURE:
+            assert cache is not None
+            forward = GraphedModel(model, capture_rank_graphs(model, cache, fields[1], fields[2]))
         elif command == LOGITS:
             hidden = tp.broadcast(torch.empty(fields[1], fields[2], dtype=model.lm_head.weight.dtype, device=device))
             cast(VocabParallelLMHead, model.lm_head).gathered_logits(hidden)

@@ -1,6 +1,12 @@
 """Tensor-parallel building blocks: the group handle, row-parallel linears (one all-reduce each), the
 vocab-parallel embedding and lm_head, and the Mamba2 gated RMSNorm whose groups may span ranks.
 
+The MoE block shards every expert's intermediate dim (each rank a column slice of every expert's up_proj and
+the matching row slice of down_proj, the shared expert likewise, router and latent projections replicated):
+its partial output is linear in the slices, so one all-reduce per block, as for the MLP. With expert
+parallelism each rank holds whole experts instead (a contiguous 1/size of them) and zeroes the routing weight of
+the others; the same all-reduce combines the ranks' experts.
+
 Column-parallel layers need no class of their own: a rank's shard of q/k/v, up_proj or in_proj is a plain
 `Linear` over its slice of the output rows (`models/tp_shard.py` slices the checkpoint). Hand-written rather
 than taken from a training library (Megatron, DTensor) because the engine runs eager packed-token forwards
@@ -9,6 +15,7 @@ over its own kernels and needs only these four pieces.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -17,16 +24,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.kernels import ops
+from hybridserve.models.config import MoEConfig
 from hybridserve.models.layers import Linear
+from hybridserve.models.moe import MoE, TopkRouter
 
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This process's place in a tensor-parallel group (`group` None: torch.distributed's default group)."""
+    """This process's place in a tensor-parallel group (`group` None: torch.distributed's default group);
+    `expert_parallel`: MoE blocks hold whole experts, a 1/size subset each, instead of a slice of every one."""
 
     rank: int
     size: int
     group: dist.ProcessGroup | None = None
+    expert_parallel: bool = False
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place; returns the tensor."""
@@ -129,3 +140,63 @@ class ShardedGatedRMSNorm(nn.Module):
         self.tp.all_reduce(sums)
         rstd = torch.rsqrt(sums / self.group_size + self.eps)  # [N, G]
         return (self.weight.float() * gated * rstd[:, group]).to(x.dtype)
+
+
+class TensorParallelMoE(MoE):
+    """The MoE block over this rank's slice of every expert's (and the shared expert's) intermediate dim; the
+    router and the latent projections are replicated. The partial sums of all ranks add up to the block's
+    output (one all-reduce); the down projections' biases are loaded on rank 0 only (zeros elsewhere)."""
+
+    def __init__(self, hidden_size: int, config: MoEConfig, bias: bool, tp: TPGroup) -> None:
+        super().__init__(hidden_size, config, bias)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+        return self.tp.all_reduce(super().forward(x))
+
+
+class ExpertParallelMoE(MoE):
+    """The MoE block over this rank's experts [rank * E/size, (rank + 1) * E/size), whole; the router is
+    replicated, the shared expert split like an MLP, one all-reduce. The expert kernels cannot skip a pair and
+    take a token at most once per expert, so each (token, choice) pair runs as its own row with one choice:
+    pairs routed to other ranks get weight 0 on local expert 0, which a decode step reads anyway once any pair
+    lands there (weight bytes read ~ the experts routed here + 1, as with TP slices), and the k rows of a token
+    are summed in fp32. Sync-free, so a decode step still captures as a CUDA graph."""
+
+    def __init__(self, hidden_size: int, config: MoEConfig, bias: bool, tp: TPGroup) -> None:
+        local_experts = config.num_experts // tp.size
+        shared = config.shared_intermediate_size // tp.size
+        super().__init__(hidden_size, dataclasses.replace(config, shared_intermediate_size=shared), bias)
+        self.tp = tp
+        self.first_expert = tp.rank * local_experts
+        self.shared_chunks = 0  # routed experts are whole, the shared expert a slice: chunk sizes differ
+        self.gate = TopkRouter(hidden_size, config, 0)
+        experts = self.experts
+        experts.up_proj = nn.Parameter(experts.up_proj[:local_experts], requires_grad=False)
+        experts.down_proj = nn.Parameter(experts.down_proj[:local_experts], requires_grad=False)
+        for name in ("up_proj_scale", "down_proj_scale"):  # fp8 per-channel scales, one row per expert
+            scale = getattr(experts, name)
+            if scale is not None:
+                experts.register_buffer(name, scale[:local_experts])
+
+    def local_routes(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Global (weights, ids) [N, k] -> local ones: other ranks' experts get weight 0 on local expert 0."""
+        local = ids - self.first_expert
+        inside = (local >= 0) & (local < self.experts.up_proj.shape[0])  # [N, k]
+        return weights.masked_fill(~inside, 0.0), local.masked_fill(~inside, 0)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [N, D], local routes [N, k] -> this rank's weighted sum of each token's experts [N, D] (fp32)."""
+        n, k = ids.shape
+        pairs = x.repeat_interleave(k, dim=0)  # [N * k, D]: one row per (token, choice)
+        out = self.experts(pairs, weights.reshape(-1, 1), ids.reshape(-1, 1))  # [N * k, D]
+        return out.view(n, k, -1).float().sum(dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+        weights, ids = self.local_routes(*self.gate(x))
+        if isinstance(self.fc1_latent_proj, nn.Identity):
+            out = self.routed(x, weights, ids).to(x.dtype) + self.shared_experts(x)
+        else:
+            latent = self.fc1_latent_proj(x)
+            out = self.fc2_latent_proj(self.routed(latent, weights, ids).to(latent.dtype)) + self.shared_experts(x)
+        return self.tp.all_reduce(out)

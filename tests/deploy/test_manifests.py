@@ -120,3 +120,23 @@ def test_grafana_queries_name_defined_metrics() -> None:
                    "routing_decisions", "prefix_cache_hits", "queued_requests", "spec_accepted_tokens",
                    "spec_draft_tokens", "spec_verify_steps", "spec_accepted_by_position"):
         assert any(wanted in name for name in used), wanted
+
+
+def test_kuberay_gpu_counts_follow_the_tensor_parallel_size() -> None:
+    """kustomization.yaml's TENSOR_PARALLEL_SIZE reaches `hybridserve up`, and its GPU patches give each worker
+    pod that many GPUs."""
+    kustomization = _yaml_docs(DEPLOY / "kuberay" / "kustomization.yaml")[0]
+    literals = dict(item.split("=", 1) for item in kustomization["configMapGenerator"][0]["literals"])
+    size = literals["TENSOR_PARALLEL_SIZE"]
+    ops = yaml.safe_load(kustomization["patches"][0]["patch"])
+    gpu_ops = [op for op in ops if op["path"].endswith("nvidia.com~1gpu")]
+    assert len(gpu_ops) == 4 and all(op["value"] == size for op in gpu_ops)
+    cluster = _yaml_docs(DEPLOY / "kuberay" / "raycluster.yaml")[0]
+    for op in gpu_ops:  # each patched path exists in the RayCluster
+        node: object = cluster["spec"]
+        for part in op["path"].split("/")[2:]:
+            key = part.replace("~1", "/")
+            node = node[int(key)] if isinstance(node, list) else node[key]  # type: ignore[index]
+    head = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    up = next(c for c in head if "hybridserve up" in " ".join(c.get("args", [])))
+    assert '--tensor-parallel-size "$TENSOR_PARALLEL_SIZE"' in " ".join(up["args"])
