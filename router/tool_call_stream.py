@@ -202,7 +202,8 @@ def _skip_space(ch: str) -> _Scan:
 
 def _string() -> _Scan:
     """A JSON string, its opening quote consumed, through the closing one; its value."""
-    raw, escaped = [], False
+    raw: list[str] = []
+    escaped = False
     while True:
         ch = yield
         if ch == '"' and not escaped:
