@@ -236,7 +236,8 @@ class OpenAIService:
                         finish = delta.finish_reason
                         if finish:
                             tool_delta = _joined(tool_delta, c.tools.finish())
-                            finish = "tool_calls" if c.tools.has_calls else finish
+                            # a call cut off by max_tokens stays "length", as the unparsable non-streamed one
+                            finish = "tool_calls" if c.tools.has_calls and finish == "stop" else finish
                         if tool_delta or finish:
                             yield chunk([{"index": delta.index, "delta": tool_delta, "logprobs": None,
                                           "finish_reason": finish}])
