@@ -56,5 +56,6 @@ def test_lm_eval_local_completions(cluster, monkeypatch, tmp_path) -> None:
     assert len(gen) == 3 and all(s["resps"][0][0].strip() for s in gen)
     for sample in gen:
         prompt = sample["arguments"][0][0]
-        offline = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, stop=("\n",)))[0]
+        offline = llm.generate(prompt_token_ids=[lm.tok_encode(prompt)],  # the ids lm-eval sent
+                               sampling_params=SamplingParams(max_tokens=12, temperature=0.0, stop=("\n",)))[0]
         assert sample["resps"][0][0] == offline.text, prompt
