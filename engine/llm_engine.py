@@ -27,6 +27,7 @@ from hybridserve.engine.structured_output import GrammarBackend
 from hybridserve.engine.warmup import WarmupReport, warm_up
 from hybridserve.models.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
 from hybridserve.models.hybrid_model import HybridLM
+from hybridserve.models.text_stream import TextStream
 from hybridserve.models.tokenizer import load_tokenizer
 from hybridserve.models.weights import dummy_model, load_model
 from hybridserve.statepool.events import CacheEvent
@@ -186,12 +187,16 @@ class LLMEngine:
         if any(t >= vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}")
         grammar = self._grammar_matcher(params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings need the model's tokenizer; {self.model_dir} ships none (use stop_token_ids)")
         request_id = request_id if request_id is not None else f"req-{next(self._counter)}"
         if request_id in self._requests or request_id in self._held or request_id in self._reserved:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
         request = Request(request_id, tokens, params, seed, arrival=next(self._arrivals))
         request.grammar = grammar
+        if params.stop:  # matched on the worker, so a stopped request generates no further tokens
+            request.stop_text = TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output)
         return request
 
     def _grammar_matcher(self, params: SamplingParams):  # noqa: ANN202 - xgrammar GrammarMatcher | None
@@ -337,7 +342,11 @@ class LLMEngine:
         """The request's state after a step. Text only once it finished (one decode, for `LLM.generate`): streams
         take the ids and detokenize incrementally where the text is needed (the router), not on this loop."""
         finished = request.status is RequestStatus.FINISHED
-        text = self.tokenizer.decode(request.output_token_ids) if self.tokenizer is not None and finished else None
+        text = None
+        if finished and request.stop_text is not None:  # cut at the stop string (the token ids end with it)
+            text = request.stop_text.text + request.stop_text.finish()
+        elif finished and self.tokenizer is not None:
+            text = self.tokenizer.decode(request.output_token_ids)
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,

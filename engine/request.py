@@ -10,6 +10,7 @@ import torch
 from hybridserve.engine.ngram_drafter import NgramIndex
 from hybridserve.engine.outputs import TokenLogprob
 from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.models.text_stream import TextStream
 from hybridserve.statepool.block_hash import BlockHash
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class Request:
         self.output_logprobs: list[TokenLogprob] = []  # with params.logprobs, one per output token
         self.prompt_logprobs: list[TokenLogprob | None] = [None]  # with params.prompt_logprobs, filled per chunk
         self.grammar: Any = None  # xgrammar GrammarMatcher of params.structured: advanced by the kept tokens
+        self.stop_text: TextStream | None = None  # with params.stop: the output's text, fed token by token
         self.params = params
         self.arrival = arrival
         self.status = RequestStatus.WAITING

@@ -41,6 +41,8 @@ class SamplingParams:
     top_k: int = -1
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()  # stop strings: the output ends before the first (matched on the detokenized text)
+    include_stop_str_in_output: bool = False  # ... or after it
     ignore_eos: bool = False
     logprobs: int | None = None  # report each output token's logprob and this many top alternatives (0: none)
     prompt_logprobs: int | None = None  # the same for every prompt token (recomputed: no prefix-cache reuse)
@@ -88,6 +90,10 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in stops):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         object.__setattr__(self, "stop_token_ids", stops)
+        strings = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in strings):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", strings)
 
     @property
     def greedy(self) -> bool:

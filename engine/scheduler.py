@@ -228,8 +228,13 @@ class Scheduler:
         return StepUpdate(rows, before, updated)
 
     def stop_reason(self, request: Request, token: int) -> str | None:
-        """Why the request stops after appending `token`, or None: "stop" (EOS, a stop token), "length"."""
+        """Why the request stops after appending `token` (called once per appended token, in order), or None:
+        "stop" (EOS, a stop token, a stop string the text now contains), "length"."""
         params = request.params
+        if request.stop_text is not None:
+            request.stop_text.add((token,))
+            if request.stop_text.stopped:
+                return "stop"
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if request.grammar is not None and request.grammar.is_terminated():

@@ -93,8 +93,9 @@ class PrefillWorker:
     def prefill(self, request: worker_pb2.PrefillRequest) -> worker_pb2.PrefillResponse:
         """Compute the prompt, sample the first token, stage the state and move it; raises on any failure."""
         params = sampling_from_proto(request.sampling)
-        # one token here; min_tokens still keeps EOS from being that token
-        params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        # one token here; min_tokens still keeps EOS from being that token; the decode worker matches stop
+        # strings, the first token's included (it commits the first token through the same stop rules)
+        params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=())
         prompt = list(request.prompt_token_ids)
         request_id = request.request_id
         specs = self.engine.state_specs(len(prompt))  # cache geometry only: safe off the loop thread

@@ -19,6 +19,7 @@ import grpc
 
 from hybridserve.engine.outputs import TokenLogprob
 from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.models.text_stream import TextStream
 from hybridserve.models.tokenizer import Tokenizer
 from hybridserve.proto.convert import logprob_from_proto
 from hybridserve.router.admission import AdmissionController
@@ -26,7 +27,6 @@ from hybridserve.router.chat_template import ChatTemplate
 from hybridserve.router.metrics import RouterMetrics
 from hybridserve.router.openai_protocol import ApiError
 from hybridserve.router.orchestrator import Orchestrator, WorkerError
-from hybridserve.router.text_stream import TextStream
 
 _END = object()
 
@@ -171,7 +171,7 @@ class Frontend:
                      stops: Sequence[str] = ()) -> AsyncGenerator[Delta, None]:
         """One choice as text/token deltas; a stop string ends it (finish "stop") and aborts the rest."""
         try:
-            text = TextStream(self.tokenizer, stops)
+            text = TextStream(self.tokenizer, stops, params.include_stop_str_in_output)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="stop") from exc
         bridge = _ThreadedGeneration(self.orchestrator, prompt, params, request_id, self._generation_threads)

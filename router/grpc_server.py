@@ -16,6 +16,7 @@ from concurrent import futures
 import grpc
 from grpc_reflection.v1alpha import reflection
 
+from hybridserve.models.text_stream import TextStream
 from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from hybridserve.proto.convert import sampling_from_proto
 from hybridserve.router.admission import Overloaded, client_key
@@ -23,7 +24,6 @@ from hybridserve.router.auth import ApiKeyInterceptor
 from hybridserve.router.frontend import Frontend
 from hybridserve.router.openai_protocol import ApiError
 from hybridserve.router.orchestrator import WorkerError
-from hybridserve.router.text_stream import TextStream
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         prompt = self._prompt(request, context)
         try:
             params = sampling_from_proto(request.sampling)
+            text = TextStream(self.frontend.tokenizer, params.stop, params.include_stop_str_in_output)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         key = dict(context.invocation_metadata() or ()).get("authorization")
@@ -103,7 +104,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         owner = (caller(context), label)
         self.requests.add(owner, request_id)
         context.add_callback(lambda: self.frontend.orchestrator.abort(request_id))
-        text = TextStream(self.frontend.tokenizer)
         try:
             for event in self.frontend.orchestrator.generate(prompt, params, request_id):
                 delta = text.add(event.token_ids)

@@ -2,7 +2,8 @@
 
 Unknown fields and unsupported values are refused with 400 rather than ignored: a client that asks for
 something we do not do should find out. Extensions (vLLM's): `top_k`, `min_tokens`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids`, and `return_token_ids` (adds `token_ids` to each choice, and `prompt_token_ids` to the response).
+`ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, and `return_token_ids` (adds `token_ids` to each
+choice, and `prompt_token_ids` to the response).
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class _SamplingFields(BaseModel):
     user: str | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # vLLM's extra_body spelling
     guided_regex: str | None = None
@@ -136,7 +138,9 @@ class _SamplingFields(BaseModel):
 
     def sampling_extras(self) -> dict[str, Any]:
         """The SamplingParams fields beyond the basic ones, as given."""
-        return {"structured": self.structured(), "min_tokens": self.min_tokens, "presence_penalty": self.presence_penalty,
+        return {"structured": self.structured(), "stop": tuple(self.stop or ()),
+                "include_stop_str_in_output": self.include_stop_str_in_output, "min_tokens": self.min_tokens,
+                "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
                 "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()}}
 

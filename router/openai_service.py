@@ -26,6 +26,7 @@ from hybridserve.router.openai_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from hybridserve.router.tool_call_stream import ToolCallStream
 from hybridserve.router.tool_calls import parse_tool_calls
 
 _DONE = object()
@@ -42,7 +43,7 @@ class _Choice:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     streamed: bool = False  # its first SSE chunk went out (the echo goes with it)
-    held: str = ""  # streaming with tools: text held until the calls in it are known
+    tools: ToolCallStream | None = None  # streaming with tools: the calls found in the text so far
     text_offset: int = 0  # streaming: where the next token's text starts (completions logprobs)
 
 
@@ -228,19 +229,18 @@ class OpenAIService:
                 c = plan.choices[delta.index]
                 opening, c.streamed = not c.streamed, True
                 if chat:
-                    if req.parses_tool_calls:  # calls are known at the end: the text is held until then
-                        c.held += delta.text
-                        if not delta.finish_reason:
-                            delta = await anext(merged, None)
-                            continue
-                        message = self._message(req, c.held, delta.finish_reason)
-                        message.pop("role")
-                        calls = message.get("tool_calls") or []
-                        tool_delta: dict[str, Any] = {"content": message["content"]} if message["content"] else {}
-                        if calls:
-                            tool_delta["tool_calls"] = calls
-                        yield chunk([{"index": delta.index, "delta": tool_delta, "logprobs": None,
-                                      "finish_reason": "tool_calls" if calls else delta.finish_reason}])
+                    if req.parses_tool_calls:  # content, then each call's name and its arguments as they arrive
+                        if c.tools is None:
+                            c.tools = ToolCallStream(req.tool_names)
+                        tool_delta = c.tools.feed(delta.text)
+                        finish = delta.finish_reason
+                        if finish:
+                            tool_delta = _joined(tool_delta, c.tools.finish())
+                            # a call cut off by max_tokens stays "length", as the unparsable non-streamed one
+                            finish = "tool_calls" if c.tools.has_calls and finish == "stop" else finish
+                        if tool_delta or finish:
+                            yield chunk([{"index": delta.index, "delta": tool_delta, "logprobs": None,
+                                          "finish_reason": finish}])
                         delta = await anext(merged, None)
                         continue
                     choice = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
@@ -267,6 +267,16 @@ class OpenAIService:
         finally:
             await merged.aclose()
         yield "data: [DONE]\n\n"
+
+
+def _joined(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two chat deltas as one: content concatenated, tool_calls entries in order."""
+    out = dict(first)
+    if second.get("content"):
+        out["content"] = out.get("content", "") + second["content"]
+    if second.get("tool_calls"):
+        out["tool_calls"] = out.get("tool_calls", []) + second["tool_calls"]
+    return out
 
 
 def _candidates(req) -> int:

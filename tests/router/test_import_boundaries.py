@@ -18,7 +18,7 @@ def _loaded_after(imports: str, watch: list[str]) -> list[str]:
 def test_the_router_imports_no_torch() -> None:
     imports = "\n".join(f"import hybridserve.router.{m}" for m in (
         "app", "http_server", "grpc_server", "frontend", "orchestrator", "policy", "prefix_index", "workers",
-        "admission", "metrics", "text_stream", "openai_service", "openai_protocol", "cache_subscriber"))
+        "admission", "metrics", "openai_service", "openai_protocol", "cache_subscriber"))
     assert _loaded_after(imports, ["torch", "triton", "hybridserve.engine.llm_engine", "hybridserve.kernels"]) == []
 
 

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from hybridserve.models.text_stream import TextStream
 from hybridserve.proto import common_pb2, worker_pb2_grpc  # noqa: F401 - stubs are faked below
 from hybridserve.router.admission import AdmissionController, Overloaded
 from hybridserve.router.chat_template import ChatTemplate
@@ -14,7 +15,6 @@ from hybridserve.router.circuit_breaker import CLOSED, HALF_OPEN, OPEN, CircuitB
 from hybridserve.router.config import AdmissionConfig, OrchestratorConfig, ResilienceConfig, RoutingConfig
 from hybridserve.router.policy import RoutingPolicy, prompt_hashes
 from hybridserve.router.prefix_index import PrefixIndex, WorkerHit
-from hybridserve.router.text_stream import TextStream
 from hybridserve.router.workers import WorkerHandle
 from hybridserve.statepool.block_hash import block_hashes
 

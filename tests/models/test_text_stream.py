@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hybridserve.models.default_model import DEMO_MODEL_DIR, write_byte_tokenizer
+from hybridserve.models.detokenizer import IncrementalDetokenizer
+from hybridserve.models.text_stream import TextStream
 from hybridserve.models.tokenizer import Tokenizer
-from hybridserve.router.detokenizer import IncrementalDetokenizer
-from hybridserve.router.text_stream import TextStream
 
 _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 _PIECES = ["▁", "▁▁", "▁a", "b", "ab", "▁hello", "▁wörld", "é", "中", "x", ".", "▁."]

@@ -40,8 +40,7 @@ def _backend_of(tokenizer: Any) -> Any | None:
 
     `hybridserve.models.tokenizer.Tokenizer` keeps the transformers tokenizer in `_tokenizer` and decodes with
     `skip_special_tokens=True`; a transformers fast tokenizer exposes `backend_tokenizer` and post-processes
-    only when `clean_up_tokenization_spaces` is on. (`_tokenizer` is that wrapper's private attribute: the
-    router may not change `models/`; a public accessor there would be better.)"""
+    only when `clean_up_tokenization_spaces` is on."""
     try:
         from tokenizers import Tokenizer as BackendTokenizer
     except ImportError:
