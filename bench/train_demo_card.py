@@ -48,7 +48,10 @@ Each file is followed by `<|endoftext|>`.
 ## Tokenizer
 
 Byte-level BPE (GPT-2 pre-tokenization, no prefix space) with {cfg['vocab_size']} tokens trained with
-`tokenizers` on the training files; `<|endoftext|>` (id {cfg['eos_token_id']}) is EOS, BOS and pad.
+`tokenizers` on the training files; `<|endoftext|>` (id {cfg['eos_token_id']}) is EOS, BOS and pad. Encoding with
+special tokens (what the server does with a prompt) puts it in front, so a prompt reads as the start of a file.
+In training, {report['args'].get('line_break_rate', 0.0):.0%} of line ends are encoded as piece boundaries (a lone newline token, then the
+next line's indentation), which is how a prompt that ends in a newline is tokenized.
 Loads with `transformers.AutoTokenizer.from_pretrained(dir, local_files_only=True)`.
 
 ## Training
@@ -89,8 +92,8 @@ All numbers are also in `training_report.json`. The MTP loss covers slots q = 1.
 
 {d['train_tokens'] / 1e6:.1f} M training tokens seen {t['tokens_seen'] / max(1, d['train_tokens']):.1f} times by a
 {(report['model']['trunk_params'] + report['model']['mtp_params']) / 1e6:.0f} M-parameter model: it writes
-plausible-looking Python with invented names; it is not a useful code model. Mamba2 ran on transformers'
-PyTorch fallback (no `mamba_ssm` on the training machine), which bounded the step count.
+plausible-looking Python with invented names and repeats itself under greedy decoding; it is not a useful code
+model. {"The Mamba2 scan trained through mamba_ssm's Triton kernels (forward and backward; `bench/train_demo_scan.py`)." if t.get('triton_scan') else "Mamba2 ran on transformers' PyTorch fallback (no `mamba_ssm` sources carried), which bounded the step count."}
 
 {package_table(d)}
 ## Greedy samples

@@ -118,7 +118,8 @@ def test_default_llm_greedy_equals_transformers_and_looks_like_python() -> None:
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(list(PROMPTS), params)
     for prompt, out in zip(PROMPTS, outputs):
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        ids = tokenizer.encode(prompt)  # a prompt gets the tokenizer's BOS, as vLLM encodes it
+        assert ids[0] == tokenizer.bos_token_id and ids[1:] == tokenizer.encode(prompt, add_special_tokens=False)
         assert out.prompt_token_ids == ids
         assert out.token_ids == hf_greedy(_hf_model(), ids, 24), prompt
         text = out.text
