@@ -324,12 +324,15 @@ class Orchestrator:
                 if event.finish_reason == "error":
                     raise WorkerError(grpc.StatusCode.INTERNAL, event.error or "decode failed")
                 self.metrics.generation_tokens.inc(len(event.token_ids))
-                yield event
                 if event.finish_reason:
+                    # finished before the last yield: a reader that stops at the last event (closing this
+                    # generator there) has read a finished stream, which needs no abort
                     finished = True
                     self.metrics.worker_cached.inc(event.num_cached_tokens)
                     self.metrics.e2e.observe(time.perf_counter() - start)
+                    yield event
                     return
+                yield event
                 following = await buffer.get()
                 if following is None:
                     raise WorkerError(grpc.StatusCode.UNAVAILABLE, "the decode worker closed the stream early")
