@@ -31,6 +31,13 @@ def new_event_loop(use_uvloop: bool = True) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
+def task_cancelling() -> bool:
+    """Whether the current task is being cancelled (Python >= 3.11 tells; on 3.10 this says False, so a
+    CancelledError there counts as the cancel of a call rather than of the task)."""
+    cancelling = getattr(asyncio.current_task(), "cancelling", None)
+    return bool(cancelling()) if cancelling is not None else False
+
+
 class LoopThread:
     """An asyncio event loop running forever on a daemon thread until `stop()`."""
 

@@ -31,7 +31,7 @@ from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.proto import common_pb2, worker_pb2
 from hybridserve.proto.convert import sampling_to_proto
 from hybridserve.router.config import OrchestratorConfig
-from hybridserve.router.event_loop import LoopThread
+from hybridserve.router.event_loop import LoopThread, task_cancelling
 from hybridserve.router.metrics import RouterMetrics
 from hybridserve.router.policy import Decision, NoWorkerError, RoutingPolicy
 from hybridserve.router.prefix_index import PrefixIndex
@@ -89,15 +89,14 @@ class _Active:
         """Sleep up to `seconds`, less when the request is aborted meanwhile."""
         try:
             await asyncio.wait_for(self.cancelled.wait(), seconds)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin before Python 3.11
             pass
 
 
 def _aborted(active: _Active) -> bool:
     """Whether a CancelledError came from an abort of the request (its calls were cancelled) rather than from
     the task itself being cancelled (the client went away), which must propagate."""
-    task = asyncio.current_task()
-    return active.cancelled.is_set() and (task is None or not task.cancelling())
+    return active.cancelled.is_set() and not task_cancelling()
 
 
 class Orchestrator:

@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 
 from hybridserve.proto import common_pb2
+from hybridserve.router.event_loop import task_cancelling
 
 _END = object()
 
@@ -46,8 +47,7 @@ class StreamBuffer:
             try:
                 event = await self._call.read()
             except asyncio.CancelledError:
-                task = asyncio.current_task()
-                if task is not None and task.cancelling():
+                if task_cancelling():
                     raise  # close(): nobody reads any more
                 item = asyncio.CancelledError()  # the call itself was cancelled (an abort)
             except grpc.RpcError as exc:
@@ -69,7 +69,7 @@ class StreamBuffer:
         try:
             await asyncio.wait_for(self._queue.put(item), self._stall_timeout_s)
             return True
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin before Python 3.11
             self._stalled = StreamStalled(f"the client did not read its stream for {self._stall_timeout_s:g} s "
                                           f"with {self._queue.maxsize} events waiting; the request was aborted")
             self._call.cancel()
