@@ -1,9 +1,11 @@
 """Router overhead and prefix-index accuracy.
 
-1. Overhead: a stub decode worker (answers GenerateLocal at once, no model) behind the router, which runs
-   in its own process. An open-loop client sends requests at increasing rates (Poisson arrivals) straight to
-   the stub over gRPC, then through the router's gRPC door and its HTTP (OpenAI) door; the added latency is
-   the router path's percentile minus the direct path's.
+1. Overhead: a stub decode worker (answers GenerateLocal at once, no model) behind the router, each in its
+   own process. An open-loop client sends requests at increasing rates (Poisson arrivals) straight to the
+   stub over gRPC, then through the router's gRPC door and its HTTP (OpenAI) door, `--repeats` interleaved
+   runs each; the added latency is the median over runs of the router path's percentile minus the direct
+   path's. Also the router process's CPU time per request, and the per-token cost of streaming: the added
+   p50 of `--stream-tokens`-token requests minus that of 4-token ones, per extra token.
 2. Index accuracy: tiny real workers (2 prefill + 2 decode) on a shared-prefix workload; for each request
    the index's predicted checkpointed hit on the chosen worker vs the cached tokens that worker reported.
 
@@ -16,6 +18,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import platform
 import random
 import statistics
@@ -57,22 +60,34 @@ class StubDecode(worker_pb2_grpc.DecodeWorkerServicer):
         return common_pb2.AbortResponse(found=False)
 
 
-def _serve_router(model_dir: str, queue) -> None:
-    """Child process: the stub worker and the router over it, until killed."""
-    from hybridserve.router.app import Router, RouterOptions
-    from hybridserve.router.config import AdmissionConfig
-
+def _serve_stub(queue) -> None:
+    """Child process: the stub decode worker, until killed (a process of its own, like a real worker, so the
+    router's CPU time is its own)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(StubDecode(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    stub_address = f"127.0.0.1:{port}"
+    queue.put(f"127.0.0.1:{port}")
+    threading.Event().wait()
+
+
+def _serve_router(model_dir: str, stub_address: str, queue) -> None:
+    """Child process: the router over the stub worker, until killed."""
+    from hybridserve.router.app import Router, RouterOptions
+    from hybridserve.router.config import AdmissionConfig
+
     options = RouterOptions(model_dir, model_name="bench", http_port=0, grpc_port=0, max_model_len=4096,
                             admission=AdmissionConfig(max_running=1024, max_queued=4096))
     router = Router(options, [], [stub_address]).start()
     time.sleep(1.0)  # first health poll and event snapshot
-    queue.put((stub_address, router.grpc_address, router.http_address))
+    queue.put((router.grpc_address, router.http_address))
     threading.Event().wait()
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _open_loop(rate: float, duration_s: float, send) -> list[float]:
@@ -135,43 +150,81 @@ def _percentiles(xs: list[float]) -> dict[str, float]:
     return {"p50_ms": round(qs[49] * 1e3, 3), "p99_ms": round(qs[98] * 1e3, 3), "n": len(xs)}
 
 
-def overhead(model_dir: str, rates: list[float], duration_s: float) -> list[dict]:
+def _median_row(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per-key median over repeated runs of one path."""
+    return {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
+
+
+def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int, stream_tokens: int,
+             stream_rate: float) -> tuple[list[dict], dict]:
+    """Added latency per rate (median over `repeats` interleaved runs of each path) and the per-token cost of
+    streaming (`stream_tokens` per request at `stream_rate` vs MAX_TOKENS at the same rate)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    child = ctx.Process(target=_serve_router, args=(model_dir, queue), daemon=True)
-    child.start()
+    stub = ctx.Process(target=_serve_stub, args=(queue,), daemon=True)
+    stub.start()
+    router = None
     try:
-        stub_address, grpc_address, http_address = queue.get(timeout=120)
+        stub_address = queue.get(timeout=120)
+        router = ctx.Process(target=_serve_router, args=(model_dir, stub_address, queue), daemon=True)
+        router.start()
+        grpc_address, http_address = queue.get(timeout=120)
         direct = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(stub_address))
         routed = router_pb2_grpc.RouterStub(grpc.insecure_channel(grpc_address))
-        sampling = common_pb2.SamplingOptions(max_tokens=MAX_TOKENS)
         from hybridserve.proto import worker_pb2
 
-        def send_direct() -> None:
-            list(direct.GenerateLocal(worker_pb2.GenerateLocalRequest(
-                request_id=f"{random.getrandbits(64):x}", prompt_token_ids=PROMPT, sampling=sampling), timeout=30))
+        def paths(max_tokens: int) -> dict:
+            sampling = common_pb2.SamplingOptions(max_tokens=max_tokens)
+            body = {"model": "bench", "prompt": PROMPT, "max_tokens": max_tokens}
 
-        def send_grpc() -> None:
-            list(routed.Generate(router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=PROMPT),
-                                                            sampling=sampling), timeout=30))
+            def send_direct() -> None:
+                list(direct.GenerateLocal(worker_pb2.GenerateLocalRequest(
+                    request_id=f"{random.getrandbits(64):x}", prompt_token_ids=PROMPT, sampling=sampling), timeout=30))
 
-        body = {"model": "bench", "prompt": PROMPT, "max_tokens": MAX_TOKENS}
-        for send in (send_direct, send_grpc):  # warm up connections and code paths
-            for _ in range(20):
-                send()
-        rows = []
-        for rate in rates:
-            row = {"rate_rps": rate}
-            for name, send in (("direct", send_direct), ("router_grpc", send_grpc)):
-                row[name] = _percentiles(_open_loop(rate, duration_s, send))
-            row["router_http"] = _percentiles(_open_loop_async(rate, duration_s, f"http://{http_address}", body))
+            def send_grpc() -> None:
+                list(routed.Generate(router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=PROMPT),
+                                                                sampling=sampling), timeout=30))
+
+            return {"direct": lambda rate: _open_loop(rate, duration_s, send_direct),
+                    "router_grpc": lambda rate: _open_loop(rate, duration_s, send_grpc),
+                    "router_http": lambda rate: _open_loop_async(rate, duration_s, f"http://{http_address}", body),
+                    "_warm": (send_direct, send_grpc)}
+
+        def measure(rate: float, max_tokens: int) -> dict:
+            runs: dict[str, list[dict]] = {}
+            ways = paths(max_tokens)
+            for send in ways.pop("_warm"):  # warm up connections and code paths
+                for _ in range(20):
+                    send()
+            for _ in range(repeats):
+                for name, run in ways.items():
+                    cpu = _cpu_seconds(router.pid)
+                    latencies = run(rate)
+                    row = _percentiles(latencies)
+                    if name != "direct":  # the router's own CPU time per request (the stub has its own process)
+                        row["router_cpu_ms_per_request"] = round((_cpu_seconds(router.pid) - cpu) / len(latencies) * 1e3, 3)
+                    runs.setdefault(name, []).append(row)
+            row = {"rate_rps": rate, "max_tokens": max_tokens, "repeats": repeats}
+            row.update({name: _median_row(r) for name, r in runs.items()})
             for path in ("router_grpc", "router_http"):
-                row[f"{path}_added"] = {q: round(row[path][q] - row["direct"][q], 3) for q in ("p50_ms", "p99_ms")}
+                row[f"{path}_added"] = {q: round(statistics.median(
+                    r[q] - d[q] for r, d in zip(runs[path], runs["direct"])), 3) for q in ("p50_ms", "p99_ms")}
             print(json.dumps(row), flush=True)
-            rows.append(row)
-        return rows
+            return row
+
+        rows = [measure(rate, MAX_TOKENS) for rate in rates]
+        short = next((r for r in rows if r["rate_rps"] == stream_rate), None) or measure(stream_rate, MAX_TOKENS)
+        long = measure(stream_rate, stream_tokens)
+        per_token = {f"{path}_added_us_per_token": round(
+            (long[f"{path}_added"]["p50_ms"] - short[f"{path}_added"]["p50_ms"]) / (stream_tokens - MAX_TOKENS) * 1e3, 1)
+            for path in ("router_grpc", "router_http")}
+        streaming = {"rate_rps": stream_rate, "tokens": [MAX_TOKENS, stream_tokens], "long": long, **per_token}
+        print(json.dumps(per_token), flush=True)
+        return rows, streaming
     finally:
-        child.kill()
+        for child in (router, stub):
+            if child is not None:
+                child.kill()
 
 
 def index_accuracy(model_dir: str, systems: int, users: int) -> dict:
@@ -207,10 +260,23 @@ def index_accuracy(model_dir: str, systems: int, users: int) -> dict:
             "worker_hit_ratio": round(reported / prompt_tokens, 4), "exact_prediction_fraction": round(exact / n, 4)}
 
 
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", default="25,50,100,200", help="requests/s, comma-separated")
     parser.add_argument("--duration", type=float, default=4.0, help="seconds per rate and path")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs per rate and path (median)")
+    parser.add_argument("--stream-tokens", type=int, default=68, help="tokens per request of the streaming row")
+    parser.add_argument("--stream-rate", type=float, default=20.0, help="requests/s of the streaming row")
+    parser.add_argument("--no-accuracy", action="store_true", help="skip the index-accuracy workload")
     parser.add_argument("--systems", type=int, default=4, help="shared prefixes in the accuracy workload")
     parser.add_argument("--users", type=int, default=5, help="requests per shared prefix")
     parser.add_argument("--out", default=None, help="write the results JSON here")
@@ -221,13 +287,20 @@ def main() -> None:
     from router_cluster import tiny_model_dir
 
     model_dir = tiny_model_dir()
+    rows, streaming = overhead(str(model_dir), [float(r) for r in args.rates.split(",")], args.duration, args.repeats,
+                               args.stream_tokens, args.stream_rate)
     result = {
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": mp.cpu_count()},
-        "workload": {"prompt_tokens": len(PROMPT), "max_tokens": MAX_TOKENS, "duration_s": args.duration},
-        "overhead": overhead(str(model_dir), [float(r) for r in args.rates.split(",")], args.duration),
-        "index_accuracy": index_accuracy(str(model_dir), args.systems, args.users),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": mp.cpu_count(),
+                    "load_average": os.getloadavg()},
+        "versions": {"grpcio": grpc.__version__, "uvicorn": _version("uvicorn"), "uvloop": _version("uvloop")},
+        "workload": {"prompt_tokens": len(PROMPT), "max_tokens": MAX_TOKENS, "duration_s": args.duration,
+                     "repeats": args.repeats},
+        "overhead": rows,
+        "streaming": streaming,
     }
-    print(json.dumps(result["index_accuracy"]), flush=True)
+    if not args.no_accuracy:
+        result["index_accuracy"] = index_accuracy(str(model_dir), args.systems, args.users)
+        print(json.dumps(result["index_accuracy"]), flush=True)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -45,12 +45,14 @@ class Router:
 
     def start(self) -> Router:
         o = self.options
+        loop = self.orchestrator.loop  # both doors run on the orchestrator's loop: a request never crosses threads
         if o.http_port is not None:
-            self.http = HttpServer(create_app(self.frontend, self.targets, o.api_key, o.max_body_bytes), o.host, o.http_port)
+            self.http = HttpServer(create_app(self.frontend, self.targets, o.api_key, o.max_body_bytes), o.host,
+                                   o.http_port, loop)
             self.http_address = self.http.start()
         if o.grpc_port is not None:
-            self.grpc_server, self.grpc_address = start_router_server(self.frontend, o.host, o.grpc_port,
-                                                                      api_key=o.api_key)
+            self.grpc_server, self.grpc_address = loop.run(start_router_server(self.frontend, o.host, o.grpc_port,
+                                                                               api_key=o.api_key))
         return self
 
     def update_workers(self, prefill_addresses: list[str], decode_addresses: list[str]) -> None:
@@ -93,7 +95,7 @@ class Router:
 
     def stop(self) -> None:
         if self.grpc_server is not None:
-            self.grpc_server.stop(1).wait()
+            self.orchestrator.loop.run(self.grpc_server.stop(1))
         if self.http is not None:
             self.http.stop()
         self.orchestrator.close()

@@ -5,7 +5,7 @@ scrapers; gRPC calls need the same value in their `authorization` metadata. Keys
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -24,24 +24,25 @@ def authorized(header: str | None, api_key: str) -> bool:
     return header is not None and hmac.compare_digest(header.encode(), f"Bearer {api_key}".encode())
 
 
-class ApiKeyInterceptor(grpc.ServerInterceptor):
-    """Answers UNAUTHENTICATED to any call without `authorization: Bearer KEY` (reflection included)."""
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Answers UNAUTHENTICATED to any call without `authorization: Bearer KEY` (reflection included); for the
+    router's grpc.aio server."""
 
     def __init__(self, api_key: str) -> None:
         self._api_key = api_key
 
-        def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key: send metadata "
-                                                           "'authorization: Bearer <key>'")
+        async def deny(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key: send metadata "
+                                                                 "'authorization: Bearer <key>'")
 
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
 
-    def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any) -> Any:
         metadata = dict(handler_call_details.invocation_metadata or ())
         if authorized(metadata.get("authorization"), self._api_key):
-            return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if handler is not None and handler.response_streaming:
             return self._deny_stream
         return self._deny_unary

@@ -61,14 +61,19 @@ class ResilienceConfig:
     breaker_failures: int = 3  # consecutive failures that open a worker's breaker
     breaker_reset_s: float = 5.0  # an open breaker lets one probe through after this long
     health_interval_s: float = 0.5  # load / geometry poll of every worker
+    # a client that stops reading its stream: at most this many token events wait in the router for it, and when
+    # they stay full this long the request is aborted on its workers and the stream ends with an error
+    stream_buffer_events: int = 256
+    stream_stall_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("reserve_timeout_s", "prefill_timeout_s", "stream_timeout_s", "control_timeout_s",
                      "reservation_ttl_s", "backoff_cap_s", "breaker_reset_s", "health_interval_s",
-                     "capacity_wait_s"):
+                     "capacity_wait_s", "stream_stall_timeout_s"):
             _check(getattr(self, name) > 0, f"{name} must be > 0")
         _check(self.backoff_base_s >= 0, "backoff_base_s must be >= 0")
         _check(self.attempts >= 1, "attempts must be >= 1")
+        _check(self.stream_buffer_events >= 1, "stream_buffer_events must be >= 1")
         _check(self.breaker_failures >= 1, "breaker_failures must be >= 1")
 
 

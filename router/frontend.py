@@ -1,16 +1,13 @@
 """What both front doors share: prompt checks, sampling parameters, and one generation as an async stream.
 
-The orchestrator is synchronous (gRPC streams); each generation runs on its own thread and hands events to
-the asyncio loop. Closing or cancelling the async stream (client gone, stop string matched) aborts the
+Generations run on the router's one event loop (the orchestrator's, which the HTTP server shares), so events
+never cross threads. Closing or cancelling the async stream (client gone, stop string matched) aborts the
 request in the orchestrator, which aborts it on its workers.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import queue
-import threading
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,43 +25,7 @@ from hybridserve.router.metrics import RouterMetrics
 from hybridserve.router.openai_protocol import ApiError
 from hybridserve.router.orchestrator import Orchestrator, WorkerError
 
-_END = object()
-
 logger = logging.getLogger(__name__)
-
-
-class _DaemonThreads:
-    """Reused daemon threads, one per concurrent generation: starting a thread per request cost ~0.1 ms on
-    the request path (more under GIL contention). Unbounded like the threads it replaces (admission bounds
-    the generations); daemon, unlike a ThreadPoolExecutor's, so a stream still open cannot hold up exit."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0
-        self._count = 0
-
-    def submit(self, fn, *args) -> None:
-        with self._lock:
-            spawn = self._idle == 0
-            if spawn:
-                self._count += 1
-            else:
-                self._idle -= 1  # an idle thread is promised this job
-        self._jobs.put((fn, args))
-        if spawn:
-            threading.Thread(target=self._work, name=f"{self._name}-{self._count}", daemon=True).start()
-
-    def _work(self) -> None:
-        while True:
-            fn, args = self._jobs.get()
-            try:
-                fn(*args)
-            except BaseException:  # a job reports its own errors; this keeps the thread alive
-                logger.exception("a %s job failed", self._name)
-            with self._lock:
-                self._idle += 1
 
 
 GRPC_TO_HTTP = {
@@ -115,7 +76,6 @@ class Frontend:
         self.max_model_len = max_model_len
         self.admission = admission
         self.metrics = metrics
-        self._generation_threads = _DaemonThreads("generate")  # one pool per front end, reused across requests
 
     # ---- inputs ----------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
@@ -174,9 +134,9 @@ class Frontend:
             text = TextStream(self.tokenizer, stops, params.include_stop_str_in_output)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="stop") from exc
-        bridge = _ThreadedGeneration(self.orchestrator, prompt, params, request_id, self._generation_threads)
+        events = self.orchestrator.stream(prompt, params, request_id)  # on this loop: the orchestrator's
         try:
-            async for event in bridge:
+            async for event in events:
                 if event.finish_reason not in ("", "stop", "length"):
                     raise ApiError(503, f"the worker ended the request ({event.finish_reason}): {event.error}",
                                    "server_error", code="unavailable")
@@ -189,57 +149,7 @@ class Frontend:
                             [logprob_from_proto(e) for e in event.prompt_logprobs])
                 if finish:
                     return
+        except WorkerError as exc:
+            raise worker_error_to_api(exc) from exc
         finally:
-            bridge.close()
-
-
-class _ThreadedGeneration:
-    """orchestrator.generate on a thread, as an async iterator; `close()` aborts it if still running."""
-
-    def __init__(self, orchestrator: Orchestrator, prompt: list[int], params: SamplingParams, request_id: str,
-                 threads: _DaemonThreads) -> None:
-        self._orchestrator = orchestrator
-        self._request_id = request_id
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._loop = asyncio.get_running_loop()
-        self._done = threading.Event()
-        self._cancelled = threading.Event()
-        threads.submit(self._run, prompt, params)
-
-    def _put(self, item) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the event loop is gone
-            pass
-
-    def _run(self, prompt: list[int], params: SamplingParams) -> None:
-        events = self._orchestrator.generate(prompt, params, self._request_id)
-        try:
-            for event in events:
-                if self._cancelled.is_set():  # closed before the abort could find the request
-                    break
-                self._put(event)
-        except BaseException as exc:  # handed to the async side
-            self._put(exc)
-        finally:
-            events.close()  # unwinding the orchestrator aborts the workers of an unfinished request
-            self._done.set()
-            self._put(_END)
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        item = await self._queue.get()
-        if item is _END:
-            raise StopAsyncIteration
-        if isinstance(item, WorkerError):
-            raise worker_error_to_api(item)
-        if isinstance(item, BaseException):
-            raise item
-        return item
-
-    def close(self) -> None:
-        if not self._done.is_set():
-            self._cancelled.set()
-            self._orchestrator.abort(self._request_id)
+            await events.aclose()  # an unfinished stream aborts its workers as it unwinds

@@ -8,10 +8,11 @@ events and usable in Abort by the same caller only (the same API key, or the sam
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import uuid
-from concurrent import futures
+from collections.abc import AsyncIterator
 
 import grpc
 from grpc_reflection.v1alpha import reflection
@@ -30,13 +31,13 @@ logger = logging.getLogger(__name__)
 _HTTP_TO_GRPC = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND}
 
 
-def caller(context: grpc.ServicerContext) -> str:
+def caller(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> str:
     """Who is calling: their API key (hashed; a key is one client) or, without one, their connection."""
     key = dict(context.invocation_metadata() or ()).get("authorization")
     return client_key(key if isinstance(key, str) else None, context.peer())
 
 
-def caller_address(context: grpc.ServicerContext) -> str:
+def caller_address(context: grpc.ServicerContext | grpc.aio.ServicerContext) -> str:
     """The caller's host (the per-client limit counts a host's connections together), e.g. ipv4:10.0.0.1."""
     return context.peer().rsplit(":", 1)[0]
 
@@ -66,46 +67,52 @@ class CallerRequests:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
+    """The Router service as grpc.aio handlers on the router's event loop (the orchestrator's)."""
+
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
         self.requests = CallerRequests()
 
-    def _prompt(self, request, context) -> list[int]:
+    async def _prompt(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a request needs a prompt: text or token_ids")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a request needs a prompt: text or token_ids")
         prompt = request.text if kind == "text" else list(request.token_ids.ids)
         try:
             ids = self.frontend.encode(prompt)
             if request.sampling.max_tokens:
                 self.frontend.max_tokens_for(ids, int(request.sampling.max_tokens))
         except ApiError as exc:
-            context.abort(_HTTP_TO_GRPC.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT), exc.message)
+            await context.abort(_HTTP_TO_GRPC.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT), exc.message)
         return ids
 
-    def Generate(self, request, context):  # noqa: N802 - gRPC method names
+    async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext  # noqa: N802
+                       ) -> AsyncIterator[router_pb2.GenerateResponse]:
         metrics = self.frontend.metrics
-        prompt = self._prompt(request, context)
+        admission = self.frontend.admission
+        prompt = await self._prompt(request, context)
         try:
             params = sampling_from_proto(request.sampling)
             text = TextStream(self.frontend.tokenizer, params.stop, params.include_stop_str_in_output)
         except ValueError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         key = dict(context.invocation_metadata() or ()).get("authorization")
         client = client_key(key if isinstance(key, str) else None, caller_address(context))
         try:
-            self.frontend.admission.acquire(client=client)
+            if not admission.try_acquire(client):  # a free slot costs no thread; waiting in the queue does
+                await asyncio.to_thread(admission.acquire, None, client)
         except Overloaded as exc:
             metrics.requests.labels("grpc/Generate", "429").inc()
             metrics.errors.labels("overloaded").inc()
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         request_id = uuid.uuid4().hex  # never the client's: two clients may send the same label
         label = request.request_id or request_id
         owner = (caller(context), label)
         self.requests.add(owner, request_id)
-        context.add_callback(lambda: self.frontend.orchestrator.abort(request_id))
+        events = self.frontend.orchestrator.stream(prompt, params, request_id)
         try:
-            for event in self.frontend.orchestrator.generate(prompt, params, request_id):
+            # a client that cancels cancels this task: the stream unwinds and aborts its workers
+            async for event in events:
                 delta = text.add(event.token_ids)
                 if event.finish_reason:
                     delta += text.finish()
@@ -116,18 +123,21 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             metrics.requests.labels("grpc/Generate", "error").inc()
             metrics.errors.labels("cancelled" if exc.code == grpc.StatusCode.CANCELLED else "unavailable"
                                   if exc.code == grpc.StatusCode.UNAVAILABLE else "internal").inc()
-            context.abort(exc.code, str(exc))
+            await context.abort(exc.code, str(exc))
         finally:
+            await events.aclose()
             self.requests.remove(owner, request_id)
-            self.frontend.admission.release(client)
+            admission.release(client)
 
-    def Abort(self, request, context):  # noqa: N802
+    async def Abort(self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext  # noqa: N802
+                    ) -> common_pb2.AbortResponse:
         """Aborts the caller's own requests of that id (label); another caller's are not found."""
         ids = self.requests.of((caller(context), request.request_id))
         found = [self.frontend.orchestrator.abort(internal_id) for internal_id in ids]
         return common_pb2.AbortResponse(found=any(found))
 
-    def Health(self, request, context):  # noqa: N802
+    async def Health(self, request: common_pb2.HealthRequest, context: grpc.aio.ServicerContext  # noqa: N802
+                     ) -> common_pb2.HealthResponse:
         orchestrator = self.frontend.orchestrator
         prefill, decode = orchestrator.workers.snapshot()
         ready = any(h.health is not None for h in decode)
@@ -138,14 +148,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
 
 
-def start_router_server(frontend: Frontend, host: str = "127.0.0.1", port: int = 0,
-                        max_workers: int = 64, api_key: str | None = None) -> tuple[grpc.Server, str]:
-    """Start the gRPC front door with reflection (behind `api_key` when given); returns (server, "host:port")."""
+async def start_router_server(frontend: Frontend, host: str = "127.0.0.1", port: int = 0,
+                              api_key: str | None = None) -> tuple[grpc.aio.Server, str]:
+    """Start the gRPC front door, a grpc.aio server on the running loop (the orchestrator's), with reflection
+    (behind `api_key` when given); returns (server, "host:port")."""
     interceptors = [ApiKeyInterceptor(api_key)] if api_key else []
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=interceptors)
+    server = grpc.aio.server(interceptors=interceptors)
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(frontend), server)
     names = (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     bound = server.add_insecure_port(f"{host}:{port}")
-    server.start()
+    if bound == 0:
+        raise RuntimeError(f"could not bind the router's gRPC server to {host}:{port}")
+    await server.start()
     return server, f"{host}:{bound}"

@@ -9,9 +9,9 @@ wraps every generation: 429 when the router queue is full, 503 when a request wa
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from hybridserve.router.admission import Overloaded, client_key
 from hybridserve.router.auth import authorized, protected
 from hybridserve.router.config import MAX_BODY_BYTES
+from hybridserve.router.event_loop import LoopThread
 from hybridserve.router.frontend import Frontend
 from hybridserve.router.openai_protocol import (
     ApiError,
@@ -240,20 +241,22 @@ def refresh_gauges(frontend: Frontend) -> None:
 
 
 class HttpServer:
-    """uvicorn on a background thread, with a bound port to report (port 0 picks a free one)."""
+    """uvicorn on the router's event loop (the orchestrator's: a request never crosses threads), with a bound
+    port to report (port 0 picks a free one)."""
 
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, loop: LoopThread) -> None:
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="router-http", daemon=True)
+        self._loop = loop
+        self._serving: concurrent.futures.Future | None = None
         self.host = host
         self.port = port
 
     def start(self, timeout_s: float = 30.0) -> str:
-        self._thread.start()
+        self._serving = asyncio.run_coroutine_threadsafe(self._server.serve(), self._loop.loop)
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
+            if self._serving.done() or time.monotonic() > deadline:
                 raise RuntimeError(f"the HTTP server did not start on {self.host}:{self.port}")
             time.sleep(0.02)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
@@ -261,4 +264,8 @@ class HttpServer:
 
     def stop(self) -> None:
         self._server.should_exit = True
-        self._thread.join(timeout=10)
+        if self._serving is not None:
+            try:
+                self._serving.result(timeout=10)
+            except Exception:  # stopping anyway
+                logger.exception("the HTTP server did not stop cleanly")

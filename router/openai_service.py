@@ -311,8 +311,17 @@ def _fold(plan: _Plan, delta: Delta) -> None:
 
 
 async def _merge(gens: list[AsyncGenerator[Delta, None]]) -> AsyncGenerator[Delta, None]:
-    """Deltas of all choices as they arrive; closing this cancels (and so aborts) the unfinished ones."""
-    queue: asyncio.Queue = asyncio.Queue()
+    """Deltas of all choices as they arrive; closing this cancels (and so aborts) the unfinished ones. The queue
+    is bounded so that a client that stops reading stops the reads from the workers (the router's per-stream
+    buffer then ends the request); one choice needs no queue."""
+    if len(gens) == 1:
+        try:
+            async for delta in gens[0]:
+                yield delta
+        finally:
+            await gens[0].aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue(len(gens))
 
     async def pump(gen: AsyncGenerator[Delta, None]) -> None:
         try:

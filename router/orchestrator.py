@@ -7,17 +7,23 @@ jittered exponential backoff; after it, failures surface as errors (tokens alrea
 a deadline; every exit that is not a finished stream aborts the request on both workers. Request ids are
 idempotent: a second request with the id of one still in flight is refused (ALREADY_EXISTS) instead of
 running twice, and `abort(request_id)` cancels it wherever it is.
+
+It is asyncio code on grpc.aio channels, running on the router's one event loop (`router/event_loop.py`)
+together with both front doors: `stream()` is awaited there; `generate()` is the same stream for callers on
+other threads (tests, tools). The token stream is read ahead into a bounded buffer (`router/stream_buffer.py`):
+a client that stops reading gets its request aborted instead of growing the router's memory.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
-import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Generator
+from typing import Any
 
 import grpc
 
@@ -25,9 +31,11 @@ from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.proto import common_pb2, worker_pb2
 from hybridserve.proto.convert import sampling_to_proto
 from hybridserve.router.config import OrchestratorConfig
+from hybridserve.router.event_loop import LoopThread, task_cancelling
 from hybridserve.router.metrics import RouterMetrics
 from hybridserve.router.policy import Decision, NoWorkerError, RoutingPolicy
 from hybridserve.router.prefix_index import PrefixIndex
+from hybridserve.router.stream_buffer import StreamBuffer, StreamStalled
 from hybridserve.router.workers import WorkerHandle, WorkerSet
 
 __all__ = ["Orchestrator", "OrchestratorConfig", "WorkerError"]
@@ -59,43 +67,54 @@ class _Busy(_Retry):
 
 
 class _Active:
-    """An in-flight request: its live calls, so that an abort can cancel them from any thread."""
+    """An in-flight request: its live calls, so that an abort can cancel them (on the loop)."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
-        self.cancelled = threading.Event()
-        self._calls: list = []
-        self._lock = threading.Lock()
+        self.cancelled = asyncio.Event()
+        self._calls: list[Any] = []
 
-    def track(self, call):
-        with self._lock:
-            self._calls.append(call)
+    def track(self, call: Any) -> Any:
+        self._calls.append(call)
         if self.cancelled.is_set():
             call.cancel()
         return call
 
     def cancel(self) -> None:
         self.cancelled.set()
-        with self._lock:
-            calls = list(self._calls)
-        for call in calls:
+        for call in self._calls:
             call.cancel()
+
+    async def wait(self, seconds: float) -> None:
+        """Sleep up to `seconds`, less when the request is aborted meanwhile."""
+        try:
+            await asyncio.wait_for(self.cancelled.wait(), seconds)
+        except asyncio.TimeoutError:  # not the builtin before Python 3.11
+            pass
+
+
+def _aborted(active: _Active) -> bool:
+    """Whether a CancelledError came from an abort of the request (its calls were cancelled) rather than from
+    the task itself being cancelled (the client went away), which must propagate."""
+    return active.cancelled.is_set() and not task_cancelling()
 
 
 class Orchestrator:
-    """Routes requests over a changing set of prefill and decode workers."""
+    """Routes requests over a changing set of prefill and decode workers, on `loop` (its own when None)."""
 
     def __init__(self, prefill_addresses: list[str], decode_addresses: list[str],
                  config: OrchestratorConfig = OrchestratorConfig(), metrics: RouterMetrics | None = None,
-                 subscribe_cache_events: bool = True, internal_token: str | None = None) -> None:
+                 subscribe_cache_events: bool = True, internal_token: str | None = None,
+                 loop: LoopThread | None = None) -> None:
         self.config = config
         self.metrics = metrics or RouterMetrics()
+        self.loop = loop or LoopThread()
         self.index = PrefixIndex()
         self.workers = WorkerSet(self.index, config.resilience, subscribe_cache_events,
                                  on_resync=lambda reason: self.metrics.index_resyncs.inc(), internal_token=internal_token)
         self.policy = RoutingPolicy(config.routing, self.index)
-        self._active: dict[str, _Active] = {}
-        self._lock = threading.Lock()
+        self._active: dict[str, _Active] = {}  # touched on the loop only (reads elsewhere are atomic dict reads)
+        self._aborts: set[asyncio.Task] = set()  # fire-and-forget worker aborts still running
         self.recent_decisions: deque[tuple[str, Decision]] = deque(maxlen=1024)  # (request id, decision)
         self.update_workers(prefill_addresses, decode_addresses)
 
@@ -106,51 +125,77 @@ class Orchestrator:
         self.workers.update(list(prefill_addresses), list(decode_addresses))
 
     def close(self) -> None:
-        for active in self._snapshot_active():
-            active.cancel()
+        """Abort what is in flight, close the channels, stop the loop (call from outside the loop)."""
+        if self.loop.loop.is_running():
+            try:
+                self.loop.run(self._close(), timeout=10)
+            except Exception:  # closing anyway
+                logger.exception("closing the orchestrator's channels failed")
         self.workers.close()
+        self.loop.stop()
+
+    async def _close(self) -> None:
+        for active in list(self._active.values()):
+            active.cancel()
+        await asyncio.sleep(0)  # let the cancelled streams unwind and start their worker aborts
+        if self._aborts:
+            await asyncio.wait(set(self._aborts), timeout=5)
+        for handle in self.workers.all():
+            await handle.close_aio()
 
     # ---- requests --------------------------------------------------------------------------------
+    async def stream(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+                     ) -> AsyncGenerator[common_pb2.TokenEvent, None]:
+        """TokenEvents of one request, on the router's loop; raises WorkerError when it cannot be served."""
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._active:
+            raise WorkerError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already in flight")
+        active = self._active[request_id] = _Active(request_id)
+        try:
+            async for event in self._serve(list(prompt_token_ids), params, active):
+                yield event
+        finally:
+            if self._active.get(request_id) is active:
+                del self._active[request_id]
+
     def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
                  ) -> Generator[common_pb2.TokenEvent, None, None]:
-        """TokenEvents of one request; raises WorkerError when it cannot be served."""
-        request_id = request_id or uuid.uuid4().hex
-        active = _Active(request_id)
-        with self._lock:
-            if request_id in self._active:
-                raise WorkerError(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already in flight")
-            self._active[request_id] = active
+        """`stream()` for a caller on another thread: each event crosses to it from the loop."""
+        events = self.stream(prompt_token_ids, params, request_id)
+
+        async def step() -> common_pb2.TokenEvent | None:
+            try:
+                return await events.__anext__()
+            except StopAsyncIteration:
+                return None
+
         try:
-            yield from self._serve(list(prompt_token_ids), params, active)
+            while (event := self.loop.run(step())) is not None:
+                yield event
         finally:
-            with self._lock:
-                self._active.pop(request_id, None)
+            if self.loop.loop.is_running():
+                self.loop.run(events.aclose())
 
     def abort(self, request_id: str) -> bool:
-        """Cancel an in-flight request (its workers are aborted as its stream unwinds)."""
-        with self._lock:
-            active = self._active.get(request_id)
+        """Cancel an in-flight request, from any thread (its workers are aborted as its stream unwinds)."""
+        active = self._active.get(request_id)
         if active is None:
             return False
-        active.cancel()
+        self.loop.call_soon(active.cancel)
         return True
 
     def num_in_flight(self) -> int:
-        with self._lock:
-            return len(self._active)
+        return len(self._active)
 
     def abort_all(self) -> int:
         """Abort every request in flight (the end of a drain); returns how many."""
-        active = self._snapshot_active()
+        active = list(self._active.values())
         for a in active:
             self.abort(a.request_id)
         return len(active)
 
-    def _snapshot_active(self) -> list[_Active]:
-        with self._lock:
-            return list(self._active.values())
-
-    def _serve(self, prompt: list[int], params: SamplingParams, active: _Active) -> Iterator[common_pb2.TokenEvent]:
+    async def _serve(self, prompt: list[int], params: SamplingParams, active: _Active
+                     ) -> AsyncGenerator[common_pb2.TokenEvent, None]:
         res = self.config.resilience
         start = time.perf_counter()
         sampling = sampling_to_proto(params)
@@ -171,7 +216,7 @@ class Orchestrator:
             self.metrics.routing.labels("local" if decision.local else "disaggregated", decision.reason).inc()
             self.recent_decisions.append((active.request_id, decision))
             try:
-                events, first = self._start(decision, prompt, sampling, active)
+                events, first = await self._start(decision, prompt, sampling, active)
             except _Busy as busy:
                 # every slot or page of the chosen decode worker is taken: wait for one to free up (like a
                 # local queue) instead of refusing, up to capacity_wait_s; not a fault, so no retry is spent
@@ -179,7 +224,7 @@ class Orchestrator:
                 if time.perf_counter() - busy_since > res.capacity_wait_s:
                     raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       f"decode workers stayed full for {res.capacity_wait_s:.0f} s: {busy}") from None
-                active.cancelled.wait(random.uniform(0.02, 0.1))
+                await active.wait(random.uniform(0.02, 0.1))
                 continue
             except _Retry as retry:
                 last = retry
@@ -189,62 +234,70 @@ class Orchestrator:
                 if attempt < res.attempts:
                     delay = random.uniform(0, min(res.backoff_cap_s, res.backoff_base_s * 2 ** (attempt - 1)))
                     logger.warning("request %s: %s; retrying in %.3f s", active.request_id, retry, delay)
-                    active.cancelled.wait(delay)
+                    await active.wait(delay)
                 continue
             self.metrics.observe_hit(len(prompt), decision.predicted_cached_tokens)
-            yield from self._relay(decision, events, first, active, start)
+            async for event in self._relay(decision, events, first, active, start):
+                yield event
             return
         raise WorkerError(last.error.code() if last else grpc.StatusCode.UNAVAILABLE,
                           f"no worker could serve the request: {last}")
 
-    def _start(self, d: Decision, prompt: list[int], sampling, active: _Active):
+    async def _start(self, d: Decision, prompt: list[int], sampling: common_pb2.SamplingOptions, active: _Active
+                     ) -> tuple[Any, common_pb2.TokenEvent]:
         """Open the request on its workers and wait for the first event; raises _Retry or WorkerError."""
         res = self.config.resilience
         rid = active.request_id
+        decode = d.decode.aio_stub()
+        md = d.decode.metadata
         events = None
         try:
             if d.local:
                 request = worker_pb2.GenerateLocalRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
-                events = active.track(d.decode.stub.GenerateLocal(request, timeout=res.stream_timeout_s))
-                return events, self._first(d, events, d.decode, "generate_local", active)
-            ticket = self._call(d.decode, "reserve", active, lambda: d.decode.stub.Reserve(
+                events = active.track(decode.GenerateLocal(request, timeout=res.stream_timeout_s, metadata=md))
+                return events, await self._first(d, events, d.decode, "generate_local", active)
+            reserve = active.track(decode.Reserve(
                 worker_pb2.ReserveRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                                           timeout_ms=int(res.reservation_ttl_s * 1000)),
-                timeout=res.reserve_timeout_s)).ticket
-            events = active.track(d.decode.stub.StreamTokens(
-                worker_pb2.StreamTokensRequest(request_id=rid, ticket=ticket), timeout=res.stream_timeout_s))
+                timeout=res.reserve_timeout_s, metadata=md))
+            ticket = (await self._call(d.decode, "reserve", active, reserve)).ticket
+            events = active.track(decode.StreamTokens(
+                worker_pb2.StreamTokensRequest(request_id=rid, ticket=ticket), timeout=res.stream_timeout_s, metadata=md))
             prefill = d.prefill
             if prefill is None:  # a non-local decision always names its prefill worker
                 raise RuntimeError("routing chose remote prefill without a prefill worker")
-            prefill_call = active.track(prefill.stub.Prefill.future(
+            prefill_call = active.track(prefill.aio_stub().Prefill(
                 worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                                           decode_address=d.decode.address, ticket=ticket),
-                timeout=res.prefill_timeout_s))
-            self._call(prefill, "prefill", active, prefill_call.result)
-            return events, self._first(d, events, d.decode, "stream", active)
+                timeout=res.prefill_timeout_s, metadata=prefill.metadata))
+            await self._call(prefill, "prefill", active, prefill_call)
+            return events, await self._first(d, events, d.decode, "stream", active)
         except BaseException:
             if events is not None:
                 events.cancel()
-            self._abort_all(d, rid)
+            self._abort_later(d, rid)
             raise
 
-    def _call(self, worker: WorkerHandle, stage: str, active: _Active, fn):
+    async def _call(self, worker: WorkerHandle, stage: str, active: _Active, call: Awaitable[Any]) -> Any:
         try:
-            result = fn()
+            result = await call
         except grpc.RpcError as exc:
             self._fail(worker, exc, stage, active)
-        except grpc.FutureCancelledError as exc:
-            raise WorkerError(grpc.StatusCode.CANCELLED, "the request was aborted") from exc
+        except asyncio.CancelledError as exc:
+            if _aborted(active):
+                raise WorkerError(grpc.StatusCode.CANCELLED, "the request was aborted") from exc
+            raise
         worker.breaker.record_success()
         return result
 
-    def _first(self, d: Decision, events, worker: WorkerHandle, stage: str, active: _Active):
-        first = self._call(worker, stage, active, lambda: next(events, None))
-        if first is None:
+    async def _first(self, d: Decision, events: Any, worker: WorkerHandle, stage: str, active: _Active
+                     ) -> common_pb2.TokenEvent:
+        first = await self._call(worker, stage, active, events.read())
+        if first is grpc.aio.EOF:
             raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"{worker.address} closed the stream before any token")
         return first
 
-    def _fail(self, worker: WorkerHandle, exc: grpc.RpcError, stage: str, active: _Active):
+    def _fail(self, worker: WorkerHandle, exc: grpc.RpcError, stage: str, active: _Active) -> None:
         if exc.code() in _BREAKER_FAILURES:
             worker.breaker.record_failure()
         if active.cancelled.is_set() or exc.code() == grpc.StatusCode.CANCELLED:
@@ -255,47 +308,69 @@ class Orchestrator:
             raise _Busy(worker, stage, exc) from exc
         raise WorkerError(exc.code(), f"{stage} on {worker.role} worker {worker.address} failed: {exc.details()}") from exc
 
-    def _relay(self, d: Decision, events, first, active: _Active, start: float) -> Iterator[common_pb2.TokenEvent]:
+    async def _relay(self, d: Decision, events: Any, first: common_pb2.TokenEvent, active: _Active, start: float
+                     ) -> AsyncGenerator[common_pb2.TokenEvent, None]:
         """Yield the stream (first event included) until finished; abort both workers on any other exit."""
+        res = self.config.resilience
         finished = False
         last = time.perf_counter()
         self.metrics.ttft.observe(last - start)
+        buffer = StreamBuffer(events, res.stream_buffer_events, res.stream_stall_timeout_s,
+                              lambda: self._abort_later(d, active.request_id))
         try:
             event = first
             while True:
                 if event.finish_reason == "error":
                     raise WorkerError(grpc.StatusCode.INTERNAL, event.error or "decode failed")
                 self.metrics.generation_tokens.inc(len(event.token_ids))
-                yield event
                 if event.finish_reason:
+                    # finished before the last yield: a reader that stops at the last event (closing this
+                    # generator there) has read a finished stream, which needs no abort
                     finished = True
                     self.metrics.worker_cached.inc(event.num_cached_tokens)
                     self.metrics.e2e.observe(time.perf_counter() - start)
+                    yield event
                     return
-                event = next(events, None)
-                if event is None:
+                yield event
+                following = await buffer.get()
+                if following is None:
                     raise WorkerError(grpc.StatusCode.UNAVAILABLE, "the decode worker closed the stream early")
+                event = following
                 now = time.perf_counter()
                 self.metrics.inter_token.observe(now - last)
                 last = now
+        except StreamStalled as exc:
+            raise WorkerError(exc.code, str(exc)) from exc
         except grpc.RpcError as exc:
             if active.cancelled.is_set() or exc.code() == grpc.StatusCode.CANCELLED:
                 raise WorkerError(grpc.StatusCode.CANCELLED, "the request was aborted") from exc
             raise WorkerError(exc.code(), f"decode stream failed: {exc.details()}") from exc
+        except asyncio.CancelledError as exc:
+            if _aborted(active):
+                raise WorkerError(grpc.StatusCode.CANCELLED, "the request was aborted") from exc
+            raise
         finally:
-            if not finished:  # client went away or failure: free everything on both sides
+            buffer.close()
+            if not finished and not buffer.stalled:  # client went away or failure: free everything on both sides
                 events.cancel()
-                self._abort_all(d, active.request_id)
+                self._abort_later(d, active.request_id)
 
-    def _abort_all(self, d: Decision, request_id: str) -> None:
-        for worker in (d.decode, d.prefill):
-            if worker is None:
-                continue
-            try:
-                worker.stub.Abort(common_pb2.AbortRequest(request_id=request_id),
-                                  timeout=self.config.resilience.control_timeout_s)
-            except grpc.RpcError:
-                pass  # the worker is gone; its reservation expires on its own
+    def _abort_later(self, d: Decision, request_id: str) -> None:
+        """Abort the request on its workers in a task of its own: it runs even when the request's task is being
+        cancelled, and the caller's error goes out without waiting for it."""
+        task = asyncio.get_running_loop().create_task(self._abort_all(d, request_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
+
+    async def _abort_all(self, d: Decision, request_id: str) -> None:
+        timeout = self.config.resilience.control_timeout_s
+        calls = [worker.aio_stub().Abort(common_pb2.AbortRequest(request_id=request_id), timeout=timeout,
+                                         metadata=worker.metadata)
+                 for worker in (d.decode, d.prefill) if worker is not None]
+        for result in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(result, BaseException) and not isinstance(result, grpc.RpcError):
+                logger.warning("aborting request %s on its workers failed: %r", request_id, result)
+            # an RpcError: the worker is gone; its reservation expires on its own
 
 
 def _needs_local(params: SamplingParams) -> bool:

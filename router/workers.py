@@ -15,7 +15,8 @@ from typing import Any
 import grpc
 
 from hybridserve.proto import common_pb2, worker_pb2_grpc
-from hybridserve.proto.channels import internal_channel
+from hybridserve.proto.channels import internal_channel, message_options
+from hybridserve.proto.internal_auth import TOKEN_METADATA
 from hybridserve.router.cache_subscriber import CacheSubscriber
 from hybridserve.router.circuit_breaker import CircuitBreaker
 from hybridserve.router.config import ResilienceConfig
@@ -24,8 +25,21 @@ from hybridserve.router.prefix_index import PrefixIndex
 logger = logging.getLogger(__name__)
 
 def channel(address: str, internal_token: str | None = None) -> grpc.Channel:
-    """The router's channel to a worker (sending the internal token on every call when there is one)."""
+    """The router's channel to a worker (sending the internal token on every call when there is one); used
+    by the health poller and the cache-event subscribers, on their threads."""
     return internal_channel(address, internal_token)
+
+
+def aio_channel(address: str) -> grpc.aio.Channel:
+    """The router's grpc.aio channel to a worker, for the request path on the router's event loop (create it
+    on that loop). The internal token goes in each call's metadata (`WorkerHandle.metadata`): cheaper than
+    an aio interceptor. Secure-channel settings must match `channel()`."""
+    return grpc.aio.insecure_channel(address, options=message_options())
+
+
+def call_metadata(internal_token: str | None) -> tuple[tuple[str, str], ...] | None:
+    """The metadata every request-path call to a worker carries (None in insecure mode)."""
+    return ((TOKEN_METADATA, internal_token),) if internal_token else None
 
 
 @dataclass(eq=False)
@@ -38,6 +52,23 @@ class WorkerHandle:
     breaker: CircuitBreaker
     health: common_pb2.HealthResponse | None = None
     subscriber: CacheSubscriber | None = field(default=None, repr=False)
+    metadata: tuple[tuple[str, str], ...] | None = field(default=None, repr=False)  # of request-path calls
+    _aio_stub: Any = field(default=None, repr=False)
+    _aio_channel: grpc.aio.Channel | None = field(default=None, repr=False)
+
+    def aio_stub(self) -> Any:
+        """The role's stub on a grpc.aio channel; made on first use, which must be on the router's loop."""
+        if self._aio_stub is None:
+            cls = worker_pb2_grpc.PrefillWorkerStub if self.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
+            self._aio_channel = aio_channel(self.address)
+            self._aio_stub = cls(self._aio_channel)
+        return self._aio_stub
+
+    async def close_aio(self) -> None:
+        """Close the aio channel (on the router's loop), if one was made."""
+        channel, self._aio_channel, self._aio_stub = self._aio_channel, None, None
+        if channel is not None:
+            await channel.close()
 
     @property
     def key(self) -> str:
@@ -85,7 +116,8 @@ class WorkerSet:
     def _handle(self, role: str, address: str) -> WorkerHandle:
         cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
         stub = cls(channel(address, self._internal_token))
-        handle = WorkerHandle(role, address, stub, CircuitBreaker(self._config.breaker_failures, self._config.breaker_reset_s))
+        handle = WorkerHandle(role, address, stub, CircuitBreaker(self._config.breaker_failures, self._config.breaker_reset_s),
+                              metadata=call_metadata(self._internal_token))
         if self._subscribe:
             handle.subscriber = CacheSubscriber(address, stub, self._index, self._on_resync)
         return handle
