@@ -125,6 +125,9 @@ def up(options: UpOptions) -> list[str]:
     if options.worker.internal_token is None:
         logger.warning("internal gRPC is INSECURE (no --internal-token / $HYBRIDSERVE_INTERNAL_TOKEN): any process "
                        "that reaches a worker port can call it")
+    if not options.worker.internal_tls.enabled:
+        logger.warning("internal gRPC is PLAINTEXT (no --internal-tls-ca-file/-cert-file/-key-file): traffic between "
+                       "nodes can be read on the network")
     placement = RayPlacement(num_gpus=options.num_gpus_per_worker, max_restarts=options.max_restarts,
                              namespace=NAMESPACE, detached=True)
     actors = start_ray_workers(options, placement)

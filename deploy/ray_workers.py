@@ -37,7 +37,8 @@ class WorkerActor:
         node_ip = ray.util.get_node_ip_address()
         host = node_ip if options.host == NODE_IP else options.host  # the address it is told, 0.0.0.0 only if asked
         self.worker = cls(options.model_dir, options.engine, host=host, port=0, worker_id=worker_id,
-                          transfer=options.transfer, internal_token=options.internal_token)
+                          transfer=options.transfer, internal_token=options.internal_token,
+                          internal_tls=options.internal_tls)
         bound = self.worker.start().rsplit(":", 1)[1]
         self._address = f"{node_ip if host in ('0.0.0.0', '::') else host}:{bound}"  # where others reach it
         self.role = role

@@ -25,6 +25,7 @@ from hybridserve.models.fingerprint import model_fingerprint
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.proto.channels import start_server, worker_threads
 from hybridserve.proto.convert import sampling_from_proto
+from hybridserve.proto.internal_tls import InternalTlsConfig
 from hybridserve.transfer.manifest import StateHeader
 from hybridserve.transfer.planes import TransferConfig
 from hybridserve.transfer.sender import StagedState, StateSender
@@ -44,7 +45,8 @@ class PrefillWorker:
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
                  worker_id: str | None = None, metrics_port: int | None = 0,
-                 transfer: TransferConfig | None = None, internal_token: str | None = None) -> None:
+                 transfer: TransferConfig | None = None, internal_token: str | None = None,
+                 internal_tls: InternalTlsConfig | None = None) -> None:
         self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
         self.engine = LLMEngine(model_dir, config)
         self.fingerprint = model_fingerprint(
@@ -52,7 +54,8 @@ class PrefillWorker:
         )
         self.transfer = transfer or TransferConfig()
         self._internal_token = internal_token  # required on every call to this worker, sent on calls to decode workers
-        self.sender = StateSender(self.transfer, self.engine.config.torch_device, internal_token, host)
+        self._internal_tls = internal_tls  # mutual TLS on its port and on its channels to decode workers
+        self.sender = StateSender(self.transfer, self.engine.config.torch_device, internal_token, host, internal_tls)
         self.loop = EngineLoop(self.engine, name=f"{self.worker_id}-loop")
         self.events = CacheEventFeed(self.worker_id, self.loop)
         self.metrics = WorkerMetrics(self.loop, "prefill")
@@ -70,6 +73,7 @@ class PrefillWorker:
             self._host, self._port,
             lambda server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self), server),
             max_workers=worker_threads(self.engine.config.max_num_seqs), token=self._internal_token,
+            tls=self._internal_tls,
         )
         if self._metrics_port is not None:
             self.metrics.start(self._host, self._metrics_port)

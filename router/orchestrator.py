@@ -24,6 +24,7 @@ import grpc
 from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.proto import common_pb2, worker_pb2
 from hybridserve.proto.convert import sampling_to_proto
+from hybridserve.proto.internal_tls import InternalTlsConfig
 from hybridserve.router.config import OrchestratorConfig
 from hybridserve.router.metrics import RouterMetrics
 from hybridserve.router.policy import Decision, NoWorkerError, RoutingPolicy
@@ -87,12 +88,14 @@ class Orchestrator:
 
     def __init__(self, prefill_addresses: list[str], decode_addresses: list[str],
                  config: OrchestratorConfig = OrchestratorConfig(), metrics: RouterMetrics | None = None,
-                 subscribe_cache_events: bool = True, internal_token: str | None = None) -> None:
+                 subscribe_cache_events: bool = True, internal_token: str | None = None,
+                 internal_tls: InternalTlsConfig | None = None) -> None:
         self.config = config
         self.metrics = metrics or RouterMetrics()
         self.index = PrefixIndex()
         self.workers = WorkerSet(self.index, config.resilience, subscribe_cache_events,
-                                 on_resync=lambda reason: self.metrics.index_resyncs.inc(), internal_token=internal_token)
+                                 on_resync=lambda reason: self.metrics.index_resyncs.inc(), internal_token=internal_token,
+                                 internal_tls=internal_tls)
         self.policy = RoutingPolicy(config.routing, self.index)
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()

@@ -16,6 +16,7 @@ import grpc
 
 from hybridserve.proto import common_pb2, worker_pb2_grpc
 from hybridserve.proto.channels import internal_channel
+from hybridserve.proto.internal_tls import InternalTlsConfig
 from hybridserve.router.cache_subscriber import CacheSubscriber
 from hybridserve.router.circuit_breaker import CircuitBreaker
 from hybridserve.router.config import ResilienceConfig
@@ -23,9 +24,10 @@ from hybridserve.router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
-def channel(address: str, internal_token: str | None = None) -> grpc.Channel:
-    """The router's channel to a worker (sending the internal token on every call when there is one)."""
-    return internal_channel(address, internal_token)
+def channel(address: str, internal_token: str | None = None, internal_tls: InternalTlsConfig | None = None) -> grpc.Channel:
+    """The router's channel to a worker (sending the internal token on every call when there is one; mutual
+    TLS when enabled). The cache-event subscription runs on the same channel."""
+    return internal_channel(address, internal_token, tls=internal_tls)
 
 
 @dataclass(eq=False)
@@ -57,9 +59,11 @@ class WorkerSet:
     """Prefill and decode handles, their health poller and cache-event subscribers."""
 
     def __init__(self, index: PrefixIndex, config: ResilienceConfig, subscribe: bool = True,
-                 on_resync=None, internal_token: str | None = None) -> None:
+                 on_resync=None, internal_token: str | None = None,
+                 internal_tls: InternalTlsConfig | None = None) -> None:
         self._index = index
         self._internal_token = internal_token
+        self._internal_tls = internal_tls
         self._config = config
         self._subscribe = subscribe
         self._on_resync = on_resync
@@ -84,7 +88,7 @@ class WorkerSet:
 
     def _handle(self, role: str, address: str) -> WorkerHandle:
         cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-        stub = cls(channel(address, self._internal_token))
+        stub = cls(channel(address, self._internal_token, self._internal_tls))
         handle = WorkerHandle(role, address, stub, CircuitBreaker(self._config.breaker_failures, self._config.breaker_reset_s))
         if self._subscribe:
             handle.subscriber = CacheSubscriber(address, stub, self._index, self._on_resync)
