@@ -288,10 +288,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             params = sampling_from_proto(request.sampling)
             stream = self.worker.loop.submit(
                 request.request_id,
-                lambda: self.worker.engine.add_request(list(request.prompt_token_ids), params, request.request_id),
+                lambda: self.worker.engine.add_request(list(request.prompt_token_ids), params, request.request_id,
+                                                       bounded=True),
             )
         except ValueError as exc:
             _abort(context, "INVALID_ARGUMENT", str(exc))
+        except CapacityError as exc:
+            _abort(context, "RESOURCE_EXHAUSTED", str(exc))
         yield from _events(self.worker, request.request_id, stream, context, local=True)
 
     def Abort(self, request, context):  # noqa: N802

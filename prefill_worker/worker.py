@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 
 from hybridserve.engine.config import EngineConfig
+from hybridserve.engine.handoff import CapacityError
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.sampling_params import SamplingParams
@@ -196,6 +197,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 return self.worker.prefill(request)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except CapacityError as exc:  # the waiting queue is full: the router answers 429
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except grpc.RpcError as exc:  # the decode side refused or went away
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNAVAILABLE
             details = exc.details() if hasattr(exc, "details") else exc

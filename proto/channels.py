@@ -55,8 +55,10 @@ def start_server(host: str, port: int, register: Callable[[grpc.Server], None], 
     `token` (None: insecure mode, logged); with `tls` enabled every connection must present a client
     certificate of the same CA (mutual TLS; plaintext otherwise, logged). Returns (server, bound port)."""
     interceptors = [InternalTokenInterceptor(token)] if token else []
+    # maximum_concurrent_rpcs: a call past the handler pool is refused at once (RESOURCE_EXHAUSTED) instead of
+    # queueing in the executor without bound
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=message_options(),
-                         interceptors=interceptors)
+                         interceptors=interceptors, maximum_concurrent_rpcs=max_workers)
     register(server)
     secure = tls is not None and tls.enabled
     if tls is not None and tls.enabled:
