@@ -46,6 +46,14 @@ class WorkerActor:
     def address(self) -> str:
         return self._address
 
+    def drain(self, timeout_s: float) -> int:
+        """Scale-down: health says "draining" (the router routes elsewhere), new requests are refused, the ones
+        in flight get `timeout_s` to finish (then they are aborted with an error their clients see), then the
+        server stops. Returns how many were aborted; the caller kills the actor after."""
+        aborted = self.worker.drain(timeout_s)
+        self.worker.stop()
+        return len(aborted)
+
     def pid(self) -> int:
         return os.getpid()
 
