@@ -65,8 +65,8 @@ def test_a_request_past_the_waiting_queue_is_resource_exhausted() -> None:
 
     try:
         first = generate(0, max_tokens=200)  # 200 steps of >= 20 ms: it holds the one slot for seconds
-        second = generate(1)
         next(first)  # running: it holds the one slot
+        second = generate(1)  # sent only now: it cannot overtake the first
         deadline = time.monotonic() + 10
         while waiting() < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
