@@ -45,8 +45,10 @@ def worker_threads(max_num_seqs: int) -> int:
     """gRPC handler threads of a worker. A request holds its token stream for its whole life and its state
     push runs on up to 4 striped streams besides; a pool smaller than that deadlocks under load (the token
     streams wait for pushes that never get a thread), so size it well past max_num_seqs (idle threads cost
-    little) and at least the router's default of in-flight requests."""
-    return max(256, 8 * max_num_seqs)
+    little) and past the router's default of in-flight requests (256, each with a token stream) plus their
+    pushes, health polls and the cache-event subscription: calls past the pool are refused (RESOURCE_EXHAUSTED),
+    so the pool is also the bound on queued calls. Threads are made on demand."""
+    return max(512, 8 * max_num_seqs)
 
 
 def start_server(host: str, port: int, register: Callable[[grpc.Server], None], max_workers: int = 32,
