@@ -25,6 +25,7 @@ from hybridserve.models.fingerprint import model_fingerprint
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.proto.channels import start_server, worker_threads
 from hybridserve.proto.convert import sampling_from_proto, token_event
+from hybridserve.proto.internal_tls import InternalTlsConfig
 from hybridserve.transfer.grpc_receiver import StateAssembly, receive_stream
 from hybridserve.transfer.grpc_wire import add_decode_worker_servicer
 from hybridserve.transfer.manifest import TransferError, check_manifest
@@ -57,7 +58,8 @@ class DecodeWorker:
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
                  worker_id: str | None = None, metrics_port: int | None = 0,
-                 transfer: TransferConfig | None = None, internal_token: str | None = None) -> None:
+                 transfer: TransferConfig | None = None, internal_token: str | None = None,
+                 internal_tls: InternalTlsConfig | None = None) -> None:
         self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:8]}"
         self.engine = LLMEngine(model_dir, config)
         self.fingerprint = model_fingerprint(
@@ -71,6 +73,7 @@ class DecodeWorker:
         self.transfer = transfer or TransferConfig()
         self.receiver = StateReceiver(self.transfer, self.engine.config.torch_device)
         self._internal_token = internal_token  # required on every call to this worker
+        self._internal_tls = internal_tls  # mutual TLS on its port when enabled
         self.drain_state = Drain()  # in flight: reservations and token streams
         self._lock = threading.Lock()
         self._host, self._port = host, port
@@ -86,6 +89,7 @@ class DecodeWorker:
         self._server, self._port = start_server(
             self._host, self._port, lambda server: add_decode_worker_servicer(DecodeServicer(self), server),
             max_workers=worker_threads(self.engine.config.max_num_seqs), token=self._internal_token,
+            tls=self._internal_tls,
         )
         self._reaper.start()
         if self._metrics_port is not None:
@@ -284,10 +288,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             params = sampling_from_proto(request.sampling)
             stream = self.worker.loop.submit(
                 request.request_id,
-                lambda: self.worker.engine.add_request(list(request.prompt_token_ids), params, request.request_id),
+                lambda: self.worker.engine.add_request(list(request.prompt_token_ids), params, request.request_id,
+                                                       bounded=True),
             )
         except ValueError as exc:
             _abort(context, "INVALID_ARGUMENT", str(exc))
+        except CapacityError as exc:
+            _abort(context, "RESOURCE_EXHAUSTED", str(exc))
         yield from _events(self.worker, request.request_id, stream, context, local=True)
 
     def Abort(self, request, context):  # noqa: N802

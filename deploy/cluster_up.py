@@ -108,6 +108,10 @@ def _named_workers() -> list[str]:
     return [n for n in ray.util.list_named_actors() if n.startswith(WORKER_PREFIX) and n != ROUTER_NAME]
 
 
+def _role(name: str) -> str:
+    return name[len(WORKER_PREFIX):].rsplit("-", 1)[0]
+
+
 def _index(name: str) -> int:
     try:
         return int(name.rsplit("-", 1)[1])
@@ -115,33 +119,53 @@ def _index(name: str) -> int:
         return -1
 
 
+def _drain_and_remove(names: list[str], drain_timeout_s: float) -> None:
+    """Scale-down without cutting streams: every actor named drains (its in-flight requests finish, up to
+    `drain_timeout_s`) in parallel, then it is killed; one that cannot drain (dead, restarting) is killed."""
+    import ray
+
+    from hybridserve.deploy.ray_workers import release_group
+
+    actors = {name: ray.get_actor(name) for name in names}
+    pending = {name: actor.drain.remote(drain_timeout_s) for name, actor in actors.items()}
+    for name, ref in pending.items():
+        try:
+            aborted = ray.get(ref, timeout=drain_timeout_s + 60)
+            logger.info("%s drained (%d requests aborted at the drain timeout)", name, aborted)
+        except Exception as exc:
+            logger.warning("%s did not drain (%s): killing it", name, exc)
+        ray.kill(actors[name], no_restart=True)
+        release_group(name)  # a TP worker's GPUs
+
+
 def up(options: UpOptions) -> list[str]:
     """Create or scale the deployment, wait until every worker is healthy; returns the endpoint lines."""
     import ray
 
-    from hybridserve.deploy.ray_workers import RayPlacement, actor_addresses, release_group, start_ray_workers
+    from hybridserve.deploy.ray_workers import RayPlacement, actor_addresses, start_ray_workers
 
     _connect(options.address)
     if options.worker.internal_token is None:
         logger.warning("internal gRPC is INSECURE (no --internal-token / $HYBRIDSERVE_INTERNAL_TOKEN): any process "
                        "that reaches a worker port can call it")
+    if not options.worker.internal_tls.enabled:
+        logger.warning("internal gRPC is PLAINTEXT (no --internal-tls-ca-file/-cert-file/-key-file): traffic between "
+                       "nodes can be read on the network")
     placement = RayPlacement(num_gpus=options.num_gpus_per_worker, max_restarts=options.max_restarts,
                              namespace=NAMESPACE, detached=True)
     actors = start_ray_workers(options, placement)
     prefill = actor_addresses(actors["prefill"], timeout=options.timeout_s)
     decode = actor_addresses(actors["decode"], timeout=options.timeout_s)
     keep = {"prefill": options.num_prefill, "decode": options.num_decode}
-    for name in _named_workers():  # scale down: workers beyond the new counts go
-        role = name[len(WORKER_PREFIX):].rsplit("-", 1)[0]
-        if role in keep and _index(name) >= keep[role]:
-            ray.kill(ray.get_actor(name), no_restart=True)
-            release_group(name)
     router: Any = ray.remote(RouterActor).options(  # an actor handle: Ray's stubs type its methods as plain functions
         name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
         resources={HEAD_RESOURCE: 0.001}, max_restarts=options.max_restarts,
     ).remote(options, prefill, decode)
     deadline = time.monotonic() + options.timeout_s
+    # the router routes to the new counts first; then the workers beyond them drain and go
     ray.get(router.set_workers.remote(options.num_prefill, options.num_decode), timeout=options.timeout_s)
+    _drain_and_remove([name for name in _named_workers() if _index(name) >= keep.get(_role(name), _index(name) + 1)],
+                      options.worker.drain_timeout_s)
     healthy: dict[str, int] = {}
     while time.monotonic() < deadline:
         healthy = ray.get(router.healthy.remote(), timeout=max(1.0, deadline - time.monotonic()))

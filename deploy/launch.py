@@ -86,7 +86,8 @@ def serve_worker(role: str, worker_id: str, options: WorkerOptions, port: int, r
         raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
     cls = PrefillWorker if role == "prefill" else DecodeWorker
     worker = cls(options.model_dir, options.engine, host=options.host, port=port, worker_id=worker_id,
-                 transfer=options.transfer, internal_token=options.internal_token)
+                 transfer=options.transfer, internal_token=options.internal_token,
+                 internal_tls=options.internal_tls)
     address = worker.start()
     if ready_file:
         tmp = Path(ready_file).with_suffix(".tmp")

@@ -19,8 +19,9 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from hybridserve.config_flags import from_jsonable, to_jsonable
+from hybridserve.config_flags import config_argv, from_jsonable, to_jsonable
 from hybridserve.engine.config import EngineConfig
+from hybridserve.proto.internal_tls import InternalTlsConfig
 from hybridserve.router.config import RouterOptions
 from hybridserve.transfer.planes import TransferConfig
 
@@ -43,6 +44,9 @@ class WorkerOptions:
     internal_token: str | None = None
     # SIGTERM: seconds the requests in flight get to finish (new ones are refused) before they are aborted
     drain_timeout_s: float = 30.0
+    # mutual TLS on internal gRPC (the worker's port and its channels to decode workers); the files must be at
+    # these paths wherever a worker runs (a mounted Kubernetes Secret); empty: plaintext
+    internal_tls: InternalTlsConfig = field(default_factory=InternalTlsConfig)
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -60,7 +64,7 @@ class WorkerOptions:
     def argv(self) -> list[str]:
         """The `hybridserve worker` flags of this config (the token travels in the environment, not argv)."""
         return ["--model", self.model_dir, "--host", self.host, "--drain-timeout", str(self.drain_timeout_s),
-                "--worker-config", self.config_json()]
+                "--worker-config", self.config_json(), *config_argv(self.internal_tls, prefix="internal-tls-")]
 
 
 def configs_from_json(text: str) -> tuple[EngineConfig, TransferConfig]:
@@ -99,6 +103,8 @@ class ClusterOptions:
                              f"vs {self.worker.model_dir!r}")
         if self.router.internal_token != self.worker.internal_token:
             raise ValueError("router and workers must share one internal token")
+        if self.router.internal_tls != self.worker.internal_tls:
+            raise ValueError("router and workers must share one internal TLS config (CA, certificate, server name)")
         if self.router.max_model_len is None:  # the router's limit is the workers' engine limit
             object.__setattr__(self, "router",
                                dataclasses.replace(self.router, max_model_len=self.worker.engine.max_model_len))

@@ -37,13 +37,22 @@ class WorkerActor:
         node_ip = ray.util.get_node_ip_address()
         host = node_ip if options.host == NODE_IP else options.host  # the address it is told, 0.0.0.0 only if asked
         self.worker = cls(options.model_dir, options.engine, host=host, port=0, worker_id=worker_id,
-                          transfer=options.transfer, internal_token=options.internal_token)
+                          transfer=options.transfer, internal_token=options.internal_token,
+                          internal_tls=options.internal_tls)
         bound = self.worker.start().rsplit(":", 1)[1]
         self._address = f"{node_ip if host in ('0.0.0.0', '::') else host}:{bound}"  # where others reach it
         self.role = role
 
     def address(self) -> str:
         return self._address
+
+    def drain(self, timeout_s: float) -> int:
+        """Scale-down: health says "draining" (the router routes elsewhere), new requests are refused, the ones
+        in flight get `timeout_s` to finish (then they are aborted with an error their clients see), then the
+        server stops. Returns how many were aborted; the caller kills the actor after."""
+        aborted = self.worker.drain(timeout_s)
+        self.worker.stop()
+        return len(aborted)
 
     def pid(self) -> int:
         return os.getpid()

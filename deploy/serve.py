@@ -96,6 +96,9 @@ def serve(options: ServeOptions, stop: threading.Event | None = None) -> int:
     if options.worker.internal_token is None:
         print("hybridserve: internal gRPC is INSECURE (no token): any process that reaches a worker port can "
               "call it; use only on a trusted host", flush=True)
+    if not options.worker.internal_tls.enabled:
+        print(f"hybridserve: internal gRPC is PLAINTEXT (no --internal-tls-*): workers bind {options.worker.host}; "
+              "give a CA, certificate and key for mutual TLS beyond 127.0.0.1", flush=True)
     router_options = options.router
     deployment = Deployment(options)
     prefill, decode = deployment.addresses()

@@ -28,6 +28,9 @@ class EngineConfig:
     # on CUDA, CPU_PREFILL_CHUNK on CPU: see `prefill_chunk_tokens`)
     prefill_chunk_size: int | None = None
     max_num_seqs: int = 32  # concurrent requests (one Mamba state slot each)
+    # requests a worker queues beyond the running ones; more are refused at once (RESOURCE_EXHAUSTED, the router
+    # answers 429) instead of queueing without bound (the offline LLM queues its whole batch regardless)
+    max_num_waiting: int = 1024
     page_size: int = 16  # tokens per KV page
     max_model_len: int | None = None  # None: the model's max_position_embeddings (or 8192)
     cpu_memory_gb: float = 2.0  # state-cache budget on CPU
@@ -74,7 +77,7 @@ class EngineConfig:
             raise ValueError(f"device {self.device!r} is not a torch device: {exc}") from exc
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was asked for but torch sees no CUDA device; use device='cpu'")
-        for name in ("prefill_chunk_size", "max_num_seqs", "page_size"):
+        for name in ("prefill_chunk_size", "max_num_seqs", "page_size", "max_num_waiting"):
             value = getattr(self, name)
             if value is None and name == "prefill_chunk_size":
                 continue

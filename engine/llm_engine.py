@@ -162,10 +162,15 @@ class LLMEngine:
         request_id: str | None = None,
         hold_state: bool = False,
         on_held: Callable[[str], None] | None = None,
+        bounded: bool = False,
     ) -> str:
         """Queue a request; with `hold_state` it keeps its state after finishing until `export_state`.
         `on_held(request_id)` then runs at the end of the step it finished in (e.g. to export the state right
-        there: no extra trip to the loop, pages and slot free a step sooner)."""
+        there: no extra trip to the loop, pages and slot free a step sooner). `bounded` (workers): CapacityError
+        when `max_num_waiting` requests already wait."""
+        if bounded and len(self.scheduler.waiting) >= self.config.max_num_waiting:
+            raise handoff.CapacityError(f"{len(self.scheduler.waiting)} requests already wait for a slot on this worker "
+                                f"(max_num_waiting={self.config.max_num_waiting}); try later or another worker")
         request = self._new_request(prompt_token_ids, params, request_id)
         request.hold_state = hold_state
         self._requests[request.request_id] = request

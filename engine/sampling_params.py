@@ -29,6 +29,7 @@ class StructuredOutput:
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # top alternatives per position (OpenAI's top_logprobs limit)
+MAX_STOP_TOKEN_IDS = 128  # each is checked on every generated token; a client must not make that unbounded
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,8 @@ class SamplingParams:
         stops = tuple(self.stop_token_ids)
         if any(not isinstance(t, int) or t < 0 for t in stops):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if len(stops) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(stops)}")
         object.__setattr__(self, "stop_token_ids", stops)
         strings = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(not isinstance(s, str) or not s for s in strings):

@@ -52,10 +52,25 @@ def _add_internal_flags(p: argparse.ArgumentParser, worker_host: str | None) -> 
                    help="shared secret on every internal gRPC call (router -> worker, worker -> worker) "
                    f"(default: ${INTERNAL_TOKEN_ENV}; serve generates one per run when unset)")
     _add_drain_flag(p)
+    _add_internal_tls_options(p)
     shown = worker_host or "127.0.0.1, or node-ip with --address"
     p.add_argument("--worker-host", default=worker_host,
                    help=f"address the workers' gRPC servers bind (default {shown}; 'node-ip': the Ray node's "
                    "address; 0.0.0.0 only when asked)")
+
+
+def _add_internal_tls_options(p: argparse.ArgumentParser) -> None:
+    from hybridserve.config_flags import add_config_flags
+    from hybridserve.proto.internal_tls import InternalTlsConfig
+
+    add_config_flags(p, InternalTlsConfig, "mutual TLS on internal gRPC (InternalTlsConfig)", prefix="internal-tls-")
+
+
+def _internal_tls(args: argparse.Namespace):  # noqa: ANN202 - InternalTlsConfig, imported lazily
+    from hybridserve.config_flags import config_from_args
+    from hybridserve.proto.internal_tls import InternalTlsConfig
+
+    return config_from_args(InternalTlsConfig, args, prefix="internal-tls-")
 
 
 def _add_drain_flag(p: argparse.ArgumentParser) -> None:
@@ -77,11 +92,13 @@ def _cluster_options(args: argparse.Namespace) -> dict:
         extra["orchestrator"] = OrchestratorConfig(local_prefill_max_tokens=args.local_prefill_max_tokens)
     router = RouterOptions(model_dir=model_dir, model_name=args.model_name, host=args.host, http_port=args.http_port,
                            grpc_port=args.grpc_port, api_key=args.api_key,
-                           internal_token=args.internal_token, drain_timeout_s=args.drain_timeout, **extra)
+                           internal_token=args.internal_token, drain_timeout_s=args.drain_timeout,
+                           internal_tls=_internal_tls(args), **extra)
     on_ray_cluster = getattr(args, "address", None) and not getattr(args, "no_ray", False)
     worker_host = args.worker_host or ("node-ip" if on_ray_cluster else "127.0.0.1")
     worker = WorkerOptions(model_dir=model_dir, engine=engine, host=worker_host, transfer=_transfer_config(args),
-                           internal_token=args.internal_token, drain_timeout_s=args.drain_timeout)
+                           internal_token=args.internal_token, drain_timeout_s=args.drain_timeout,
+                           internal_tls=_internal_tls(args))
     return dict(router=router, worker=worker, num_prefill=args.prefill_workers, num_decode=args.decode_workers,
                 num_gpus_per_worker=args.num_gpus_per_worker,
                 prefill_engine_overrides=getattr(args, "prefill_worker_overrides", None))
@@ -173,6 +190,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port")
     _add_drain_flag(p)
+    _add_internal_tls_options(p)
     p.add_argument("--worker-id", default=None)
     p.add_argument("--worker-config", default=None,
                    help='the whole config as JSON, {"engine": {...EngineConfig}, "transfer": {...TransferConfig}} '
@@ -193,7 +211,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         engine, transfer = _engine_config(args), _transfer_config(args)
     options = WorkerOptions(model_dir=_model_dir(args), engine=engine, host=args.host, transfer=transfer,
                             internal_token=os.environ.get(INTERNAL_TOKEN_ENV) or None,
-                            drain_timeout_s=args.drain_timeout)
+                            drain_timeout_s=args.drain_timeout, internal_tls=_internal_tls(args))
     worker_id = args.worker_id or f"{args.role}-{args.port}"
     return serve_worker(args.role, worker_id, options, args.port, args.ready_file)
 

@@ -108,6 +108,26 @@ def config_from_args(cls: type[T], args: argparse.Namespace, prefix: str = "") -
     return cls(**{f.name: getattr(args, dest + f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
 
 
+def config_argv(config: Any, prefix: str = "") -> list[str]:
+    """The flags `add_config_flags` reads back into `config` (fields left at their default are omitted);
+    scalar and bool fields only."""
+    argv: list[str] = []
+    hints = typing.get_type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value, kind = getattr(config, f.name), _flag_type(hints[f.name])[1]
+        default = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        if value == default:
+            continue
+        flag = f"--{prefix}{f.name.replace('_', '-')}"
+        if kind == "bool":
+            argv.append(flag if value else f"--no-{prefix}{f.name.replace('_', '-')}")
+        elif kind == "scalar":
+            argv += [flag, str(value)]
+        else:
+            raise TypeError(f"config_argv takes scalar and bool fields; {f.name} is {kind}")
+    return argv
+
+
 def to_jsonable(config: Any) -> dict[str, Any]:
     """A config dataclass as plain JSON values (nested dataclasses as objects, tuples as lists)."""
     return json.loads(json.dumps(dataclasses.asdict(config)))

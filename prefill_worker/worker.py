@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 
 from hybridserve.engine.config import EngineConfig
+from hybridserve.engine.handoff import CapacityError
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.sampling_params import SamplingParams
@@ -25,6 +26,7 @@ from hybridserve.models.fingerprint import model_fingerprint
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.proto.channels import start_server, worker_threads
 from hybridserve.proto.convert import sampling_from_proto
+from hybridserve.proto.internal_tls import InternalTlsConfig
 from hybridserve.transfer.manifest import StateHeader
 from hybridserve.transfer.planes import TransferConfig
 from hybridserve.transfer.sender import StagedState, StateSender
@@ -44,7 +46,8 @@ class PrefillWorker:
 
     def __init__(self, model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
                  worker_id: str | None = None, metrics_port: int | None = 0,
-                 transfer: TransferConfig | None = None, internal_token: str | None = None) -> None:
+                 transfer: TransferConfig | None = None, internal_token: str | None = None,
+                 internal_tls: InternalTlsConfig | None = None) -> None:
         self.worker_id = worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
         self.engine = LLMEngine(model_dir, config)
         self.fingerprint = model_fingerprint(
@@ -52,7 +55,8 @@ class PrefillWorker:
         )
         self.transfer = transfer or TransferConfig()
         self._internal_token = internal_token  # required on every call to this worker, sent on calls to decode workers
-        self.sender = StateSender(self.transfer, self.engine.config.torch_device, internal_token, host)
+        self._internal_tls = internal_tls  # mutual TLS on its port and on its channels to decode workers
+        self.sender = StateSender(self.transfer, self.engine.config.torch_device, internal_token, host, internal_tls)
         self.loop = EngineLoop(self.engine, name=f"{self.worker_id}-loop")
         self.events = CacheEventFeed(self.worker_id, self.loop)
         self.metrics = WorkerMetrics(self.loop, "prefill")
@@ -70,6 +74,7 @@ class PrefillWorker:
             self._host, self._port,
             lambda server: worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(self), server),
             max_workers=worker_threads(self.engine.config.max_num_seqs), token=self._internal_token,
+            tls=self._internal_tls,
         )
         if self._metrics_port is not None:
             self.metrics.start(self._host, self._metrics_port)
@@ -193,6 +198,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 return self.worker.prefill(request)
         except ValueError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except CapacityError as exc:  # the waiting queue is full: the router answers 429
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except grpc.RpcError as exc:  # the decode side refused or went away
             code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNAVAILABLE
             details = exc.details() if hasattr(exc, "details") else exc

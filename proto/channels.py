@@ -9,13 +9,14 @@ from concurrent import futures
 import grpc
 
 from hybridserve.proto.internal_auth import InternalTokenInterceptor, token_channel
+from hybridserve.proto.internal_tls import InternalTlsConfig
 
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20  # state chunks are 1 MiB by default; room for larger ones where faster
 
 
-def message_options(*extra: tuple[str, int]) -> list[tuple[str, int]]:
+def message_options(*extra: tuple[str, int | str]) -> list[tuple[str, int | str]]:
     """Channel / server options with the raised message limits (plus any extra ones)."""
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -24,36 +25,55 @@ def message_options(*extra: tuple[str, int]) -> list[tuple[str, int]]:
     ]
 
 
-def insecure_channel(address: str, *extra: tuple[str, int]) -> grpc.Channel:
+def insecure_channel(address: str, *extra: tuple[str, int | str]) -> grpc.Channel:
     return grpc.insecure_channel(address, options=message_options(*extra))
 
 
-def internal_channel(address: str, token: str | None, *extra: tuple[str, int]) -> grpc.Channel:
-    """A channel to another component that sends the internal token on every call (None: insecure mode)."""
-    return token_channel(insecure_channel(address, *extra), token)
+def internal_channel(address: str, token: str | None, *extra: tuple[str, int | str],
+                     tls: InternalTlsConfig | None = None) -> grpc.Channel:
+    """A channel to another component that sends the internal token on every call (None: insecure mode), over
+    mutual TLS when `tls` is enabled (plaintext otherwise)."""
+    if tls is not None and tls.enabled:
+        channel = grpc.secure_channel(address, tls.channel_credentials(),
+                                      options=message_options(*extra, *tls.channel_options()))
+    else:
+        channel = insecure_channel(address, *extra)
+    return token_channel(channel, token)
 
 
 def worker_threads(max_num_seqs: int) -> int:
     """gRPC handler threads of a worker. A request holds its token stream for its whole life and its state
     push runs on up to 4 striped streams besides; a pool smaller than that deadlocks under load (the token
     streams wait for pushes that never get a thread), so size it well past max_num_seqs (idle threads cost
-    little) and at least the router's default of in-flight requests."""
-    return max(256, 8 * max_num_seqs)
+    little) and past the router's default of in-flight requests (256, each with a token stream) plus their
+    pushes, health polls and the cache-event subscription: calls past the pool are refused (RESOURCE_EXHAUSTED),
+    so the pool is also the bound on queued calls. Threads are made on demand."""
+    return max(512, 8 * max_num_seqs)
 
 
 def start_server(host: str, port: int, register: Callable[[grpc.Server], None], max_workers: int = 32,
-                 token: str | None = None) -> tuple[grpc.Server, int]:
+                 token: str | None = None, tls: InternalTlsConfig | None = None) -> tuple[grpc.Server, int]:
     """Start a gRPC server with the shared limits; `register` adds the servicers; every call must carry
-    `token` (None: insecure mode, logged). Returns (server, bound port)."""
+    `token` (None: insecure mode, logged); with `tls` enabled every connection must present a client
+    certificate of the same CA (mutual TLS; plaintext otherwise, logged). Returns (server, bound port)."""
     interceptors = [InternalTokenInterceptor(token)] if token else []
+    # maximum_concurrent_rpcs: a call past the handler pool is refused at once (RESOURCE_EXHAUSTED) instead of
+    # queueing in the executor without bound
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=message_options(),
-                         interceptors=interceptors)
+                         interceptors=interceptors, maximum_concurrent_rpcs=max_workers)
     register(server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    secure = tls is not None and tls.enabled
+    if tls is not None and tls.enabled:
+        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+    else:
+        bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise RuntimeError(f"could not bind a gRPC server to {host}:{port}")
     server.start()
     if not token:
         logger.warning("gRPC server on %s:%d is INSECURE (no internal token): any process that reaches it can call it",
                        host, bound)
+    if not secure:
+        logger.warning("gRPC server on %s:%d is PLAINTEXT (no internal TLS): traffic to it can be read on the "
+                       "network; set --internal-tls-ca-file/-cert-file/-key-file beyond a trusted host", host, bound)
     return server, bound

@@ -30,7 +30,8 @@ class Router:
         model_config = ModelConfig.from_dir(options.model_dir)
         self.metrics = RouterMetrics()
         self.orchestrator = Orchestrator(prefill_addresses, decode_addresses, options.orchestrator, self.metrics,
-                                         internal_token=options.internal_token)
+                                         internal_token=options.internal_token,
+                                         internal_tls=options.internal_tls)
         tokenizer = load_tokenizer(options.model_dir)
         max_len = options.max_model_len or model_config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
         self.frontend = Frontend(

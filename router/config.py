@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridserve.proto.internal_tls import InternalTlsConfig
+
 MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt as JSON token ids is ~1 MB
 
 
@@ -131,6 +133,8 @@ class RouterOptions:
     internal_token: str | None = None
     # SIGTERM: seconds the requests in flight get to finish (new ones get 503) before they are aborted
     drain_timeout_s: float = 30.0
+    # mutual TLS on the router's channels to workers (WorkerOptions.internal_tls); empty: plaintext
+    internal_tls: InternalTlsConfig = field(default_factory=InternalTlsConfig)
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):

@@ -30,6 +30,7 @@ import grpc
 from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.proto import common_pb2, worker_pb2
 from hybridserve.proto.convert import sampling_to_proto
+from hybridserve.proto.internal_tls import InternalTlsConfig
 from hybridserve.router.config import OrchestratorConfig
 from hybridserve.router.event_loop import LoopThread, task_cancelling
 from hybridserve.router.metrics import RouterMetrics
@@ -105,13 +106,14 @@ class Orchestrator:
     def __init__(self, prefill_addresses: list[str], decode_addresses: list[str],
                  config: OrchestratorConfig = OrchestratorConfig(), metrics: RouterMetrics | None = None,
                  subscribe_cache_events: bool = True, internal_token: str | None = None,
-                 loop: LoopThread | None = None) -> None:
+                 internal_tls: InternalTlsConfig | None = None, loop: LoopThread | None = None) -> None:
         self.config = config
         self.metrics = metrics or RouterMetrics()
         self.loop = loop or LoopThread()
         self.index = PrefixIndex()
         self.workers = WorkerSet(self.index, config.resilience, subscribe_cache_events,
-                                 on_resync=lambda reason: self.metrics.index_resyncs.inc(), internal_token=internal_token)
+                                 on_resync=lambda reason: self.metrics.index_resyncs.inc(), internal_token=internal_token,
+                                 internal_tls=internal_tls)
         self.policy = RoutingPolicy(config.routing, self.index)
         self._active: dict[str, _Active] = {}  # touched on the loop only (reads elsewhere are atomic dict reads)
         self._aborts: set[asyncio.Task] = set()  # fire-and-forget worker aborts still running

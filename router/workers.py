@@ -17,6 +17,7 @@ import grpc
 from hybridserve.proto import common_pb2, worker_pb2_grpc
 from hybridserve.proto.channels import internal_channel, message_options
 from hybridserve.proto.internal_auth import TOKEN_METADATA
+from hybridserve.proto.internal_tls import InternalTlsConfig
 from hybridserve.router.cache_subscriber import CacheSubscriber
 from hybridserve.router.circuit_breaker import CircuitBreaker
 from hybridserve.router.config import ResilienceConfig
@@ -24,16 +25,19 @@ from hybridserve.router.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
-def channel(address: str, internal_token: str | None = None) -> grpc.Channel:
-    """The router's channel to a worker (sending the internal token on every call when there is one); used
-    by the health poller and the cache-event subscribers, on their threads."""
-    return internal_channel(address, internal_token)
+def channel(address: str, internal_token: str | None = None, internal_tls: InternalTlsConfig | None = None) -> grpc.Channel:
+    """The router's channel to a worker (sending the internal token on every call when there is one; mutual
+    TLS when enabled). The cache-event subscription runs on the same channel."""
+    return internal_channel(address, internal_token, tls=internal_tls)
 
 
-def aio_channel(address: str) -> grpc.aio.Channel:
+def aio_channel(address: str, internal_tls: InternalTlsConfig | None = None) -> grpc.aio.Channel:
     """The router's grpc.aio channel to a worker, for the request path on the router's event loop (create it
-    on that loop). The internal token goes in each call's metadata (`WorkerHandle.metadata`): cheaper than
-    an aio interceptor. Secure-channel settings must match `channel()`."""
+    on that loop); mutual TLS when enabled, as `channel()`. The internal token goes in each call's metadata
+    (`WorkerHandle.metadata`): cheaper than an aio interceptor."""
+    if internal_tls is not None and internal_tls.enabled:
+        return grpc.aio.secure_channel(address, internal_tls.channel_credentials(),
+                                       options=message_options(*internal_tls.channel_options()))
     return grpc.aio.insecure_channel(address, options=message_options())
 
 
@@ -53,6 +57,7 @@ class WorkerHandle:
     health: common_pb2.HealthResponse | None = None
     subscriber: CacheSubscriber | None = field(default=None, repr=False)
     metadata: tuple[tuple[str, str], ...] | None = field(default=None, repr=False)  # of request-path calls
+    tls: InternalTlsConfig | None = field(default=None, repr=False)  # mutual TLS of the request-path channel
     _aio_stub: Any = field(default=None, repr=False)
     _aio_channel: grpc.aio.Channel | None = field(default=None, repr=False)
 
@@ -60,7 +65,7 @@ class WorkerHandle:
         """The role's stub on a grpc.aio channel; made on first use, which must be on the router's loop."""
         if self._aio_stub is None:
             cls = worker_pb2_grpc.PrefillWorkerStub if self.role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-            self._aio_channel = aio_channel(self.address)
+            self._aio_channel = aio_channel(self.address, self.tls)
             self._aio_stub = cls(self._aio_channel)
         return self._aio_stub
 
@@ -88,9 +93,11 @@ class WorkerSet:
     """Prefill and decode handles, their health poller and cache-event subscribers."""
 
     def __init__(self, index: PrefixIndex, config: ResilienceConfig, subscribe: bool = True,
-                 on_resync=None, internal_token: str | None = None) -> None:
+                 on_resync=None, internal_token: str | None = None,
+                 internal_tls: InternalTlsConfig | None = None) -> None:
         self._index = index
         self._internal_token = internal_token
+        self._internal_tls = internal_tls
         self._config = config
         self._subscribe = subscribe
         self._on_resync = on_resync
@@ -115,9 +122,9 @@ class WorkerSet:
 
     def _handle(self, role: str, address: str) -> WorkerHandle:
         cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-        stub = cls(channel(address, self._internal_token))
+        stub = cls(channel(address, self._internal_token, self._internal_tls))
         handle = WorkerHandle(role, address, stub, CircuitBreaker(self._config.breaker_failures, self._config.breaker_reset_s),
-                              metadata=call_metadata(self._internal_token))
+                              metadata=call_metadata(self._internal_token), tls=self._internal_tls)
         if self._subscribe:
             handle.subscriber = CacheSubscriber(address, stub, self._index, self._on_resync)
         return handle

@@ -20,6 +20,7 @@ import torch
 
 from hybridserve.proto import worker_pb2, worker_pb2_grpc
 from hybridserve.proto.channels import internal_channel
+from hybridserve.proto.internal_tls import InternalTlsConfig
 from hybridserve.transfer.arena import Arena, ArenaFull, ArenaRange
 from hybridserve.transfer.digest import device_digest
 from hybridserve.transfer.grpc_sender import encode_state_streams
@@ -65,11 +66,12 @@ class StateSender:
     """Owns the staging arena, the device-plane sources and the gRPC channels of one prefill worker."""
 
     def __init__(self, config: TransferConfig, device: torch.device, internal_token: str | None = None,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1", internal_tls: InternalTlsConfig | None = None) -> None:
         """`internal_token`: sent on calls to decode workers; `host`: the interface this worker serves on (the tcp
         plane listens there)."""
         self.config = config
         self._internal_token = internal_token  # sent on every call to a decode worker
+        self._internal_tls = internal_tls  # mutual TLS on the channels to decode workers when enabled
         self.device = device
         keep_freed_host_memory()  # gRPC messages reuse freed heap blocks instead of faulting in fresh pages
         self.arena = Arena(config.staging_bytes(device), device)
@@ -143,10 +145,11 @@ class StateSender:
         """TransferInfo of a decode worker (asked once), its PushState calls and its stub."""
         with self._lock:
             if address not in self._peers:
-                stub = worker_pb2_grpc.DecodeWorkerStub(internal_channel(address, self._internal_token))
+                stub = worker_pb2_grpc.DecodeWorkerStub(internal_channel(address, self._internal_token, tls=self._internal_tls))
                 reply = stub.TransferInfo(worker_pb2.TransferInfoRequest(device=self.info.device), timeout=30)
                 info = PeerInfo(tuple(reply.planes), reply.host_id, reply.device)
-                calls = [push_state_stub(internal_channel(address, self._internal_token, ("grpc.channel_id", i)))  # own conns
+                calls = [push_state_stub(internal_channel(address, self._internal_token, ("grpc.channel_id", i),
+                                                                tls=self._internal_tls))  # own conns
                          for i in range(self.config.grpc_streams)]
                 self._peers[address] = (info, calls, stub)
                 logger.info("state transfers to %s use %s (peer offers %s)", address,

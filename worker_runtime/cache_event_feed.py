@@ -23,8 +23,14 @@ _KINDS = {
 }
 
 
+# Replay buffer length. Subscribers follow within a poll (50 ms), so the buffer only covers their lag; one that
+# falls further behind gets a gap and resyncs from a snapshot. 65536 protobuf events were 20-37 MB per worker
+# that filled over ~8,000 requests: most of the decode worker's RSS growth in the 30-min CPU soak.
+FEED_CAPACITY = 4096
+
+
 class CacheEventFeed:
-    def __init__(self, worker_id: str, loop: EngineLoop, capacity: int = 65536, poll_s: float = 0.05) -> None:
+    def __init__(self, worker_id: str, loop: EngineLoop, capacity: int = FEED_CAPACITY, poll_s: float = 0.05) -> None:
         self.worker_id = worker_id
         self._loop = loop
         self._buffer: deque[common_pb2.CacheEvent] = deque(maxlen=capacity)

@@ -87,9 +87,10 @@ class EngineLoop:
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, hold_state: bool = False,
         on_held: Callable[[str], None] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Add a request and yield its outputs until it finishes (`on_held`: see `LLMEngine.add_request`)."""
+        """Add a request and yield its outputs until it finishes (`on_held`: see `LLMEngine.add_request`);
+        CapacityError when the engine's waiting queue is full."""
         stream = self.submit(request_id, lambda: self.engine.add_request(prompt_token_ids, params, request_id,
-                                                                          hold_state, on_held))
+                                                                          hold_state, on_held, bounded=True))
         yield from self.iterate(request_id, stream)
 
     def iterate(self, request_id: str, stream: queue.Queue[RequestOutput | BaseException]) -> Iterator[RequestOutput]:

@@ -89,6 +89,21 @@ def test_raycluster_validates_against_crd() -> None:
     assert up["readinessProbe"]["httpGet"]["path"] == "/ready" and up["livenessProbe"]["httpGet"]["path"] == "/health"
 
 
+def test_every_ray_pod_mounts_the_internal_tls_secret_and_up_uses_it() -> None:
+    """The router actor (head) and every worker actor read the certificate where `up` says it is."""
+    cluster = _yaml_docs(DEPLOY / "kuberay" / "raycluster.yaml")[0]
+    specs = [cluster["spec"]["headGroupSpec"]["template"]["spec"]] + [
+        g["template"]["spec"] for g in cluster["spec"]["workerGroupSpecs"]]
+    for spec in specs:
+        volume = next(v["name"] for v in spec["volumes"] if v.get("secret", {}).get("secretName") == "hybridserve-internal-tls")
+        ray_container = next(c for c in spec["containers"] if c["name"] in ("ray-head", "ray-worker"))
+        mounts = {m["name"]: m["mountPath"] for m in ray_container["volumeMounts"]}
+        assert mounts[volume] == "/etc/hybridserve/tls"
+    up = " ".join(next(c for c in specs[0]["containers"] if "hybridserve up" in " ".join(c.get("args", [])))["args"])
+    for flag, key in (("ca-file", "ca.crt"), ("cert-file", "tls.crt"), ("key-file", "tls.key")):
+        assert f"--internal-tls-{flag} /etc/hybridserve/tls/{key}" in up
+
+
 def test_ray_cluster_launcher_node_types() -> None:
     config = _yaml_docs(DEPLOY / "ray" / "cluster.yaml")[0]
     types = config["available_node_types"]

@@ -82,3 +82,19 @@ def test_the_cli_builds_the_chain_and_binds_workers_where_told(monkeypatch: pyte
     assert options.secure_internal and options.worker.internal_token is None  # serve() makes one per run
     assert cli.main(["serve", "--address", "10.0.0.1:6379", "--model", "m", "--internal-token", "t" * 20]) == 0
     assert seen[-1].worker.host == "node-ip" and seen[-1].router.internal_token == "t" * 20
+
+
+def test_internal_tls_travels_whole_to_worker_processes_and_must_match_the_routers() -> None:
+    from hybridserve.cli import _internal_tls, build_parser
+    from hybridserve.proto.internal_tls import InternalTlsConfig
+
+    tls = InternalTlsConfig(ca_file="/etc/tls/ca.crt", cert_file="/etc/tls/tls.crt", key_file="/etc/tls/tls.key",
+                            server_name="internal.example")
+    worker = WorkerOptions("m", internal_tls=tls)
+    args = build_parser().parse_args(["worker", "--role", "decode", *worker.argv()])
+    assert _internal_tls(args) == tls
+    assert _internal_tls(build_parser().parse_args(["worker", "--role", "decode", *WorkerOptions("m").argv()])) \
+        == InternalTlsConfig()
+    with pytest.raises(ValueError, match="internal TLS"):
+        ServeOptions(router=RouterOptions("m"), worker=worker)
+    assert ServeOptions(router=RouterOptions("m", internal_tls=tls), worker=worker).worker.internal_tls.enabled

@@ -16,6 +16,7 @@ from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.models.default_model import write_byte_tokenizer
 from hybridserve.prefill_worker.worker import PrefillWorker
+from hybridserve.proto.internal_tls import InternalTlsConfig
 from hybridserve.router.app import Router
 from hybridserve.router.config import RouterOptions
 from hybridserve.router.orchestrator import Orchestrator
@@ -41,23 +42,26 @@ class Cluster:
 
     def __init__(self, model_dir: Path, num_prefill: int = 1, num_decode: int = 1, engine: EngineConfig = ENGINE,
                  transfer: TransferConfig | None = None, router: bool = True, internal_token: str | None = None,
-                 **router_options) -> None:
+                 internal_tls: InternalTlsConfig | None = None, **router_options) -> None:
         self.prefill = [PrefillWorker(model_dir, engine, worker_id=f"p{i}", transfer=transfer,
-                                      internal_token=internal_token) for i in range(num_prefill)]
+                                      internal_token=internal_token, internal_tls=internal_tls)
+                        for i in range(num_prefill)]
         self.decode = [DecodeWorker(model_dir, engine, worker_id=f"d{i}", transfer=transfer,
-                                    internal_token=internal_token) for i in range(num_decode)]
+                                    internal_token=internal_token, internal_tls=internal_tls) for i in range(num_decode)]
         for w in self.prefill + self.decode:
             w.start()
         prefill, decode = [w.address for w in self.prefill], [w.address for w in self.decode]
         self.router: Router | None = None
         if router:
             options = RouterOptions(str(model_dir), model_name=MODEL_NAME, http_port=0, grpc_port=0,
-                                    max_model_len=engine.max_model_len, internal_token=internal_token, **router_options)
+                                    max_model_len=engine.max_model_len, internal_token=internal_token,
+                                    **({"internal_tls": internal_tls} if internal_tls else {}), **router_options)
             self.router = Router(options, prefill, decode).start()
             self.orchestrator = self.router.orchestrator
             self.wait_ready()
         else:
-            self.orchestrator = Orchestrator(prefill, decode, internal_token=internal_token, **router_options)
+            self.orchestrator = Orchestrator(prefill, decode, internal_token=internal_token, internal_tls=internal_tls,
+                                             **router_options)
 
     def generate(self, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
         """Greedy or sampled token ids of one request through the orchestrator."""
