@@ -151,8 +151,8 @@ class TensorParallelMoE(MoE):
         super().__init__(hidden_size, config, bias)
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
-        return self.tp.all_reduce(super().forward(x))
+    def forward(self, x: torch.Tensor, small_max_pairs: int | None = None) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+        return self.tp.all_reduce(super().forward(x, small_max_pairs))
 
 
 class ExpertParallelMoE(MoE):
@@ -192,7 +192,8 @@ class ExpertParallelMoE(MoE):
         out = self.experts(pairs, weights.reshape(-1, 1), ids.reshape(-1, 1))  # [N * k, D]
         return out.view(n, k, -1).float().sum(dim=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+    def forward(self, x: torch.Tensor, small_max_pairs: int | None = None) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+        del small_max_pairs  # one row per (token, choice) here: the grouped path's shapes, whatever the count
         weights, ids = self.local_routes(*self.gate(x))
         if isinstance(self.fc1_latent_proj, nn.Identity):
             out = self.routed(x, weights, ids).to(x.dtype) + self.shared_experts(x)
