@@ -4,7 +4,8 @@ Python source of the running interpreter's standard library.
 Writes a transformers checkpoint (config.json, model.safetensors in bf16 with the `mtp.*` tensors added,
 tokenizer files), a model card (README.md) and training_report.json into --out-dir.
 
-    python bench/train_demo.py --out-dir models/demo_model               # GPU, ~6 minutes
+    python bench/train_demo.py --out-dir models/demo_model               # GPU, ~9 minutes
+    # with mamba_ssm 2.3.2's sdist unpacked under .peer/ (bench/peer.py) the scan trains 4.4x faster
     python bench/train_demo.py --out-dir /tmp/demo --device cpu --max-steps 5 --max-files 40   # smoke test
 
 MTP semantics (vLLM's nemotron_h_mtp layout): with the trunk's final-normed hidden states h_0..h_{L-1},
