@@ -99,7 +99,12 @@ class EngineLoop:
         finished = False
         try:
             while True:
-                item = _latest(stream, stream.get())
+                try:
+                    item = _latest(stream, stream.get(timeout=1.0))
+                except queue.Empty:
+                    if self._stop.is_set():  # the loop is gone: nothing will come (a handler must not hang)
+                        raise RuntimeError(f"the engine loop stopped before request {request_id} finished") from None
+                    continue
                 if isinstance(item, BaseException):
                     raise item
                 yield item
