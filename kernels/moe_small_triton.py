@@ -22,14 +22,8 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.moe import RouterSpec
-from hybridserve.kernels.moe_triton import (
-    check_expert_inputs,
-    groups_fit,
-    moe_experts_triton,
-    route_topk_triton,
-    router_logits,
-    topk_choice,
-)
+from hybridserve.kernels.moe_router_triton import groups_fit, route_topk_triton, router_logits, topk_choice
+from hybridserve.kernels.moe_triton import check_expert_inputs, moe_experts_triton
 from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting, next_pow2
 
 # pairs (tokens x (top_k + shared chunks)) up to which the layer takes the small-M path; Nano has 6 + 2 slots,

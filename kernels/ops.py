@@ -96,7 +96,7 @@ relu2 = _dispatch(relu2_ref, "gated_rmsnorm_triton", "relu2_triton")
 # routed relu2 experts: alignment + two grouped GEMMs + sum over each token's k rows (sync-free either way)
 moe_experts = _dispatch(moe_experts_ref, "moe_triton", "moe_experts_triton")
 # NemotronH's router (sigmoid, group-limited top-k with the correction bias): fp32 logits + one choice kernel
-moe_route = _dispatch(route_topk, "moe_triton", "route_topk_triton")
+moe_route = _dispatch(route_topk, "moe_router_triton", "route_topk_triton")
 # router + experts (+ shared) of one MoE layer: three launches at decode sizes, the grouped GEMMs above
 moe_layer = _dispatch(moe_layer_ref, "moe_small_triton", "moe_layer_triton")
 

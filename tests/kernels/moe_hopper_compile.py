@@ -11,14 +11,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
+from hybridserve.kernels.moe_router_triton import _route_kernel, _router_logits_kernel
 from hybridserve.kernels.moe_small_triton import _small_down_kernel, _small_up_kernel
-from hybridserve.kernels.moe_triton import (
-    _moe_align_kernel,
-    _moe_combine_kernel,
-    _moe_gemm_kernel,
-    _route_kernel,
-    _router_logits_kernel,
-)
+from hybridserve.kernels.moe_triton import _moe_align_kernel, _moe_combine_kernel, _moe_gemm_kernel
 
 
 def compile_for_hopper(kernel: Any, signature: dict, constexprs: dict, aligned: tuple[str, ...] = (),

@@ -26,11 +26,11 @@ from hybridserve.kernels.moe import (
 
 triton = pytest.importorskip("triton")
 
+from hybridserve.kernels.moe_router_triton import route_topk_triton  # noqa: E402
 from hybridserve.kernels.moe_triton import (  # noqa: E402
     choose_block_m,
     moe_align_triton,
     moe_experts_triton,
-    route_topk_triton,
 )
 
 

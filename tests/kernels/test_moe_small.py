@@ -13,8 +13,8 @@ from hybridserve.kernels.moe import RouterSpec, moe_layer_ref, quantize_fp8_rows
 triton = pytest.importorskip("triton")
 
 import hybridserve.kernels.moe_small_triton as small  # noqa: E402
+from hybridserve.kernels.moe_router_triton import router_logits  # noqa: E402
 from hybridserve.kernels.moe_small_triton import moe_layer_triton  # noqa: E402
-from hybridserve.kernels.moe_triton import router_logits  # noqa: E402
 
 
 def _layer(tokens, experts, k, n_group, topk_group, d, inter, shared, dtype, seed=0, latent=None):

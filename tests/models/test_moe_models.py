@@ -40,8 +40,9 @@ def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         pytest.importorskip("triton")
         if os.environ.get("TRITON_INTERPRET") != "1":  # CPU tensors need the interpreter; the CUDA path has its own test
             pytest.skip("the Triton kernels run on these CPU tensors only under TRITON_INTERPRET=1")
+        from hybridserve.kernels.moe_router_triton import route_topk_triton
         from hybridserve.kernels.moe_small_triton import moe_layer_triton
-        from hybridserve.kernels.moe_triton import moe_experts_triton, route_topk_triton
+        from hybridserve.kernels.moe_triton import moe_experts_triton
 
         monkeypatch.setattr(ops, "moe_experts", moe_experts_triton)
         monkeypatch.setattr(ops, "moe_route", route_topk_triton)
