@@ -93,8 +93,10 @@ def model_config(args: argparse.Namespace, vocab: int, eos: int) -> dict:
     }
 
 
-def save_checkpoint(trunk, mtp: MTP, cfg: dict, mtp_kinds: list[str], out_dir: Path) -> dict:  # noqa: ANN001
-    """save_pretrained (bf16), then add `mtp.*` to model.safetensors and the MTP fields to config.json."""
+def save_checkpoint(trunk, mtp: MTP, cfg: dict, mtp_kinds: list[str], out_dir: Path,  # noqa: ANN001
+                    repetition_penalty: float = 1.0) -> dict:
+    """save_pretrained (bf16), then add `mtp.*` to model.safetensors, the MTP fields to config.json and the
+    sampling default to generation_config.json (servers apply it to requests that leave it unset)."""
     from safetensors.torch import load_file, save_file
 
     trunk.to(torch.bfloat16).save_pretrained(str(out_dir), safe_serialization=True)
@@ -108,6 +110,11 @@ def save_checkpoint(trunk, mtp: MTP, cfg: dict, mtp_kinds: list[str], out_dir: P
     config["num_nextn_predict_layers"] = 1
     config["mtp_layers_block_type"] = mtp_kinds
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if repetition_penalty != 1.0:
+        gen_path = out_dir / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        gen["repetition_penalty"] = repetition_penalty
+        gen_path.write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
     return {name: list(t.shape) for name, t in tensors.items() if name.startswith("mtp.")}
 
 
@@ -159,6 +166,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-prompts", type=int, default=64, help="held-out function prompts of the parse test")
     p.add_argument("--gen-tokens", type=int, default=256, help="long enough for every held-out body (longest 184)")
+    p.add_argument("--repetition-penalty", type=float, default=1.1,
+                   help="shipped in generation_config.json as the model's sampling default (1: none); a small "
+                   "model loops under plain greedy decoding (bench/results/cpu/demo_parse.json)")
     p.add_argument("--no-engine-eval", action="store_true", help="skip the hybridserve engine evaluation")
     p.add_argument("--max-files", type=int, default=None, help="debug: only the first N files")
     p.add_argument("--tokenizer-dir", type=Path, default=None, help="reuse a trained tokenizer")
@@ -338,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             p_.copy_(p_.to(torch.bfloat16).float())
     trunk.eval()
     mtp.eval()
-    mtp_shapes = save_checkpoint(trunk, mtp, cfg, mtp_kinds, out_dir)
+    mtp_shapes = save_checkpoint(trunk, mtp, cfg, mtp_kinds, out_dir, args.repetition_penalty)
     trunk.float()
     size_mb = (out_dir / "model.safetensors").stat().st_size / 1e6
     nan = float("nan")

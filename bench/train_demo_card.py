@@ -137,7 +137,11 @@ def parse_line(report: dict) -> str:
     line = f"{p.get('parse_rate', float('nan')):.3f} ({p.get('generated', 0)} prompts, transformers greedy)"
     engine = report.get("engine") or {}
     if "parse_rate" in engine:
-        line += f"; {engine['parse_rate']:.3f} through hybridserve's engine"
+        penalty = (engine.get("sampling_defaults") or {}).get("repetition_penalty", 1.0)
+        line += f"; {engine['parse_rate']:.3f} through hybridserve's engine (greedy, repetition_penalty {penalty}"
+        line += " from generation_config.json)"
+        if "parse_rate_without_defaults" in engine:
+            line += f", {engine['parse_rate_without_defaults']:.3f} with plain greedy"
     return line
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -138,10 +139,16 @@ def engine_eval(model_dir: Path, prompts: list[str], max_tokens: int, max_k: int
     first, the smaller K only while `deadline` (a perf_counter time) is not near."""
     from hybridserve import LLM, SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=0)
     t0 = time.perf_counter()
-    plain = LLM(str(model_dir)).generate(prompts, params)
+    greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=0)
+    bare = LLM(str(model_dir), generation_config="none").generate(prompts, greedy)
+    llm = LLM(str(model_dir))  # greedy under the checkpoint's shipped defaults (its repetition penalty), as served
+    params = dataclasses.replace(llm.get_default_sampling_params(), max_tokens=max_tokens, temperature=0.0, seed=0)
+    plain = llm.generate(prompts, params)
+    del llm
     result: dict = {"texts": [o.text for o in plain], "finished": [o.finish_reason == "stop" for o in plain],
+                    "bare_texts": [o.text for o in bare], "bare_finished": [o.finish_reason == "stop" for o in bare],
+                    "sampling_defaults": {"repetition_penalty": params.repetition_penalty},
                     "acceptance_length": {}, "greedy_equal": {}}
     for k in [max_k, *range(1, max_k)]:
         if time.perf_counter() > deadline - 25.0:
@@ -243,6 +250,8 @@ def evaluate_trained(report: dict, trunk, mtp, tokenizer, corpus, heldout_window
         return
     ok = [parses(p, t or "", f) for p, t, f in zip(prompts, engine.pop("texts"), engine.pop("finished"))]
     engine["parse_rate"] = sum(ok) / max(1, len(ok))
+    bare = [parses(p, t or "", f) for p, t, f in zip(prompts, engine.pop("bare_texts"), engine.pop("bare_finished"))]
+    engine["parse_rate_without_defaults"] = sum(bare) / max(1, len(bare))
     report["engine"] = engine
     logger.info("engine: parse rate %.3f, acceptance %s (%.0fs)", engine["parse_rate"], engine["acceptance_length"],
                 engine["seconds"])

@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from hybridserve.engine.config import EngineConfig
+from hybridserve.engine.generation_defaults import load_generation_defaults
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.sampling_params import SamplingParams
@@ -18,10 +19,14 @@ from hybridserve.models.default_model import default_model_dir
 class LLM:
     """Batch generation over a hybrid checkpoint. `model=None` loads the embedded default model."""
 
-    def __init__(self, model: str | Path | None = None, **engine_kwargs: object) -> None:
+    def __init__(self, model: str | Path | None = None, *, generation_config: str = "auto",
+                 **engine_kwargs: object) -> None:
+        """`generation_config`: where `get_default_sampling_params` (and `generate` without sampling params)
+        takes its defaults: "auto" (the checkpoint's generation_config.json), "none", or a folder."""
         model_dir = default_model_dir() if model is None else Path(model)
         if not model_dir.is_dir():
             raise ValueError(f"model directory {model_dir} does not exist")
+        self.generation_defaults = load_generation_defaults(generation_config, model_dir)
         try:
             config = EngineConfig(**engine_kwargs)  # type: ignore[arg-type]
         except TypeError as exc:
@@ -31,6 +36,10 @@ class LLM:
     @property
     def tokenizer(self):  # noqa: ANN201 - Tokenizer | None
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() under the checkpoint's generation defaults (as vLLM's LLM does)."""
+        return self.generation_defaults.sampling_params()
 
     def generate(
         self,
@@ -51,7 +60,7 @@ class LLM:
         if not token_lists:
             return []
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(token_lists)
+            params_list = [self.get_default_sampling_params()] * len(token_lists)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(token_lists)
         else:

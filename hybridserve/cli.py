@@ -41,6 +41,9 @@ def _add_front_door_flags(p: argparse.ArgumentParser, host: str) -> None:
                    help=argparse.SUPPRESS)
     p.add_argument("--model-name", dest="model_name", action=_DeprecatedAlias, replacement="--served-model-name",
                    help=argparse.SUPPRESS)
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for what a request leaves unset: 'auto' (the checkpoint's "
+                   "generation_config.json), 'none', or a folder with one (default auto)")
     p.add_argument("--api-key", default=os.environ.get("HYBRIDSERVE_API_KEY"),
                    help="clients must send 'Authorization: Bearer KEY' on /v1 and as gRPC metadata "
                    "(default: $HYBRIDSERVE_API_KEY; unset: no key)")
@@ -91,7 +94,7 @@ def _cluster_options(args: argparse.Namespace) -> dict:
     if getattr(args, "local_prefill_max_tokens", None) is not None:
         extra["orchestrator"] = OrchestratorConfig(local_prefill_max_tokens=args.local_prefill_max_tokens)
     router = RouterOptions(model_dir=model_dir, model_name=args.model_name, host=args.host, http_port=args.http_port,
-                           grpc_port=args.grpc_port, api_key=args.api_key,
+                           grpc_port=args.grpc_port, api_key=args.api_key, generation_config=args.generation_config,
                            internal_token=args.internal_token, drain_timeout_s=args.drain_timeout,
                            internal_tls=_internal_tls(args), **extra)
     on_ray_cluster = getattr(args, "address", None) and not getattr(args, "no_ray", False)
@@ -143,8 +146,13 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     group.add_argument("--prompt-ids", type=_parse_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=None, help="default: the model's generation_config, else 1")
+    p.add_argument("--top-k", type=int, default=None, help="default: the model's generation_config, else -1 (off)")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help="default: the model's generation_config, else 1 (off)")
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults: 'auto' (the checkpoint's generation_config.json), 'none', or a folder "
+                   "(default auto)")
     p.add_argument("--request-seed", type=int, default=None, help="seed of this request's sampler")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -154,13 +162,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _run_generate(args: argparse.Namespace) -> int:
     from hybridserve.engine.llm import LLM
-    from hybridserve.engine.sampling_params import SamplingParams
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.request_seed, ignore_eos=args.ignore_eos,
-    )
-    llm = LLM(_model_dir(args), **_engine_config(args).__dict__)
+    given = {"top_p": args.top_p, "top_k": args.top_k, "repetition_penalty": args.repetition_penalty}
+    llm = LLM(_model_dir(args), generation_config=args.generation_config, **_engine_config(args).__dict__)
+    params = llm.generation_defaults.sampling_params(
+        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.request_seed, ignore_eos=args.ignore_eos,
+        **{name: value for name, value in given.items() if value is not None})
     if args.prompt is not None:
         out = llm.generate([args.prompt], params)[0]
     else:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+from hybridserve.engine.generation_defaults import load_generation_defaults
 from hybridserve.models.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
 from hybridserve.models.tokenizer import load_tokenizer
 from hybridserve.router.admission import AdmissionController
@@ -38,6 +39,7 @@ class Router:
             self.orchestrator, options.served_name, tokenizer,
             ChatTemplate.from_model_dir(options.model_dir) if tokenizer is not None else None,
             model_config.vocab_size, max_len, AdmissionController(options.admission, self.metrics), self.metrics,
+            load_generation_defaults(options.generation_config, options.model_dir).as_dict(),
         )
         self.http: HttpServer | None = None
         self.grpc_server = None

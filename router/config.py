@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hybridserve.engine.generation_defaults import load_generation_defaults
 from hybridserve.proto.internal_tls import InternalTlsConfig
 
 MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt as JSON token ids is ~1 MB
@@ -125,6 +126,9 @@ class RouterOptions:
     http_port: int | None = 8000
     grpc_port: int | None = 50051
     max_model_len: int | None = None  # default: the engine's limit (config) or the model's
+    # sampling defaults for what a request leaves unset: "auto" (the checkpoint's generation_config.json),
+    # "none", or a folder with a generation_config.json (vLLM's --generation-config)
+    generation_config: str = "auto"
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     api_key: str | None = None  # required of clients on /v1 (HTTP) and every gRPC call when set
@@ -149,6 +153,7 @@ class RouterOptions:
             raise ValueError("max_model_len must be > 1")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        load_generation_defaults(self.generation_config, self.model_dir)  # a bad setting fails at start-up
 
     @property
     def served_name(self) -> str:

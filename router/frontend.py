@@ -65,7 +65,8 @@ class Frontend:
 
     def __init__(self, orchestrator: Orchestrator, model_name: str, tokenizer: Tokenizer | None,
                  chat_template: ChatTemplate | None, vocab_size: int, max_model_len: int,
-                 admission: AdmissionController, metrics: RouterMetrics) -> None:
+                 admission: AdmissionController, metrics: RouterMetrics,
+                 generation_defaults: dict[str, Any] | None = None) -> None:
         if vocab_size <= 0 or max_model_len <= 1:
             raise ValueError("vocab_size must be > 0 and max_model_len > 1")
         self.orchestrator = orchestrator
@@ -76,6 +77,8 @@ class Frontend:
         self.max_model_len = max_model_len
         self.admission = admission
         self.metrics = metrics
+        # SamplingParams field -> the checkpoint's default, for what an HTTP request leaves unset
+        self.generation_defaults = dict(generation_defaults or {})
 
     # ---- inputs ----------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], param: str = "prompt", add_special_tokens: bool = True) -> list[int]:

@@ -9,6 +9,7 @@ events and usable in Abort by the same caller only (the same API key, or the sam
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import uuid
@@ -93,6 +94,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         prompt = await self._prompt(request, context)
         try:
             params = sampling_from_proto(request.sampling)
+            default_penalty = self.frontend.generation_defaults.get("repetition_penalty")
+            if default_penalty is not None and not request.sampling.HasField("repetition_penalty"):
+                # the one sampling field the proto can leave unset; the others are always explicit on gRPC
+                params = dataclasses.replace(params, repetition_penalty=default_penalty)
             text = TextStream(self.frontend.tokenizer, params.stop, params.include_stop_str_in_output)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

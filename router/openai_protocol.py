@@ -144,6 +144,15 @@ class _SamplingFields(BaseModel):
                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
                 "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()}}
 
+    def with_defaults(self, defaults: dict[str, Any]) -> Any:
+        """A copy whose sampling fields the client left unset take the model's generation defaults
+        (engine.generation_defaults); a value the client sent always wins."""
+        given = self.model_fields_set
+        update = {name: value for name, value in defaults.items()
+                  if name in type(self).model_fields and name not in given
+                  and not (name == "max_tokens" and "max_completion_tokens" in given)}
+        return self.model_copy(update=update) if update else self
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

@@ -65,6 +65,7 @@ class OpenAIService:
 
     # ---- entry points ----------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, request_id: str):
+        req = req.with_defaults(self.frontend.generation_defaults)
         texts = req.prompts()
         prompts = [self.frontend.encode(p) for p in texts]
         plan = self._plan(req, prompts, req.max_tokens, request_id, "cmpl")
@@ -75,6 +76,7 @@ class OpenAIService:
         return await self._respond(req, plan, chat=False)
 
     async def chat(self, req: ChatCompletionRequest, request_id: str):
+        req = req.with_defaults(self.frontend.generation_defaults)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" else None
         prompt = self.chat_prompt(req.messages, req.add_generation_prompt, tools)
         plan = self._plan(req, [prompt], req.max_new_tokens, request_id, "chatcmpl")

@@ -1,0 +1,109 @@
+"""The embedded demo model's parse test (issue 25) through hybridserve's engine, apart from training: greedy
+continuations of held-out function prompts (bench/train_demo_eval.py says how prompts are picked and cut), at
+several repetition penalties, plus MTP acceptance at K = 1..3 under the model's shipped defaults.
+
+Plain greedy decoding makes a model this small loop (a line or a phrase repeated until the token limit: every
+failure in bench/results/cpu/demo_parse.json is one), so the checkpoint ships a repetition penalty in its
+generation_config.json, which `LLM`, `serve` and vLLM apply to requests that leave it unset. Deterministic:
+CPU fp32 gives the GPU's rate (73.4 % plain greedy on the 64 prompts of training's own evaluation, both).
+
+    python bench/demo_parse_eval.py --corpus .demo_data/corpus.tar.xz --out bench/results/cpu/demo_parse.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import platform
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_demo_data  # noqa: E402 - bench/ siblings
+import train_demo_eval  # noqa: E402
+
+
+def failure_kind(prompt: str, continuation: str, finished: bool) -> str:
+    """"" when it parses, else the SyntaxError's message without its position."""
+    try:
+        ast.parse(prompt + train_demo_eval.cut_continuation(continuation, finished))
+    except SyntaxError as exc:
+        return (exc.msg or "syntax error").split(" (")[0].split(" on line")[0]
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def looped(text: str, min_repeats: int = 4) -> bool:
+    """A non-blank line that occurs at least `min_repeats` times: the greedy loop."""
+    counts = Counter(line.strip() for line in text.splitlines() if line.strip())
+    return bool(counts) and counts.most_common(1)[0][1] >= min_repeats
+
+
+def run(model: str, prompts: list[str], penalty: float, max_tokens: int) -> dict:
+    from hybridserve import LLM, SamplingParams
+
+    llm = LLM(model, generation_config="none")
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=0,
+                                                repetition_penalty=penalty))
+    kinds = [failure_kind(p, o.text or "", o.finish_reason == "stop") for p, o in zip(prompts, outs)]
+    failed = [(o.text or "") for o, k in zip(outs, kinds) if k]
+    return {"repetition_penalty": penalty, "parse_rate": kinds.count("") / len(prompts),
+            "parsed": kinds.count(""), "prompts": len(prompts),
+            "failures": dict(Counter(k for k in kinds if k).most_common()),
+            "failures_that_loop": sum(looped(t) for t in failed),
+            "outputs_that_loop": sum(looped(o.text or "") for o in outs),
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def acceptance(model: str, prompts: list[str], max_tokens: int, max_k: int) -> dict:
+    """MTP acceptance length at K = 1..max_k under the checkpoint's own defaults, greedy."""
+    import dataclasses
+
+    from hybridserve import LLM
+
+    result = {}
+    for k in range(1, max_k + 1):
+        llm = LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": k})
+        params = dataclasses.replace(llm.get_default_sampling_params(), max_tokens=max_tokens, temperature=0.0,
+                                     seed=0)
+        llm.generate(prompts, params)
+        result[k] = round(llm.engine.spec.metrics.acceptance_length, 3)
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "models" / "demo_model"))
+    p.add_argument("--corpus", type=Path, required=True, help="bench/train_demo_fetch.py's archive")
+    p.add_argument("--prompts", type=int, default=256, help="held-out prompts at most (the split has ~160)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--penalties", type=float, nargs="+", default=[1.0, 1.05, 1.1, 1.15, 1.2])
+    p.add_argument("--mtp-prompts", type=int, default=64, help="prompts of the acceptance run (0: skip)")
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    corpus = train_demo_data.load_corpus(4, 3, None, args.corpus)  # train_demo.py's default split
+    prompts = train_demo_eval.heldout_prompts(corpus.heldout, args.prompts)
+    shipped = json.loads((Path(args.model) / "generation_config.json").read_text()).get("repetition_penalty", 1.0)
+    rows = []
+    for penalty in args.penalties:
+        rows.append(run(args.model, prompts, penalty, args.max_tokens))
+        print(json.dumps(rows[-1]), flush=True)
+    result = {"command": " ".join(sys.argv), "model": args.model, "shipped_repetition_penalty": shipped,
+              "max_tokens": args.max_tokens, "machine": platform.platform(), "rows": rows,
+              "first_64_prompts_note": "bench/train_demo.py's own evaluation uses the first 64 of these prompts"}
+    if args.mtp_prompts:
+        result["mtp_acceptance_with_shipped_defaults"] = acceptance(args.model, prompts[: args.mtp_prompts],
+                                                                    args.max_tokens, 3)
+        print(json.dumps(result["mtp_acceptance_with_shipped_defaults"]), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
