@@ -169,6 +169,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repetition-penalty", type=float, default=1.1,
                    help="shipped in generation_config.json as the model's sampling default (1: none); a small "
                    "model loops under plain greedy decoding (bench/results/cpu/demo_parse.json)")
+    p.add_argument("--max-dup-line-fraction", type=float, default=0.5,
+                   help="drop training files whose lines are mostly copies of each other (1: keep all)")
     p.add_argument("--no-engine-eval", action="store_true", help="skip the hybridserve engine evaluation")
     p.add_argument("--max-files", type=int, default=None, help="debug: only the first N files")
     p.add_argument("--tokenizer-dir", type=Path, default=None, help="reuse a trained tokenizer")
@@ -219,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cudnn.allow_tf32 = True
 
     corpus = load_corpus(args.heldout_percent, args.validation_percent, args.max_files, args.corpus)
+    corpus.train, dropped = _data.drop_repetitive(corpus.train, args.max_dup_line_fraction)  # training files only
+    logger.info("dropped %d repetitive training files (duplicate-line fraction > %.2f)", dropped,
+                args.max_dup_line_fraction)
     train_bytes = sum(len(t) for _, t in corpus.train)
     logger.info(
         "corpus %s: %d train files (%.1f MB), %d held-out, %d validation files, %d skipped (not UTF-8) (%.1fs)",
@@ -367,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
             "validation_files": len(corpus.validation), "validation_percent": args.validation_percent,
             "train_tokens": train_stream.numel(), "heldout_tokens": heldout_stream.numel(),
             "train_bytes": train_bytes, "heldout_percent": args.heldout_percent,
+            "repetitive_train_files_dropped": dropped, "max_dup_line_fraction": args.max_dup_line_fraction,
         },
         "model": {"trunk_params": n_trunk, "mtp_params": n_mtp, "safetensors_mb": round(size_mb, 2),
                   "mtp_tensors": mtp_shapes, "reload_max_logit_diff": nan},

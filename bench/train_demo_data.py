@@ -88,6 +88,28 @@ def load_corpus(
     return Corpus(root, train, heldout, validation, skipped, manifest)
 
 
+def duplicate_line_fraction(text: str, min_chars: int = 8) -> float:
+    """Share of a file's lines (stripped, >= min_chars) that occur more than once in it; 0 below 10 lines.
+    Gopher's (Rae et al. 2021) repetition filter, with a code-sized threshold: a file that is mostly copies
+    of its own lines (generated tables, parametrised tests, boilerplate docstrings) teaches a small model the
+    line loops it falls into under greedy decoding."""
+    lines = [line.strip() for line in text.splitlines() if len(line.strip()) >= min_chars]
+    if len(lines) < 10:
+        return 0.0
+    counts: dict[str, int] = {}
+    for line in lines:
+        counts[line] = counts.get(line, 0) + 1
+    return sum(n for n in counts.values() if n > 1) / len(lines)
+
+
+def drop_repetitive(files: list[tuple[str, str]], max_fraction: float) -> tuple[list[tuple[str, str]], int]:
+    """(files whose duplicate-line fraction is <= max_fraction, how many were dropped); 1.0 keeps all."""
+    if max_fraction >= 1.0:
+        return files, 0
+    kept = [(name, text) for name, text in files if duplicate_line_fraction(text) <= max_fraction]
+    return kept, len(files) - len(kept)
+
+
 def train_tokenizer(texts: list[str], vocab_size: int, out_dir: Path):  # noqa: ANN201 - PreTrainedTokenizerFast
     """Byte-level BPE (GPT-2 style pre-tokenization) saved in transformers' layout."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers

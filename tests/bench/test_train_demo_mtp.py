@@ -89,3 +89,15 @@ def test_parse_test_cuts_at_stops_and_last_complete_line() -> None:
 def test_heldout_prompts_are_function_headers() -> None:
     src = 'import os\n\n\ndef a(x):\n    """Doc."""\n    return x\n\n\ndef b():\n    pass\n\n\n@d\ndef c():\n    pass\n'
     assert eval_mod.heldout_prompts([("m.py", src)], 5) == ['def a(x):\n    """Doc."""\n', "def b():\n"]
+
+
+def test_repetitive_training_files_are_dropped() -> None:
+    data = _load("train_demo_data")
+    varied = "\n".join(f"value_{i} = compute({i}, {i * 7})" for i in range(20))
+    table = "\n".join(["    'name': 'utf-8',"] * 15 + [f"line_number_{i} = {i}" for i in range(5)])
+    assert data.duplicate_line_fraction(varied) == 0.0
+    assert data.duplicate_line_fraction(table) == 0.75
+    assert data.duplicate_line_fraction("x = 1\n" * 5) == 0.0  # too short to judge
+    kept, dropped = data.drop_repetitive([("a.py", varied), ("b.py", table)], 0.5)
+    assert [name for name, _ in kept] == ["a.py"] and dropped == 1
+    assert data.drop_repetitive([("b.py", table)], 1.0) == ([("b.py", table)], 0)
