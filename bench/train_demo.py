@@ -169,8 +169,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repetition-penalty", type=float, default=1.1,
                    help="shipped in generation_config.json as the model's sampling default (1: none); a small "
                    "model loops under plain greedy decoding (bench/results/cpu/demo_parse.json)")
-    p.add_argument("--max-dup-line-fraction", type=float, default=0.5,
-                   help="drop training files whose lines are mostly copies of each other (1: keep all)")
+    p.add_argument("--max-dup-line-fraction", type=float, default=1.0,
+                   help="drop training files whose lines are mostly copies of each other, e.g. 0.5 (default 1: keep "
+                   "all, as the shipped model; 0.5 did not help: bench/results/h200/demo_model/session32_dedup_filter)")
     p.add_argument("--no-engine-eval", action="store_true", help="skip the hybridserve engine evaluation")
     p.add_argument("--max-files", type=int, default=None, help="debug: only the first N files")
     p.add_argument("--tokenizer-dir", type=Path, default=None, help="reuse a trained tokenizer")
