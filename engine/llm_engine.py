@@ -326,6 +326,7 @@ class LLMEngine:
         for request in update.updated:
             if request.finished:
                 self._requests.pop(request.request_id, None)
+                self._on_progress.pop(request.request_id, None)
                 if request.hold_state:
                     self._held[request.request_id] = request
             updated.append(self._output(request))
@@ -337,9 +338,8 @@ class LLMEngine:
                 on_held(out.request_id)
         if self._on_progress:
             for chunk in work.prefills:
-                if chunk.request.finished:
-                    self._on_progress.pop(chunk.request.request_id, None)
-                elif (on_progress := self._on_progress.get(chunk.request.request_id)) is not None:
+                on_progress = self._on_progress.get(chunk.request.request_id)
+                if on_progress is not None and not chunk.request.finished:  # on_held has a finished one's state
                     on_progress(chunk.request)
         return updated
 

@@ -207,7 +207,8 @@ def _early_streams(tails: list[worker_pb2.StateTail | None], num_streams: int = 
     kv, ssm = torch.randn(9, 2, 2, 2, 8), torch.randn(3, 4, 8, 6)
     specs = [StateTensorSpec("kv", kv.dtype, tuple(kv.shape)), StateTensorSpec("ssm", ssm.dtype, tuple(ssm.shape))]
     header = StateHeader("t-1", "r-1", "fp", 9, 0, 0)
-    streams = encode_state_streams(header, specs, [kv, ssm], 100, num_streams=num_streams,
+    # 9 chunks of 512 bytes: each stripe fits its producer queue, so the streams can be read one after another
+    streams = encode_state_streams(header, specs, [kv, ssm], 512, num_streams=num_streams,
                                    tail=lambda: worker_pb2.StateTail(first_token=7, num_cached_tokens=3))
     messages = [list(s) for s in streams]
     for stream, tail in zip(messages, tails):
