@@ -50,7 +50,8 @@ def export_state(engine, request: Request, into: dict[str, torch.Tensor] | None 
         specs = state_specs(engine, num_tokens)
         if into is not None:
             stage_request_state(engine.cache, request.page_ids, request.state_slot, num_tokens, request.last_hidden, into)
-            return ExportedState(specs, [into[spec.name] for spec in specs], num_tokens)
+            # `into` may name only some tensors (the rest staged earlier): parts are what this call staged
+            return ExportedState(specs, [into[spec.name] for spec in specs if spec.name in into], num_tokens)
         parts = [
             part for _, _, part in iter_request_state(
                 engine.cache, request.page_ids, request.state_slot, num_tokens, request.last_hidden

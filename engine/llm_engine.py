@@ -126,6 +126,8 @@ class LLMEngine:
         self._held: dict[str, Request] = {}  # finished, state kept for export
         # request id -> called on the loop at the end of the step its held request finished in (export there)
         self._on_held: dict[str, Callable[[str], None]] = {}
+        # request id -> called on the loop after each step that computed part of its prompt (early staging)
+        self._on_progress: dict[str, Callable[[Request], None]] = {}
         self._reserved: dict[str, Request] = {}  # pages and slot waiting for a remote prefill's state
         self._counter = itertools.count()
         self._arrivals = itertools.count()
@@ -163,10 +165,13 @@ class LLMEngine:
         hold_state: bool = False,
         on_held: Callable[[str], None] | None = None,
         bounded: bool = False,
+        on_progress: Callable[[Request], None] | None = None,
     ) -> str:
         """Queue a request; with `hold_state` it keeps its state after finishing until `export_state`.
         `on_held(request_id)` then runs at the end of the step it finished in (e.g. to export the state right
-        there: no extra trip to the loop, pages and slot free a step sooner). `bounded` (workers): CapacityError
+        there: no extra trip to the loop, pages and slot free a step sooner). `on_progress(request)` runs at the
+        end of every step that computed a chunk of its prompt without finishing it (a prefill worker stages the
+        KV of the tokens computed so far: `request.num_computed_tokens`). `bounded` (workers): CapacityError
         when `max_num_waiting` requests already wait."""
         if bounded and len(self.scheduler.waiting) >= self.config.max_num_waiting:
             raise handoff.CapacityError(f"{len(self.scheduler.waiting)} requests already wait for a slot on this worker "
@@ -176,6 +181,8 @@ class LLMEngine:
         self._requests[request.request_id] = request
         if hold_state and on_held is not None:
             self._on_held[request.request_id] = on_held
+        if hold_state and on_progress is not None:
+            self._on_progress[request.request_id] = on_progress
         self.scheduler.add(request)
         return request.request_id
 
@@ -221,6 +228,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (queued, running, reserved, held); False if it is unknown."""
         self._on_held.pop(request_id, None)
+        self._on_progress.pop(request_id, None)
         request = self._requests.pop(request_id, None)
         if request is not None and not request.finished:
             self.scheduler.finish(request, "abort")
@@ -318,6 +326,7 @@ class LLMEngine:
         for request in update.updated:
             if request.finished:
                 self._requests.pop(request.request_id, None)
+                self._on_progress.pop(request.request_id, None)
                 if request.hold_state:
                     self._held[request.request_id] = request
             updated.append(self._output(request))
@@ -327,6 +336,11 @@ class LLMEngine:
             on_held = self._on_held.pop(out.request_id, None) if out.request_id in self._held else None
             if on_held is not None:
                 on_held(out.request_id)
+        if self._on_progress:
+            for chunk in work.prefills:
+                on_progress = self._on_progress.get(chunk.request.request_id)
+                if on_progress is not None and not chunk.request.finished:  # on_held has a finished one's state
+                    on_progress(chunk.request)
         return updated
 
     def _catch_up_work(self, chunks: list[tuple[Request, int]], before: list[int], output: StepOutput) -> list[CatchUp]:

@@ -25,14 +25,14 @@ from hybridserve.transfer.state_layout import StateTensorSpec, iter_request_stat
 if TYPE_CHECKING:
     from hybridserve.engine.llm_engine import LLMEngine
 
-SHARDED = ("kv.k", "kv.v", "conv", "ssm")
+SHARDED = ("kv", "conv", "ssm")
 
 
 def state_index(name: str, config: ModelConfig, tp: TPGroup) -> tuple[int, torch.Tensor]:
-    """(dim, global indices) of this rank's slice of the state tensor `name` (kv [n_attn, L, Hkv, Dh], conv
+    """(dim, global indices) of this rank's slice of the state tensor `name` (kv [L, 2, n_attn, Hkv, Dh], conv
     [n_mamba, conv_dim, W], ssm [n_mamba, H, P, N])."""
-    if name in ("kv.k", "kv.v"):
-        return 2, torch.tensor(attention_heads(config, tp)[2])
+    if name == "kv":
+        return 3, torch.tensor(attention_heads(config, tp)[2])
     m = config.mamba
     assert m is not None
     shard = mamba_shards(config, tp.size)[tp.rank]
@@ -51,8 +51,8 @@ def global_specs(cache: StateCache, config: ModelConfig, num_tokens: int, hidden
     specs = []
     if cache.k_pages.shape[1] and cache.k_pages.shape[0]:
         assert config.attention is not None
-        shape = (cache.k_pages.shape[1], num_tokens, config.attention.num_kv_heads, config.attention.head_dim)
-        specs += [StateTensorSpec("kv.k", cache.k_pages.dtype, shape), StateTensorSpec("kv.v", cache.v_pages.dtype, shape)]
+        shape = (num_tokens, 2, cache.k_pages.shape[1], config.attention.num_kv_heads, config.attention.head_dim)
+        specs.append(StateTensorSpec("kv", cache.k_pages.dtype, shape))
     if cache.conv_states.shape[0]:
         m = config.mamba
         assert m is not None
@@ -69,7 +69,8 @@ def local_state(cache: StateCache, page_ids: list[int], slot: int | None, num_to
     hidden = torch.zeros(1, device=cache.conv_states.device)
     for name, _, part in iter_request_state(cache, page_ids, slot, num_tokens, hidden):
         parts.setdefault(name, []).append(part)
-    return {name: torch.stack(p) for name, p in parts.items() if name in SHARDED}
+    # kv comes in pieces of tokens, conv / ssm one part per layer
+    return {name: torch.cat(p) if name == "kv" else torch.stack(p) for name, p in parts.items() if name in SHARDED}
 
 
 def gather_state(tp: TPGroup, config: ModelConfig, local: dict[str, torch.Tensor],

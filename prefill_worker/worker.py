@@ -21,16 +21,18 @@ from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.handoff import CapacityError
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
+from hybridserve.engine.request import Request
 from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.models.fingerprint import model_fingerprint
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.proto.channels import start_server, worker_threads
 from hybridserve.proto.convert import sampling_from_proto
 from hybridserve.proto.internal_tls import InternalTlsConfig
+from hybridserve.transfer.early_state import EarlyState
 from hybridserve.transfer.manifest import StateHeader
-from hybridserve.transfer.planes import TransferConfig
-from hybridserve.transfer.sender import StagedState, StateSender
-from hybridserve.transfer.state_layout import StateTensorSpec, state_views
+from hybridserve.transfer.planes import GRPC, TransferConfig
+from hybridserve.transfer.sender import PUSH_TIMEOUT_S, StagedState, StateSender
+from hybridserve.transfer.state_layout import StateTensorSpec, stage_kv_rows, state_views
 from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
 from hybridserve.worker_runtime.drain import DRAINING_STATUS, Drain
 from hybridserve.worker_runtime.engine_loop import EngineLoop
@@ -104,19 +106,29 @@ class PrefillWorker:
         prompt = list(request.prompt_token_ids)
         request_id = request.request_id
         specs = self.engine.state_specs(len(prompt))  # cache geometry only: safe off the loop thread
-        first, staged = self._prefill_and_stage(prompt, params, request_id, specs)
-        header = StateHeader(
-            ticket=request.ticket,
-            request_id=request_id,
-            model_fingerprint=self.fingerprint,
-            num_tokens=len(prompt),
-            first_token=first.token_ids[0],
-            num_cached_tokens=first.num_cached_tokens,
-        )
-        self.metrics.observe_finished(len(prompt), 1, first.finish_reason or "")
-        start = time.perf_counter()
+        header = StateHeader(ticket=request.ticket, request_id=request_id, model_fingerprint=self.fingerprint,
+                             num_tokens=len(prompt), first_token=0, num_cached_tokens=0)
+        early: EarlyState | None = None
+        pushed: Future | None = None
+        # spec decoding's drafter KV and TP's gathered export are staged whole, at the end
+        if self.engine.spec is None and self.engine.tp is None and self.sender.sends_early(request.decode_address, specs):
+            early = EarlyState(specs, digest_on_device=self.sender.device.type == "cuda")
+            pushed = self.sender.push_early(request.decode_address, header, early)
         try:
-            plane, num_bytes = self.sender.send(request.decode_address, header, staged)
+            first, staged = self._prefill_and_stage(prompt, params, request_id, specs, early)
+        except BaseException as exc:
+            if early is not None:
+                self._end_early(early, pushed, exc)
+            raise
+        header = dataclasses.replace(header, first_token=first.token_ids[0], num_cached_tokens=first.num_cached_tokens)
+        self.metrics.observe_finished(len(prompt), 1, first.finish_reason or "")
+        start = time.perf_counter()  # early: what is left of the transfer once the first token is known
+        try:
+            if early is not None and pushed is not None and early.streaming:
+                early.finish(header.first_token, header.num_cached_tokens)
+                plane, num_bytes = GRPC, self._end_early(early, pushed, None)
+            else:
+                plane, num_bytes = self.sender.send(request.decode_address, header, staged)
         except BaseException:
             self.metrics.observe_transfer(0, 0.0, ok=False)
             raise
@@ -130,17 +142,64 @@ class PrefillWorker:
             plane=plane,
         )
 
+    def _end_early(self, early: EarlyState, pushed: Future | None, error: BaseException | None) -> int:
+        """Wait for an early send to end (cancelled first if `error`: the prefill failed), free its block;
+        the bytes sent."""
+        if error is not None:
+            early.fail(error)
+        try:
+            if pushed is None:
+                return 0
+            if error is not None:
+                try:
+                    pushed.result(timeout=PUSH_TIMEOUT_S)
+                except Exception:  # noqa: BLE001 - the prefill's own error is the one reported
+                    logger.debug("early send of a failed prefill ended", exc_info=True)
+                return 0
+            return int(pushed.result())
+        finally:
+            self.sender.release_block(early.block)
+
     def _prefill_and_stage(
-        self, prompt: list[int], params: SamplingParams, request_id: str, specs: list[StateTensorSpec]
+        self, prompt: list[int], params: SamplingParams, request_id: str, specs: list[StateTensorSpec],
+        early: EarlyState | None = None,
     ) -> tuple[RequestOutput, StagedState]:
         """Prefill, then stage the state. At the end of the step the prompt finishes in, the engine exports it
         into an arena block if one is free right then (pages and slot free in that step, no extra trip to the
         loop); otherwise the state stays held and is staged here, waiting for room as `TransferConfig` says.
-        No block is taken before the prompt is done: a queued request holding one could starve finished ones
-        that hold the engine's slots while they wait for arena room."""
+        No block is taken before the prompt computed its first chunk: a queued request holding one could starve
+        finished ones that hold the engine's slots while they wait for arena room. With `early`, the KV of each
+        finished chunk is staged at the end of its step (into a block taken at the first chunk boundary, if one
+        is free then) and the last step stages the rest into the same block."""
         exported: Future[StagedState | None] = Future()
 
+        def progress_on_loop(request: Request) -> None:  # on the loop thread, after each unfinished chunk
+            assert early is not None  # registered only with an early state
+            if early.block is None:
+                block = self.sender.reserve_block(specs, timeout=0.0)
+                if block is None:
+                    early.decline()  # no room now: sent the usual way once the prompt is done
+                    return
+                early.begin(block)
+            done = min(request.num_computed_tokens, early.num_tokens)
+            if done > early.staged_tokens:
+                stage_kv_rows(self.engine.cache, request.page_ids, early.staged_tokens, done,
+                              early.views["kv"][early.staged_tokens : done])
+                early.advance(done, self.sender.mark_staged())
+
         def export_on_loop(rid: str) -> None:  # on the loop thread; never waits
+            if early is not None and early.block is not None:
+                try:
+                    self.engine.export_state(rid, early.rest_views())
+                    ready = self.sender.mark_staged()
+                    early.staged(ready)
+                    views = early.views
+                    exported.set_result(StagedState(specs, [views[s.name] for s in specs], early.block, ready))
+                except BaseException as exc:
+                    exported.set_exception(exc)
+                return
+            if early is not None:
+                early.decline()  # the prompt finished in its first step
             block = None
             try:
                 block = self.sender.reserve_block(specs, timeout=0.0)
@@ -156,7 +215,9 @@ class PrefillWorker:
         first = None
         staged: StagedState | None = None
         try:
-            for out in self.loop.generate(prompt, params, request_id, hold_state=True, on_held=export_on_loop):
+            on_progress = progress_on_loop if early is not None else None
+            for out in self.loop.generate(prompt, params, request_id, hold_state=True, on_held=export_on_loop,
+                                          on_progress=on_progress):
                 first = out
             if first is None or first.finish_reason == "abort":
                 raise RuntimeError(f"prefill of {request_id} was aborted")
@@ -171,7 +232,7 @@ class PrefillWorker:
             self.loop.call(lambda: self.engine.abort(request_id))  # never leave a held state behind
             if staged is None and exported.done() and exported.exception() is None:
                 done = exported.result()
-                if done is not None:
+                if done is not None and (early is None or done.block is not early.block):  # early's: freed by it
                     self.sender.release_block(done.block)  # staged, but nobody will send it
             raise
 

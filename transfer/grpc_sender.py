@@ -1,14 +1,17 @@
 """Encode a request's state as a PushState stream: manifest, checksummed data chunks, trailer with a digest.
 
-Parts are copied device->host one layer ahead of the chunk being sent (a side CUDA stream into pinned
-buffers), so the copy of layer i+1 overlaps the send of layer i.
+Parts are copied device->host one part ahead of the chunk being sent (a side CUDA stream into pinned
+buffers), so the copy of part i+1 overlaps the send of part i. A part may come as a `ReadyPart` with the event
+its bytes are final after: its copy waits for that event only (not for the producer's whole stream), which
+lets a stream carry the KV of finished prefill chunks while later chunks still compute.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import crc32c
 import torch
@@ -22,20 +25,36 @@ from hybridserve.transfer.state_layout import StateTensorSpec
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: well under gRPC's default 4 MiB message limit
 
 
+@dataclass(frozen=True)
+class ReadyPart:
+    """A part whose bytes are final once `ready` completed (None: once queued work on the current stream did)."""
+
+    tensor: torch.Tensor
+    ready: torch.cuda.Event | None
+
+
+# the trailer's tail of a stream opened before its state was complete: called once every part was read
+TailFn = Callable[[], worker_pb2.StateTail]
+
+
 def _as_bytes(host: torch.Tensor) -> memoryview:
     return host.view(torch.uint8).numpy().data.cast("B").toreadonly()
 
 
-def host_parts(parts: Iterable[torch.Tensor]) -> Iterator[memoryview]:
+def host_parts(parts: Iterable[torch.Tensor | ReadyPart]) -> Iterator[memoryview]:
     """Contiguous host bytes of each part, in order; CUDA parts are copied one ahead on a side stream."""
     pending: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
     event: torch.cuda.Event | None
     stream = None
-    for part in parts:
+    for item in parts:
+        part, ready = (item.tensor, item.ready) if isinstance(item, ReadyPart) else (item, None)
         if part.device.type == "cuda":
             if stream is None:
                 stream = torch.cuda.Stream(device=part.device)
-            stream.wait_stream(torch.cuda.current_stream(part.device))
+            if ready is not None:
+                stream.wait_event(ready)
+            else:
+                stream.wait_stream(torch.cuda.current_stream(part.device))
             host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
             with torch.cuda.stream(stream):
                 host.copy_(part, non_blocking=True)
@@ -79,7 +98,7 @@ def _chunked(views: Iterable[memoryview], chunk_bytes: int) -> Iterator[memoryvi
 
 
 def _data_messages(
-    specs: list[StateTensorSpec], parts: Iterable[torch.Tensor], chunk_bytes: int, pre_encoded: bool
+    specs: list[StateTensorSpec], parts: Iterable[torch.Tensor | ReadyPart], chunk_bytes: int, pre_encoded: bool
 ) -> Iterator[tuple[int, int, worker_pb2.StateChunk | bytes]]:
     """(index, crc32c, message) of every data chunk in order; checks the parts add up to the specs."""
     total = sum(spec.nbytes for spec in specs)
@@ -112,19 +131,25 @@ def encode_state(
 def encode_state_streams(
     header: StateHeader,
     specs: list[StateTensorSpec],
-    parts: Iterable[torch.Tensor],
+    parts: Iterable[torch.Tensor | ReadyPart],
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     pre_encoded: bool = False,
     num_streams: int = 1,
+    tail: TailFn | None = None,
 ) -> list[Iterator[worker_pb2.StateChunk | bytes]]:
     """`num_streams` PushState streams striping the chunks (stream s carries chunks s, s + n, ...), sent in
     parallel over separate connections: one gRPC stream in Python tops out well below the socket's rate.
-    A producer thread reads the parts once and deals the chunks out; its failure fails every stream."""
+    A producer thread reads the parts once and deals the chunks out; its failure fails every stream.
+    With `tail` the stream opens before the state is complete: the manifest says `tail_in_trailer` and every
+    trailer carries `tail()` (first token, cached tokens, device digest), asked once all parts were read."""
     if chunk_bytes <= 0 or num_streams <= 0:
         raise ValueError(f"chunk_bytes and num_streams must be positive, got {chunk_bytes}, {num_streams}")
     manifest = build_manifest(header, specs, chunk_bytes, num_streams)
+    if tail is not None:
+        manifest.tail_in_trailer = True
+        manifest.first_token = manifest.num_cached_tokens = manifest.device_digest = 0
     if num_streams == 1:
-        return [_single_stream(manifest, _data_messages(specs, parts, chunk_bytes, pre_encoded))]
+        return [_single_stream(manifest, _data_messages(specs, parts, chunk_bytes, pre_encoded), tail)]
     queues: list[queue.Queue] = [queue.Queue(maxsize=_STRIPE_QUEUE) for _ in range(num_streams)]
     abandoned = threading.Event()
 
@@ -133,8 +158,9 @@ def encode_state_streams(
             for index, crc, message in _data_messages(specs, parts, chunk_bytes, pre_encoded):
                 if not _put(queues[index % num_streams], (crc, message), abandoned):
                     return
+            end = _End(tail() if tail is not None else None)
             for q in queues:
-                _put(q, _END, abandoned)
+                _put(q, end, abandoned)
         except BaseException as exc:  # handed to every stream
             for q in queues:
                 _put(q, exc, abandoned)
@@ -144,7 +170,13 @@ def encode_state_streams(
 
 
 _STRIPE_QUEUE = 8
-_END = object()
+
+
+@dataclass(frozen=True)
+class _End:
+    """The last item of a stripe's queue: its trailer's tail, if the stream carries one."""
+
+    tail: worker_pb2.StateTail | None
 
 
 def _put(q: queue.Queue, item: object, abandoned: threading.Event) -> bool:
@@ -157,15 +189,20 @@ def _put(q: queue.Queue, item: object, abandoned: threading.Event) -> bool:
     return False
 
 
+def _trailer(digest: StreamDigest, tail: worker_pb2.StateTail | None) -> worker_pb2.StateChunk:
+    return worker_pb2.StateChunk(trailer=worker_pb2.StateTrailer(digest=digest.value, tail=tail))
+
+
 def _single_stream(
-    manifest: worker_pb2.StateManifest, data: Iterator[tuple[int, int, worker_pb2.StateChunk | bytes]]
+    manifest: worker_pb2.StateManifest, data: Iterator[tuple[int, int, worker_pb2.StateChunk | bytes]],
+    tail: TailFn | None,
 ) -> Iterator[worker_pb2.StateChunk | bytes]:
     yield worker_pb2.StateChunk(manifest=manifest)
     digest = StreamDigest()
     for _, crc, message in data:
         digest.add(crc)
         yield message
-    yield worker_pb2.StateChunk(trailer=worker_pb2.StateTrailer(digest=digest.value))
+    yield _trailer(digest, tail() if tail is not None else None)
 
 
 def _stripe(
@@ -178,13 +215,13 @@ def _stripe(
     try:
         yield worker_pb2.StateChunk(manifest=own)
         digest = StreamDigest()
-        while (item := source.get()) is not _END:
+        while not isinstance(item := source.get(), _End):
             if isinstance(item, BaseException):
                 raise item
             crc, message = item
             digest.add(crc)
             yield message
-        yield worker_pb2.StateChunk(trailer=worker_pb2.StateTrailer(digest=digest.value))
+        yield _trailer(digest, item.tail)
         completed = True
     finally:
         if not completed:  # the call was cancelled or failed: stop the producer

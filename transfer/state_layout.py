@@ -1,10 +1,13 @@
 """One request's whole state as named tensors: what a prefill worker exports and a decode worker imports.
 
-  kv.k, kv.v : [n_attention_layers, L, Hkv, Dh]   the prompt's keys / values (attention layers only)
-  conv       : [n_mamba_layers, conv_dim, W]        conv windows after the prompt
-  ssm        : [n_mamba_layers, H, P, N]            SSM states after the prompt
-  hidden     : [hidden_size]                        last prompt token's final hidden state (for MTP drafting)
-Each tensor is sent as per-layer parts, in this order, so copying layer i+1 overlaps sending layer i.
+  kv     : [L, 2, n_attention_layers, Hkv, Dh]   the prompt's keys (0) / values (1), token-major (attention
+                                                  layers only)
+  conv   : [n_mamba_layers, conv_dim, W]          conv windows after the prompt
+  ssm    : [n_mamba_layers, H, P, N]              SSM states after the prompt
+  hidden : [hidden_size]                          last prompt token's final hidden state (for MTP drafting)
+KV comes first and token-major so that the bytes final early form a prefix: once the first t prompt tokens are
+computed, the first t rows of `kv` never change, and a prefill worker streams them while later chunks compute
+(`transfer.early_state`). Loose parts are cut in pieces so copying piece i+1 overlaps sending piece i.
 """
 
 from __future__ import annotations
@@ -42,8 +45,7 @@ def request_state_specs(
     specs: list[StateTensorSpec] = []
     n_attn = cache.k_pages.shape[1]
     if n_attn and cache.k_pages.shape[0]:
-        kv_shape = (n_attn, num_tokens, *cache.k_pages.shape[3:])
-        specs += [StateTensorSpec("kv.k", cache.k_pages.dtype, kv_shape), StateTensorSpec("kv.v", cache.v_pages.dtype, kv_shape)]
+        specs.append(StateTensorSpec("kv", cache.k_pages.dtype, (num_tokens, 2, n_attn, *cache.k_pages.shape[3:])))
     if cache.conv_states.shape[0]:
         specs.append(StateTensorSpec("conv", cache.conv_states.dtype, tuple(cache.conv_states.shape[1:])))
         specs.append(StateTensorSpec("ssm", cache.ssm_states.dtype, tuple(cache.ssm_states.shape[1:])))
@@ -51,11 +53,25 @@ def request_state_specs(
     return specs
 
 
-def _token_index(page_ids: list[int], num_tokens: int, page_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(page, offset) of tokens 0..num_tokens-1 in the request's pages."""
-    positions = torch.arange(num_tokens, device=device)
-    pages = torch.tensor(page_ids, dtype=torch.int64, device=device)[positions // page_size]
+def _token_index(page_ids: list[int], num_tokens: int, page_size: int, device: torch.device,
+                 start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page, offset) of tokens start..num_tokens-1 in the request's pages."""
+    positions = torch.arange(start, num_tokens, device=device)
+    needed = page_ids[: -(-num_tokens // page_size)]
+    pages = torch.tensor(needed, dtype=torch.int64, device=device)[positions // page_size]
     return pages, positions % page_size
+
+
+def stage_kv_rows(cache: StateCache, page_ids: list[int], start: int, end: int, out: torch.Tensor) -> None:
+    """Copy the keys / values of prompt tokens start..end-1 into `out` [end - start, 2, n_attn, Hkv, Dh]
+    (queued device copies: one gather per pool)."""
+    if out.shape[0] != end - start:
+        raise ValueError(f"{out.shape[0]} kv rows given for tokens {start}..{end - 1}")
+    if end == start:
+        return
+    pages, offsets = _token_index(page_ids, end, cache.layout.page_size, cache.k_pages.device, start)
+    out[:, 0].copy_(cache.k_pages[pages, :, offsets])  # [rows, n_attn, Hkv, Dh]
+    out[:, 1].copy_(cache.v_pages[pages, :, offsets])
 
 
 def iter_request_state(
@@ -65,10 +81,12 @@ def iter_request_state(
     request's pages and slot are released."""
     n_attn = cache.k_pages.shape[1]
     if n_attn and cache.k_pages.shape[0]:
-        pages, offsets = _token_index(page_ids, num_tokens, cache.layout.page_size, cache.k_pages.device)
-        for name, pool in (("kv.k", cache.k_pages), ("kv.v", cache.v_pages)):
-            for layer in range(n_attn):
-                yield name, layer, pool[pages, layer, offsets]  # [L, Hkv, Dh]
+        kv = torch.empty((num_tokens, 2, n_attn, *cache.k_pages.shape[3:]), dtype=cache.k_pages.dtype,
+                         device=cache.k_pages.device)  # [L, 2, n_attn, Hkv, Dh]
+        stage_kv_rows(cache, page_ids, 0, num_tokens, kv)
+        rows = max(1, -(-num_tokens // max(n_attn, 4)))  # a few pieces: D2H of one overlaps sending another
+        for index, piece in enumerate(kv.split(rows)):
+            yield "kv", index, piece
     if cache.conv_states.shape[0]:
         if slot is None:
             raise ValueError("the model has Mamba layers but the request holds no state slot")
@@ -82,12 +100,11 @@ def write_request_state(
     cache: StateCache, page_ids: list[int], slot: int | None, num_tokens: int, tensors: dict[str, torch.Tensor]
 ) -> None:
     """Copy received tensors into the request's reserved pages and slot (the commit of a transfer)."""
-    if "kv.k" in tensors:
+    if "kv" in tensors:
         pages, offsets = _token_index(page_ids, num_tokens, cache.layout.page_size, cache.k_pages.device)
-        for name, pool in (("kv.k", cache.k_pages), ("kv.v", cache.v_pages)):
-            source = tensors[name].to(device=pool.device, dtype=pool.dtype)  # [n_attn, L, Hkv, Dh]
-            for layer in range(pool.shape[1]):
-                pool[pages, layer, offsets] = source[layer]
+        source = tensors["kv"].to(device=cache.k_pages.device, dtype=cache.k_pages.dtype)  # [L, 2, n_attn, Hkv, Dh]
+        cache.k_pages[pages, :, offsets] = source[:, 0]  # [L, n_attn, Hkv, Dh] scattered into the pages
+        cache.v_pages[pages, :, offsets] = source[:, 1]
     if "conv" in tensors:
         if slot is None:
             raise ValueError("the model has Mamba layers but the request holds no state slot")
@@ -121,13 +138,10 @@ def stage_request_state(
     out: dict[str, torch.Tensor],
 ) -> None:
     """Copy a request's state into `out` (views of a staging buffer, from `state_views`): queued device
-    copies, no host sync; the pages and slot may be released right after (later writes queue behind)."""
-    n_attn = cache.k_pages.shape[1]
-    if "kv.k" in out:
-        pages, offsets = _token_index(page_ids, num_tokens, cache.layout.page_size, cache.k_pages.device)
-        for name, pool in (("kv.k", cache.k_pages), ("kv.v", cache.v_pages)):
-            for layer in range(n_attn):
-                out[name][layer].copy_(pool[pages, layer, offsets])  # [L, Hkv, Dh]
+    copies, no host sync; the pages and slot may be released right after (later writes queue behind).
+    `out["kv"]` may hold only the last rows of the state's `kv` (the rest staged earlier, chunk by chunk)."""
+    if "kv" in out:
+        stage_kv_rows(cache, page_ids, num_tokens - out["kv"].shape[0], num_tokens, out["kv"])
     if "conv" in out:
         if slot is None:
             raise ValueError("the model has Mamba layers but the request holds no state slot")

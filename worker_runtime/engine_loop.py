@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
+from hybridserve.engine.request import Request
 from hybridserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -85,12 +86,13 @@ class EngineLoop:
 
     def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, hold_state: bool = False,
-        on_held: Callable[[str], None] | None = None,
+        on_held: Callable[[str], None] | None = None, on_progress: Callable[[Request], None] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Add a request and yield its outputs until it finishes (`on_held`: see `LLMEngine.add_request`);
-        CapacityError when the engine's waiting queue is full."""
+        """Add a request and yield its outputs until it finishes (`on_held`, `on_progress`: see
+        `LLMEngine.add_request`); CapacityError when the engine's waiting queue is full."""
         stream = self.submit(request_id, lambda: self.engine.add_request(prompt_token_ids, params, request_id,
-                                                                          hold_state, on_held, bounded=True))
+                                                                          hold_state, on_held, bounded=True,
+                                                                          on_progress=on_progress))
         yield from self.iterate(request_id, stream)
 
     def iterate(self, request_id: str, stream: queue.Queue[RequestOutput | BaseException]) -> Iterator[RequestOutput]:

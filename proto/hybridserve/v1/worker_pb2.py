@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from hybridserve.proto.hybridserve.v1 import common_pb2 as hybridserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bhybridserve/v1/worker.proto\x12\x0ehybridserve.v1\x1a\x1bhybridserve/v1/common.proto\"\x85\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x08sampling\x18\x03 \x01(\x0b\x32\x1f.hybridserve.v1.SamplingOptions\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\"<\n\x0fReserveResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\"H\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"\xbf\x02\n\rStateManifest\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12+\n\x07tensors\x18\x07 \x03(\x0b\x32\x1a.hybridserve.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x04\x12\x12\n\nnum_chunks\x18\t \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\n \x01(\r\x12\x13\n\x0bnum_streams\x18\x0b \x01(\r\x12\x14\n\x0cstream_index\x18\x0c \x01(\r\x12\x15\n\rdevice_digest\x18\r \x01(\x06\";\n\tStateData\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\x07\"\x1e\n\x0cStateTrailer\x12\x0e\n\x06\x64igest\x18\x01 \x01(\x07\"\xa3\x01\n\nStateChunk\x12\x31\n\x08manifest\x18\x01 \x01(\x0b\x32\x1d.hybridserve.v1.StateManifestH\x00\x12)\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x19.hybridserve.v1.StateDataH\x00\x12/\n\x07trailer\x18\x03 \x01(\x0b\x32\x1c.hybridserve.v1.StateTrailerH\x00\x42\x06\n\x04\x62ody\">\n\x11PushStateResponse\x12\x11\n\tcommitted\x18\x01 \x01(\x08\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"\x8a\x01\n\nStateOffer\x12/\n\x08manifest\x18\x01 \x01(\x0b\x32\x1d.hybridserve.v1.StateManifest\x12\r\n\x05plane\x18\x02 \x01(\t\x12\x11\n\tsource_id\x18\x03 \x01(\t\x12\x19\n\x11source_descriptor\x18\x04 \x01(\x0c\x12\x0e\n\x06offset\x18\x05 \x01(\x04\"%\n\x13TransferInfoRequest\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\"G\n\x14TransferInfoResponse\x12\x0e\n\x06planes\x18\x01 \x03(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\"9\n\x13StreamTokensRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\"w\n\x14GenerateLocalRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x08sampling\x18\x03 \x01(\x0b\x32\x1f.hybridserve.v1.SamplingOptions\"\x99\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x08sampling\x18\x03 \x01(\x0b\x32\x1f.hybridserve.v1.SamplingOptions\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x0e\n\x06ticket\x18\x05 \x01(\t\"~\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x12\r\n\x05plane\x18\x05 \x01(\t2\xdd\x05\n\x0c\x44\x65\x63odeWorker\x12J\n\x07Reserve\x12\x1e.hybridserve.v1.ReserveRequest\x1a\x1f.hybridserve.v1.ReserveResponse\x12L\n\tPushState\x12\x1a.hybridserve.v1.StateChunk\x1a!.hybridserve.v1.PushStateResponse(\x01\x12K\n\nOfferState\x12\x1a.hybridserve.v1.StateOffer\x1a!.hybridserve.v1.PushStateResponse\x12Y\n\x0cTransferInfo\x12#.hybridserve.v1.TransferInfoRequest\x1a$.hybridserve.v1.TransferInfoResponse\x12Q\n\x0cStreamTokens\x12#.hybridserve.v1.StreamTokensRequest\x1a\x1a.hybridserve.v1.TokenEvent0\x01\x12S\n\rGenerateLocal\x12$.hybridserve.v1.GenerateLocalRequest\x1a\x1a.hybridserve.v1.TokenEvent0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.hybridserve.v1.AbortRequest\x1a\x1d.hybridserve.v1.AbortResponse\x12G\n\x06Health\x12\x1d.hybridserve.v1.HealthRequest\x1a\x1e.hybridserve.v1.HealthResponse\x12T\n\x0b\x43\x61\x63heEvents\x12\".hybridserve.v1.CacheEventsRequest\x1a\x1f.hybridserve.v1.CacheEventBatch0\x01\x32\xc0\x02\n\rPrefillWorker\x12J\n\x07Prefill\x12\x1e.hybridserve.v1.PrefillRequest\x1a\x1f.hybridserve.v1.PrefillResponse\x12\x44\n\x05\x41\x62ort\x12\x1c.hybridserve.v1.AbortRequest\x1a\x1d.hybridserve.v1.AbortResponse\x12G\n\x06Health\x12\x1d.hybridserve.v1.HealthRequest\x1a\x1e.hybridserve.v1.HealthResponse\x12T\n\x0b\x43\x61\x63heEvents\x12\".hybridserve.v1.CacheEventsRequest\x1a\x1f.hybridserve.v1.CacheEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bhybridserve/v1/worker.proto\x12\x0ehybridserve.v1\x1a\x1bhybridserve/v1/common.proto\"\x85\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x08sampling\x18\x03 \x01(\x0b\x32\x1f.hybridserve.v1.SamplingOptions\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\"<\n\x0fReserveResponse\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x02 \x01(\t\"H\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"\xd8\x02\n\rStateManifest\x12\x0e\n\x06ticket\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x13\n\x0b\x66irst_token\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12+\n\x07tensors\x18\x07 \x03(\x0b\x32\x1a.hybridserve.v1.TensorSpec\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x04\x12\x12\n\nnum_chunks\x18\t \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\n \x01(\r\x12\x13\n\x0bnum_streams\x18\x0b \x01(\r\x12\x14\n\x0cstream_index\x18\x0c \x01(\r\x12\x15\n\rdevice_digest\x18\r \x01(\x06\x12\x17\n\x0ftail_in_trailer\x18\x0e \x01(\x08\";\n\tStateData\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x03 \x01(\x07\"G\n\x0cStateTrailer\x12\x0e\n\x06\x64igest\x18\x01 \x01(\x07\x12\'\n\x04tail\x18\x02 \x01(\x0b\x32\x19.hybridserve.v1.StateTail\"R\n\tStateTail\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x15\n\rdevice_digest\x18\x03 \x01(\x06\"\xa3\x01\n\nStateChunk\x12\x31\n\x08manifest\x18\x01 \x01(\x0b\x32\x1d.hybridserve.v1.StateManifestH\x00\x12)\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x19.hybridserve.v1.StateDataH\x00\x12/\n\x07trailer\x18\x03 \x01(\x0b\x32\x1c.hybridserve.v1.StateTrailerH\x00\x42\x06\n\x04\x62ody\">\n\x11PushStateResponse\x12\x11\n\tcommitted\x18\x01 \x01(\x08\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"\x8a\x01\n\nStateOffer\x12/\n\x08manifest\x18\x01 \x01(\x0b\x32\x1d.hybridserve.v1.StateManifest\x12\r\n\x05plane\x18\x02 \x01(\t\x12\x11\n\tsource_id\x18\x03 \x01(\t\x12\x19\n\x11source_descriptor\x18\x04 \x01(\x0c\x12\x0e\n\x06offset\x18\x05 \x01(\x04\"%\n\x13TransferInfoRequest\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\t\"G\n\x14TransferInfoResponse\x12\x0e\n\x06planes\x18\x01 \x03(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\"9\n\x13StreamTokensRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06ticket\x18\x02 \x01(\t\"w\n\x14GenerateLocalRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x08sampling\x18\x03 \x01(\x0b\x32\x1f.hybridserve.v1.SamplingOptions\"\x99\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x08sampling\x18\x03 \x01(\x0b\x32\x1f.hybridserve.v1.SamplingOptions\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\x12\x0e\n\x06ticket\x18\x05 \x01(\t\"~\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\r\x12\x12\n\nbytes_sent\x18\x03 \x01(\x04\x12\x18\n\x10transfer_seconds\x18\x04 \x01(\x01\x12\r\n\x05plane\x18\x05 \x01(\t2\xdd\x05\n\x0c\x44\x65\x63odeWorker\x12J\n\x07Reserve\x12\x1e.hybridserve.v1.ReserveRequest\x1a\x1f.hybridserve.v1.ReserveResponse\x12L\n\tPushState\x12\x1a.hybridserve.v1.StateChunk\x1a!.hybridserve.v1.PushStateResponse(\x01\x12K\n\nOfferState\x12\x1a.hybridserve.v1.StateOffer\x1a!.hybridserve.v1.PushStateResponse\x12Y\n\x0cTransferInfo\x12#.hybridserve.v1.TransferInfoRequest\x1a$.hybridserve.v1.TransferInfoResponse\x12Q\n\x0cStreamTokens\x12#.hybridserve.v1.StreamTokensRequest\x1a\x1a.hybridserve.v1.TokenEvent0\x01\x12S\n\rGenerateLocal\x12$.hybridserve.v1.GenerateLocalRequest\x1a\x1a.hybridserve.v1.TokenEvent0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.hybridserve.v1.AbortRequest\x1a\x1d.hybridserve.v1.AbortResponse\x12G\n\x06Health\x12\x1d.hybridserve.v1.HealthRequest\x1a\x1e.hybridserve.v1.HealthResponse\x12T\n\x0b\x43\x61\x63heEvents\x12\".hybridserve.v1.CacheEventsRequest\x1a\x1f.hybridserve.v1.CacheEventBatch0\x01\x32\xc0\x02\n\rPrefillWorker\x12J\n\x07Prefill\x12\x1e.hybridserve.v1.PrefillRequest\x1a\x1f.hybridserve.v1.PrefillResponse\x12\x44\n\x05\x41\x62ort\x12\x1c.hybridserve.v1.AbortRequest\x1a\x1d.hybridserve.v1.AbortResponse\x12G\n\x06Health\x12\x1d.hybridserve.v1.HealthRequest\x1a\x1e.hybridserve.v1.HealthResponse\x12T\n\x0b\x43\x61\x63heEvents\x12\".hybridserve.v1.CacheEventsRequest\x1a\x1f.hybridserve.v1.CacheEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,31 +39,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSORSPEC']._serialized_start=274
   _globals['_TENSORSPEC']._serialized_end=346
   _globals['_STATEMANIFEST']._serialized_start=349
-  _globals['_STATEMANIFEST']._serialized_end=668
-  _globals['_STATEDATA']._serialized_start=670
-  _globals['_STATEDATA']._serialized_end=729
-  _globals['_STATETRAILER']._serialized_start=731
-  _globals['_STATETRAILER']._serialized_end=761
-  _globals['_STATECHUNK']._serialized_start=764
-  _globals['_STATECHUNK']._serialized_end=927
-  _globals['_PUSHSTATERESPONSE']._serialized_start=929
-  _globals['_PUSHSTATERESPONSE']._serialized_end=991
-  _globals['_STATEOFFER']._serialized_start=994
-  _globals['_STATEOFFER']._serialized_end=1132
-  _globals['_TRANSFERINFOREQUEST']._serialized_start=1134
-  _globals['_TRANSFERINFOREQUEST']._serialized_end=1171
-  _globals['_TRANSFERINFORESPONSE']._serialized_start=1173
-  _globals['_TRANSFERINFORESPONSE']._serialized_end=1244
-  _globals['_STREAMTOKENSREQUEST']._serialized_start=1246
-  _globals['_STREAMTOKENSREQUEST']._serialized_end=1303
-  _globals['_GENERATELOCALREQUEST']._serialized_start=1305
-  _globals['_GENERATELOCALREQUEST']._serialized_end=1424
-  _globals['_PREFILLREQUEST']._serialized_start=1427
-  _globals['_PREFILLREQUEST']._serialized_end=1580
-  _globals['_PREFILLRESPONSE']._serialized_start=1582
-  _globals['_PREFILLRESPONSE']._serialized_end=1708
-  _globals['_DECODEWORKER']._serialized_start=1711
-  _globals['_DECODEWORKER']._serialized_end=2444
-  _globals['_PREFILLWORKER']._serialized_start=2447
-  _globals['_PREFILLWORKER']._serialized_end=2767
+  _globals['_STATEMANIFEST']._serialized_end=693
+  _globals['_STATEDATA']._serialized_start=695
+  _globals['_STATEDATA']._serialized_end=754
+  _globals['_STATETRAILER']._serialized_start=756
+  _globals['_STATETRAILER']._serialized_end=827
+  _globals['_STATETAIL']._serialized_start=829
+  _globals['_STATETAIL']._serialized_end=911
+  _globals['_STATECHUNK']._serialized_start=914
+  _globals['_STATECHUNK']._serialized_end=1077
+  _globals['_PUSHSTATERESPONSE']._serialized_start=1079
+  _globals['_PUSHSTATERESPONSE']._serialized_end=1141
+  _globals['_STATEOFFER']._serialized_start=1144
+  _globals['_STATEOFFER']._serialized_end=1282
+  _globals['_TRANSFERINFOREQUEST']._serialized_start=1284
+  _globals['_TRANSFERINFOREQUEST']._serialized_end=1321
+  _globals['_TRANSFERINFORESPONSE']._serialized_start=1323
+  _globals['_TRANSFERINFORESPONSE']._serialized_end=1394
+  _globals['_STREAMTOKENSREQUEST']._serialized_start=1396
+  _globals['_STREAMTOKENSREQUEST']._serialized_end=1453
+  _globals['_GENERATELOCALREQUEST']._serialized_start=1455
+  _globals['_GENERATELOCALREQUEST']._serialized_end=1574
+  _globals['_PREFILLREQUEST']._serialized_start=1577
+  _globals['_PREFILLREQUEST']._serialized_end=1730
+  _globals['_PREFILLRESPONSE']._serialized_start=1732
+  _globals['_PREFILLRESPONSE']._serialized_end=1858
+  _globals['_DECODEWORKER']._serialized_start=1861
+  _globals['_DECODEWORKER']._serialized_end=2594
+  _globals['_PREFILLWORKER']._serialized_start=2597
+  _globals['_PREFILLWORKER']._serialized_end=2917
 # @@protoc_insertion_point(module_scope)

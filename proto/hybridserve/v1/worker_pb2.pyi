@@ -40,7 +40,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class StateManifest(_message.Message):
-    __slots__ = ("ticket", "request_id", "model_fingerprint", "num_tokens", "first_token", "num_cached_tokens", "tensors", "total_bytes", "num_chunks", "chunk_bytes", "num_streams", "stream_index", "device_digest")
+    __slots__ = ("ticket", "request_id", "model_fingerprint", "num_tokens", "first_token", "num_cached_tokens", "tensors", "total_bytes", "num_chunks", "chunk_bytes", "num_streams", "stream_index", "device_digest", "tail_in_trailer")
     TICKET_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class StateManifest(_message.Message):
     NUM_STREAMS_FIELD_NUMBER: _ClassVar[int]
     STREAM_INDEX_FIELD_NUMBER: _ClassVar[int]
     DEVICE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TAIL_IN_TRAILER_FIELD_NUMBER: _ClassVar[int]
     ticket: str
     request_id: str
     model_fingerprint: str
@@ -67,7 +68,8 @@ class StateManifest(_message.Message):
     num_streams: int
     stream_index: int
     device_digest: int
-    def __init__(self, ticket: _Optional[str] = ..., request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., num_streams: _Optional[int] = ..., stream_index: _Optional[int] = ..., device_digest: _Optional[int] = ...) -> None: ...
+    tail_in_trailer: bool
+    def __init__(self, ticket: _Optional[str] = ..., request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_tokens: _Optional[int] = ..., first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., num_streams: _Optional[int] = ..., stream_index: _Optional[int] = ..., device_digest: _Optional[int] = ..., tail_in_trailer: _Optional[bool] = ...) -> None: ...
 
 class StateData(_message.Message):
     __slots__ = ("index", "payload", "crc32c")
@@ -80,10 +82,22 @@ class StateData(_message.Message):
     def __init__(self, index: _Optional[int] = ..., payload: _Optional[bytes] = ..., crc32c: _Optional[int] = ...) -> None: ...
 
 class StateTrailer(_message.Message):
-    __slots__ = ("digest",)
+    __slots__ = ("digest", "tail")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
     digest: int
-    def __init__(self, digest: _Optional[int] = ...) -> None: ...
+    tail: StateTail
+    def __init__(self, digest: _Optional[int] = ..., tail: _Optional[_Union[StateTail, _Mapping]] = ...) -> None: ...
+
+class StateTail(_message.Message):
+    __slots__ = ("first_token", "num_cached_tokens", "device_digest")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    num_cached_tokens: int
+    device_digest: int
+    def __init__(self, first_token: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., device_digest: _Optional[int] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("manifest", "data", "trailer")

@@ -1,0 +1,271 @@
+"""A state streamed while its prompt prefills (gRPC plane, `grpc_early_send`): the KV of finished chunks
+leaves before the first token exists; tokens equal the in-process engine's and the late path's; an abort
+mid-prefill frees the arena block and the decode reservation; faults keep their statuses."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent import futures
+
+import grpc
+import pytest
+from checkpoints import nemotron_h, random_prompts
+from router_cluster import Cluster
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.engine.config import EngineConfig
+from hybridserve.proto import worker_pb2, worker_pb2_grpc
+from hybridserve.proto.convert import sampling_to_proto
+from hybridserve.router.orchestrator import WorkerError
+from hybridserve.transfer.early_state import EarlyState
+from hybridserve.transfer.grpc_receiver import StateAssembly
+from hybridserve.transfer.planes import TransferConfig
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+CONFIG = EngineConfig(prefill_chunk_size=16, max_num_seqs=4)
+EARLY, LATE = TransferConfig(grpc_chunk_bytes=512), TransferConfig(grpc_chunk_bytes=512, grpc_early_send=False)
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return nemotron_h("M*-M*")[0]
+
+
+@pytest.fixture(scope="module")
+def early_cluster(model_dir):
+    cluster = Cluster(model_dir, engine=CONFIG, transfer=EARLY, router=False)
+    yield cluster
+    cluster.stop()
+
+
+def _wait_for(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def _count_early_sends(monkeypatch) -> list[int]:
+    """Record the KV rows staged at each chunk boundary of early-sent states (EarlyState.advance)."""
+    advances: list[int] = []
+    advance = EarlyState.advance
+
+    def counted(self, tokens, ready):
+        advances.append(tokens)
+        advance(self, tokens, ready)
+
+    monkeypatch.setattr(EarlyState, "advance", counted)
+    return advances
+
+
+def _settled(cluster: Cluster) -> None:
+    """Every arena block back, no reservation left, every pool consistent."""
+    for p in cluster.prefill:
+        _wait_for(lambda p=p: p.sender.arena.free_bytes() == p.sender.arena.capacity, "the prefill arena")
+    for d in cluster.decode:
+        _wait_for(lambda d=d: not d._reservations, "the decode reservations")
+    cluster.check_pools()
+
+
+def test_early_send_equals_in_process_and_the_late_path(model_dir, early_cluster, monkeypatch) -> None:
+    advances = _count_early_sends(monkeypatch)
+    prompts = random_prompts([70, 100, 45, 9], vocab=128, seed=60)  # several chunks of 16; the last one chunk
+    reference = [o.token_ids for o in LLM(model_dir).generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    with futures.ThreadPoolExecutor(max_workers=4) as pool:
+        early = list(pool.map(lambda p: early_cluster.generate(p, GREEDY), prompts))
+    assert advances, "no state went out early"
+    assert early == reference
+    late_cluster = Cluster(model_dir, engine=CONFIG, transfer=LATE, router=False)
+    try:
+        assert [late_cluster.generate(p, GREEDY) for p in prompts] == reference
+        _settled(late_cluster)
+    finally:
+        late_cluster.stop()
+    # again: the prefill side now starts from its cached prefix (the first chunk boundary lies past it)
+    assert [early_cluster.generate(p, GREEDY) for p in prompts] == reference
+    _settled(early_cluster)
+
+
+class _Gate:
+    """Pauses a worker's engine loop after its n-th step until released."""
+
+    def __init__(self, worker, after_steps: int) -> None:
+        self.reached, self.release = threading.Event(), threading.Event()
+        step, count = worker.engine.step, [0]
+
+        def gated():
+            out = step()
+            count[0] += 1
+            if count[0] == after_steps:
+                self.reached.set()
+                self.release.wait(30)
+            return out
+
+        worker.engine.step = gated
+        self._worker, self._step = worker, step
+
+    def remove(self) -> None:
+        self.release.set()
+        self._worker.engine.step = self._step
+
+
+def _reserve_and_prefill(cluster: Cluster, prompt: list[int]):
+    """Reserve on the decode worker, open its token stream, then Prefill (in the background): (token events,
+    prefill future)."""
+    decode = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(cluster.decode[0].address))
+    prefill = worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(cluster.prefill[0].address))
+    request_id = uuid.uuid4().hex
+    sampling = sampling_to_proto(GREEDY)
+    ticket = decode.Reserve(worker_pb2.ReserveRequest(request_id=request_id, prompt_token_ids=prompt,
+                                                      sampling=sampling)).ticket
+    tokens = decode.StreamTokens(worker_pb2.StreamTokensRequest(request_id=request_id, ticket=ticket), timeout=60)
+    call = prefill.Prefill.future(worker_pb2.PrefillRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+        decode_address=cluster.decode[0].address, ticket=ticket), timeout=60)
+    return request_id, tokens, call
+
+
+def test_kv_of_finished_chunks_arrives_before_the_prompt_finishes(model_dir, early_cluster, monkeypatch) -> None:
+    written: list[int] = []
+    write = StateAssembly.write
+    monkeypatch.setattr(StateAssembly, "write", lambda self, index, payload: (written.append(index),
+                                                                               write(self, index, payload))[1])
+    prompt = random_prompts([96], vocab=128, seed=61)[0]  # 6 chunks of 16
+    gate = _Gate(early_cluster.prefill[0], after_steps=3)
+    try:
+        _, events, call = _reserve_and_prefill(early_cluster, prompt)
+        assert gate.reached.wait(30)
+        _wait_for(lambda: len(written) > 0, "KV chunks on the decode worker while the prefill is paused")
+        assert not call.done()
+    finally:
+        gate.remove()
+    assert call.result().bytes_sent > 0
+    tokens = [t for e in events for t in e.token_ids]
+    assert tokens == LLM(model_dir).generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0].token_ids
+    _settled(early_cluster)
+
+
+def test_abort_mid_prefill_frees_the_block_and_the_reservation(early_cluster) -> None:
+    prompt = random_prompts([96], vocab=128, seed=62)[0]
+    prefill, decode_worker = early_cluster.prefill[0], early_cluster.decode[0]
+    gate = _Gate(prefill, after_steps=2)
+    try:
+        request_id, events, call = _reserve_and_prefill(early_cluster, prompt)
+        assert gate.reached.wait(30)
+        _wait_for(lambda: any(r.assembly is not None for r in decode_worker._reservations.values()),
+                  "the early stream to open")
+        assert prefill.sender.arena.free_bytes() < prefill.sender.arena.capacity  # the block is taken
+        # the abort queues behind the paused step (as the prefill worker's Abort RPC does)
+        aborter = threading.Thread(target=lambda: prefill.loop.fail(request_id, RuntimeError("aborted by test")))
+        aborter.start()
+    finally:
+        gate.remove()
+    aborter.join(30)
+    with pytest.raises(grpc.RpcError):
+        call.result()
+    # nobody told the decode worker: the cancelled stream alone frees its reservation and ends its tokens
+    assert list(events)[-1].finish_reason == "error"
+    _settled(early_cluster)
+    assert early_cluster.generate(prompt, GREEDY)  # nothing stale
+
+
+def test_an_early_stream_for_another_model_fails_cleanly(early_cluster, monkeypatch) -> None:
+    prefill = early_cluster.prefill[0]
+    monkeypatch.setattr(prefill, "fingerprint", "0" * 32)
+    prompt = random_prompts([64], vocab=128, seed=63)[0]
+    with pytest.raises(WorkerError) as info:
+        early_cluster.generate(prompt, GREEDY)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    _settled(early_cluster)
+
+
+def test_no_arena_room_at_the_first_chunk_boundary_sends_the_usual_way(model_dir, early_cluster, monkeypatch) -> None:
+    advances = _count_early_sends(monkeypatch)
+    sender = early_cluster.prefill[0].sender
+    hog = sender.arena.allocate(sender.arena.capacity)
+    threading.Timer(0.3, lambda: sender.arena.free(hog)).start()
+    prompt = random_prompts([80], vocab=128, seed=64)[0]
+    got = early_cluster.generate(prompt, GREEDY)
+    assert got == LLM(model_dir).generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0].token_ids
+    assert not advances
+    _settled(early_cluster)
+
+
+# ---- the wire: first token, cached tokens and device digest in the trailers --------------------------
+def _early_streams(tails: list[worker_pb2.StateTail | None], num_streams: int = 2):
+    """Streams of a small state whose trailers carry `tails` (one per stream; None: no tail)."""
+    import torch
+
+    from hybridserve.transfer.grpc_sender import encode_state_streams
+    from hybridserve.transfer.manifest import StateHeader
+    from hybridserve.transfer.state_layout import StateTensorSpec
+
+    kv, ssm = torch.randn(9, 2, 2, 2, 8), torch.randn(3, 4, 8, 6)
+    specs = [StateTensorSpec("kv", kv.dtype, tuple(kv.shape)), StateTensorSpec("ssm", ssm.dtype, tuple(ssm.shape))]
+    header = StateHeader("t-1", "r-1", "fp", 9, 0, 0)
+    # 9 chunks of 512 bytes: each stripe fits its producer queue, so the streams can be read one after another
+    streams = encode_state_streams(header, specs, [kv, ssm], 512, num_streams=num_streams,
+                                   tail=lambda: worker_pb2.StateTail(first_token=7, num_cached_tokens=3))
+    messages = [list(s) for s in streams]
+    for stream, tail in zip(messages, tails):
+        stream[-1].trailer.ClearField("tail")
+        if tail is not None:
+            stream[-1].trailer.tail.CopyFrom(tail)
+    return specs, {"kv": kv, "ssm": ssm}, messages
+
+
+def _receive(specs, messages):
+    from hybridserve.transfer.grpc_receiver import receive_stream
+
+    assemblies: list[StateAssembly] = []
+
+    def open_assembly(manifest):
+        if not assemblies:
+            assemblies.append(StateAssembly(manifest, specs))
+        return assemblies[0]
+
+    results = [receive_stream(iter(stream), open_assembly) for stream in messages]
+    return assemblies[0], results[-1][1]
+
+
+def test_the_trailers_tail_completes_the_manifest() -> None:
+    import torch
+
+    tail = worker_pb2.StateTail(first_token=7, num_cached_tokens=3)
+    specs, tensors, messages = _early_streams([tail, tail])
+    assert messages[0][0].manifest.tail_in_trailer and messages[0][0].manifest.first_token == 0
+    assembly, complete = _receive(specs, messages)
+    assert complete and assembly.manifest.first_token == 7 and assembly.manifest.num_cached_tokens == 3
+    received = assembly.result().tensors
+    assert all(torch.equal(received[name], t) for name, t in tensors.items())
+
+
+@pytest.mark.parametrize("fault", ["missing", "different"])
+def test_a_missing_or_inconsistent_tail_is_refused(fault: str) -> None:
+    from hybridserve.transfer.manifest import TransferError
+
+    tail = worker_pb2.StateTail(first_token=7, num_cached_tokens=3)
+    other = worker_pb2.StateTail(first_token=8, num_cached_tokens=3)
+    specs, _, messages = _early_streams([tail, None if fault == "missing" else other])
+    with pytest.raises(TransferError, match="tail") as info:
+        _receive(specs, messages)
+    assert info.value.code == "INVALID_ARGUMENT"
+
+
+def test_a_wrong_device_digest_in_the_tail_is_data_loss() -> None:
+    import torch
+
+    from hybridserve.transfer.manifest import TransferError
+    from hybridserve.transfer.receiver import StateReceiver
+
+    tail = worker_pb2.StateTail(first_token=7, num_cached_tokens=3, device_digest=12345)
+    specs, _, messages = _early_streams([tail, tail])
+    assembly, complete = _receive(specs, messages)
+    assert complete
+    with pytest.raises(TransferError, match="digest") as info:
+        StateReceiver(TransferConfig(staging_mb=1), torch.device("cpu")).land_host(assembly)
+    assert info.value.code == "DATA_LOSS"
