@@ -70,11 +70,12 @@ def _engine(args: argparse.Namespace) -> EngineConfig:
 
 def _start(model: Path, engine: EngineConfig, log_dir: Path) -> dict[str, WorkerProcess]:
     """The decode worker and the two prefill workers, started in parallel (gRPC plane only)."""
-    early, late = TransferConfig(planes=(GRPC,)), TransferConfig(planes=(GRPC,), grpc_early_send=False)
+    early, late = TransferConfig(planes=(GRPC,), grpc_early_send=True), TransferConfig(planes=(GRPC,))
     plan = {"decode": ("decode", early), "early": ("prefill", early), "late": ("prefill", late)}
     with futures.ThreadPoolExecutor(max_workers=3) as pool:
         started = {name: pool.submit(start_worker_process, role, f"{name}-worker",
-                                     WorkerOptions(str(model), engine, transfer=transfer), log_dir=log_dir)
+                                     WorkerOptions(str(model), engine, transfer=transfer), log_dir=log_dir,
+                                     verbose=True)
                    for name, (role, transfer) in plan.items()}
         return {name: f.result() for name, f in started.items()}
 

@@ -251,7 +251,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if complete:
                 if reservation is None:  # open_assembly ran, so this cannot be; mypy cannot see it
                     raise TransferError("INTERNAL", "a completed state stream without a reservation")
-                self.worker.commit(reservation, self.worker.receiver.land_host(assembly))
+                received = time.time()
+                landed = self.worker.receiver.land_host(assembly)
+                landed_at = time.time()
+                self.worker.commit(reservation, landed)
+                logger.info("state of %s: landed in %.1f ms, committed %.1f ms later (at %.3f)", reservation.request_id,
+                            (landed_at - received) * 1e3, (time.time() - landed_at) * 1e3, time.time())
             return complete, num_bytes
 
         complete, num_bytes = _handle_transfer(self.worker, context, lambda: reservation, land)

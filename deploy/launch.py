@@ -46,7 +46,8 @@ class WorkerProcess:
 
 
 def start_worker_process(role: str, worker_id: str, options: WorkerOptions, port: int = 0,
-                         env: dict[str, str] | None = None, log_dir: Path | None = None) -> WorkerProcess:
+                         env: dict[str, str] | None = None, log_dir: Path | None = None,
+                         verbose: bool = False) -> WorkerProcess:
     """Spawn one worker (`env`: variables set for it, e.g. CUDA_VISIBLE_DEVICES) and wait until it serves;
     its output goes to `log_dir`/<worker_id>.log (a temporary file without one); raises RuntimeError with its
     log tail if it dies."""
@@ -57,8 +58,8 @@ def start_worker_process(role: str, worker_id: str, options: WorkerOptions, port
         log = open(log_dir / f"{worker_id}.log", "wb")  # noqa: SIM115 - the worker process holds it
     else:
         log = tempfile.NamedTemporaryFile(prefix=f"hybridserve-{worker_id}-", suffix=".log", delete=False)
-    argv = [sys.executable, "-m", "hybridserve", "worker", "--role", role, "--worker-id", worker_id,
-            "--port", str(port), "--ready-file", str(ready), *options.argv()]
+    argv = [sys.executable, "-m", "hybridserve", *(["--verbose"] if verbose else []), "worker", "--role", role,
+            "--worker-id", worker_id, "--port", str(port), "--ready-file", str(ready), *options.argv()]
     child_env = {**os.environ, **(env or {})}
     child_env.pop(INTERNAL_TOKEN_ENV, None)
     if options.internal_token:

@@ -123,6 +123,7 @@ class PrefillWorker:
         header = dataclasses.replace(header, first_token=first.token_ids[0], num_cached_tokens=first.num_cached_tokens)
         self.metrics.observe_finished(len(prompt), 1, first.finish_reason or "")
         start = time.perf_counter()  # early: what is left of the transfer once the first token is known
+        logger.info("first token of %s at %.3f", request_id, time.time())
         try:
             if early is not None and pushed is not None and early.streaming:
                 early.finish(header.first_token, header.num_cached_tokens)
@@ -156,7 +157,11 @@ class PrefillWorker:
                 except Exception:  # noqa: BLE001 - the prefill's own error is the one reported
                     logger.debug("early send of a failed prefill ended", exc_info=True)
                 return 0
-            return int(pushed.result())
+            sent = int(pushed.result())
+            logger.info("early send of %.1f MiB: %.1f MiB handed to the streams before the last prefill step "
+                        "staged the rest, %.1f MiB before the first token", early.total_bytes / 2**20,
+                        (early.handed_before_last or 0) / 2**20, (early.handed_before_tail or 0) / 2**20)
+            return sent
         finally:
             self.sender.release_block(early.block)
 

@@ -53,6 +53,9 @@ class EarlyState:
         self._tail: tuple[int, int] | None = None  # (first token, cached tokens)
         self._calls: list[grpc.Future] = []
         self._cond = threading.Condition()
+        self.handed_bytes = 0  # handed to the streams' host copy so far (producer thread)
+        self.handed_before_last: int | None = None  # ... when the last step staged the rest
+        self.handed_before_tail: int | None = None  # ... when the first token became known
 
     # ---- the engine loop's side -----------------------------------------------------------------
     def begin(self, block: ArenaRange) -> None:
@@ -90,6 +93,7 @@ class EarlyState:
         """Every byte of the state was staged (queued copies that `ready` follows)."""
         with self._cond:
             self.staged_tokens = self.num_tokens
+            self.handed_before_last = self.handed_bytes
             self._staged.append((self.total_bytes, ready))
             self._state = "staged"
             self._cond.notify_all()
@@ -99,6 +103,7 @@ class EarlyState:
         """The prompt's first token and cached tokens: the trailers can be written."""
         with self._cond:
             self._tail = (first_token, num_cached_tokens)
+            self.handed_before_tail = self.handed_bytes
             self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
@@ -143,6 +148,7 @@ class EarlyState:
             index += 1
             for start in range(sent, end, PIECE_BYTES):
                 yield ReadyPart(block.data[start : min(end, start + PIECE_BYTES)], ready)
+                self.handed_bytes = min(end, start + PIECE_BYTES)
             sent = max(sent, end)
 
     def tail(self) -> worker_pb2.StateTail:

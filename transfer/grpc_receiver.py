@@ -12,7 +12,9 @@ raises a `TransferError` and nothing is written to the engine.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -25,6 +27,8 @@ from hybridserve.transfer.grpc_wire import RawStateData
 from hybridserve.transfer.host_copy import copy_bytes
 from hybridserve.transfer.manifest import TransferError
 from hybridserve.transfer.state_layout import StateTensorSpec, state_views
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,7 @@ def receive_stream(
     if first is None or isinstance(first, RawStateData) or first.WhichOneof("body") != "manifest":
         raise TransferError("INVALID_ARGUMENT", "a PushState stream must start with its manifest")
     manifest = first.manifest
+    opened = time.time()
     assembly = open_assembly(manifest)
     streams = assembly.num_streams
     own_chunks = range(manifest.stream_index, manifest.num_chunks, streams)
@@ -175,6 +180,9 @@ def receive_stream(
     if trailer.digest != digest.value:
         raise TransferError("DATA_LOSS", "the stream digest does not match the payloads")
     tail = trailer.tail if trailer.HasField("tail") else None
+    logger.info("state stream %d/%d of %s: %.1f MiB in %.1f ms (opened at %.3f, trailer at %.3f)",
+                manifest.stream_index, streams, manifest.request_id, received / 2**20, (time.time() - opened) * 1e3,
+                opened, time.time())
     return assembly, assembly.finish_stream(manifest.stream_index, tail), received
 
 

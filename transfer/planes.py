@@ -41,8 +41,10 @@ class TransferConfig:
     grpc_chunk_bytes: int = 1 << 20  # the least CPU per GB on CPU (0.25-4 MiB tried); under gRPC's 4 MiB limit
     arena_wait_s: float = 30.0  # how long a transfer waits for arena room before it fails as RESOURCE_EXHAUSTED
     # gRPC plane: open the stream at the prompt's first prefill-chunk boundary and send the KV of finished
-    # chunks while later chunks compute (a long prompt's state is mostly sent when its first token is sampled)
-    grpc_early_send: bool = True
+    # chunks while later chunks compute. Off by default: on one H200 it cut the transfer after the first token
+    # by 25-70 ms but slowed the prefill as much (the send threads take the GIL from the engine loop), so TTFT
+    # did not move (bench/results/h200/early_send/)
+    grpc_early_send: bool = False
 
     def __post_init__(self) -> None:
         planes = (self.planes,) if isinstance(self.planes, str) else tuple(self.planes)

@@ -26,7 +26,7 @@ from hybridserve.transfer.planes import TransferConfig
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 CONFIG = EngineConfig(prefill_chunk_size=16, max_num_seqs=4)
-EARLY, LATE = TransferConfig(grpc_chunk_bytes=512), TransferConfig(grpc_chunk_bytes=512, grpc_early_send=False)
+EARLY, LATE = TransferConfig(grpc_chunk_bytes=512, grpc_early_send=True), TransferConfig(grpc_chunk_bytes=512)
 
 
 @pytest.fixture(scope="module")
