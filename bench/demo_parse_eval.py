@@ -8,6 +8,7 @@ generation_config.json, which `LLM`, `serve` and vLLM apply to requests that lea
 CPU fp32 gives the GPU's rate (73.4 % plain greedy on the 64 prompts of training's own evaluation, both).
 
     python bench/demo_parse_eval.py --corpus .demo_data/corpus.tar.xz --out bench/results/cpu/demo_parse.json
+    python bench/demo_parse_eval.py --corpus .demo_data/corpus.tar.xz --device cuda --out bench/results/h200/demo_parse.json
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ def looped(text: str, min_repeats: int = 4) -> bool:
     return bool(counts) and counts.most_common(1)[0][1] >= min_repeats
 
 
-def run(model: str, prompts: list[str], penalty: float, max_tokens: int) -> dict:
+def run(model: str, prompts: list[str], penalty: float, max_tokens: int, engine: dict) -> dict:
     from hybridserve import LLM, SamplingParams
 
-    llm = LLM(model, generation_config="none")
+    llm = LLM(model, generation_config="none", **engine)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, seed=0,
                                                 repetition_penalty=penalty))
@@ -60,7 +61,7 @@ def run(model: str, prompts: list[str], penalty: float, max_tokens: int) -> dict
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def acceptance(model: str, prompts: list[str], max_tokens: int, max_k: int) -> dict:
+def acceptance(model: str, prompts: list[str], max_tokens: int, max_k: int, engine: dict) -> dict:
     """MTP acceptance length at K = 1..max_k under the checkpoint's own defaults, greedy."""
     import dataclasses
 
@@ -68,7 +69,7 @@ def acceptance(model: str, prompts: list[str], max_tokens: int, max_k: int) -> d
 
     result = {}
     for k in range(1, max_k + 1):
-        llm = LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": k})
+        llm = LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **engine)
         params = dataclasses.replace(llm.get_default_sampling_params(), max_tokens=max_tokens, temperature=0.0,
                                      seed=0)
         llm.generate(prompts, params)
@@ -84,21 +85,23 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--penalties", type=float, nargs="+", default=[1.0, 1.05, 1.1, 1.15, 1.2])
     p.add_argument("--mtp-prompts", type=int, default=64, help="prompts of the acceptance run (0: skip)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cuda runs bf16 (as training's eval)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
+    engine = {"device": "cuda", "dtype": "bfloat16", "warmup": False} if args.device == "cuda" else {}
     corpus = train_demo_data.load_corpus(4, 3, None, args.corpus)  # train_demo.py's default split
     prompts = train_demo_eval.heldout_prompts(corpus.heldout, args.prompts)
     shipped = json.loads((Path(args.model) / "generation_config.json").read_text()).get("repetition_penalty", 1.0)
     rows = []
     for penalty in args.penalties:
-        rows.append(run(args.model, prompts, penalty, args.max_tokens))
+        rows.append(run(args.model, prompts, penalty, args.max_tokens, engine))
         print(json.dumps(rows[-1]), flush=True)
-    result = {"command": " ".join(sys.argv), "model": args.model, "shipped_repetition_penalty": shipped,
+    result = {"command": " ".join(sys.argv), "model": args.model, "device": args.device, "shipped_repetition_penalty": shipped,
               "max_tokens": args.max_tokens, "machine": platform.platform(), "rows": rows,
               "first_64_prompts_note": "bench/train_demo.py's own evaluation uses the first 64 of these prompts"}
     if args.mtp_prompts:
         result["mtp_acceptance_with_shipped_defaults"] = acceptance(args.model, prompts[: args.mtp_prompts],
-                                                                    args.max_tokens, 3)
+                                                                    args.max_tokens, 3, engine)
         print(json.dumps(result["mtp_acceptance_with_shipped_defaults"]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
