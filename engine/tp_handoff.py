@@ -57,8 +57,8 @@ def global_specs(cache: StateCache, config: ModelConfig, num_tokens: int, hidden
         m = config.mamba
         assert m is not None
         n_mamba = cache.conv_states.shape[1]
-        specs.append(StateTensorSpec("conv", cache.conv_states.dtype, (n_mamba, m.conv_dim, cache.conv_states.shape[-1])))
         specs.append(StateTensorSpec("ssm", cache.ssm_states.dtype, (n_mamba, m.num_heads, m.head_dim, m.state_size)))
+        specs.append(StateTensorSpec("conv", cache.conv_states.dtype, (n_mamba, m.conv_dim, cache.conv_states.shape[-1])))
     specs.append(StateTensorSpec("hidden", hidden_dtype, (config.hidden_size,)))
     return specs
 

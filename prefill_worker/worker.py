@@ -29,6 +29,7 @@ from hybridserve.proto.channels import start_server, worker_threads
 from hybridserve.proto.convert import sampling_from_proto
 from hybridserve.proto.internal_tls import InternalTlsConfig
 from hybridserve.transfer.early_state import EarlyState
+from hybridserve.transfer.layer_staging import LayerStager
 from hybridserve.transfer.manifest import StateHeader
 from hybridserve.transfer.planes import GRPC, TransferConfig
 from hybridserve.transfer.sender import PUSH_TIMEOUT_S, StagedState, StateSender
@@ -175,7 +176,8 @@ class PrefillWorker:
         No block is taken before the prompt computed its first chunk: a queued request holding one could starve
         finished ones that hold the engine's slots while they wait for arena room. With `early`, the KV of each
         finished chunk is staged at the end of its step (into a block taken at the first chunk boundary, if one
-        is free then) and the last step stages the rest into the same block."""
+        is free then), the last step's forward stages the rest of the KV and each Mamba layer's state as its
+        layer finishes (`LayerStager`, with `grpc_layer_send`) and the step's end what is left."""
         exported: Future[StagedState | None] = Future()
 
         def progress_on_loop(request: Request) -> None:  # on the loop thread, after each unfinished chunk
@@ -221,8 +223,10 @@ class PrefillWorker:
         staged: StagedState | None = None
         try:
             on_progress = progress_on_loop if early is not None else None
+            on_layer = (LayerStager(early, self.engine.cache, self.engine.model_config, self.sender.device)
+                        if early is not None and self.sender.config.grpc_layer_send else None)
             for out in self.loop.generate(prompt, params, request_id, hold_state=True, on_held=export_on_loop,
-                                          on_progress=on_progress):
+                                          on_progress=on_progress, on_layer=on_layer):
                 first = out
             if first is None or first.finish_reason == "abort":
                 raise RuntimeError(f"prefill of {request_id} was aborted")

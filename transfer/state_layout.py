@@ -2,12 +2,15 @@
 
   kv     : [L, 2, n_attention_layers, Hkv, Dh]   the prompt's keys (0) / values (1), token-major (attention
                                                   layers only)
-  conv   : [n_mamba_layers, conv_dim, W]          conv windows after the prompt
   ssm    : [n_mamba_layers, H, P, N]              SSM states after the prompt
+  conv   : [n_mamba_layers, conv_dim, W]          conv windows after the prompt
   hidden : [hidden_size]                          last prompt token's final hidden state (for MTP drafting)
 KV comes first and token-major so that the bytes final early form a prefix: once the first t prompt tokens are
 computed, the first t rows of `kv` never change, and a prefill worker streams them while later chunks compute
-(`transfer.early_state`). Loose parts are cut in pieces so copying piece i+1 overlaps sending piece i.
+(`transfer.early_state`). SSM states follow, layer-major: in the forward of the prompt's last chunk layer i's
+state is final once layer i ran, so the bytes final early keep forming a prefix layer by layer (the few MiB of
+conv windows come after them; every layer's is final once the last Mamba layer ran). Loose parts are cut in
+pieces so copying piece i+1 overlaps sending piece i.
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ def request_state_specs(
     if n_attn and cache.k_pages.shape[0]:
         specs.append(StateTensorSpec("kv", cache.k_pages.dtype, (num_tokens, 2, n_attn, *cache.k_pages.shape[3:])))
     if cache.conv_states.shape[0]:
-        specs.append(StateTensorSpec("conv", cache.conv_states.dtype, tuple(cache.conv_states.shape[1:])))
         specs.append(StateTensorSpec("ssm", cache.ssm_states.dtype, tuple(cache.ssm_states.shape[1:])))
+        specs.append(StateTensorSpec("conv", cache.conv_states.dtype, tuple(cache.conv_states.shape[1:])))
     specs.append(StateTensorSpec("hidden", hidden_dtype, (hidden_size,)))
     return specs
 
@@ -90,7 +93,7 @@ def iter_request_state(
     if cache.conv_states.shape[0]:
         if slot is None:
             raise ValueError("the model has Mamba layers but the request holds no state slot")
-        for name, pool in (("conv", cache.conv_states), ("ssm", cache.ssm_states)):
+        for name, pool in (("ssm", cache.ssm_states), ("conv", cache.conv_states)):
             for layer in range(pool.shape[1]):
                 yield name, layer, pool[slot, layer].clone()  # a copy: the slot is reused once released
     yield "hidden", 0, hidden.clone()
@@ -139,12 +142,14 @@ def stage_request_state(
 ) -> None:
     """Copy a request's state into `out` (views of a staging buffer, from `state_views`): queued device
     copies, no host sync; the pages and slot may be released right after (later writes queue behind).
-    `out["kv"]` may hold only the last rows of the state's `kv` (the rest staged earlier, chunk by chunk)."""
+    `out["kv"]` may hold only the last rows of the state's `kv` (the rest staged earlier, chunk by chunk), and
+    `ssm` / `conv` may be left out (staged layer by layer in the last chunk's forward)."""
     if "kv" in out:
         stage_kv_rows(cache, page_ids, num_tokens - out["kv"].shape[0], num_tokens, out["kv"])
-    if "conv" in out:
-        if slot is None:
-            raise ValueError("the model has Mamba layers but the request holds no state slot")
-        out["conv"].copy_(cache.conv_states[slot])
+    if ("conv" in out or "ssm" in out) and slot is None:
+        raise ValueError("the model has Mamba layers but the request holds no state slot")
+    if "ssm" in out:
         out["ssm"].copy_(cache.ssm_states[slot])
+    if "conv" in out:
+        out["conv"].copy_(cache.conv_states[slot])
     out["hidden"].copy_(hidden)

@@ -195,6 +195,115 @@ def test_no_arena_room_at_the_first_chunk_boundary_sends_the_usual_way(model_dir
     _settled(early_cluster)
 
 
+# ---- the last chunk's forward: KV rest and Mamba states staged layer by layer ----------------------------
+@pytest.fixture(scope="module")
+def layered_dir():
+    return nemotron_h("M*MM-")[0]  # the last attention layer comes early; two Mamba layers and an MLP follow it
+
+
+def _record_forward_and_staging(worker, monkeypatch) -> list[tuple]:
+    """("layer", i) as each layer of the prefill worker's model starts, ("frontier", bytes) whenever the bytes
+    handed to the sender's producer grow (EarlyState._range_staged), ("layer_staged", pool index, state id)."""
+    from hybridserve.transfer.layer_staging import LayerStager
+
+    log: list[tuple] = []
+    for index, layer in enumerate(worker.engine.model.layers):
+        monkeypatch.setattr(layer.mixer, "forward", _logged(layer.mixer.forward, log, ("layer", index)))
+    grow, staged_layer = EarlyState._range_staged, EarlyState.layer_staged
+
+    def logged_grow(self, start, end, ready):
+        grow(self, start, end, ready)
+        log.append(("frontier", self._frontier, self.total_bytes))
+
+    def logged_layer(self, layer, ready):
+        log.append(("layer_staged", layer, id(self)))
+        staged_layer(self, layer, ready)
+
+    monkeypatch.setattr(EarlyState, "_range_staged", logged_grow)
+    monkeypatch.setattr(EarlyState, "layer_staged", logged_layer)
+    assert LayerStager  # imported: the worker builds one per early request
+    return log
+
+
+def _logged(forward, log: list[tuple], entry: tuple):
+    def run(*args, **kwargs):
+        log.append(entry)
+        return forward(*args, **kwargs)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def layered_cluster(layered_dir):
+    cluster = Cluster(layered_dir, engine=CONFIG, transfer=EARLY, router=False)
+    yield cluster
+    cluster.stop()
+
+
+def test_mamba_states_go_to_the_sender_before_the_later_layers_run(layered_dir, layered_cluster, monkeypatch) -> None:
+    prefill = layered_cluster.prefill[0]
+    log = _record_forward_and_staging(prefill, monkeypatch)
+    prompt = random_prompts([70], vocab=128, seed=65)[0]  # 5 chunks of 16: the last one computes 6 tokens
+    got = layered_cluster.generate(prompt, GREEDY)
+    assert got == LLM(layered_dir).generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0].token_ids
+    last_forward = log[max(i for i, e in enumerate(log) if e == ("layer", 0)):]
+    assert [e[1] for e in last_forward if e[0] == "layer_staged"] == [0, 1, 2]  # every Mamba layer, in order
+
+    def frontier_before(layer: int) -> int:
+        before = last_forward[: last_forward.index(("layer", layer))]
+        return max((e[1] for e in before if e[0] == "frontier"), default=0)
+
+    cache = prefill.engine.cache
+    specs = prefill.engine.state_specs(len(prompt))
+    kv_bytes, ssm_layer = specs[0].nbytes, cache.ssm_states[0, 0].numel() * cache.ssm_states.element_size()
+    total, hidden = specs[0].nbytes + sum(s.nbytes for s in specs[1:]), specs[-1].nbytes
+    # layer 0's SSM state leaves once the KV rest is staged after layer 1 (attention), before layer 2 runs
+    assert frontier_before(2) >= kv_bytes + ssm_layer
+    assert frontier_before(2) < kv_bytes + 2 * ssm_layer  # ... and not layer 2's, which has not run yet
+    # every Mamba state (and conv window) is with the sender before the MLP layer 4 runs; the hidden comes last
+    assert frontier_before(4) == total - hidden
+    _settled(layered_cluster)
+
+
+def test_multi_chunk_prompts_with_the_layer_path_equal_in_process(layered_dir, layered_cluster, monkeypatch) -> None:
+    log = _record_forward_and_staging(layered_cluster.prefill[0], monkeypatch)
+    # several chunks of 16 (how many tokens each step gives each prompt depends on the others); 12: one step, no
+    # early send; a last chunk of one token is a decode row, which runs no layer hook (staged at the step's end)
+    prompts = random_prompts([40, 33, 70, 90, 12], vocab=128, seed=66)
+    reference = [o.token_ids for o in LLM(layered_dir).generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    with futures.ThreadPoolExecutor(max_workers=5) as pool:
+        got = list(pool.map(lambda p: layered_cluster.generate(p, GREEDY), prompts))
+    assert got == reference
+    layers: dict[int, list[int]] = {}
+    for entry in log:
+        if entry[0] == "layer_staged":
+            layers.setdefault(entry[2], []).append(entry[1])
+    assert len(layers) >= 2 and all(staged == [0, 1, 2] for staged in layers.values())
+    _settled(layered_cluster)
+
+
+def test_a_fault_mid_way_through_the_last_forward_frees_everything(layered_cluster, monkeypatch) -> None:
+    from hybridserve.transfer.layer_staging import LayerStager
+
+    handed: list[int] = []
+    call = LayerStager.__call__
+
+    def failing(self, request, layer):
+        call(self, request, layer)
+        handed.append(self.early._frontier)
+        if layer == 2:  # after the KV rest and two Mamba states went to the sender
+            raise RuntimeError("injected fault in the last chunk's forward")
+
+    monkeypatch.setattr(LayerStager, "__call__", failing)
+    prompt = random_prompts([70], vocab=128, seed=67)[0]
+    with pytest.raises(WorkerError):
+        layered_cluster.generate(prompt, GREEDY)
+    assert max(handed) > 0
+    _settled(layered_cluster)
+    monkeypatch.undo()
+    assert layered_cluster.generate(prompt, GREEDY)  # nothing stale
+
+
 # ---- the wire: first token, cached tokens and device digest in the trailers --------------------------
 def _early_streams(tails: list[worker_pb2.StateTail | None], num_streams: int = 2):
     """Streams of a small state whose trailers carry `tails` (one per stream; None: no tail)."""
