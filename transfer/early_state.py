@@ -28,10 +28,11 @@ import grpc
 import torch
 
 from hybridserve.proto import worker_pb2
+from hybridserve.statepool.state_cache import StateCache
 from hybridserve.transfer.arena import ArenaRange
 from hybridserve.transfer.digest import device_digest
 from hybridserve.transfer.grpc_sender import ReadyPart
-from hybridserve.transfer.state_layout import StateTensorSpec, state_nbytes, state_views
+from hybridserve.transfer.state_layout import StateTensorSpec, stage_kv_rows, state_nbytes, state_views
 
 PIECE_BYTES = 4 << 20  # staged ranges are handed out in pieces this big: the copy of one overlaps the send of another
 
@@ -43,8 +44,10 @@ class EarlyState:
         if not specs or specs[0].name != "kv":
             raise ValueError("an early-sent state needs KV first in its layout")
         self.specs = specs
-        self.num_tokens = specs[0].shape[0]
-        self.row_bytes = specs[0].nbytes // max(self.num_tokens, 1)
+        self.head_rows = specs[0].shape[0]  # rows in `kv`; the rest, if split, in `kv_tail` (`split_kv_specs`)
+        tail = next((spec for spec in specs if spec.name == "kv_tail"), None)
+        self.num_tokens = self.head_rows + (tail.shape[0] if tail is not None else 0)
+        self.row_bytes = specs[0].nbytes // max(self.head_rows, 1)
         self.total_bytes = state_nbytes(specs)
         self.block: ArenaRange | None = None
         self.views: dict[str, torch.Tensor] = {}
@@ -90,10 +93,27 @@ class EarlyState:
         """Whether the block was taken (the state goes this way, or fails)."""
         return self.block is not None
 
+    def _kv_rows(self, start: int, end: int) -> list[tuple[str, int, int]]:
+        """(tensor, first row, end row) in the block of prompt rows [start, end): in `kv`, then `kv_tail`."""
+        out = []
+        if start < min(end, self.head_rows):
+            out.append(("kv", start, min(end, self.head_rows)))
+        if end > max(start, self.head_rows):
+            out.append(("kv_tail", max(start, self.head_rows) - self.head_rows, end - self.head_rows))
+        return out
+
+    def stage_kv(self, cache: StateCache, page_ids: list[int], end: int) -> None:
+        """Queue the copies of the KV rows not staged yet, up to prompt row `end` (then `advance(end, ...)`)."""
+        for name, first, last in self._kv_rows(self.staged_tokens, end):
+            shift = 0 if name == "kv" else self.head_rows  # the tensor's row 0 is this prompt row
+            stage_kv_rows(cache, page_ids, first + shift, last + shift, self.views[name][first:last])
+
     def advance(self, tokens: int, ready: torch.cuda.Event | None) -> None:
         """KV rows up to `tokens` were staged (queued copies that `ready` follows)."""
         start, self.staged_tokens = self.staged_tokens, tokens
-        self._range_staged(start * self.row_bytes, tokens * self.row_bytes, ready)
+        for name, first, last in self._kv_rows(start, tokens):
+            self._range_staged(self._offsets[name] + first * self.row_bytes, self._offsets[name] + last * self.row_bytes,
+                               ready)
 
     def layer_views(self, layer: int) -> dict[str, torch.Tensor]:
         """Views of Mamba layer `layer`'s SSM state and conv window in the block (pool index)."""
@@ -122,7 +142,8 @@ class EarlyState:
         """Views of what the last step stages at its end: the kv rows not staged yet, SSM and conv unless the
         forward staged every layer's, hidden."""
         layers_done = "ssm" in self.views and len(self.staged_layers) == self.views["ssm"].shape[0]
-        return {name: view[self.staged_tokens :] if name == "kv" else view for name, view in self.views.items()
+        rest = {"kv": min(self.staged_tokens, self.head_rows), "kv_tail": max(self.staged_tokens - self.head_rows, 0)}
+        return {name: view[rest[name]:] if name in rest else view for name, view in self.views.items()
                 if not (layers_done and name in ("ssm", "conv"))}
 
     def staged(self, ready: torch.cuda.Event | None) -> None:

@@ -17,7 +17,6 @@ from hybridserve.engine.request import Request
 from hybridserve.models.config import ModelConfig
 from hybridserve.statepool.state_cache import StateCache
 from hybridserve.transfer.early_state import EarlyState
-from hybridserve.transfer.state_layout import stage_kv_rows
 
 
 class LayerStager:
@@ -38,8 +37,7 @@ class LayerStager:
         if early.streaming and (layer == self._last_attention or layer in self._mamba):
             with self._side():
                 if layer == self._last_attention:
-                    stage_kv_rows(self.cache, request.page_ids, early.staged_tokens, early.num_tokens,
-                                  early.views["kv"][early.staged_tokens :])
+                    early.stage_kv(self.cache, request.page_ids, early.num_tokens)
                     early.advance(early.num_tokens, self._recorded())
                 if layer in self._mamba:
                     if request.state_slot is None:

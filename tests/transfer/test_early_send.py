@@ -4,6 +4,8 @@ mid-prefill frees the arena block and the decode reservation; faults keep their 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import threading
 import time
 import uuid
@@ -254,13 +256,14 @@ def test_mamba_states_go_to_the_sender_before_the_later_layers_run(layered_dir, 
         return max((e[1] for e in before if e[0] == "frontier"), default=0)
 
     cache = prefill.engine.cache
-    specs = prefill.engine.state_specs(len(prompt))
-    kv_bytes, ssm_layer = specs[0].nbytes, cache.ssm_states[0, 0].numel() * cache.ssm_states.element_size()
-    total, hidden = specs[0].nbytes + sum(s.nbytes for s in specs[1:]), specs[-1].nbytes
-    # layer 0's SSM state leaves once the KV rest is staged after layer 1 (attention), before layer 2 runs
-    assert frontier_before(2) >= kv_bytes + ssm_layer
-    assert frontier_before(2) < kv_bytes + 2 * ssm_layer  # ... and not layer 2's, which has not run yet
-    # every Mamba state (and conv window) is with the sender before the MLP layer 4 runs; the hidden comes last
+    specs = prefill.engine.state_specs(len(prompt))  # the plain layout; the early one splits the KV
+    row_bytes = specs[0].nbytes // len(prompt)
+    kv_head = (len(prompt) - CONFIG.prefill_chunk_size) * row_bytes  # rows final before the last chunk for sure
+    ssm_layer = cache.ssm_states[0, 0].numel() * cache.ssm_states.element_size()
+    total, hidden = sum(s.nbytes for s in specs), specs[-1].nbytes
+    # layer 0's SSM state goes to the sender right after layer 0, before the attention layer 1 runs ...
+    assert kv_head + ssm_layer <= frontier_before(1) < kv_head + 2 * ssm_layer  # ... and not layer 2's yet
+    # every Mamba state, conv window and the KV tail are with the sender before the MLP layer 4 runs
     assert frontier_before(4) == total - hidden
     _settled(layered_cluster)
 
@@ -302,6 +305,37 @@ def test_a_fault_mid_way_through_the_last_forward_frees_everything(layered_clust
     _settled(layered_cluster)
     monkeypatch.undo()
     assert layered_cluster.generate(prompt, GREEDY)  # nothing stale
+
+
+def test_a_split_kv_layout_is_accepted_and_lands_like_the_plain_one(layered_cluster) -> None:
+    import torch
+
+    from hybridserve.transfer.manifest import StateHeader, TransferError, build_manifest, check_manifest
+    from hybridserve.transfer.state_layout import split_kv_specs, write_request_state
+
+    engine = layered_cluster.decode[0].engine
+    plain = engine.state_specs(40)
+    split = split_kv_specs(plain, 29)
+    assert [s.name for s in split] == ["kv", "ssm", "conv", "kv_tail", "hidden"]
+    assert [s.shape[0] for s in split if s.name.startswith("kv")] == [29, 11]
+    assert sum(s.nbytes for s in split) == sum(s.nbytes for s in plain)
+    header = StateHeader("t", "r", "fp", 40, 0, 0)
+    assert check_manifest(build_manifest(header, split, 512), "t", "fp", 40, plain) == split
+    assert check_manifest(build_manifest(header, plain, 512), "t", "fp", 40, plain) == plain
+    wrong = [*split[:3], dataclasses.replace(split[3], shape=(12, *split[3].shape[1:])), split[4]]
+    with pytest.raises(TransferError, match="do not match"):
+        check_manifest(build_manifest(dataclasses.replace(header, num_tokens=40), wrong, 512), "t", "fp", 40, plain)
+    with pytest.raises(ValueError, match="cannot split"):
+        split_kv_specs(plain, 40)
+    # the two KV tensors land in the pages exactly as the one plain tensor does (on copies of the idle worker's pools)
+    cache = copy.copy(engine.cache)
+    cache.k_pages, cache.v_pages = torch.zeros_like(cache.k_pages), torch.zeros_like(cache.v_pages)
+    kv, pages = torch.randn(plain[0].shape), list(range(-(-40 // engine.config.page_size)))
+    write_request_state(cache, pages, None, 40, {"kv": kv})
+    plain_k, plain_v = cache.k_pages.clone(), cache.v_pages.clone()
+    cache.k_pages.zero_(), cache.v_pages.zero_()
+    write_request_state(cache, pages, None, 40, {"kv": kv[:29], "kv_tail": kv[29:]})
+    assert torch.equal(cache.k_pages, plain_k) and torch.equal(cache.v_pages, plain_v) and plain_k.abs().sum() > 0
 
 
 # ---- the wire: first token, cached tokens and device digest in the trailers --------------------------
