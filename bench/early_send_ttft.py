@@ -18,11 +18,11 @@ fresh random prompts every run (no prefix-cache hits), modes interleaved, median
 
 Look for: "gain" (late - early TTFT) > 0 and growing with the prompt; "transfer exposed" (TTFT - the local
 floor) for early well below late. With Nano-9B-v2 shapes and 2048-token chunks the KV of all chunks but the
-last leaves during earlier chunks (8K: ~36 % of the state's 263 MiB, 16K: ~57 % of 391 MiB). The layer path
-("early" - "chunks" < 0) also overlaps the fp32 SSM state (~135 MiB) with the last chunk's forward, but only
-from Nano's last attention layer (39 of 56) on: the KV rows of the last chunk precede the SSM states in the
-layout, so the 19 Mamba layers before layer 39 go at once after it, the last 8 as they finish; expect the gain
-to be at most the time of the last chunk's forward after layer 39 (about a third of one chunk's forward).
+last leaves during earlier chunks (8K: ~36 % of the state's 263 MiB, 16K: ~57 % of 391 MiB). "layer_gain"
+(chunks - early) > 0: the layer path also sends the fp32 SSM states (~135 MiB) during the last chunk's forward,
+layer i's right after layer i (the early layout puts the last chunk's KV rows behind them), so what is left
+after the forward is about (135 MiB - what the pipe moved during the forward) + that chunk's 32 MiB of KV;
+expect layer_gain up to the last chunk's forward time (tens of ms at 2048 tokens) where gRPC is the bottleneck.
 """
 
 from __future__ import annotations

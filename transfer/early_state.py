@@ -8,10 +8,11 @@ queued (a queued holder could starve finished requests that hold the engine's sl
 open then; their producer hands out each staged range once its event completed, so the device->host copy of
 chunk i and its send overlap the compute of chunk i+1. The step the prompt finishes in stages the rest (last
 KV rows, conv, SSM, hidden); first token, cached tokens and the device digest, unknown when the manifest
-left, go in the trailers (`StateTail`). In the forward of the last chunk (`transfer.layer_staging`) the rest
-of the KV is staged once the last attention layer ran and each Mamba layer's SSM state / conv window once that
+left, go in the trailers (`StateTail`). In the forward of the last chunk (`transfer.layer_staging`) each Mamba
+layer's SSM state / conv window is staged once that layer ran and the rest of the KV once the last attention
 layer ran, so those bytes leave while later layers still compute; the step's end stages what is left (hidden).
-Staged ranges join the sent prefix as soon as every byte before them is staged too.
+With that path the layout splits the KV (`split_kv_specs`: kv, ssm, conv, kv_tail, hidden) so the Mamba states
+need not wait for the last chunk's KV rows. Staged ranges join the sent prefix once every byte before them is.
 
 States: waiting (no block yet) -> streaming (block taken) -> staged (all bytes) -> finished (tail known);
 or declined (no block at the first boundary, or the prompt finished in one step: the worker sends the

@@ -1,8 +1,9 @@
 """Stage a prompt's final state layer by layer, inside the forward of its last prefill chunk.
 
 `ForwardBatch.layer_done` calls a `LayerStager` right after each layer was queued. Once the last attention
-layer ran, the KV rows not staged at earlier chunk boundaries are final; once Mamba layer i ran, its SSM state
-and conv window for the request are. Each is copied into the request's arena block on a side CUDA stream that
+layer ran, the KV rows not staged at earlier chunk boundaries are final (they lie in `kv_tail`, behind the
+Mamba states in the early layout: `state_layout.split_kv_specs`); once Mamba layer i ran, its SSM state and
+conv window for the request are. Each is copied into the request's arena block on a side CUDA stream that
 waits for an event recorded after that layer only, so the copy and the send of layer i overlap layers i+1...
 After the model's last layer the loop's stream waits for the side stream: nothing later (the request's slot
 and pages being reused, the step-end staging of the rest) can overtake a copy. On CPU the copies run at once
