@@ -23,6 +23,10 @@ last leaves during earlier chunks (8K: ~36 % of the state's 263 MiB, 16K: ~57 % 
 layer i's right after layer i (the early layout puts the last chunk's KV rows behind them), so what is left
 after the forward is about (135 MiB - what the pipe moved during the forward) + that chunk's 32 MiB of KV;
 expect layer_gain up to the last chunk's forward time (tens of ms at 2048 tokens) where gRPC is the bottleneck.
+Check the prefill worker's INFO lines ("... MiB handed to the streams before the last prefill step staged the
+rest": with the layer path most of the SSM state is in it) and whether the prefill itself got slower: on one
+H200 the chunk path's send threads took the GIL from the engine loop and ate its gain
+(bench/results/h200/early_send/); the layer path sends during the last forward, so it can suffer the same.
 """
 
 from __future__ import annotations
