@@ -150,7 +150,7 @@ class DecodeWorker:
         """The state specs a manifest for `reservation` must match; TransferError otherwise.
         `chunked`: the manifest heads a gRPC stream (its chunk fields must add up)."""
         specs = self.engine.state_specs(reservation.num_tokens)  # cache geometry only: safe off the loop
-        check_manifest(manifest, reservation.ticket, self.fingerprint, reservation.num_tokens, specs, chunked)
+        specs = check_manifest(manifest, reservation.ticket, self.fingerprint, reservation.num_tokens, specs, chunked)
         if manifest.request_id != reservation.request_id:
             raise TransferError("FAILED_PRECONDITION", "manifest request_id does not match the ticket")
         return specs

@@ -20,7 +20,7 @@ from hybridserve.engine.mtp_drafter import CatchUp
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.engine.sampling_params import SamplingParams
-from hybridserve.engine.scheduler import Scheduler
+from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
 from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.engine.spec_memory import spec_working_bytes, write_checkpoint_hidden
 from hybridserve.engine.structured_output import GrammarBackend
@@ -128,6 +128,8 @@ class LLMEngine:
         self._on_held: dict[str, Callable[[str], None]] = {}
         # request id -> called on the loop after each step that computed part of its prompt (early staging)
         self._on_progress: dict[str, Callable[[Request], None]] = {}
+        # request id -> called after each layer of the forward that computes its prompt's last chunk
+        self._on_layer: dict[str, Callable[[Request, int], None]] = {}
         self._reserved: dict[str, Request] = {}  # pages and slot waiting for a remote prefill's state
         self._counter = itertools.count()
         self._arrivals = itertools.count()
@@ -166,12 +168,16 @@ class LLMEngine:
         on_held: Callable[[str], None] | None = None,
         bounded: bool = False,
         on_progress: Callable[[Request], None] | None = None,
+        on_layer: Callable[[Request, int], None] | None = None,
     ) -> str:
         """Queue a request; with `hold_state` it keeps its state after finishing until `export_state`.
         `on_held(request_id)` then runs at the end of the step it finished in (e.g. to export the state right
         there: no extra trip to the loop, pages and slot free a step sooner). `on_progress(request)` runs at the
         end of every step that computed a chunk of its prompt without finishing it (a prefill worker stages the
-        KV of the tokens computed so far: `request.num_computed_tokens`). `bounded` (workers): CapacityError
+        KV of the tokens computed so far: `request.num_computed_tokens`). `on_layer(request, layer)` runs inside
+        the forward that computes the prompt's last chunk, right after each layer was queued (that layer's state
+        of the prompt is then final: a prefill worker stages it while later layers compute; `request` still
+        counts the chunk as pending). `bounded` (workers): CapacityError
         when `max_num_waiting` requests already wait."""
         if bounded and len(self.scheduler.waiting) >= self.config.max_num_waiting:
             raise handoff.CapacityError(f"{len(self.scheduler.waiting)} requests already wait for a slot on this worker "
@@ -183,6 +189,8 @@ class LLMEngine:
             self._on_held[request.request_id] = on_held
         if hold_state and on_progress is not None:
             self._on_progress[request.request_id] = on_progress
+        if hold_state and on_layer is not None:
+            self._on_layer[request.request_id] = on_layer
         self.scheduler.add(request)
         return request.request_id
 
@@ -229,6 +237,7 @@ class LLMEngine:
         """Stop a request wherever it is (queued, running, reserved, held); False if it is unknown."""
         self._on_held.pop(request_id, None)
         self._on_progress.pop(request_id, None)
+        self._on_layer.pop(request_id, None)
         request = self._requests.pop(request_id, None)
         if request is not None and not request.finished:
             self.scheduler.finish(request, "abort")
@@ -313,7 +322,7 @@ class LLMEngine:
         verify = self.spec.verify_inputs(work.decodes) if self.spec is not None else None
         checkpoint_slots = self.pool.plan_checkpoints([(c.request, c.num_tokens) for c in work.prefills])
         try:
-            output = self.runner.execute(work, checkpoint_slots, verify)
+            output = self.runner.execute(work, checkpoint_slots, verify, self._layer_hook(work))
         except BaseException:
             self.pool.cancel_plan()
             raise
@@ -327,6 +336,7 @@ class LLMEngine:
             if request.finished:
                 self._requests.pop(request.request_id, None)
                 self._on_progress.pop(request.request_id, None)
+                self._on_layer.pop(request.request_id, None)
                 if request.hold_state:
                     self._held[request.request_id] = request
             updated.append(self._output(request))
@@ -342,6 +352,24 @@ class LLMEngine:
                 if on_progress is not None and not chunk.request.finished:  # on_held has a finished one's state
                     on_progress(chunk.request)
         return updated
+
+    def _layer_hook(self, work: SchedulerOutput) -> Callable[[int], None] | None:
+        """`ForwardBatch.layer_done` of a step computing the last prompt chunk of a request with `on_layer`
+        (None otherwise: the forward calls nothing). A last chunk of one token is a decode row, which may
+        replay a CUDA graph: it gets no hook (its state is staged at the step's end)."""
+        if not self._on_layer:
+            return None
+        due = [(chunk.request, hook) for chunk in work.prefills
+               if (hook := self._on_layer.get(chunk.request.request_id)) is not None
+               and chunk.num_tokens == chunk.request.num_pending_tokens]
+        if not due:
+            return None
+
+        def layer_done(layer: int) -> None:
+            for request, hook in due:
+                hook(request, layer)
+
+        return layer_done
 
     def _catch_up_work(self, chunks: list[tuple[Request, int]], before: list[int], output: StepOutput) -> list[CatchUp]:
         """The drafter's work after a step: every request that holds its slot and computed tokens."""

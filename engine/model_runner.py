@@ -53,6 +53,7 @@ def build_forward_batch(
     state_block: int | None = None,
     checkpoint_slots: list[int] | None = None,
     verify: VerifyInputs | None = None,
+    layer_done: Callable[[int], None] | None = None,
 ) -> tuple[torch.Tensor, ForwardBatch]:
     """(request, new token count) pairs, decodes first -> (input ids [N], batch metadata).
     `checkpoint_slots`: one slot (or -1) per state_block boundary the prefill chunks cross, in chunk then
@@ -75,6 +76,7 @@ def build_forward_batch(
         rows, num_decode, page_size, device,
         **_checkpoint_fields(state_block, checkpoint_slots or [], as_tensor),
         **_verify_fields(verify, num_decode, device),
+        **({"layer_done": layer_done} if layer_done is not None else {}),
     )
     return as_tensor(input_ids), batch
 
@@ -157,16 +159,17 @@ class ModelRunner:
         self.grammar: GrammarBackend | None = None  # set by the engine on its first structured request
 
     def execute(
-        self, work: SchedulerOutput, checkpoint_slots: list[int] | None = None, verify: VerifyInputs | None = None
+        self, work: SchedulerOutput, checkpoint_slots: list[int] | None = None, verify: VerifyInputs | None = None,
+        layer_done: Callable[[int], None] | None = None,
     ) -> StepOutput:
         """Run the step and sample every request whose pending tokens are now computed (verify rows are
         left to the acceptance step: their logits come back instead). `checkpoint_slots`: from
-        `StatePool.plan_checkpoints` for this step's prefill chunks."""
+        `StatePool.plan_checkpoints` for this step's prefill chunks; `layer_done`: `ForwardBatch.layer_done`."""
         nd = len(work.decodes)
         tokens = len(verify.tokens[0]) if verify is not None and nd else 1
         chunks = [(r, tokens) for r in work.decodes] + [(c.request, c.num_tokens) for c in work.prefills]
         input_ids, batch = build_forward_batch(
-            chunks, nd, self.page_size, self.device, self.state_block, checkpoint_slots, verify
+            chunks, nd, self.page_size, self.device, self.state_block, checkpoint_slots, verify, layer_done
         )
         hidden = self.model(input_ids, batch, self.cache)
         verify_logits = None

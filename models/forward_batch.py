@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,10 @@ class ForwardBatch:
     intermediate_states: dict[int, torch.Tensor] = field(default_factory=dict)
     # host copy of context_lens: the kernels' per-batch index lists are built from it without a device sync
     context_lens_host: tuple[int, ...] | None = None
+    # called with a layer's index right after its mixer was queued (its KV / state writes for this step are
+    # then queued too): a prefill worker stages a prompt's final state layer by layer in the forward of its
+    # last chunk. None (every other step, CUDA-graph decode steps included): nothing is called
+    layer_done: Callable[[int], None] | None = field(default=None, compare=False)
     # per-batch metadata shared by every layer of the forward, built on first use (see the methods below)
     _derived: dict[tuple, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 

@@ -68,10 +68,14 @@ class HybridLM(nn.Module):
             block = cast(Block, self.layers[index])  # nn.ModuleList indexes as a plain Module
             if block.kind == "mamba":
                 replay = cache.replay_cache(index) if batch.spec_rollback == "replay" else None
-                return block.mixer(normed, batch, *cache.mamba(index), replay)
-            if block.kind == "attention":
-                return block.mixer(normed, batch, *cache.kv(index))
-            return block.mixer(normed)
+                out = block.mixer(normed, batch, *cache.mamba(index), replay)
+            elif block.kind == "attention":
+                out = block.mixer(normed, batch, *cache.kv(index))
+            else:
+                out = block.mixer(normed)
+            if batch.layer_done is not None:
+                batch.layer_done(index)
+            return out
 
         return residual_stack(hidden, [cast(Block, block).norm for block in self.layers], self.norm_f, residual_dtype, mix)
 

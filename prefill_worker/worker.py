@@ -29,10 +29,11 @@ from hybridserve.proto.channels import start_server, worker_threads
 from hybridserve.proto.convert import sampling_from_proto
 from hybridserve.proto.internal_tls import InternalTlsConfig
 from hybridserve.transfer.early_state import EarlyState
+from hybridserve.transfer.layer_staging import LayerStager
 from hybridserve.transfer.manifest import StateHeader
 from hybridserve.transfer.planes import GRPC, TransferConfig
 from hybridserve.transfer.sender import PUSH_TIMEOUT_S, StagedState, StateSender
-from hybridserve.transfer.state_layout import StateTensorSpec, stage_kv_rows, state_views
+from hybridserve.transfer.state_layout import StateTensorSpec, split_kv_specs, state_views
 from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
 from hybridserve.worker_runtime.drain import DRAINING_STATUS, Drain
 from hybridserve.worker_runtime.engine_loop import EngineLoop
@@ -112,7 +113,7 @@ class PrefillWorker:
         pushed: Future | None = None
         # spec decoding's drafter KV and TP's gathered export are staged whole, at the end
         if self.engine.spec is None and self.engine.tp is None and self.sender.sends_early(request.decode_address, specs):
-            early = EarlyState(specs, digest_on_device=self.sender.device.type == "cuda")
+            early = EarlyState(self._early_specs(specs), digest_on_device=self.sender.device.type == "cuda")
             pushed = self.sender.push_early(request.decode_address, header, early)
         try:
             first, staged = self._prefill_and_stage(prompt, params, request_id, specs, early)
@@ -142,6 +143,16 @@ class PrefillWorker:
             transfer_seconds=elapsed,
             plane=plane,
         )
+
+    def _early_specs(self, specs: list[StateTensorSpec]) -> list[StateTensorSpec]:
+        """The layout of an early-sent state: with the layer path, the KV rows one prefill chunk may hold go
+        behind the Mamba states (`split_kv_specs`): the rows before them are final before the last chunk's forward
+        (no chunk is longer), so its Mamba states follow them at once instead of waiting for the last attention
+        layer. The usual send (declined early) keeps `specs`."""
+        head = specs[0].shape[0] - self.engine.scheduler.prefill_chunk_size
+        if not self.sender.config.grpc_layer_send or head <= 0 or all(s.name != "ssm" for s in specs):
+            return specs
+        return split_kv_specs(specs, head)
 
     def _end_early(self, early: EarlyState, pushed: Future | None, error: BaseException | None) -> int:
         """Wait for an early send to end (cancelled first if `error`: the prefill failed), free its block;
@@ -175,21 +186,21 @@ class PrefillWorker:
         No block is taken before the prompt computed its first chunk: a queued request holding one could starve
         finished ones that hold the engine's slots while they wait for arena room. With `early`, the KV of each
         finished chunk is staged at the end of its step (into a block taken at the first chunk boundary, if one
-        is free then) and the last step stages the rest into the same block."""
+        is free then), the last step's forward stages the rest of the KV and each Mamba layer's state as its
+        layer finishes (`LayerStager`, with `grpc_layer_send`) and the step's end what is left."""
         exported: Future[StagedState | None] = Future()
 
         def progress_on_loop(request: Request) -> None:  # on the loop thread, after each unfinished chunk
             assert early is not None  # registered only with an early state
             if early.block is None:
-                block = self.sender.reserve_block(specs, timeout=0.0)
+                block = self.sender.reserve_block(early.specs, timeout=0.0)
                 if block is None:
                     early.decline()  # no room now: sent the usual way once the prompt is done
                     return
                 early.begin(block)
             done = min(request.num_computed_tokens, early.num_tokens)
             if done > early.staged_tokens:
-                stage_kv_rows(self.engine.cache, request.page_ids, early.staged_tokens, done,
-                              early.views["kv"][early.staged_tokens : done])
+                early.stage_kv(self.engine.cache, request.page_ids, done)
                 early.advance(done, self.sender.mark_staged())
 
         def export_on_loop(rid: str) -> None:  # on the loop thread; never waits
@@ -199,7 +210,8 @@ class PrefillWorker:
                     ready = self.sender.mark_staged()
                     early.staged(ready)
                     views = early.views
-                    exported.set_result(StagedState(specs, [views[s.name] for s in specs], early.block, ready))
+                    exported.set_result(StagedState(early.specs, [views[s.name] for s in early.specs], early.block,
+                                                    ready))
                 except BaseException as exc:
                     exported.set_exception(exc)
                 return
@@ -221,8 +233,10 @@ class PrefillWorker:
         staged: StagedState | None = None
         try:
             on_progress = progress_on_loop if early is not None else None
+            on_layer = (LayerStager(early, self.engine.cache, self.engine.model_config, self.sender.device)
+                        if early is not None and self.sender.config.grpc_layer_send else None)
             for out in self.loop.generate(prompt, params, request_id, hold_state=True, on_held=export_on_loop,
-                                          on_progress=on_progress):
+                                          on_progress=on_progress, on_layer=on_layer):
                 first = out
             if first is None or first.finish_reason == "abort":
                 raise RuntimeError(f"prefill of {request_id} was aborted")

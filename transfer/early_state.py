@@ -8,7 +8,11 @@ queued (a queued holder could starve finished requests that hold the engine's sl
 open then; their producer hands out each staged range once its event completed, so the device->host copy of
 chunk i and its send overlap the compute of chunk i+1. The step the prompt finishes in stages the rest (last
 KV rows, conv, SSM, hidden); first token, cached tokens and the device digest, unknown when the manifest
-left, go in the trailers (`StateTail`).
+left, go in the trailers (`StateTail`). In the forward of the last chunk (`transfer.layer_staging`) each Mamba
+layer's SSM state / conv window is staged once that layer ran and the rest of the KV once the last attention
+layer ran, so those bytes leave while later layers still compute; the step's end stages what is left (hidden).
+With that path the layout splits the KV (`split_kv_specs`: kv, ssm, conv, kv_tail, hidden) so the Mamba states
+need not wait for the last chunk's KV rows. Staged ranges join the sent prefix once every byte before them is.
 
 States: waiting (no block yet) -> streaming (block taken) -> staged (all bytes) -> finished (tail known);
 or declined (no block at the first boundary, or the prompt finished in one step: the worker sends the
@@ -25,10 +29,11 @@ import grpc
 import torch
 
 from hybridserve.proto import worker_pb2
+from hybridserve.statepool.state_cache import StateCache
 from hybridserve.transfer.arena import ArenaRange
 from hybridserve.transfer.digest import device_digest
 from hybridserve.transfer.grpc_sender import ReadyPart
-from hybridserve.transfer.state_layout import StateTensorSpec, state_nbytes, state_views
+from hybridserve.transfer.state_layout import StateTensorSpec, stage_kv_rows, state_nbytes, state_views
 
 PIECE_BYTES = 4 << 20  # staged ranges are handed out in pieces this big: the copy of one overlaps the send of another
 
@@ -40,12 +45,23 @@ class EarlyState:
         if not specs or specs[0].name != "kv":
             raise ValueError("an early-sent state needs KV first in its layout")
         self.specs = specs
-        self.num_tokens = specs[0].shape[0]
-        self.row_bytes = specs[0].nbytes // max(self.num_tokens, 1)
+        self.head_rows = specs[0].shape[0]  # rows in `kv`; the rest, if split, in `kv_tail` (`split_kv_specs`)
+        tail = next((spec for spec in specs if spec.name == "kv_tail"), None)
+        self.num_tokens = self.head_rows + (tail.shape[0] if tail is not None else 0)
+        self.row_bytes = specs[0].nbytes // max(self.head_rows, 1)
         self.total_bytes = state_nbytes(specs)
         self.block: ArenaRange | None = None
         self.views: dict[str, torch.Tensor] = {}
         self.staged_tokens = 0  # kv rows staged so far
+        self._offsets: dict[str, int] = {}  # tensor name -> its first byte in the block
+        offset = 0
+        for spec in specs:
+            self._offsets[spec.name] = offset
+            offset += spec.nbytes
+        self.staged_layers: set[int] = set()  # Mamba layers (pool index) whose ssm and conv were staged
+        self._frontier = 0  # bytes [0, frontier) are staged
+        self._pending: dict[int, tuple[int, torch.cuda.Event | None]] = {}  # staged ranges past the frontier
+        self._last_ready: torch.cuda.Event | None = None  # follows every staging copy (set by `staged`)
         self._digest_on_device = digest_on_device
         self._staged: list[tuple[int, torch.cuda.Event | None]] = []  # (end byte, event it is final after)
         self._state = "waiting"
@@ -78,23 +94,70 @@ class EarlyState:
         """Whether the block was taken (the state goes this way, or fails)."""
         return self.block is not None
 
+    def _kv_rows(self, start: int, end: int) -> list[tuple[str, int, int]]:
+        """(tensor, first row, end row) in the block of prompt rows [start, end): in `kv`, then `kv_tail`."""
+        out = []
+        if start < min(end, self.head_rows):
+            out.append(("kv", start, min(end, self.head_rows)))
+        if end > max(start, self.head_rows):
+            out.append(("kv_tail", max(start, self.head_rows) - self.head_rows, end - self.head_rows))
+        return out
+
+    def stage_kv(self, cache: StateCache, page_ids: list[int], end: int) -> None:
+        """Queue the copies of the KV rows not staged yet, up to prompt row `end` (then `advance(end, ...)`)."""
+        for name, first, last in self._kv_rows(self.staged_tokens, end):
+            shift = 0 if name == "kv" else self.head_rows  # the tensor's row 0 is this prompt row
+            stage_kv_rows(cache, page_ids, first + shift, last + shift, self.views[name][first:last])
+
     def advance(self, tokens: int, ready: torch.cuda.Event | None) -> None:
         """KV rows up to `tokens` were staged (queued copies that `ready` follows)."""
+        start, self.staged_tokens = self.staged_tokens, tokens
+        for name, first, last in self._kv_rows(start, tokens):
+            self._range_staged(self._offsets[name] + first * self.row_bytes, self._offsets[name] + last * self.row_bytes,
+                               ready)
+
+    def layer_views(self, layer: int) -> dict[str, torch.Tensor]:
+        """Views of Mamba layer `layer`'s SSM state and conv window in the block (pool index)."""
+        return {name: self.views[name][layer] for name in ("ssm", "conv")}
+
+    def layer_staged(self, layer: int, ready: torch.cuda.Event | None) -> None:
+        """Mamba layer `layer`'s SSM state and conv window were staged (queued copies that `ready` follows)."""
+        self.staged_layers.add(layer)
+        for name in ("ssm", "conv"):
+            per_layer = self.views[name][0].numel() * self.views[name].element_size()
+            start = self._offsets[name] + layer * per_layer
+            self._range_staged(start, start + per_layer, ready)
+
+    def _range_staged(self, start: int, end: int, ready: torch.cuda.Event | None) -> None:
+        """Bytes [start, end) were staged; the producer gets them once every byte before them is staged."""
         with self._cond:
-            self.staged_tokens = tokens
-            self._staged.append((tokens * self.row_bytes, ready))
+            self._pending[start] = (end, ready)
+            while self._frontier in self._pending:
+                end, ready = self._pending.pop(self._frontier)
+                if end > self._frontier:
+                    self._staged.append((end, ready))
+                self._frontier = max(self._frontier, end)
             self._cond.notify_all()
 
     def rest_views(self) -> dict[str, torch.Tensor]:
-        """Views of what the last step stages: the kv rows not staged yet, conv, SSM, hidden."""
-        return {name: view[self.staged_tokens :] if name == "kv" else view for name, view in self.views.items()}
+        """Views of what the last step stages at its end: the kv rows not staged yet, SSM and conv unless the
+        forward staged every layer's, hidden."""
+        layers_done = "ssm" in self.views and len(self.staged_layers) == self.views["ssm"].shape[0]
+        rest = {"kv": min(self.staged_tokens, self.head_rows), "kv_tail": max(self.staged_tokens - self.head_rows, 0)}
+        return {name: view[rest[name]:] if name in rest else view for name, view in self.views.items()
+                if not (layers_done and name in ("ssm", "conv"))}
 
     def staged(self, ready: torch.cuda.Event | None) -> None:
-        """Every byte of the state was staged (queued copies that `ready` follows)."""
+        """Every byte of the state was staged (queued copies that `ready` follows: it follows every earlier
+        staging copy too)."""
         with self._cond:
             self.staged_tokens = self.num_tokens
             self.handed_before_last = self.handed_bytes
-            self._staged.append((self.total_bytes, ready))
+            self._pending.clear()
+            if self._frontier < self.total_bytes or not self._staged:
+                self._staged.append((self.total_bytes, ready))
+            self._frontier = self.total_bytes
+            self._last_ready = ready
             self._state = "staged"
             self._cond.notify_all()
 
@@ -157,7 +220,7 @@ class EarlyState:
             self._cond.wait_for(lambda: (self._tail is not None and self._state == "staged") or self._state == "failed")
             self._raise_if_failed()
             first_token, cached = self._tail  # type: ignore[misc]  # set: waited for above
-            ready = self._staged[-1][1]
+            ready = self._last_ready
         digest = 0
         block = self.block
         if self._digest_on_device and block is not None and block.data.device.type == "cuda":

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridserve.proto import worker_pb2
-from hybridserve.transfer.state_layout import StateTensorSpec
+from hybridserve.transfer.state_layout import StateTensorSpec, split_kv_specs
 
 
 class TransferError(Exception):
@@ -61,8 +61,9 @@ def check_manifest(
     num_tokens: int,
     specs: list[StateTensorSpec],
     chunked: bool = True,
-) -> None:
-    """Raise TransferError unless the manifest describes exactly the state the reservation expects."""
+) -> list[StateTensorSpec]:
+    """Raise TransferError unless the manifest describes exactly the state the reservation expects; its specs
+    (`specs`, or their `split_kv_specs` layout where the manifest splits the KV as an early-sent state does)."""
     if manifest.ticket != ticket:
         raise TransferError("FAILED_PRECONDITION", f"manifest ticket {manifest.ticket!r} is not {ticket!r}")
     if manifest.model_fingerprint != fingerprint:
@@ -73,6 +74,10 @@ def check_manifest(
     if manifest.num_tokens != num_tokens:
         raise TransferError("INVALID_ARGUMENT", f"manifest has {manifest.num_tokens} tokens, reserved {num_tokens}")
     got = [(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in manifest.tensors]
+    if specs and specs[0].name == "kv" and any(t.name == "kv_tail" for t in manifest.tensors):
+        head = manifest.tensors[0].shape[0] if manifest.tensors[0].shape else 0
+        if 0 < head < specs[0].shape[0]:  # an early-sent state's layout (`split_kv_specs`)
+            specs = split_kv_specs(specs, head)
     want = [(s.name, s.dtype_name, s.shape, s.nbytes) for s in specs]
     if got != want:
         raise TransferError(
@@ -88,3 +93,4 @@ def check_manifest(
         raise TransferError("INVALID_ARGUMENT", f"stream_index {manifest.stream_index} of {streams} streams")
     if chunked and total and (manifest.chunk_bytes == 0 or manifest.num_chunks != -(-total // manifest.chunk_bytes)):
         raise TransferError("INVALID_ARGUMENT", "manifest chunk_bytes / num_chunks do not describe total_bytes")
+    return specs

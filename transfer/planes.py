@@ -45,6 +45,10 @@ class TransferConfig:
     # by 25-70 ms but slowed the prefill as much (the send threads take the GIL from the engine loop), so TTFT
     # did not move (bench/results/h200/early_send/)
     grpc_early_send: bool = False
+    # with grpc_early_send: in the forward of the prompt's last chunk, stage and send the rest of the KV once
+    # the last attention layer ran and each Mamba layer's SSM state / conv window once that layer ran (instead
+    # of all of it after the forward)
+    grpc_layer_send: bool = True
 
     def __post_init__(self) -> None:
         planes = (self.planes,) if isinstance(self.planes, str) else tuple(self.planes)
@@ -64,6 +68,8 @@ class TransferConfig:
             raise ValueError("grpc_streams and grpc_chunk_bytes must be positive")
         if not isinstance(self.grpc_early_send, bool):
             raise ValueError(f"grpc_early_send must be true or false, got {self.grpc_early_send!r}")
+        if not isinstance(self.grpc_layer_send, bool):
+            raise ValueError(f"grpc_layer_send must be true or false, got {self.grpc_layer_send!r}")
         if not self.arena_wait_s >= 0:
             raise ValueError(f"arena_wait_s must be >= 0, got {self.arena_wait_s}")
 

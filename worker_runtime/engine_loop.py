@@ -87,12 +87,14 @@ class EngineLoop:
     def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, hold_state: bool = False,
         on_held: Callable[[str], None] | None = None, on_progress: Callable[[Request], None] | None = None,
+        on_layer: Callable[[Request, int], None] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Add a request and yield its outputs until it finishes (`on_held`, `on_progress`: see
+        """Add a request and yield its outputs until it finishes (`on_held`, `on_progress`, `on_layer`: see
         `LLMEngine.add_request`); CapacityError when the engine's waiting queue is full."""
         stream = self.submit(request_id, lambda: self.engine.add_request(prompt_token_ids, params, request_id,
                                                                           hold_state, on_held, bounded=True,
-                                                                          on_progress=on_progress))
+                                                                          on_progress=on_progress,
+                                                                          on_layer=on_layer))
         yield from self.iterate(request_id, stream)
 
     def iterate(self, request_id: str, stream: queue.Queue[RequestOutput | BaseException]) -> Iterator[RequestOutput]:

@@ -1,5 +1,6 @@
-"""bench/early_send_ttft.py on the CPU (tiny dummy model, three worker processes): every mode answers and the
-JSON has a row per prompt length with TTFT medians for local prefill, the late and the early gRPC send."""
+"""bench/early_send_ttft.py on the CPU (tiny dummy model, four worker processes): every mode answers and the
+JSON has a row per prompt length with TTFT medians for local prefill, the late, chunk-only and layer-wise gRPC
+send."""
 
 from __future__ import annotations
 
@@ -17,4 +18,5 @@ def test_early_send_ttft_smoke(tmp_path: Path) -> None:
     assert result["device"] == "cpu" and result["prefill_chunk_tokens"] == 64
     (row,) = result["rows"]
     assert row["tokens"] == 192
-    assert all(row[f"ttft_ms_{mode}"] > 0 for mode in ("local", "late", "early"))
+    assert all(row[f"ttft_ms_{mode}"] > 0 for mode in ("local", "late", "chunks", "early"))
+    assert "gain_ms" in row and "layer_gain_ms" in row

@@ -29,7 +29,7 @@ ENGINE = EngineConfig(
 # processes, which tests/engine/test_tensor_parallel.py covers, so the worker-process test below runs ENGINE at TP=1
 ENGINE_ALL = dataclasses.replace(ENGINE, tensor_parallel_size=2, enable_expert_parallel=True)
 TRANSFER = TransferConfig(planes=("grpc",), staging_mb=16, grpc_streams=3, grpc_chunk_bytes=65536, arena_wait_s=5.0,
-                          grpc_early_send=True)
+                          grpc_early_send=True, grpc_layer_send=False)
 
 
 def test_every_field_differs_from_its_default() -> None:

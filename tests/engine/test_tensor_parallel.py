@@ -155,8 +155,10 @@ def test_speculative_verify_tp2_rolls_back_on_every_rank(rollback: str) -> None:
         llm.engine.close()
 
 
-def _prefill_then_decode(prefill, decode, prompt: list[int], max_tokens: int, request_id: str) -> list[int]:
-    """P/D in process: prefill exports the held state as bytes, decode reserves, lands them and decodes."""
+def _prefill_then_decode(prefill, decode, prompt: list[int], max_tokens: int, request_id: str,
+                         kv_split: int | None = None) -> list[int]:
+    """P/D in process: prefill exports the held state as bytes, decode reserves, lands them and decodes.
+    `kv_split`: the KV arrives as an early-sent state's `kv` + `kv_tail` (state_layout.split_kv_specs)."""
     prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id, hold_state=True)
     first = None
     while prefill.has_unfinished():
@@ -166,6 +168,8 @@ def _prefill_then_decode(prefill, decode, prompt: list[int], max_tokens: int, re
     assert exported.specs == decode.state_specs(len(prompt))  # one wire layout, whatever the TP sizes
     wire = torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in exported.parts])
     tensors = state_views(wire, exported.specs)
+    if kv_split is not None:
+        tensors["kv"], tensors["kv_tail"] = tensors["kv"][:kv_split], tensors["kv"][kv_split:]
     decode.reserve(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     tokens = decode.commit_reservation(request_id, tensors, first, 0).token_ids
     while decode.has_unfinished():
@@ -189,6 +193,8 @@ def test_prefill_decode_across_tp_sizes(case: str) -> None:
         expected = [o.token_ids for o in LLM(model_dir).generate(prompt_token_ids=prompts, sampling_params=params)]
         assert _prefill_then_decode(one, two, prompts[0], 16, "a") == expected[0]
         assert _prefill_then_decode(two, one, prompts[1], 16, "b") == expected[1]
+        if case == "sharded":  # an early-sent layout (KV split around the Mamba states) into TP=2
+            assert _prefill_then_decode(one, two, prompts[1], 16, "c", kv_split=29) == expected[1]
     finally:
         two.close()
 

@@ -4,6 +4,8 @@ mid-prefill frees the arena block and the decode reservation; faults keep their 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import threading
 import time
 import uuid
@@ -193,6 +195,147 @@ def test_no_arena_room_at_the_first_chunk_boundary_sends_the_usual_way(model_dir
     assert got == LLM(model_dir).generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0].token_ids
     assert not advances
     _settled(early_cluster)
+
+
+# ---- the last chunk's forward: KV rest and Mamba states staged layer by layer ----------------------------
+@pytest.fixture(scope="module")
+def layered_dir():
+    return nemotron_h("M*MM-")[0]  # the last attention layer comes early; two Mamba layers and an MLP follow it
+
+
+def _record_forward_and_staging(worker, monkeypatch) -> list[tuple]:
+    """("layer", i) as each layer of the prefill worker's model starts, ("frontier", bytes) whenever the bytes
+    handed to the sender's producer grow (EarlyState._range_staged), ("layer_staged", pool index, state id)."""
+    from hybridserve.transfer.layer_staging import LayerStager
+
+    log: list[tuple] = []
+    for index, layer in enumerate(worker.engine.model.layers):
+        monkeypatch.setattr(layer.mixer, "forward", _logged(layer.mixer.forward, log, ("layer", index)))
+    grow, staged_layer = EarlyState._range_staged, EarlyState.layer_staged
+
+    def logged_grow(self, start, end, ready):
+        grow(self, start, end, ready)
+        log.append(("frontier", self._frontier, self.total_bytes))
+
+    def logged_layer(self, layer, ready):
+        log.append(("layer_staged", layer, id(self)))
+        staged_layer(self, layer, ready)
+
+    monkeypatch.setattr(EarlyState, "_range_staged", logged_grow)
+    monkeypatch.setattr(EarlyState, "layer_staged", logged_layer)
+    assert LayerStager  # imported: the worker builds one per early request
+    return log
+
+
+def _logged(forward, log: list[tuple], entry: tuple):
+    def run(*args, **kwargs):
+        log.append(entry)
+        return forward(*args, **kwargs)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def layered_cluster(layered_dir):
+    cluster = Cluster(layered_dir, engine=CONFIG, transfer=EARLY, router=False)
+    yield cluster
+    cluster.stop()
+
+
+def test_mamba_states_go_to_the_sender_before_the_later_layers_run(layered_dir, layered_cluster, monkeypatch) -> None:
+    prefill = layered_cluster.prefill[0]
+    log = _record_forward_and_staging(prefill, monkeypatch)
+    prompt = random_prompts([70], vocab=128, seed=65)[0]  # 5 chunks of 16: the last one computes 6 tokens
+    got = layered_cluster.generate(prompt, GREEDY)
+    assert got == LLM(layered_dir).generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0].token_ids
+    last_forward = log[max(i for i, e in enumerate(log) if e == ("layer", 0)):]
+    assert [e[1] for e in last_forward if e[0] == "layer_staged"] == [0, 1, 2]  # every Mamba layer, in order
+
+    def frontier_before(layer: int) -> int:
+        before = last_forward[: last_forward.index(("layer", layer))]
+        return max((e[1] for e in before if e[0] == "frontier"), default=0)
+
+    cache = prefill.engine.cache
+    specs = prefill.engine.state_specs(len(prompt))  # the plain layout; the early one splits the KV
+    row_bytes = specs[0].nbytes // len(prompt)
+    kv_head = (len(prompt) - CONFIG.prefill_chunk_size) * row_bytes  # rows final before the last chunk for sure
+    ssm_layer = cache.ssm_states[0, 0].numel() * cache.ssm_states.element_size()
+    total, hidden = sum(s.nbytes for s in specs), specs[-1].nbytes
+    # layer 0's SSM state goes to the sender right after layer 0, before the attention layer 1 runs ...
+    assert kv_head + ssm_layer <= frontier_before(1) < kv_head + 2 * ssm_layer  # ... and not layer 2's yet
+    # every Mamba state, conv window and the KV tail are with the sender before the MLP layer 4 runs
+    assert frontier_before(4) == total - hidden
+    _settled(layered_cluster)
+
+
+def test_multi_chunk_prompts_with_the_layer_path_equal_in_process(layered_dir, layered_cluster, monkeypatch) -> None:
+    log = _record_forward_and_staging(layered_cluster.prefill[0], monkeypatch)
+    # several chunks of 16 (how many tokens each step gives each prompt depends on the others); 12: one step, no
+    # early send; a last chunk of one token is a decode row, which runs no layer hook (staged at the step's end)
+    prompts = random_prompts([40, 33, 70, 90, 12], vocab=128, seed=66)
+    reference = [o.token_ids for o in LLM(layered_dir).generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    with futures.ThreadPoolExecutor(max_workers=5) as pool:
+        got = list(pool.map(lambda p: layered_cluster.generate(p, GREEDY), prompts))
+    assert got == reference
+    layers: dict[int, list[int]] = {}
+    for entry in log:
+        if entry[0] == "layer_staged":
+            layers.setdefault(entry[2], []).append(entry[1])
+    assert len(layers) >= 2 and all(staged == [0, 1, 2] for staged in layers.values())
+    _settled(layered_cluster)
+
+
+def test_a_fault_mid_way_through_the_last_forward_frees_everything(layered_cluster, monkeypatch) -> None:
+    from hybridserve.transfer.layer_staging import LayerStager
+
+    handed: list[int] = []
+    call = LayerStager.__call__
+
+    def failing(self, request, layer):
+        call(self, request, layer)
+        handed.append(self.early._frontier)
+        if layer == 2:  # after the KV rest and two Mamba states went to the sender
+            raise RuntimeError("injected fault in the last chunk's forward")
+
+    monkeypatch.setattr(LayerStager, "__call__", failing)
+    prompt = random_prompts([70], vocab=128, seed=67)[0]
+    with pytest.raises(WorkerError):
+        layered_cluster.generate(prompt, GREEDY)
+    assert max(handed) > 0
+    _settled(layered_cluster)
+    monkeypatch.undo()
+    assert layered_cluster.generate(prompt, GREEDY)  # nothing stale
+
+
+def test_a_split_kv_layout_is_accepted_and_lands_like_the_plain_one(layered_cluster) -> None:
+    import torch
+
+    from hybridserve.transfer.manifest import StateHeader, TransferError, build_manifest, check_manifest
+    from hybridserve.transfer.state_layout import split_kv_specs, write_request_state
+
+    engine = layered_cluster.decode[0].engine
+    plain = engine.state_specs(40)
+    split = split_kv_specs(plain, 29)
+    assert [s.name for s in split] == ["kv", "ssm", "conv", "kv_tail", "hidden"]
+    assert [s.shape[0] for s in split if s.name.startswith("kv")] == [29, 11]
+    assert sum(s.nbytes for s in split) == sum(s.nbytes for s in plain)
+    header = StateHeader("t", "r", "fp", 40, 0, 0)
+    assert check_manifest(build_manifest(header, split, 512), "t", "fp", 40, plain) == split
+    assert check_manifest(build_manifest(header, plain, 512), "t", "fp", 40, plain) == plain
+    wrong = [*split[:3], dataclasses.replace(split[3], shape=(12, *split[3].shape[1:])), split[4]]
+    with pytest.raises(TransferError, match="do not match"):
+        check_manifest(build_manifest(dataclasses.replace(header, num_tokens=40), wrong, 512), "t", "fp", 40, plain)
+    with pytest.raises(ValueError, match="cannot split"):
+        split_kv_specs(plain, 40)
+    # the two KV tensors land in the pages exactly as the one plain tensor does (on copies of the idle worker's pools)
+    cache = copy.copy(engine.cache)
+    cache.k_pages, cache.v_pages = torch.zeros_like(cache.k_pages), torch.zeros_like(cache.v_pages)
+    kv, pages = torch.randn(plain[0].shape), list(range(-(-40 // engine.config.page_size)))
+    write_request_state(cache, pages, None, 40, {"kv": kv})
+    plain_k, plain_v = cache.k_pages.clone(), cache.v_pages.clone()
+    cache.k_pages.zero_(), cache.v_pages.zero_()
+    write_request_state(cache, pages, None, 40, {"kv": kv[:29], "kv_tail": kv[29:]})
+    assert torch.equal(cache.k_pages, plain_k) and torch.equal(cache.v_pages, plain_v) and plain_k.abs().sum() > 0
 
 
 # ---- the wire: first token, cached tokens and device digest in the trailers --------------------------
