@@ -102,17 +102,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         key = dict(context.invocation_metadata() or ()).get("authorization")
-        client = client_key(key if isinstance(key, str) else None, caller_address(context))
+        key = key if isinstance(key, str) else None
+        peer = context.peer()  # caller() and caller_address() of this context, from one metadata and peer read
+        client = client_key(key, peer.rsplit(":", 1)[0])
         try:
             if not admission.try_acquire(client):  # a free slot costs no thread; waiting in the queue does
                 await asyncio.to_thread(admission.acquire, None, client)
         except Overloaded as exc:
-            metrics.requests.labels("grpc/Generate", "429").inc()
-            metrics.errors.labels("overloaded").inc()
+            metrics.count_request("grpc/Generate", "429")
+            metrics.count_error("overloaded")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         request_id = uuid.uuid4().hex  # never the client's: two clients may send the same label
         label = request.request_id or request_id
-        owner = (caller(context), label)
+        owner = (client_key(key, peer), label)
         self.requests.add(owner, request_id)
         events = self.frontend.orchestrator.stream(prompt, params, request_id)
         try:
@@ -123,11 +125,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     delta += text.finish()
                 event.request_id = label
                 yield router_pb2.GenerateResponse(event=event, text_delta=delta)
-            metrics.requests.labels("grpc/Generate", "200").inc()
+            metrics.count_request("grpc/Generate", "200")
         except WorkerError as exc:
-            metrics.requests.labels("grpc/Generate", "error").inc()
-            metrics.errors.labels("cancelled" if exc.code == grpc.StatusCode.CANCELLED else "unavailable"
-                                  if exc.code == grpc.StatusCode.UNAVAILABLE else "internal").inc()
+            metrics.count_request("grpc/Generate", "error")
+            metrics.count_error("cancelled" if exc.code == grpc.StatusCode.CANCELLED else "unavailable"
+                                if exc.code == grpc.StatusCode.UNAVAILABLE else "internal")
             await context.abort(exc.code, str(exc))
         finally:
             await events.aclose()

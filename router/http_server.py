@@ -14,8 +14,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -41,6 +41,8 @@ from hybridserve.router.openai_service import OpenAIService
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 DISCONNECT_POLL_S = 0.05
 _STATUS_KIND = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 409: "conflict", 413: "too_large",
                 429: "overloaded", 499: "cancelled", 503: "unavailable", 504: "timeout"}
@@ -50,6 +52,45 @@ def _error(exc: ApiError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
+class _ClientGone(Exception):
+    """The client disconnected before its answer was ready; the work was cancelled."""
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work` in this task; once it has run DISCONNECT_POLL_S, a watcher polls the connection every
+    DISCONNECT_POLL_S and cancels the work when the client has left (raising _ClientGone). A request answered
+    sooner (the usual case) costs one timer, not a task of its own plus an asyncio.wait per poll."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    gone = False
+    watcher: asyncio.Task | None = None
+
+    async def watch() -> None:
+        nonlocal gone
+        while not await request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        gone = True
+        if task is not None:
+            task.cancel()
+
+    def start_watching() -> None:
+        nonlocal watcher
+        watcher = loop.create_task(watch())
+
+    timer = loop.call_later(DISCONNECT_POLL_S, start_watching)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise  # cancelled from outside (server shutdown): not ours to swallow
+        uncancel = getattr(task, "uncancel", None)  # Python >= 3.11: this task is no longer being cancelled
+        if uncancel is not None:
+            uncancel()
+        raise _ClientGone() from None
+    finally:
+        timer.cancel()
+        if watcher is not None:
+            watcher.cancel()
 
 
 def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = None,
@@ -61,9 +102,9 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
     metrics = frontend.metrics
 
     def count(endpoint: str, status: int) -> None:
-        metrics.requests.labels(endpoint, str(status)).inc()
+        metrics.count_request(endpoint, str(status))
         if status >= 400:
-            metrics.errors.labels(_STATUS_KIND.get(status, "internal")).inc()
+            metrics.count_error(_STATUS_KIND.get(status, "internal"))
 
     if api_key:
         @app.middleware("http")
@@ -136,16 +177,11 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
                 frontend.admission.release(client)
 
         try:
-            task = asyncio.ensure_future(handler(req, request_id))
-            while not task.done():  # a client that leaves before the answer aborts the work
-                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-                    count(endpoint, 499)
-                    release()
-                    return Response(status_code=499)
-            result = task.result()
+            result = await _unless_disconnected(request, handler(req, request_id))
+        except _ClientGone:  # a client that leaves before the answer aborts the work
+            count(endpoint, 499)
+            release()
+            return Response(status_code=499)
         except ApiError as exc:
             release()
             count(endpoint, exc.status)
@@ -171,13 +207,16 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"x-request-id": label, "cache-control": "no-cache"})
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await generate(request, CompletionRequest, service.completions, "/v1/completions")
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await generate(request, ChatCompletionRequest, service.chat, "/v1/chat/completions")
+
+    # plain Starlette routes: the endpoints take the raw request and parse it themselves, so FastAPI's
+    # per-request dependency solving and endpoint wrapping would be pure overhead on the hottest path
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
 
     async def simple(request: Request, model, answer: Callable[[Any], dict], endpoint: str) -> JSONResponse:
         """A request answered at once from the router (no worker): parse, answer, count."""

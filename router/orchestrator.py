@@ -215,7 +215,7 @@ class Orchestrator:
                 raise WorkerError(grpc.StatusCode.UNAVAILABLE, str(exc)) from exc
             if not decision.local and _needs_local(params):
                 decision = Decision(decision.decode, None, "needs_local", 0)
-            self.metrics.routing.labels("local" if decision.local else "disaggregated", decision.reason).inc()
+            self.metrics.child(self.metrics.routing, "local" if decision.local else "disaggregated", decision.reason).inc()
             self.recent_decisions.append((active.request_id, decision))
             try:
                 events, first = await self._start(decision, prompt, sampling, active)
@@ -231,7 +231,7 @@ class Orchestrator:
             except _Retry as retry:
                 last = retry
                 exclude.add(retry.worker)
-                self.metrics.retries.labels(retry.stage).inc()
+                self.metrics.child(self.metrics.retries, retry.stage).inc()
                 attempt += 1
                 if attempt < res.attempts:
                     delay = random.uniform(0, min(res.backoff_cap_s, res.backoff_base_s * 2 ** (attempt - 1)))
@@ -314,9 +314,11 @@ class Orchestrator:
                      ) -> AsyncGenerator[common_pb2.TokenEvent, None]:
         """Yield the stream (first event included) until finished; abort both workers on any other exit."""
         res = self.config.resilience
+        metrics = self.metrics
         finished = False
+        tokens = 0  # counted once at the end: one counter update per request instead of one per event
         last = time.perf_counter()
-        self.metrics.ttft.observe(last - start)
+        metrics.ttft.observe(last - start)
         buffer = StreamBuffer(events, res.stream_buffer_events, res.stream_stall_timeout_s,
                               lambda: self._abort_later(d, active.request_id))
         try:
@@ -324,13 +326,13 @@ class Orchestrator:
             while True:
                 if event.finish_reason == "error":
                     raise WorkerError(grpc.StatusCode.INTERNAL, event.error or "decode failed")
-                self.metrics.generation_tokens.inc(len(event.token_ids))
+                tokens += len(event.token_ids)
                 if event.finish_reason:
                     # finished before the last yield: a reader that stops at the last event (closing this
                     # generator there) has read a finished stream, which needs no abort
                     finished = True
-                    self.metrics.worker_cached.inc(event.num_cached_tokens)
-                    self.metrics.e2e.observe(time.perf_counter() - start)
+                    metrics.worker_cached.inc(event.num_cached_tokens)
+                    metrics.e2e.observe(time.perf_counter() - start)
                     yield event
                     return
                 yield event
@@ -339,7 +341,7 @@ class Orchestrator:
                     raise WorkerError(grpc.StatusCode.UNAVAILABLE, "the decode worker closed the stream early")
                 event = following
                 now = time.perf_counter()
-                self.metrics.inter_token.observe(now - last)
+                metrics.inter_token.observe(now - last)
                 last = now
         except StreamStalled as exc:
             raise WorkerError(exc.code, str(exc)) from exc
@@ -352,6 +354,7 @@ class Orchestrator:
                 raise WorkerError(grpc.StatusCode.CANCELLED, "the request was aborted") from exc
             raise
         finally:
+            metrics.generation_tokens.inc(tokens)
             buffer.close()
             if not finished and not buffer.stalled:  # client went away or failure: free everything on both sides
                 events.cancel()

@@ -71,7 +71,14 @@ def test_full_queue_is_429_long_wait_is_503_and_disconnect_aborts(slow) -> None:
     assert ok.status_code == 200
 
 
+def _answered(cluster: Cluster, status: str) -> float:
+    value = cluster.router.metrics.registry.get_sample_value(
+        "hybridserve_router_requests_total", {"endpoint": "/v1/completions", "status": status})
+    return value or 0.0
+
+
 def test_non_streaming_disconnect_aborts(slow) -> None:
+    gone_before = _answered(slow, "499")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(slow.base_url + "/v1/completions", json=_body(), timeout=0.5)
     assert slow.idle(timeout=2.0)
@@ -79,6 +86,8 @@ def test_non_streaming_disconnect_aborts(slow) -> None:
     while slow.router.frontend.admission.running and time.monotonic() < deadline:
         time.sleep(0.02)
     assert slow.router.frontend.admission.running == 0
+    assert _answered(slow, "499") == gone_before + 1  # counted as the client's disconnect, not as a failure
+    assert slow.router.frontend.orchestrator.num_in_flight() == 0
 
 
 def test_grpc_cancel_aborts(slow) -> None:
