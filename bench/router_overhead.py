@@ -5,11 +5,16 @@
    stub over gRPC, then through the router's gRPC door and its HTTP (OpenAI) door, `--repeats` interleaved
    runs each; the added latency is the median over runs of the router path's percentile minus the direct
    path's. Also the router process's CPU time per request, and the per-token cost of streaming: the added
-   p50 of `--stream-tokens`-token requests minus that of 4-token ones, per extra token.
+   p50 of `--stream-tokens`-token requests minus that of 4-token ones, per extra token. The same runs also go
+   through a bare proxy with the router's transport stack and none of its logic (`bench/router_floor.py`:
+   "floor_grpc", "floor_http", with the proxy process's CPU per request): the floor no router change removes.
 2. Index accuracy: tiny real workers (2 prefill + 2 decode) on a shared-prefix workload; for each request
    the index's predicted checkpointed hit on the chosen worker vs the cached tokens that worker reported.
 
     python bench/router_overhead.py --out bench/results/cpu/router_overhead.json
+    # the short run (about 2.5 min): 100 req/s only, streaming cost at the same rate, no accuracy workload
+    python bench/router_overhead.py --rates 100 --duration 3 --repeats 4 --stream-rate 100 --stream-tokens 36 \
+        --no-accuracy --out bench/results/h200/router_overhead_cpu_cut.json
 """
 
 from __future__ import annotations
@@ -156,21 +161,31 @@ def _median_row(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int, stream_tokens: int,
-             stream_rate: float) -> tuple[list[dict], dict]:
+             stream_rate: float, floor: bool = True) -> tuple[list[dict], dict]:
     """Added latency per rate (median over `repeats` interleaved runs of each path) and the per-token cost of
     streaming (`stream_tokens` per request at `stream_rate` vs MAX_TOKENS at the same rate)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     stub = ctx.Process(target=_serve_stub, args=(queue,), daemon=True)
     stub.start()
-    router = None
+    router = proxy = None
     try:
         stub_address = queue.get(timeout=120)
         router = ctx.Process(target=_serve_router, args=(model_dir, stub_address, queue), daemon=True)
         router.start()
         grpc_address, http_address = queue.get(timeout=120)
+        if floor:
+            from router_floor import serve_floor
+
+            proxy = ctx.Process(target=serve_floor, args=(stub_address, queue), daemon=True)
+            proxy.start()
+            floor_grpc_address, floor_http_address = queue.get(timeout=120)
+            floored = router_pb2_grpc.RouterStub(grpc.insecure_channel(floor_grpc_address))
         direct = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(stub_address))
         routed = router_pb2_grpc.RouterStub(grpc.insecure_channel(grpc_address))
+        pids = {"router_grpc": router.pid, "router_http": router.pid}
+        if proxy is not None:
+            pids.update(floor_grpc=proxy.pid, floor_http=proxy.pid)
         from hybridserve.proto import worker_pb2
 
         def paths(max_tokens: int) -> dict:
@@ -185,10 +200,20 @@ def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int
                 list(routed.Generate(router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=PROMPT),
                                                                 sampling=sampling), timeout=30))
 
-            return {"direct": lambda rate: _open_loop(rate, duration_s, send_direct),
+            ways = {"direct": lambda rate: _open_loop(rate, duration_s, send_direct),
                     "router_grpc": lambda rate: _open_loop(rate, duration_s, send_grpc),
                     "router_http": lambda rate: _open_loop_async(rate, duration_s, f"http://{http_address}", body),
                     "_warm": (send_direct, send_grpc)}
+            if proxy is not None:
+                def send_floor() -> None:
+                    list(floored.Generate(router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=PROMPT),
+                                                                     sampling=sampling), timeout=30))
+
+                ways.update(floor_grpc=lambda rate: _open_loop(rate, duration_s, send_floor),
+                            floor_http=lambda rate: _open_loop_async(rate, duration_s, f"http://{floor_http_address}",
+                                                                     body),
+                            _warm=(send_direct, send_grpc, send_floor))
+            return ways
 
         def measure(rate: float, max_tokens: int) -> dict:
             runs: dict[str, list[dict]] = {}
@@ -198,15 +223,17 @@ def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int
                     send()
             for _ in range(repeats):
                 for name, run in ways.items():
-                    cpu = _cpu_seconds(router.pid)
+                    pid = pids.get(name)  # the router's (or the floor proxy's) own CPU time; the stub has its own
+                    cpu = _cpu_seconds(pid) if pid else 0.0
                     latencies = run(rate)
                     row = _percentiles(latencies)
-                    if name != "direct":  # the router's own CPU time per request (the stub has its own process)
-                        row["router_cpu_ms_per_request"] = round((_cpu_seconds(router.pid) - cpu) / len(latencies) * 1e3, 3)
+                    if pid:
+                        key = "router_cpu_ms_per_request" if name.startswith("router") else "floor_cpu_ms_per_request"
+                        row[key] = round((_cpu_seconds(pid) - cpu) / len(latencies) * 1e3, 3)
                     runs.setdefault(name, []).append(row)
             row = {"rate_rps": rate, "max_tokens": max_tokens, "repeats": repeats}
             row.update({name: _median_row(r) for name, r in runs.items()})
-            for path in ("router_grpc", "router_http"):
+            for path in (p for p in runs if p != "direct"):
                 row[f"{path}_added"] = {q: round(statistics.median(
                     r[q] - d[q] for r, d in zip(runs[path], runs["direct"])), 3) for q in ("p50_ms", "p99_ms")}
             print(json.dumps(row), flush=True)
@@ -217,12 +244,12 @@ def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int
         long = measure(stream_rate, stream_tokens)
         per_token = {f"{path}_added_us_per_token": round(
             (long[f"{path}_added"]["p50_ms"] - short[f"{path}_added"]["p50_ms"]) / (stream_tokens - MAX_TOKENS) * 1e3, 1)
-            for path in ("router_grpc", "router_http")}
+            for path in ("router_grpc", "router_http", "floor_grpc", "floor_http") if f"{path}_added" in long}
         streaming = {"rate_rps": stream_rate, "tokens": [MAX_TOKENS, stream_tokens], "long": long, **per_token}
         print(json.dumps(per_token), flush=True)
         return rows, streaming
     finally:
-        for child in (router, stub):
+        for child in (proxy, router, stub):
             if child is not None:
                 child.kill()
 
@@ -260,6 +287,15 @@ def index_accuracy(model_dir: str, systems: int, users: int) -> dict:
             "worker_hit_ratio": round(reported / prompt_tokens, 4), "exact_prediction_fraction": round(exact / n, 4)}
 
 
+def _cpu_model() -> str:
+    """The host CPU's model name (Linux), so results from different hosts are not compared by mistake."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "")
+
+
 def _version(package: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -277,6 +313,7 @@ def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=68, help="tokens per request of the streaming row")
     parser.add_argument("--stream-rate", type=float, default=20.0, help="requests/s of the streaming row")
     parser.add_argument("--no-accuracy", action="store_true", help="skip the index-accuracy workload")
+    parser.add_argument("--no-floor", action="store_true", help="skip the bare-proxy floor paths")
     parser.add_argument("--systems", type=int, default=4, help="shared prefixes in the accuracy workload")
     parser.add_argument("--users", type=int, default=5, help="requests per shared prefix")
     parser.add_argument("--out", default=None, help="write the results JSON here")
@@ -284,13 +321,15 @@ def main() -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "router"))
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # router_floor, for the spawned floor process
     from router_cluster import tiny_model_dir
 
     model_dir = tiny_model_dir()
     rows, streaming = overhead(str(model_dir), [float(r) for r in args.rates.split(",")], args.duration, args.repeats,
-                               args.stream_tokens, args.stream_rate)
+                               args.stream_tokens, args.stream_rate, floor=not args.no_floor)
     result = {
-        "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": mp.cpu_count(),
+        "machine": {"platform": platform.platform(), "cpu": _cpu_model(), "python": platform.python_version(),
+                    "cpus": mp.cpu_count(),
                     "load_average": os.getloadavg()},
         "versions": {"grpcio": grpc.__version__, "uvicorn": _version("uvicorn"), "uvloop": _version("uvloop")},
         "workload": {"prompt_tokens": len(PROMPT), "max_tokens": MAX_TOKENS, "duration_s": args.duration,
