@@ -39,6 +39,9 @@ class AdmissionController:
         self._queued = 0
         self._draining = False
         self._per_client: dict[str, int] = {}
+        if metrics is not None:  # read at scrape time: no gauge update on every acquire and release
+            metrics.running.set_function(lambda: self._running)
+            metrics.queued.set_function(lambda: self._queued)
 
     @property
     def draining(self) -> bool:
@@ -85,7 +88,6 @@ class AdmissionController:
                 return False
             self._running += 1
             self._count_client(client, 1)
-            self._publish()
         return True
 
     def acquire(self, timeout_s: float | None = None, client: str | None = None) -> None:
@@ -102,7 +104,6 @@ class AdmissionController:
                     self._count_client(client, -1)
                     raise Overloaded(f"the router queue is full ({self._queued} requests waiting)", queue_full=True)
                 self._queued += 1
-                self._publish()
                 try:
                     if not self._cond.wait_for(lambda: self._running < self.config.max_running, timeout):
                         self._count_client(client, -1)
@@ -110,7 +111,6 @@ class AdmissionController:
                 finally:
                     self._queued -= 1
             self._running += 1
-            self._publish()
         if self._metrics is not None:
             self._metrics.queue_wait.observe(time.monotonic() - start)
 
@@ -118,10 +118,4 @@ class AdmissionController:
         with self._cond:
             self._count_client(client, -1)
             self._running -= 1
-            self._publish()
             self._cond.notify_all()  # a queued request, and a drain waiting for zero
-
-    def _publish(self) -> None:
-        if self._metrics is not None:
-            self._metrics.running.set(self._running)
-            self._metrics.queued.set(self._queued)

@@ -75,6 +75,7 @@ class RouterMetrics:
         self._lock = threading.Lock()
         self._prompt_total = 0
         self._predicted_total = 0
+        self.index_hit_ratio.set_function(self._hit_ratio)  # computed at scrape time, not per request
 
     def child(self, family: Counter | Gauge | Histogram, *values: str) -> Any:
         """`family.labels(*values)`, looked up once: `labels()` builds and checks its key under a lock on every
@@ -98,5 +99,7 @@ class RouterMetrics:
         with self._lock:
             self._prompt_total += prompt_tokens
             self._predicted_total += predicted
-            if self._prompt_total:
-                self.index_hit_ratio.set(self._predicted_total / self._prompt_total)
+
+    def _hit_ratio(self) -> float:
+        with self._lock:
+            return self._predicted_total / self._prompt_total if self._prompt_total else 0.0

@@ -17,6 +17,7 @@ a client that stops reading gets its request aborted instead of growing the rout
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import random
 import time
@@ -118,6 +119,9 @@ class Orchestrator:
         self._active: dict[str, _Active] = {}  # touched on the loop only (reads elsewhere are atomic dict reads)
         self._aborts: set[asyncio.Task] = set()  # fire-and-forget worker aborts still running
         self.recent_decisions: deque[tuple[str, Decision]] = deque(maxlen=1024)  # (request id, decision)
+        # clients repeat their sampling settings: convert each distinct one once (the message is only ever copied
+        # into worker requests, never changed)
+        self._sampling_proto = functools.lru_cache(maxsize=256)(sampling_to_proto)
         self.update_workers(prefill_addresses, decode_addresses)
 
     def update_workers(self, prefill_addresses: list[str], decode_addresses: list[str]) -> None:
@@ -200,7 +204,7 @@ class Orchestrator:
                      ) -> AsyncGenerator[common_pb2.TokenEvent, None]:
         res = self.config.resilience
         start = time.perf_counter()
-        sampling = sampling_to_proto(params)
+        sampling = self._sampling_proto(params)
         exclude: set[WorkerHandle] = set()
         last: _Retry | None = None
         attempt = 0
