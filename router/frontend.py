@@ -90,8 +90,8 @@ class Frontend:
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
+            if ids and (min(ids) < 0 or max(ids) >= self.vocab_size):  # C-speed check; the list only on error
+                bad = [t for t in ids if not 0 <= t < self.vocab_size]
                 raise ApiError(400, f"token ids must be in [0, {self.vocab_size}); got {bad[:5]}", param=param)
         if not ids:
             raise ApiError(400, "the prompt is empty", param=param)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import threading
 import uuid
@@ -18,6 +19,7 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_reflection.v1alpha import reflection
 
+from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.models.text_stream import TextStream
 from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from hybridserve.proto.convert import sampling_from_proto
@@ -73,6 +75,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
         self.requests = CallerRequests()
+        # clients repeat their sampling settings: parse and check each distinct one (by its wire bytes, which
+        # say whether repetition_penalty is set) once; SamplingParams is frozen, so requests can share it (a
+        # refused one raises again: errors are not cached)
+        self._sampling = functools.lru_cache(maxsize=256)(self._parse_sampling)
+
+    def _parse_sampling(self, raw: bytes) -> SamplingParams:
+        options = common_pb2.SamplingOptions.FromString(raw)
+        params = sampling_from_proto(options)
+        default_penalty = self.frontend.generation_defaults.get("repetition_penalty")
+        if default_penalty is not None and not options.HasField("repetition_penalty"):
+            # the one sampling field the proto can leave unset; the others are always explicit on gRPC
+            params = dataclasses.replace(params, repetition_penalty=default_penalty)
+        return params
 
     async def _prompt(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> list[int]:
         kind = request.WhichOneof("prompt")
@@ -93,11 +108,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         admission = self.frontend.admission
         prompt = await self._prompt(request, context)
         try:
-            params = sampling_from_proto(request.sampling)
-            default_penalty = self.frontend.generation_defaults.get("repetition_penalty")
-            if default_penalty is not None and not request.sampling.HasField("repetition_penalty"):
-                # the one sampling field the proto can leave unset; the others are always explicit on gRPC
-                params = dataclasses.replace(params, repetition_penalty=default_penalty)
+            params = self._sampling(request.sampling.SerializeToString(deterministic=True))
             text = TextStream(self.frontend.tokenizer, params.stop, params.include_stop_str_in_output)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -94,9 +94,10 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = None,
-               api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The ASGI app; `targets` returns the http_sd target groups of every component; with `api_key` the /v1
-    routes need `Authorization: Bearer <api_key>` (401 otherwise); bodies over `max_body_bytes` get 413."""
+               api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> GenerationFastPath:
+    """The ASGI app (FastAPI behind the generation fast path); `targets` returns the http_sd target groups of
+    every component; with `api_key` the /v1 routes need `Authorization: Bearer <api_key>` (401 otherwise);
+    bodies over `max_body_bytes` get 413."""
     app = FastAPI(title="hybridserve", docs_url=None, redoc_url=None)
     service = OpenAIService(frontend)
     metrics = frontend.metrics
@@ -106,15 +107,18 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
         if status >= 400:
             metrics.count_error(_STATUS_KIND.get(status, "internal"))
 
+    def refused(request: Request) -> Response | None:
+        """The 401 of a request to a protected path without the API key (None: let it through)."""
+        if api_key and protected(request.url.path) and not authorized(request.headers.get("authorization"), api_key):
+            count(request.url.path, 401)
+            return _error(ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                   code="invalid_api_key"))
+        return None
+
     if api_key:
         @app.middleware("http")
         async def _require_key(request: Request, call_next):  # noqa: ANN202 - Starlette's middleware signature
-            if protected(request.url.path) and not authorized(
-                    request.headers.get("authorization"), api_key):
-                count(request.url.path, 401)
-                return _error(ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                       code="invalid_api_key"))
-            return await call_next(request)
+            return refused(request) or await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -214,9 +218,12 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
         return await generate(request, ChatCompletionRequest, service.chat, "/v1/chat/completions")
 
     # plain Starlette routes: the endpoints take the raw request and parse it themselves, so FastAPI's
-    # per-request dependency solving and endpoint wrapping would be pure overhead on the hottest path
-    app.add_route("/v1/completions", completions, methods=["POST"])
-    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
+    # per-request dependency solving and endpoint wrapping would be pure overhead (the fast path below serves
+    # them; the routes keep routing, trailing-slash redirects and 405s as they were)
+    generation: dict[str, Callable[[Request], Awaitable[Response]]] = {
+        "/v1/completions": completions, "/v1/chat/completions": chat_completions}
+    for path, endpoint in generation.items():
+        app.add_route(path, endpoint, methods=["POST"])
 
     async def simple(request: Request, model, answer: Callable[[Any], dict], endpoint: str) -> JSONResponse:
         """A request answered at once from the router (no worker): parse, answer, count."""
@@ -266,7 +273,31 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
     async def http_sd() -> JSONResponse:
         return JSONResponse(targets() if targets is not None else [])
 
-    return app
+    return GenerationFastPath(app, generation, refused)
+
+
+class GenerationFastPath:
+    """The ASGI app in front of FastAPI: a POST to a generation route goes straight to its endpoint, anything
+    else through FastAPI. FastAPI's middleware stack (error, telemetry, body-limit, exception and exit-stack
+    layers, ~10 frames) is resumed at every await of a request; the generation endpoints need none of it: they
+    parse the body and answer their errors themselves, the API key is checked here as the middleware does, and
+    an exception escaping them still reaches uvicorn, which answers 500 and logs it."""
+
+    def __init__(self, app: FastAPI, endpoints: dict[str, Callable[[Request], Awaitable[Response]]],
+                 refused: Callable[[Request], Response | None]) -> None:
+        self.app = app
+        self._endpoints = endpoints
+        self._refused = refused
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        endpoint = self._endpoints.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" \
+            else None
+        if endpoint is None:
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive, send)
+        response = self._refused(request) or await endpoint(request)
+        await response(scope, receive, send)
 
 
 def refresh_gauges(frontend: Frontend) -> None:
@@ -283,7 +314,7 @@ class HttpServer:
     """uvicorn on the router's event loop (the orchestrator's: a request never crosses threads), with a bound
     port to report (port 0 picks a free one)."""
 
-    def __init__(self, app: FastAPI, host: str, port: int, loop: LoopThread) -> None:
+    def __init__(self, app: GenerationFastPath, host: str, port: int, loop: LoopThread) -> None:
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False)
         self._server = uvicorn.Server(config)
         self._loop = loop

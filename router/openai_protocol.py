@@ -188,8 +188,9 @@ class CompletionRequest(_SamplingFields):
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if all(isinstance(x, int) for x in p):
-            return [[x for x in p if isinstance(x, int)]]  # all ints, checked just above
+        ints = [x for x in p if isinstance(x, int)]  # one pass (this runs on every token-id request)
+        if len(ints) == len(p):
+            return [ints]
         return [x if isinstance(x, str) else list(x) for x in p]  # type: ignore[arg-type]  # str or id lists
 
 

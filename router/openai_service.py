@@ -139,7 +139,7 @@ class OpenAIService:
         return _Plan(f"{prefix}-{request_id}", int(time.time()), prompts, choices, [""] * len(prompts), gens)
 
     async def _respond(self, req, plan: _Plan, chat: bool):
-        merged = _merge(plan.gens)
+        merged = plan.gens[0] if len(plan.gens) == 1 else _merge(plan.gens)  # one choice: its own stream, no relay
         try:
             first = await merged.__anext__()  # errors before the first token become plain HTTP errors
         except StopAsyncIteration:
@@ -315,14 +315,7 @@ def _fold(plan: _Plan, delta: Delta) -> None:
 async def _merge(gens: list[AsyncGenerator[Delta, None]]) -> AsyncGenerator[Delta, None]:
     """Deltas of all choices as they arrive; closing this cancels (and so aborts) the unfinished ones. The queue
     is bounded so that a client that stops reading stops the reads from the workers (the router's per-stream
-    buffer then ends the request); one choice needs no queue."""
-    if len(gens) == 1:
-        try:
-            async for delta in gens[0]:
-                yield delta
-        finally:
-            await gens[0].aclose()
-        return
+    buffer then ends the request)."""
     queue: asyncio.Queue = asyncio.Queue(len(gens))
 
     async def pump(gen: AsyncGenerator[Delta, None]) -> None:

@@ -216,3 +216,15 @@ def test_clients_sharing_an_x_request_id_do_not_collide(cluster) -> None:
     assert all(echoed == "same-id" for _, echoed in results)
     assert all(len(tokens) == 12 for tokens, _ in results)
     assert results[0][0] == results[1][0] == results[2][0]
+
+
+def test_generation_fast_path_leaves_other_methods_and_paths_to_fastapi(cluster) -> None:
+    """The generation routes are served in front of FastAPI for POST only: other methods get FastAPI's 405,
+    unknown paths its 404, and a POST still answers as the route does."""
+    url = cluster.base_url + "/v1/completions"
+    assert httpx.get(url, timeout=10).status_code == 405
+    assert httpx.post(cluster.base_url + "/v1/completion", json={}, timeout=10).status_code == 404
+    ok = httpx.post(url, json={"model": MODEL_NAME, "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0},
+                    headers={"x-request-id": "label-1"}, timeout=60)
+    assert ok.status_code == 200 and ok.headers["x-request-id"] == "label-1"
+    assert ok.json()["usage"]["completion_tokens"] == 2
