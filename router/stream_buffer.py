@@ -1,12 +1,9 @@
 """A bounded read-ahead of one worker token stream, so a client that stops reading cannot grow the router's
 memory or hold a worker's slot forever.
 
-While the reader keeps up (it is back for the next event within READ_AHEAD_AFTER_S of the last), `get()`
-reads the worker's call itself: no task, no queue, one wake-up per event. Once the reader stays away longer
-(its client is slow or gone), a pump task takes over the reading into a queue of at most `max_events`; when
-that queue stays full for `stall_timeout_s` (the client is not reading), the worker call is cancelled,
-`on_stall` runs (the orchestrator aborts the request on its workers) and the reader gets a RESOURCE_EXHAUSTED
-error instead of more events.
+A pump task reads the worker's events into a queue of at most `max_events`; when the queue stays full for
+`stall_timeout_s` (the client is not reading), the worker call is cancelled, `on_stall` runs (the orchestrator
+aborts the request on its workers) and the reader gets a RESOURCE_EXHAUSTED error instead of more events.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from hybridserve.proto import common_pb2
 from hybridserve.router.event_loop import task_cancelling
 
 _END = object()
-READ_AHEAD_AFTER_S = 0.05  # a reader away this long (slow or gone client) gets a pump task reading ahead
 
 
 class StreamStalled(Exception):
@@ -31,47 +27,19 @@ class StreamStalled(Exception):
 
 
 class StreamBuffer:
-    """Events of `call` (a grpc.aio stream call) in order from `get()`, then None at the end of the stream; the
-    call's error (an AioRpcError, or CancelledError when the call was cancelled) is raised by `get()` after the
-    events before it. Read directly while the reader keeps up, read ahead (bounded) once it does not."""
+    """Events of `call` (a grpc.aio stream call) read ahead into a bounded queue; `get()` in order, then None
+    at the end of the stream; the call's error (an AioRpcError, or CancelledError when the call was
+    cancelled) is raised by `get()` after the events before it."""
 
-    def __init__(self, call: Any, max_events: int, stall_timeout_s: float, on_stall: Callable[[], None],
-                 read_ahead_after_s: float = READ_AHEAD_AFTER_S) -> None:
-        if max_events < 1 or stall_timeout_s <= 0 or read_ahead_after_s <= 0:
-            raise ValueError("a stream buffer needs max_events >= 1, stall_timeout_s > 0 and read_ahead_after_s > 0")
+    def __init__(self, call: Any, max_events: int, stall_timeout_s: float, on_stall: Callable[[], None]) -> None:
+        if max_events < 1 or stall_timeout_s <= 0:
+            raise ValueError("a stream buffer needs max_events >= 1 and stall_timeout_s > 0")
         self._call = call
-        self._max_events = max_events
+        self._queue: asyncio.Queue = asyncio.Queue(max_events)
         self._stall_timeout_s = stall_timeout_s
         self._on_stall = on_stall
-        self._after_s = read_ahead_after_s
         self._stalled: StreamStalled | None = None
-        self._loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue | None = None
-        self._pump: asyncio.Task | None = None
-        # when the reader last left with an event (it is made as the first event goes out); None: inside get()
-        self._away_since: float | None = self._loop.time()
-        self._watch: asyncio.TimerHandle | None = self._loop.call_later(read_ahead_after_s, self._check)
-
-    @property
-    def reading_ahead(self) -> bool:
-        """Whether the pump task has taken over (the reader fell behind once)."""
-        return self._pump is not None
-
-    def _check(self) -> None:
-        """Timer: start reading ahead when the reader has been away for `read_ahead_after_s`, else look again
-        later (one timer per stream, not one per event)."""
-        away = self._away_since
-        if away is not None and self._loop.time() - away >= self._after_s:
-            self._watch = None
-            self._queue = asyncio.Queue(self._max_events)
-            self._pump = self._loop.create_task(self._run())
-        else:
-            self._watch = self._loop.call_later(self._after_s, self._check)
-
-    def _stop_watch(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            self._watch = None
+        self._pump = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
         item: Any
@@ -93,7 +61,6 @@ class StreamBuffer:
 
     async def _put(self, item: Any) -> bool:
         """Queue `item`, waiting up to the stall timeout for room; False (and the stall handled) if none came."""
-        assert self._queue is not None  # the pump runs only with its queue
         try:
             self._queue.put_nowait(item)
             return True
@@ -112,21 +79,6 @@ class StreamBuffer:
     async def get(self) -> common_pb2.TokenEvent | None:
         if self._stalled is not None:
             raise self._stalled
-        if self._queue is None:  # the reader keeps up: read the call here
-            self._away_since = None
-            try:
-                event = await self._call.read()
-            except BaseException:
-                self._stop_watch()
-                raise
-            if event is grpc.aio.EOF:
-                self._stop_watch()
-                return None
-            if event.finish_reason:
-                self._stop_watch()  # nothing more to read
-            else:
-                self._away_since = self._loop.time()
-            return event
         item = await self._queue.get()
         if item is _END:
             return None
@@ -139,6 +91,4 @@ class StreamBuffer:
         return self._stalled is not None
 
     def close(self) -> None:
-        self._stop_watch()
-        if self._pump is not None:
-            self._pump.cancel()
+        self._pump.cancel()

@@ -4,7 +4,6 @@ gets every event. A stub decode worker (no model) streams as fast as gRPC lets i
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from concurrent import futures
@@ -16,7 +15,6 @@ from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.proto import common_pb2, worker_pb2_grpc
 from hybridserve.router.config import OrchestratorConfig, ResilienceConfig
 from hybridserve.router.orchestrator import Orchestrator, WorkerError
-from hybridserve.router.stream_buffer import StreamBuffer
 
 STALL_S = 0.3
 BUFFER = 4
@@ -87,42 +85,3 @@ def test_a_slow_reader_within_the_timeout_gets_everything(routed) -> None:
         time.sleep(STALL_S / 4)
     assert tokens == list(range(3 * BUFFER))
     assert not stub.aborted
-
-
-class _ListCall:
-    """A stand-in for a grpc.aio stream call: `read()` returns the given events, then EOF."""
-
-    def __init__(self, events: list[common_pb2.TokenEvent]) -> None:
-        self._events = list(events)
-        self.cancelled = False
-
-    async def read(self):
-        await asyncio.sleep(0)
-        return self._events.pop(0) if self._events else grpc.aio.EOF
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
-def _events(n: int) -> list[common_pb2.TokenEvent]:
-    return [common_pb2.TokenEvent(token_ids=[i], finish_reason="length" if i == n - 1 else "") for i in range(n)]
-
-
-def test_a_reader_that_keeps_up_reads_directly_and_a_late_one_gets_read_ahead() -> None:
-    async def drain(pause_after: int | None) -> tuple[list[int], bool]:
-        buffer = StreamBuffer(_ListCall(_events(12)), max_events=4, stall_timeout_s=5.0, on_stall=lambda: None,
-                              read_ahead_after_s=0.02)
-        got: list[int] = []
-        try:
-            while (event := await buffer.get()) is not None:
-                got += event.token_ids
-                if len(got) == pause_after:
-                    await asyncio.sleep(0.1)  # away with an event: the pump starts and reads ahead
-                if event.finish_reason:
-                    break
-            return got, buffer.reading_ahead
-        finally:
-            buffer.close()
-
-    assert asyncio.run(drain(None)) == (list(range(12)), False)  # no task, no queue
-    assert asyncio.run(drain(5)) == (list(range(12)), True)  # nothing lost or reordered at the hand-over
