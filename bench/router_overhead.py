@@ -12,9 +12,9 @@
    the index's predicted checkpointed hit on the chosen worker vs the cached tokens that worker reported.
 
     python bench/router_overhead.py --out bench/results/cpu/router_overhead.json
-    # the short run (about 2.5 min): 100 req/s only, streaming cost at the same rate, no accuracy workload
-    python bench/router_overhead.py --rates 100 --duration 3 --repeats 4 --stream-rate 100 --stream-tokens 36 \
-        --no-accuracy --out bench/results/h200/router_overhead_cpu_cut.json
+    # the short run (~2.5 min): 100 req/s, the streaming row as before (68 tokens at 20/s), no accuracy workload
+    python bench/router_overhead.py --rates 100 --duration 2.5 --repeats 3 --no-accuracy \
+        --out bench/results/h200/router_overhead_cpu_cut.json
 """
 
 from __future__ import annotations
