@@ -13,6 +13,7 @@ from hybridserve.router.admission import AdmissionController, Overloaded
 from hybridserve.router.chat_template import ChatTemplate
 from hybridserve.router.circuit_breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from hybridserve.router.config import AdmissionConfig, OrchestratorConfig, ResilienceConfig, RoutingConfig
+from hybridserve.router.metrics import RouterMetrics
 from hybridserve.router.policy import RoutingPolicy, prompt_hashes
 from hybridserve.router.prefix_index import PrefixIndex, WorkerHit
 from hybridserve.router.workers import WorkerHandle
@@ -238,3 +239,27 @@ def test_subscriber_resyncs_from_a_snapshot_after_lost_events() -> None:
         assert index.match(prompt_hashes(tokens + [1], BLOCK))["w"] == WorkerHit(24, 24)
     finally:
         subscriber.stop()
+
+
+def test_gauges_are_read_at_scrape_time_and_labelled_children_are_reused() -> None:
+    metrics = RouterMetrics()
+    admission = AdmissionController(AdmissionConfig(max_running=2, max_queued=1), metrics)
+
+    def sample(name: str) -> float | None:
+        return metrics.registry.get_sample_value(f"hybridserve_router_{name}")
+
+    assert sample("running_requests") == 0 and sample("queued_requests") == 0
+    assert admission.try_acquire("a") and admission.try_acquire("b")
+    assert sample("running_requests") == 2
+    admission.release("a")
+    assert sample("running_requests") == 1
+    assert sample("prefix_index_hit_ratio") == 0  # nothing routed yet
+    metrics.observe_hit(100, 25)
+    metrics.observe_hit(100, 0)
+    assert sample("prefix_index_hit_ratio") == 0.125
+    assert metrics.child(metrics.requests, "grpc/Generate", "200") is metrics.requests.labels("grpc/Generate", "200")
+    metrics.count_request("grpc/Generate", "200")
+    metrics.count_error("overloaded")
+    assert metrics.registry.get_sample_value("hybridserve_router_requests_total",
+                                             {"endpoint": "grpc/Generate", "status": "200"}) == 1
+    assert metrics.registry.get_sample_value("hybridserve_router_errors_total", {"kind": "overloaded"}) == 1
