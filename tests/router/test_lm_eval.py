@@ -6,13 +6,14 @@ engine's greedy output cut at the task's stop string."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 from router_cluster import MODEL_NAME, Cluster
 
-from hybridserve import LLM, SamplingParams
+from hybridserve import LLM
 from hybridserve.engine.config import EngineConfig
 from hybridserve.models.default_model import default_model_dir
 
@@ -57,5 +58,7 @@ def test_lm_eval_local_completions(cluster, monkeypatch, tmp_path) -> None:
     for sample in gen:
         prompt = sample["arguments"][0][0]
         offline = llm.generate(prompt_token_ids=[lm.tok_encode(prompt)],  # the ids lm-eval sent
-                               sampling_params=SamplingParams(max_tokens=12, temperature=0.0, stop=("\n",)))[0]
+                               # lm-eval leaves repetition_penalty unset: the server applies the checkpoint's default
+                               sampling_params=dataclasses.replace(llm.get_default_sampling_params(), max_tokens=12,
+                                                                   temperature=0.0, stop=("\n",)))[0]
         assert sample["resps"][0][0] == offline.text, prompt
