@@ -13,6 +13,7 @@ from typing import cast
 import torch
 
 from hybridserve.engine import handoff, tp_handoff, tp_worker
+from hybridserve.engine.cache_plan import plan_engine_cache
 from hybridserve.engine.config import DTYPES, EngineConfig
 from hybridserve.engine.cuda_graphs import enable_decode_graphs
 from hybridserve.engine.model_runner import ModelRunner, StepOutput
@@ -22,7 +23,7 @@ from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
 from hybridserve.engine.spec_decode import SpecDecoder
-from hybridserve.engine.spec_memory import spec_working_bytes, write_checkpoint_hidden
+from hybridserve.engine.spec_memory import write_checkpoint_hidden
 from hybridserve.engine.structured_output import GrammarBackend
 from hybridserve.engine.warmup import WarmupReport, warm_up
 from hybridserve.models.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
@@ -32,7 +33,6 @@ from hybridserve.models.tokenizer import load_tokenizer
 from hybridserve.models.weights import dummy_model, load_model
 from hybridserve.statepool.events import CacheEvent
 from hybridserve.statepool.pool import NO_HIT, StatePool
-from hybridserve.statepool.sizing import PoolRequest, memory_budget_bytes, plan_cache_layout
 from hybridserve.statepool.state_cache import StateCache
 from hybridserve.transfer.state_layout import StateTensorSpec
 
@@ -72,31 +72,11 @@ class LLMEngine:
         )
         ssm_dtype = DTYPES[self.model_config.ssm_state_dtype]
         mamba = self.model_config.mamba
-        conv_width = mamba.conv_kernel - 1 + lookahead if mamba else 1  # rollback slides the window back
         has_attention = bool(self.model_config.kv_layers())
         self.state_block = config.resolve_state_block(
             mamba.chunk_size if mamba else config.page_size, config.page_size if has_attention else None
         )
-        budget = memory_budget_bytes(device, config.cpu_memory_gb, config.gpu_memory_utilization)
-        if device.type == "cuda" and config.gpu_memory_gb is not None:
-            budget = int(config.gpu_memory_gb * (1 << 30))
-        budget -= spec_working_bytes(self.model_config, spec, config.max_num_seqs, ssm_dtype, config.torch_dtype)
-        layout = plan_cache_layout(
-            self.model_config,
-            budget,
-            PoolRequest(
-                max_num_seqs=config.max_num_seqs,
-                max_model_len=self.max_model_len + lookahead,
-                page_size=config.page_size,
-                conv_width=conv_width,
-                dtype=config.torch_dtype,
-                ssm_dtype=ssm_dtype,
-                prefix_caching=config.enable_prefix_caching,
-                state_block=self.state_block,
-                num_kv_pages=config.num_kv_pages,
-                num_checkpoint_slots=config.num_checkpoint_slots,
-            ),
-        )
+        layout = plan_engine_cache(self.model_config, config, self.max_model_len, self.state_block, lookahead, ssm_dtype)
         self.cache: StateCache
         if self.tp is not None:
             self.tp.send_layout(layout)
