@@ -32,6 +32,7 @@ H200 the chunk path's send threads took the GIL from the engine loop and ate its
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -84,10 +85,13 @@ def _engine(args: argparse.Namespace) -> EngineConfig:
                         gpu_memory_gb=args.gpu_memory_gb if cuda else None, cuda_graphs=cuda)
 
 
-def _start(model: Path, engine: EngineConfig, log_dir: Path, modes: list[str]) -> dict[str, WorkerProcess]:
+def _start(model: Path, engine: EngineConfig, log_dir: Path, modes: list[str],
+           chunk_bytes: int | None = None) -> dict[str, WorkerProcess]:
     """The decode worker and a prefill worker per P/D mode, started in parallel (gRPC plane only)."""
-    plan = {"decode": ("decode", TRANSFERS["early"]),
-            **{mode: ("prefill", TRANSFERS[mode]) for mode in modes if mode in TRANSFERS}}
+    transfers = {mode: t if chunk_bytes is None else dataclasses.replace(t, grpc_chunk_bytes=chunk_bytes)
+                 for mode, t in TRANSFERS.items()}
+    plan = {"decode": ("decode", transfers["early"]),
+            **{mode: ("prefill", transfers[mode]) for mode in modes if mode in transfers}}
     with futures.ThreadPoolExecutor(max_workers=len(plan)) as pool:
         started = {name: pool.submit(start_worker_process, role, f"{name}-worker",
                                      WorkerOptions(str(model), engine, transfer=transfer), log_dir=log_dir,
@@ -117,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-chunk-size", type=int, default=None, help="default: the engine's (2048 on CUDA)")
     parser.add_argument("--gpu-memory-gb", type=float, default=8.0, help="each worker's state-cache budget")
     parser.add_argument("--model-config", default=None, help="config.json (default: Nano-9B-v2 on CUDA, tiny on CPU)")
+    parser.add_argument("--grpc-chunk-bytes", type=int, default=None,
+                        help="gRPC message payload size of every worker (default: TransferConfig's)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                         help="what to time (each P/D mode starts its own prefill worker on the device)")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/<device>/early_send_ttft.json)")
@@ -130,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     engine = _engine(args)
     began = time.perf_counter()
-    workers = _start(model, engine, out.parent / "early_send_logs", modes)
+    workers = _start(model, engine, out.parent / "early_send_logs", modes, args.grpc_chunk_bytes)
     print(f"workers ready in {time.perf_counter() - began:.0f} s", flush=True)
     decode = workers["decode"].address
     any_prefill = next(workers[mode].address for mode in modes if mode in TRANSFERS)
