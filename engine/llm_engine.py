@@ -21,7 +21,7 @@ from hybridserve.engine.mtp_drafter import CatchUp
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.engine.sampling_params import SamplingParams
-from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
+from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.engine.spec_memory import write_checkpoint_hidden
 from hybridserve.engine.structured_output import GrammarBackend
@@ -104,12 +104,7 @@ class LLMEngine:
                 enable_decode_graphs(self.runner, layout.num_slots, max_pages)
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}  # finished, state kept for export
-        # request id -> called on the loop at the end of the step its held request finished in (export there)
-        self._on_held: dict[str, Callable[[str], None]] = {}
-        # request id -> called on the loop after each step that computed part of its prompt (early staging)
-        self._on_progress: dict[str, Callable[[Request], None]] = {}
-        # request id -> called after each layer of the forward that computes its prompt's last chunk
-        self._on_layer: dict[str, Callable[[Request, int], None]] = {}
+        self._hooks: dict[str, handoff.HandoffHooks] = {}  # held requests' callbacks, until they finish
         self._reserved: dict[str, Request] = {}  # pages and slot waiting for a remote prefill's state
         self._counter = itertools.count()
         self._arrivals = itertools.count()
@@ -165,12 +160,8 @@ class LLMEngine:
         request = self._new_request(prompt_token_ids, params, request_id)
         request.hold_state = hold_state
         self._requests[request.request_id] = request
-        if hold_state and on_held is not None:
-            self._on_held[request.request_id] = on_held
-        if hold_state and on_progress is not None:
-            self._on_progress[request.request_id] = on_progress
-        if hold_state and on_layer is not None:
-            self._on_layer[request.request_id] = on_layer
+        if hold_state and (on_held or on_progress or on_layer):
+            self._hooks[request.request_id] = handoff.HandoffHooks(on_held, on_progress, on_layer)
         self.scheduler.add(request)
         return request.request_id
 
@@ -215,9 +206,7 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (queued, running, reserved, held); False if it is unknown."""
-        self._on_held.pop(request_id, None)
-        self._on_progress.pop(request_id, None)
-        self._on_layer.pop(request_id, None)
+        self._hooks.pop(request_id, None)
         request = self._requests.pop(request_id, None)
         if request is not None and not request.finished:
             self.scheduler.finish(request, "abort")
@@ -302,7 +291,8 @@ class LLMEngine:
         verify = self.spec.verify_inputs(work.decodes) if self.spec is not None else None
         checkpoint_slots = self.pool.plan_checkpoints([(c.request, c.num_tokens) for c in work.prefills])
         try:
-            output = self.runner.execute(work, checkpoint_slots, verify, self._layer_hook(work))
+            output = self.runner.execute(work, checkpoint_slots, verify,
+                                         handoff.layer_hook(self._hooks, work.prefills) if self._hooks else None)
         except BaseException:
             self.pool.cancel_plan()
             raise
@@ -315,41 +305,18 @@ class LLMEngine:
         for request in update.updated:
             if request.finished:
                 self._requests.pop(request.request_id, None)
-                self._on_progress.pop(request.request_id, None)
-                self._on_layer.pop(request.request_id, None)
                 if request.hold_state:
                     self._held[request.request_id] = request
             updated.append(self._output(request))
         if self.spec is not None and self.spec.mtp is not None:
             self.spec.catch_up(self._catch_up_work(update.rows, update.before, output))
         for out in updated:
-            on_held = self._on_held.pop(out.request_id, None) if out.request_id in self._held else None
-            if on_held is not None:
-                on_held(out.request_id)
-        if self._on_progress:
-            for chunk in work.prefills:
-                on_progress = self._on_progress.get(chunk.request.request_id)
-                if on_progress is not None and not chunk.request.finished:  # on_held has a finished one's state
-                    on_progress(chunk.request)
+            hooks = self._hooks.pop(out.request_id, None) if out.request_id in self._held else None
+            if hooks is not None and hooks.on_held is not None:
+                hooks.on_held(out.request_id)
+        if self._hooks:
+            handoff.progress(self._hooks, work.prefills)
         return updated
-
-    def _layer_hook(self, work: SchedulerOutput) -> Callable[[int], None] | None:
-        """`ForwardBatch.layer_done` of a step computing the last prompt chunk of a request with `on_layer`
-        (None otherwise: the forward calls nothing). A last chunk of one token is a decode row, which may
-        replay a CUDA graph: it gets no hook (its state is staged at the step's end)."""
-        if not self._on_layer:
-            return None
-        due = [(chunk.request, hook) for chunk in work.prefills
-               if (hook := self._on_layer.get(chunk.request.request_id)) is not None
-               and chunk.num_tokens == chunk.request.num_pending_tokens]
-        if not due:
-            return None
-
-        def layer_done(layer: int) -> None:
-            for request, hook in due:
-                hook(request, layer)
-
-        return layer_done
 
     def _catch_up_work(self, chunks: list[tuple[Request, int]], before: list[int], output: StepOutput) -> list[CatchUp]:
         """The drafter's work after a step: every request that holds its slot and computed tokens."""
