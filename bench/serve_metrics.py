@@ -19,7 +19,12 @@ SPEC_STEPS = "hybridserve_worker_spec_verify_steps_total"
 PREFIX_HIT_TOKENS = "hybridserve_worker_prefix_cache_hit_tokens_total"
 PREFIX_QUERIES = "hybridserve_worker_prefix_cache_queries_total"
 PREFIX_HITS = "hybridserve_worker_prefix_cache_hits_total"
-SCRAPED = (SPEC_ACCEPTED, SPEC_STEPS, PREFIX_HIT_TOKENS, PREFIX_QUERIES, PREFIX_HITS)
+ENGINE_STEPS = "hybridserve_worker_engine_steps_total"
+ENGINE_STEP_SECONDS = "hybridserve_worker_engine_step_seconds_total"
+ENGINE_GAP_SECONDS = "hybridserve_worker_engine_gap_seconds_total"
+ENGINE_OUTPUTS = "hybridserve_worker_engine_step_outputs_total"
+SCRAPED = (SPEC_ACCEPTED, SPEC_STEPS, PREFIX_HIT_TOKENS, PREFIX_QUERIES, PREFIX_HITS, ENGINE_STEPS,
+           ENGINE_STEP_SECONDS, ENGINE_GAP_SECONDS, ENGINE_OUTPUTS)
 
 
 @dataclass
@@ -104,7 +109,21 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, counters_delt
     }
     metrics.update(prefix_hit(ok, counters_delta))
     metrics["spec_acceptance_length"] = acceptance_length(counters_delta)
+    metrics.update(engine_loop(counters_delta))
     return metrics
+
+
+def engine_loop(counters_delta: dict[str, float] | None) -> dict:
+    """The workers' engine loops over the run, summed over workers: mean step and mean gap between busy steps
+    (ms) and outputs per step, so a TPOT far above the step time shows whether the steps or the gaps grew."""
+    steps = (counters_delta or {}).get(ENGINE_STEPS, 0.0)
+    if not counters_delta or steps <= 0:
+        return {"engine_step_ms_mean": None, "engine_gap_ms_mean": None, "engine_outputs_per_step": None}
+    return {
+        "engine_step_ms_mean": 1e3 * counters_delta.get(ENGINE_STEP_SECONDS, 0.0) / steps,
+        "engine_gap_ms_mean": 1e3 * counters_delta.get(ENGINE_GAP_SECONDS, 0.0) / steps,
+        "engine_outputs_per_step": counters_delta.get(ENGINE_OUTPUTS, 0.0) / steps,
+    }
 
 
 def prefix_hit(ok: Sequence[RequestRecord], counters_delta: dict[str, float] | None) -> dict:

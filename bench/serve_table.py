@@ -55,6 +55,8 @@ def rows(table: dict[tuple[str, str], dict[str, dict]]) -> list[dict]:
                 "output_throughput": m["output_throughput"], "ttft_p50_ms": m["ttft_ms"]["p50"],
                 "ttft_p99_ms": m["ttft_ms"]["p99"], "tpot_p50_ms": m["tpot_ms"]["p50"],
                 "tpot_p99_ms": m["tpot_ms"]["p99"], "itl_p99_ms": m["itl_ms"]["p99"],
+                "engine_step_ms": m.get("engine_step_ms_mean"), "engine_gap_ms": m.get("engine_gap_ms_mean"),
+                "outputs_per_step": m.get("engine_outputs_per_step"),
             })
     return out
 
@@ -99,12 +101,13 @@ def targets(table: dict[tuple[str, str], dict[str, dict]]) -> list[str]:
 
 def markdown(all_rows: list[dict], target_lines: list[str]) -> str:
     head = ("| workload | deployment | rate | done | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
-            "| ITL p99 |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| ITL p99 | step ms | gap ms | out/step |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
         f"| {r['workload']} | {r['deployment']} | {r['rate']} | {r['completed']}/{r['completed'] + r['failed']} "
         f"| {_num(r['request_throughput'], '.2f')} | {_num(r['output_throughput'], '.0f')} "
         f"| {_num(r['ttft_p50_ms'], '.0f')} | {_num(r['ttft_p99_ms'], '.0f')} | {_num(r['tpot_p50_ms'], '.1f')} "
-        f"| {_num(r['tpot_p99_ms'], '.1f')} | {_num(r['itl_p99_ms'], '.1f')} |\n" for r in all_rows)
+        f"| {_num(r['tpot_p99_ms'], '.1f')} | {_num(r['itl_p99_ms'], '.1f')} | {_num(r['engine_step_ms'], '.2f')} "
+        f"| {_num(r['engine_gap_ms'], '.2f')} | {_num(r['outputs_per_step'], '.1f')} |\n" for r in all_rows)
     return head + body + "\n" + "\n".join(target_lines) + "\n"
 
 

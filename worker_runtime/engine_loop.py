@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -17,6 +18,7 @@ from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.worker_runtime.loop_stats import LoopStats
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -32,6 +34,7 @@ class EngineLoop:
         self._calls: queue.Queue[tuple[Callable[[], Any], Future | None]] = queue.Queue()  # None: posted
         self._streams: dict[str, queue.Queue[RequestOutput | BaseException]] = {}
         self._stop = threading.Event()
+        self.stats = LoopStats(name)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -150,7 +153,9 @@ class EngineLoop:
         while not self._stop.is_set():
             self._run_calls(block=not self.engine.has_unfinished())
             if not self.engine.has_unfinished():
+                self.stats.idle()
                 continue
+            start = time.perf_counter()
             try:
                 outputs = self.engine.step()
             except Exception as exc:  # a failed step fails the requests in it, not the worker
@@ -158,11 +163,14 @@ class EngineLoop:
                 for request_id, stream in list(self._streams.items()):
                     stream.put(RuntimeError(f"engine step failed: {exc}"))
                     self.engine.abort(request_id)
+                self.stats.idle()
                 continue
+            stepped = time.perf_counter()
             for out in outputs:
                 target = self._streams.get(out.request_id)
                 if target is not None:
                     target.put(out)
+            self.stats.record(start, stepped, len(outputs))
 
 
 def _latest(

@@ -72,6 +72,16 @@ class _EngineGauges(Collector):
             ("hybridserve_worker_prefix_cache_hits", "Admissions that found a checkpointed prefix", v["hits"]),
             ("hybridserve_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", v["hit_tokens"]),
         ]
+        loop_stats = self._loop.stats  # plain floats written by the loop thread: read without a trip to it
+        counters = [
+            ("hybridserve_worker_engine_steps", "Engine steps run", loop_stats.steps),
+            ("hybridserve_worker_engine_step_seconds", "Time inside engine steps", loop_stats.step_seconds),
+            ("hybridserve_worker_engine_gap_seconds",
+             "Time between two back-to-back busy steps (output hand-off, posted calls, GIL waits)",
+             loop_stats.gap_seconds),
+            ("hybridserve_worker_engine_step_outputs", "Request outputs produced by engine steps", loop_stats.outputs),
+            *counters,
+        ]
         yield from _role_families(CounterMetricFamily, counters, self._role)
         # without speculative decoding the families still exist, at 0 (dashboards show 0, not "No data")
         yield from _spec_families(spec if spec is not None else SpecMetrics(accepted_per_position=[0]), self._role)

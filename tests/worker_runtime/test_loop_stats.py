@@ -1,0 +1,58 @@
+"""The engine loop's step / gap accounting: steps and the gaps between busy steps, idleness not counted."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from checkpoints import nemotron_h, random_prompts
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.worker_runtime.engine_loop import EngineLoop
+from hybridserve.worker_runtime.loop_stats import LoopStats
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_gaps_count_only_between_back_to_back_steps(caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    stats = LoopStats("loop", log_every_s=100.0, clock=clock)
+    clock.now = 0.004
+    stats.record(0.0, 0.003, 4)  # the first step: no gap before it
+    clock.now = 0.006
+    stats.record(0.005, 0.006, 4)  # 1 ms after the previous hand-off ended at 0.004
+    stats.idle()
+    clock.now = 1.002
+    stats.record(1.0, 1.002, 2)  # after idleness: no gap
+    assert stats.steps == 3 and stats.outputs == 10
+    assert stats.step_seconds == pytest.approx(0.003 + 0.001 + 0.002)
+    assert stats.gap_seconds == pytest.approx(0.001)
+    with caplog.at_level(logging.INFO):
+        clock.now = 200.0
+        stats.record(199.0, 200.0, 1)
+    assert "4 steps" in caplog.text and "outputs/step" in caplog.text
+
+
+def test_a_bad_log_interval_is_refused() -> None:
+    with pytest.raises(ValueError, match="log_every_s"):
+        LoopStats("loop", log_every_s=0)
+
+
+def test_the_loop_counts_its_steps() -> None:
+    model_dir, _ = nemotron_h("M*")
+    loop = EngineLoop(LLM(model_dir).engine)
+    try:
+        outs = list(loop.generate(random_prompts([9], vocab=128, seed=2)[0],
+                                  SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), "a"))
+        assert outs[-1].finished
+        stats = loop.call(lambda: loop.stats)
+        assert stats.steps >= 5 and stats.outputs >= 5 and stats.step_seconds > 0
+        assert stats.gap_seconds >= 0
+    finally:
+        loop.stop()
