@@ -47,10 +47,12 @@ class WorkerProcess:
 
 def start_worker_process(role: str, worker_id: str, options: WorkerOptions, port: int = 0,
                          env: dict[str, str] | None = None, log_dir: Path | None = None,
-                         verbose: bool = False) -> WorkerProcess:
+                         verbose: bool | None = None) -> WorkerProcess:
     """Spawn one worker (`env`: variables set for it, e.g. CUDA_VISIBLE_DEVICES) and wait until it serves;
     its output goes to `log_dir`/<worker_id>.log (a temporary file without one); raises RuntimeError with its
-    log tail if it dies."""
+    log tail if it dies. `verbose` (INFO logs) defaults to whether this process logs INFO (`hybridserve -v`)."""
+    if verbose is None:
+        verbose = logging.getLogger().isEnabledFor(logging.INFO)
     ready = Path(tempfile.mkdtemp(prefix="hybridserve-ready-")) / f"{worker_id}.json"
     log: IO[bytes]
     if log_dir is not None:
