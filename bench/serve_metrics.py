@@ -23,8 +23,10 @@ ENGINE_STEPS = "hybridserve_worker_engine_steps_total"
 ENGINE_STEP_SECONDS = "hybridserve_worker_engine_step_seconds_total"
 ENGINE_GAP_SECONDS = "hybridserve_worker_engine_gap_seconds_total"
 ENGINE_OUTPUTS = "hybridserve_worker_engine_step_outputs_total"
+GRAPH_STEPS = "hybridserve_worker_engine_graph_decode_steps_total"
+EAGER_DECODES = "hybridserve_worker_engine_eager_decode_steps_total"
 SCRAPED = (SPEC_ACCEPTED, SPEC_STEPS, PREFIX_HIT_TOKENS, PREFIX_QUERIES, PREFIX_HITS, ENGINE_STEPS,
-           ENGINE_STEP_SECONDS, ENGINE_GAP_SECONDS, ENGINE_OUTPUTS)
+           ENGINE_STEP_SECONDS, ENGINE_GAP_SECONDS, ENGINE_OUTPUTS, GRAPH_STEPS, EAGER_DECODES)
 
 
 @dataclass
@@ -118,11 +120,14 @@ def engine_loop(counters_delta: dict[str, float] | None) -> dict:
     (ms) and outputs per step, so a TPOT far above the step time shows whether the steps or the gaps grew."""
     steps = (counters_delta or {}).get(ENGINE_STEPS, 0.0)
     if not counters_delta or steps <= 0:
-        return {"engine_step_ms_mean": None, "engine_gap_ms_mean": None, "engine_outputs_per_step": None}
+        return {"engine_step_ms_mean": None, "engine_gap_ms_mean": None, "engine_outputs_per_step": None,
+                "engine_graph_steps": None, "engine_eager_decode_steps": None}
     return {
         "engine_step_ms_mean": 1e3 * counters_delta.get(ENGINE_STEP_SECONDS, 0.0) / steps,
         "engine_gap_ms_mean": 1e3 * counters_delta.get(ENGINE_GAP_SECONDS, 0.0) / steps,
         "engine_outputs_per_step": counters_delta.get(ENGINE_OUTPUTS, 0.0) / steps,
+        "engine_graph_steps": counters_delta.get(GRAPH_STEPS),
+        "engine_eager_decode_steps": counters_delta.get(EAGER_DECODES),
     }
 
 

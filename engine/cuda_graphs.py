@@ -45,6 +45,8 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None
+        self.num_replays = 0  # decode steps served by a graph
+        self.num_eager_decodes = 0  # decode-only steps that had to run eagerly (a boundary row, a wide table)
 
     def _batch(self, size: int) -> ForwardBatch:
         return ForwardBatch(
@@ -90,7 +92,10 @@ class DecodeGraphs:
         """Hidden states [num_seqs, hidden] by graph replay, or None (caller runs the model eagerly)."""
         size = self.bucket_for(batch)
         if size is None:
+            if batch.num_decode == batch.num_seqs:
+                self.num_eager_decodes += 1
             return None
+        self.num_replays += 1
         n, pages = batch.num_seqs, batch.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids)
         self.context_lens[:n].copy_(batch.context_lens)

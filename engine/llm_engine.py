@@ -279,6 +279,12 @@ class LLMEngine:
             "queued_prefill_tokens": sum(r.num_pending_tokens for r in self.scheduler.waiting),
         }
 
+    def graph_stats(self) -> dict[str, int]:
+        """Decode steps replayed from a CUDA graph and decode-only steps that ran eagerly (0 without graphs)."""
+        graphs = getattr(self.runner.model, "graphs", None)
+        return {"graph_decode_steps": getattr(graphs, "num_replays", 0),
+                "eager_decode_steps": getattr(graphs, "num_eager_decodes", 0)}
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -35,7 +35,7 @@ class _EngineGauges(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         def sample() -> tuple[dict[str, float], SpecMetrics | None]:
             engine = self._loop.engine
-            pool, stats = engine.pool, engine.stats()
+            pool, stats, graphs = engine.pool, engine.stats(), engine.graph_stats()
             pages, slots = pool.pages, pool.slots
             radix = pool.radix
             return {
@@ -49,6 +49,8 @@ class _EngineGauges(Collector):
                 "queries": pool.num_queries,
                 "hits": pool.num_hits,
                 "hit_tokens": pool.num_hit_tokens,
+                "graph_steps": graphs["graph_decode_steps"],
+                "eager_decodes": graphs["eager_decode_steps"],
             }, dataclasses.replace(engine.spec.metrics, accepted_per_position=list(
                 engine.spec.metrics.accepted_per_position)) if engine.spec is not None else None
 
@@ -80,6 +82,9 @@ class _EngineGauges(Collector):
              "Time between two back-to-back busy steps (output hand-off, posted calls, GIL waits)",
              loop_stats.gap_seconds),
             ("hybridserve_worker_engine_step_outputs", "Request outputs produced by engine steps", loop_stats.outputs),
+            ("hybridserve_worker_engine_graph_decode_steps", "Decode steps replayed from a CUDA graph", v["graph_steps"]),
+            ("hybridserve_worker_engine_eager_decode_steps", "Decode-only steps that ran without a CUDA graph",
+             v["eager_decodes"]),
             *counters,
         ]
         yield from _role_families(CounterMetricFamily, counters, self._role)
