@@ -209,6 +209,7 @@ class Orchestrator:
         last: _Retry | None = None
         attempt = 0
         busy_since: float | None = None
+        waited = False  # this request already waited in its decode worker's seat queue
         while attempt < res.attempts:
             if active.cancelled.is_set():
                 raise WorkerError(grpc.StatusCode.CANCELLED, "the request was aborted")
@@ -230,7 +231,8 @@ class Orchestrator:
                 if time.perf_counter() - busy_since > res.capacity_wait_s:
                     raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       f"decode workers stayed full for {res.capacity_wait_s:.0f} s: {busy}") from None
-                await active.wait(random.uniform(0.02, 0.1))
+                await busy.worker.seats.wait(again=waited, cancelled=active.cancelled)
+                waited = True
                 continue
             except _Retry as retry:
                 last = retry
@@ -278,6 +280,14 @@ class Orchestrator:
                 timeout=res.prefill_timeout_s, metadata=prefill.metadata))
             await self._call(prefill, "prefill", active, prefill_call)
             return events, await self._first(d, events, d.decode, "stream", active)
+        except _Busy:  # the Reserve was refused: nothing exists on the workers to abort
+            raise
+        except _Retry:
+            if events is not None:
+                events.cancel()
+            # awaited: a late Abort of this request id must not reach a worker after the retry's Reserve
+            await self._abort_all(d, rid)
+            raise
         except BaseException:
             if events is not None:
                 events.cancel()
@@ -362,7 +372,9 @@ class Orchestrator:
             buffer.close()
             if not finished and not buffer.stalled:  # client went away or failure: free everything on both sides
                 events.cancel()
-                self._abort_later(d, active.request_id)
+                self._abort_later(d, active.request_id)  # frees the seat once the abort is through
+            elif finished:
+                d.decode.seats.seat_freed()
 
     def _abort_later(self, d: Decision, request_id: str) -> None:
         """Abort the request on its workers in a task of its own: it runs even when the request's task is being
@@ -380,6 +392,7 @@ class Orchestrator:
             if isinstance(result, BaseException) and not isinstance(result, grpc.RpcError):
                 logger.warning("aborting request %s on its workers failed: %r", request_id, result)
             # an RpcError: the worker is gone; its reservation expires on its own
+        d.decode.seats.seat_freed()
 
 
 def _needs_local(params: SamplingParams) -> bool:

@@ -22,6 +22,7 @@ from hybridserve.router.cache_subscriber import CacheSubscriber
 from hybridserve.router.circuit_breaker import CircuitBreaker
 from hybridserve.router.config import ResilienceConfig
 from hybridserve.router.prefix_index import PrefixIndex
+from hybridserve.router.seat_queue import SeatQueue
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class WorkerHandle:
     subscriber: CacheSubscriber | None = field(default=None, repr=False)
     metadata: tuple[tuple[str, str], ...] | None = field(default=None, repr=False)  # of request-path calls
     tls: InternalTlsConfig | None = field(default=None, repr=False)  # mutual TLS of the request-path channel
+    seats: SeatQueue = field(default_factory=SeatQueue, repr=False)  # requests waiting for a seat (decode role)
     _aio_stub: Any = field(default=None, repr=False)
     _aio_channel: grpc.aio.Channel | None = field(default=None, repr=False)
 

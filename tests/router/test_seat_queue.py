@@ -1,0 +1,90 @@
+"""The router's per-decode-worker seat queue: FIFO wake-ups, a refused waiter keeps its place, freed seats
+nobody waited for are not lost, an abort ends the wait."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from hybridserve.router.seat_queue import MAX_CREDIT, SeatQueue
+
+
+def run(coro):  # noqa: ANN001, ANN201 - a test helper
+    return asyncio.run(coro)
+
+
+def test_a_freed_seat_wakes_the_oldest_waiter_first() -> None:
+    async def main() -> list[str]:
+        queue = SeatQueue(poll_s=30.0)
+        woken: list[str] = []
+
+        async def waiter(name: str) -> None:
+            await queue.wait()
+            woken.append(name)
+
+        tasks = [asyncio.create_task(waiter(n)) for n in ("a", "b", "c")]
+        await asyncio.sleep(0)
+        assert len(queue) == 3
+        for _ in range(3):
+            queue.seat_freed()
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*tasks)
+        return woken
+
+    assert run(main()) == ["a", "b", "c"]
+
+
+def test_a_refused_waiter_goes_back_to_the_head_of_the_line() -> None:
+    async def main() -> list[str]:
+        queue = SeatQueue(poll_s=30.0)
+        woken: list[str] = []
+
+        async def waiter(name: str, again: bool) -> None:
+            await queue.wait(again=again)
+            woken.append(name)
+
+        late = asyncio.create_task(waiter("newcomer", False))
+        await asyncio.sleep(0)
+        refused = asyncio.create_task(waiter("refused-before", True))
+        await asyncio.sleep(0)
+        queue.seat_freed()
+        await asyncio.sleep(0.01)
+        queue.seat_freed()
+        await asyncio.gather(late, refused)
+        return woken
+
+    assert run(main()) == ["refused-before", "newcomer"]
+
+
+def test_seats_freed_while_nobody_waited_let_the_next_waiters_ask_at_once() -> None:
+    async def main() -> None:
+        queue = SeatQueue(poll_s=30.0)
+        for _ in range(MAX_CREDIT + 5):
+            queue.seat_freed()
+        for _ in range(MAX_CREDIT):  # each returns at once (a 30 s poll would hang the test)
+            await asyncio.wait_for(queue.wait(), 1.0)
+        with pytest.raises(asyncio.TimeoutError):  # the credit is bounded
+            await asyncio.wait_for(queue.wait(), 0.05)
+        assert len(queue) == 0
+
+    run(main())
+
+
+def test_a_wait_ends_on_abort_and_after_the_poll_interval() -> None:
+    async def main() -> None:
+        queue = SeatQueue(poll_s=30.0)
+        cancelled = asyncio.Event()
+        task = asyncio.create_task(queue.wait(cancelled=cancelled))
+        await asyncio.sleep(0)
+        cancelled.set()
+        await asyncio.wait_for(task, 1.0)
+        assert len(queue) == 0
+        await asyncio.wait_for(SeatQueue(poll_s=0.01).wait(), 1.0)
+
+    run(main())
+
+
+def test_a_bad_poll_interval_is_refused() -> None:
+    with pytest.raises(ValueError, match="poll_s"):
+        SeatQueue(poll_s=0)
