@@ -111,14 +111,18 @@ class ClusterOptions:
         self.worker_for("prefill")  # validates the overrides now, not in a worker process
 
     def worker_for(self, role: str) -> WorkerOptions:
-        """The options of a worker of `role` (prefill workers get their engine overrides)."""
-        if role != "prefill" or not self.prefill_engine_overrides:
-            return self.worker
-        unknown = set(self.prefill_engine_overrides) - {f.name for f in dataclasses.fields(EngineConfig)}
-        if unknown:
-            raise ValueError(f"prefill worker overrides name no EngineConfig field: {sorted(unknown)}")
-        return dataclasses.replace(self.worker, engine=dataclasses.replace(self.worker.engine,
-                                                                           **self.prefill_engine_overrides))
+        """The options of a worker of `role`: prefill workers get their engine overrides; with prefill workers,
+        every worker's unset `standby_state_slots` becomes its max_num_seqs (remote prefills run ahead of a full
+        decode batch, finished states wait for their transfer outside the prefill batch)."""
+        engine = self.worker.engine
+        if role == "prefill" and self.prefill_engine_overrides:
+            unknown = set(self.prefill_engine_overrides) - {f.name for f in dataclasses.fields(EngineConfig)}
+            if unknown:
+                raise ValueError(f"prefill worker overrides name no EngineConfig field: {sorted(unknown)}")
+            engine = dataclasses.replace(engine, **self.prefill_engine_overrides)
+        if self.num_prefill > 0 and engine.standby_state_slots is None:
+            engine = dataclasses.replace(engine, standby_state_slots=engine.max_num_seqs)
+        return self.worker if engine is self.worker.engine else dataclasses.replace(self.worker, engine=engine)
 
     def with_internal_token(self: _Cluster, token: str | None) -> _Cluster:
         """The same options with `token` on both sides (serve generates one per run when none is given)."""

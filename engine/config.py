@@ -28,6 +28,11 @@ class EngineConfig:
     # on CUDA, CPU_PREFILL_CHUNK on CPU: see `prefill_chunk_tokens`)
     prefill_chunk_size: int | None = None
     max_num_seqs: int = 32  # concurrent requests (one Mamba state slot each)
+    # Mamba state slots beyond max_num_seqs for states outside the running batch: a decode worker's reservations
+    # and received states waiting for a seat, a prefill worker's finished states waiting for their transfer, so
+    # remote prefills run ahead of a full decode batch. None: 0, except that `serve` / `up` give the workers of a
+    # disaggregated deployment max_num_seqs of them
+    standby_state_slots: int | None = None
     # requests a worker queues beyond the running ones; more are refused at once (RESOURCE_EXHAUSTED, the router
     # answers 429) instead of queueing without bound (the offline LLM queues its whole batch regardless)
     max_num_waiting: int = 1024
@@ -103,6 +108,9 @@ class EngineConfig:
             raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        standby = self.standby_state_slots
+        if standby is not None and (isinstance(standby, bool) or not isinstance(standby, int) or standby < 0):
+            raise ValueError(f"standby_state_slots must be an integer >= 0 or None, got {standby!r}")
         for name in ("state_block", "num_kv_pages"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):

@@ -85,7 +85,10 @@ class LLMEngine:
         else:
             self.cache = StateCache(self.model_config, layout, config.torch_dtype, ssm_dtype, device)
         self.pool = StatePool(self.cache, self.state_block, config.enable_prefix_caching, config.max_cache_events)
-        self.scheduler = Scheduler(self.pool, config.prefill_chunk_tokens, layout.num_slots, lookahead,
+        # the running batch: max_num_seqs, or fewer when the budget lowered the slot count; standby slots hold
+        # states outside it
+        self.max_running = min(config.max_num_seqs, layout.num_slots)
+        self.scheduler = Scheduler(self.pool, config.prefill_chunk_tokens, self.max_running, lookahead,
                                    config.max_num_batched_tokens, self.model_config.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(self.model, self.cache, config.page_size, device, self.state_block)
         self.spec: SpecDecoder | None = None
@@ -99,9 +102,9 @@ class LLMEngine:
             if self.spec is not None:  # every decode step is a verify step, which runs eagerly for now
                 logger.info("speculative decoding: decode steps run without CUDA graphs")
             elif self.tp is not None:  # every rank captures, the all-reduces inside the graphs
-                self.tp.capture_graphs(cast(tp_worker.LeaderModel, self.model), self.cache, layout.num_slots, max_pages)
+                self.tp.capture_graphs(cast(tp_worker.LeaderModel, self.model), self.cache, self.max_running, max_pages)
             else:
-                enable_decode_graphs(self.runner, layout.num_slots, max_pages)
+                enable_decode_graphs(self.runner, self.max_running, max_pages)
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}  # finished, state kept for export
         self._hooks: dict[str, handoff.HandoffHooks] = {}  # held requests' callbacks, until they finish
@@ -255,7 +258,7 @@ class LLMEngine:
         if request.grammar is not None:  # the prefill worker sampled it under the same grammar
             request.grammar.accept_token(first_token)
         self._requests[request_id] = request
-        self.scheduler.running.append(request)
+        self.scheduler.add_landed(request)
         reason = self.scheduler.stop_reason(request, first_token)
         if reason is not None:
             self.scheduler.finish(request, reason)
@@ -273,7 +276,7 @@ class LLMEngine:
         pages, slots = self.pool.pages, self.pool.slots
         return {
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": len(self.scheduler.waiting) + len(self.scheduler.landed),
             "free_state_slots": slots.num_free if slots is not None else 0,
             "free_kv_pages": pages.num_free if pages is not None else 0,
             "queued_prefill_tokens": sum(r.num_pending_tokens for r in self.scheduler.waiting),

@@ -81,13 +81,24 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # requests whose state arrived from a prefill worker while the batch was full: they hold their slot and
+        # pages (standby slots) and join the batch, oldest first, as seats free up
+        self.landed: deque[Request] = deque()
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def add_landed(self, request: Request) -> None:
+        """A request whose state was installed (status RUNNING, decoding): it joins the batch now if there is a
+        seat, else waits in `landed` ahead of any new admission."""
+        if len(self.running) < self.max_num_seqs and not self.landed:
+            self.running.append(request)
+        else:
+            self.landed.append(request)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.landed)
 
     def schedule(self) -> SchedulerOutput:
         while True:
@@ -98,6 +109,8 @@ class Scheduler:
             self._preempt(self.running[-1])
 
     def _schedule_once(self) -> SchedulerOutput:
+        while self.landed and len(self.running) < self.max_num_seqs:
+            self.running.append(self.landed.popleft())
         decodes: list[Request] = []
         for request in list(self.running):
             if request.status is RequestStatus.RUNNING and request.is_decoding:
@@ -170,7 +183,10 @@ class Scheduler:
 
     def finish(self, request: Request, reason: str) -> None:
         """Mark finished and return its pages and slot (its full blocks stay cached)."""
-        if request.status is RequestStatus.RUNNING:
+        if request.status is RequestStatus.RUNNING and request in self.landed:
+            self.landed.remove(request)
+            self.pool.release(request)
+        elif request.status is RequestStatus.RUNNING:
             self._release(request)
         elif request in self.waiting:
             self.waiting.remove(request)

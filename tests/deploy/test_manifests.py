@@ -25,6 +25,11 @@ class _IdleLoop:
     """Stands in for a worker's engine loop: every sampled engine statistic reads 0, and the engine runs
     speculative decoding (two draft positions) so that its counters are exported too."""
 
+    def __init__(self) -> None:
+        from hybridserve.worker_runtime.loop_stats import LoopStats
+
+        self.stats = LoopStats("idle")
+
     def call(self, fn, timeout: float | None = None) -> tuple[dict, types.SimpleNamespace]:
         spec = types.SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
                                      accepted_per_position=[0, 0])

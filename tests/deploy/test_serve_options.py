@@ -24,6 +24,18 @@ def test_prefill_workers_get_their_overrides_and_decode_workers_do_not() -> None
     assert options.worker_for("decode").engine.prefill_chunk_size == 256
 
 
+def test_a_disaggregated_deployment_gives_its_workers_standby_slots_unless_told() -> None:
+    pd = _serve(engine=EngineConfig(max_num_seqs=8), prefill_engine_overrides={"max_num_seqs": 4})
+    assert pd.worker_for("decode").engine.standby_state_slots == 8
+    assert pd.worker_for("prefill").engine.standby_state_slots == 4
+    colocated = _serve(num_prefill=0, engine=EngineConfig(max_num_seqs=8))
+    assert colocated.worker_for("decode").engine.standby_state_slots is None
+    told = _serve(engine=EngineConfig(max_num_seqs=8, standby_state_slots=0))
+    assert told.worker_for("decode").engine.standby_state_slots == 0
+    with pytest.raises(ValueError, match="standby_state_slots must be an integer >= 0"):
+        EngineConfig(standby_state_slots=-1)
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"prefill_chunk_sz": 4096}, "name no EngineConfig field: ['prefill_chunk_sz']"),
     ({"prefill_chunk_size": 0}, "prefill_chunk_size must be a positive integer"),
