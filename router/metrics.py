@@ -58,6 +58,10 @@ class RouterMetrics:
                                  registry=r)
         self.running = Gauge("hybridserve_router_running_requests", "Admitted requests in flight", registry=r)
         self.queued = Gauge("hybridserve_router_queued_requests", "Requests waiting for admission", registry=r)
+        self.seat_waiters = Gauge("hybridserve_router_decode_seat_waiters",
+                                  "Requests waiting for a free state slot on their (full) decode worker", registry=r)
+        self.seat_waits = Counter("hybridserve_router_decode_seat_waits",
+                                  "Waits for a free state slot on a full decode worker", registry=r)
         self.breaker = Gauge("hybridserve_router_worker_circuit_state",
                              "Circuit breaker per worker: 0 closed, 1 half-open, 2 open", ["role", "worker"],
                              registry=r)

@@ -123,6 +123,8 @@ class Orchestrator:
         # into worker requests, never changed)
         self._sampling_proto = functools.lru_cache(maxsize=256)(sampling_to_proto)
         self.update_workers(prefill_addresses, decode_addresses)
+        self.metrics.seat_waiters.set_function(  # read at scrape time
+            lambda: sum(len(w.seats) for w in self.workers.all() if w.role == "decode"))
 
     def update_workers(self, prefill_addresses: list[str], decode_addresses: list[str]) -> None:
         """Point at a new set of workers (after a restart moved one); in-flight requests keep their stubs."""
@@ -231,6 +233,7 @@ class Orchestrator:
                 if time.perf_counter() - busy_since > res.capacity_wait_s:
                     raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       f"decode workers stayed full for {res.capacity_wait_s:.0f} s: {busy}") from None
+                self.metrics.seat_waits.inc()
                 await busy.worker.seats.wait(again=waited, cancelled=active.cancelled)
                 waited = True
                 continue
