@@ -38,15 +38,18 @@ for path in sorted(raw.glob("r*/colocated-1gpu*-rate*.json")):
         "setting": "off" if "nocache" in name else "on", "round": path.parent.name, "run": name,
         "completed": metrics["completed"], "failed": metrics["failed"],
         **{f"{m}_{q}": round(metrics[f"{m}_ms"][q], 3) for m in ("ttft", "tpot", "itl") for q in ("p50", "p99")},
+        "step_ms": metrics.get("engine_step_ms_mean"), "gap_ms": metrics.get("engine_gap_ms_mean"),
     })
 summary = {}
 for setting in ("off", "on"):
     mine = [r for r in rows if r["setting"] == setting]
     if mine:
         summary[setting] = {k: round(statistics.median(r[k] for r in mine), 3)
-                            for k in ("ttft_p50", "tpot_p50", "itl_p50", "ttft_p99", "tpot_p99")}
+                            for k in ("ttft_p50", "tpot_p50", "itl_p50", "ttft_p99", "tpot_p99", "step_ms", "gap_ms")
+                            if all(r[k] is not None for r in mine)}
 if len(summary) == 2:
-    summary["on_over_off"] = {k: round(summary["on"][k] / summary["off"][k], 4) for k in summary["on"]}
+    summary["on_over_off"] = {k: round(summary["on"][k] / summary["off"][k], 4) for k in summary["on"]
+                              if k in summary["off"] and summary["off"][k]}
 out.write_text(json.dumps({"runs": rows, "median_over_runs": summary}, indent=2) + "\n")
 print(json.dumps(summary, indent=2))
 PY
