@@ -2,7 +2,8 @@
 
 vLLM does the same by default (`--generation-config auto`): a model's authors know which temperature or
 repetition penalty it needs, and a client that does not say otherwise gets those. Only the sampling fields are
-taken (temperature, top_p, top_k, repetition_penalty, and max_new_tokens as the default max_tokens); everything
+taken (temperature, top_p, top_k, repetition_penalty, no_repeat_ngram_size, and max_new_tokens as the default
+max_tokens); everything
 else in the file (token ids, `do_sample`, beam settings) is transformers' business and ignored. A value a
 client sends always wins. Torch-free: the router imports it.
 """
@@ -22,7 +23,8 @@ logger = logging.getLogger(__name__)
 GENERATION_CONFIG_FILE = "generation_config.json"
 # generation_config.json key -> SamplingParams field (vLLM takes the same keys; we have no min_p)
 SAMPLING_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+                 "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
+                 "no_repeat_ngram_size": "no_repeat_ngram_size"}  # the last: transformers' key, beyond vLLM's
 NO_DEFAULTS = ("none", "vllm")  # ignore the checkpoint's file (vLLM spells it "vllm")
 
 

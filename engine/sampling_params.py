@@ -30,6 +30,7 @@ class StructuredOutput:
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20  # top alternatives per position (OpenAI's top_logprobs limit)
 MAX_STOP_TOKEN_IDS = 128  # each is checked on every generated token; a client must not make that unbounded
+MAX_NO_REPEAT_NGRAM = 64
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # [-2, 2], subtracted once from every token already in the output
     frequency_penalty: float = 0.0  # [-2, 2], subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # > 0; 1 is off; applies to prompt and output tokens
+    # > 0: no n-gram of this many tokens occurs twice in prompt + output (transformers' generation field of the
+    # same name); breaks greedy loops when set well above the n-grams the text repeats on purpose. 0 is off
+    no_repeat_ngram_size: int = 0
     structured: StructuredOutput | None = None  # the output follows this grammar (engine.structured_output)
 
     def __post_init__(self) -> None:
@@ -80,6 +84,9 @@ class SamplingParams:
         rp = self.repetition_penalty
         if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not 0.0 < rp <= 10.0:
             raise ValueError(f"repetition_penalty must be in (0, 10], got {rp!r}")
+        n = self.no_repeat_ngram_size
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_NO_REPEAT_NGRAM:
+            raise ValueError(f"no_repeat_ngram_size must be an integer in [0, {MAX_NO_REPEAT_NGRAM}] (0: off), got {n!r}")
         try:
             bias = tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items())
         except (TypeError, ValueError):

@@ -26,6 +26,7 @@ def sampling_from_proto(options: common_pb2.SamplingOptions) -> SamplingParams:
         presence_penalty=float(options.presence_penalty),
         frequency_penalty=float(options.frequency_penalty),
         repetition_penalty=float(options.repetition_penalty) if options.HasField("repetition_penalty") else 1.0,
+        no_repeat_ngram_size=int(options.no_repeat_ngram_size) if options.HasField("no_repeat_ngram_size") else 0,
         structured=StructuredOutput(options.structured_kind, options.structured_spec,  # type: ignore[arg-type]
                                     tuple(options.structured_choices), options.structured_field or "structured_output")
         if options.structured_kind else None,
@@ -54,6 +55,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingOptions:
         options.structured_field = params.structured.field
     if params.repetition_penalty != 1.0:
         options.repetition_penalty = params.repetition_penalty
+    if params.no_repeat_ngram_size:
+        options.no_repeat_ngram_size = params.no_repeat_ngram_size
     if params.seed is not None:
         options.seed = params.seed
     if params.logprobs is not None:

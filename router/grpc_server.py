@@ -76,18 +76,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.frontend = frontend
         self.requests = CallerRequests()
         # clients repeat their sampling settings: parse and check each distinct one (by its wire bytes, which
-        # say whether repetition_penalty is set) once; SamplingParams is frozen, so requests can share it (a
+        # say whether the optional fields are set) once; SamplingParams is frozen, so requests can share it (a
         # refused one raises again: errors are not cached)
         self._sampling = functools.lru_cache(maxsize=256)(self._parse_sampling)
 
     def _parse_sampling(self, raw: bytes) -> SamplingParams:
         options = common_pb2.SamplingOptions.FromString(raw)
         params = sampling_from_proto(options)
-        default_penalty = self.frontend.generation_defaults.get("repetition_penalty")
-        if default_penalty is not None and not options.HasField("repetition_penalty"):
-            # the one sampling field the proto can leave unset; the others are always explicit on gRPC
-            params = dataclasses.replace(params, repetition_penalty=default_penalty)
-        return params
+        # the sampling fields the proto can leave unset take the checkpoint's defaults; the others are always
+        # explicit on gRPC
+        unset = {name: value for name in ("repetition_penalty", "no_repeat_ngram_size")
+                 if not options.HasField(name) and (value := self.frontend.generation_defaults.get(name)) is not None}
+        return dataclasses.replace(params, **unset) if unset else params
 
     async def _prompt(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> list[int]:
         kind = request.WhichOneof("prompt")

@@ -3,7 +3,7 @@
 Unknown fields and unsupported values are refused with 400 rather than ignored: a client that asks for
 something we do not do should find out. Extensions (vLLM's): `top_k`, `min_tokens`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`, and `return_token_ids` (adds `token_ids` to each
-choice, and `prompt_token_ids` to the response).
+choice, and `prompt_token_ids` to the response); transformers' `no_repeat_ngram_size`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hybridserve.engine.sampling_params import StructuredOutput
+from hybridserve.engine.sampling_params import MAX_NO_REPEAT_NGRAM, StructuredOutput
 from hybridserve.router.tool_calls import forced_call_schema
 
 MAX_N = 16
@@ -70,6 +70,7 @@ class _SamplingFields(BaseModel):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    no_repeat_ngram_size: int = Field(0, ge=0, le=MAX_NO_REPEAT_NGRAM)
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(0, ge=0)
     user: str | None = None
@@ -142,6 +143,7 @@ class _SamplingFields(BaseModel):
                 "include_stop_str_in_output": self.include_stop_str_in_output, "min_tokens": self.min_tokens,
                 "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
+                "no_repeat_ngram_size": self.no_repeat_ngram_size,
                 "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()}}
 
     def with_defaults(self, defaults: dict[str, Any]) -> Any:

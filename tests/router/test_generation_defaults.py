@@ -126,3 +126,26 @@ def test_grpc_fills_an_unset_repetition_penalty(served: Cluster, defaults_dir: P
 
         assert run() == _offline(defaults_dir, prompt_ids, max_tokens=6, repetition_penalty=PENALTY)
         assert run(repetition_penalty=1.0) == _offline(defaults_dir, prompt_ids, max_tokens=6)
+
+
+def test_no_repeat_ngram_size_is_a_default_on_both_doors(tmp_path: Path) -> None:
+    """transformers' generation key beyond vLLM's: loaded from the file, filled into HTTP bodies and gRPC options
+    that leave it unset, a client's own value kept."""
+    import types
+
+    from hybridserve.proto.convert import sampling_from_proto
+    from hybridserve.router.grpc_server import RouterServicer
+    from hybridserve.router.openai_protocol import CompletionRequest
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"no_repeat_ngram_size": 16}))
+    defaults = load_generation_defaults("auto", tmp_path).as_dict()
+    assert defaults == {"no_repeat_ngram_size": 16}
+    body = CompletionRequest(model="m", prompt="x")
+    assert body.with_defaults(defaults).no_repeat_ngram_size == 16
+    assert CompletionRequest(model="m", prompt="x", no_repeat_ngram_size=0).with_defaults(defaults).no_repeat_ngram_size == 0
+    servicer = RouterServicer(types.SimpleNamespace(generation_defaults=defaults))  # type: ignore[arg-type]
+    unset = common_pb2.SamplingOptions(max_tokens=4)
+    assert servicer._parse_sampling(unset.SerializeToString()).no_repeat_ngram_size == 16
+    own = common_pb2.SamplingOptions(max_tokens=4, no_repeat_ngram_size=3)
+    assert servicer._parse_sampling(own.SerializeToString()).no_repeat_ngram_size == 3
+    assert sampling_from_proto(unset).no_repeat_ngram_size == 0

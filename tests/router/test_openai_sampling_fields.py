@@ -31,9 +31,10 @@ def test_penalties_equal_the_offline_engine(cluster, client, model_dir) -> None:
     prompt_ids = httpx.post(cluster.base_url + "/tokenize", json={"model": MODEL_NAME, "prompt": PROMPT}).json()["tokens"]
     out = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=8, temperature=0, presence_penalty=1.0,
                                     frequency_penalty=0.5, extra_body={"repetition_penalty": 1.25,
+                                                                       "no_repeat_ngram_size": 2,
                                                                        "return_token_ids": True, "ignore_eos": True})
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, presence_penalty=1.0,
-                            frequency_penalty=0.5, repetition_penalty=1.25)
+                            frequency_penalty=0.5, repetition_penalty=1.25, no_repeat_ngram_size=2)
     offline = LLM(str(model_dir)).generate(prompt_token_ids=[prompt_ids], sampling_params=params)[0]
     assert _ids(out.choices[0]) == offline.token_ids
 
@@ -66,6 +67,8 @@ def test_max_completion_tokens_and_user(client) -> None:
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"frequency_penalty": -2.5}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size"),
+    ({"no_repeat_ngram_size": 65}, "no_repeat_ngram_size"),
     ({"min_tokens": 20, "max_tokens": 4}, "min_tokens"),
     ({"n": 3, "best_of": 2}, "best_of"),
     ({"best_of": 2, "stream": True}, "best_of"),
