@@ -30,7 +30,8 @@ def plan_engine_cache(model_config: ModelConfig, config: EngineConfig, max_model
         model_config,
         budget,
         PoolRequest(
-            max_num_seqs=slots,
+            max_num_seqs=config.max_num_seqs,
+            standby_slots=config.standby_state_slots or 0,
             max_model_len=max_model_len + lookahead,
             page_size=config.page_size,
             conv_width=conv_width,

@@ -36,8 +36,11 @@ class PoolRequest:
     state_block: int = 1  # tokens between cached Mamba checkpoints
     num_kv_pages: int | None = None
     num_checkpoint_slots: int | None = None
+    standby_slots: int = 0  # state slots beyond max_num_seqs (requests outside the running batch)
 
     def __post_init__(self) -> None:
+        if self.standby_slots < 0:
+            raise ValueError(f"standby_slots must be >= 0, got {self.standby_slots}")
         for name in ("max_num_seqs", "max_model_len", "page_size", "conv_width", "state_block"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -48,11 +51,11 @@ class PoolRequest:
 
 
 def plan_cache_layout(config: ModelConfig, budget_bytes: int, want: PoolRequest) -> CacheLayout:
-    """Slots for `max_num_seqs` requests first; the rest of the budget goes to KV pages and, with prefix
+    """Slots for `max_num_seqs` (+ `standby_slots`) requests first; the rest goes to KV pages and, with prefix
     caching, checkpoint slots. Without caching, pages stop at every slot filled to max_model_len. With it,
     the page target doubles (running + cached KV) and checkpoints cover the cached tokens every state_block;
     when the budget is short both shrink proportionally, but the running KV (the no-cache amount) is kept
-    once the cache has one checkpoint per slot, and never below one max_model_len request of KV."""
+    once the cache has one checkpoint per running slot, and never below one max_model_len request of KV."""
     slot_bytes = CacheLayout.bytes_per_slot(config, want.conv_width, want.dtype, want.ssm_dtype)
     page_bytes = CacheLayout.bytes_per_page(config, want.page_size, want.dtype)
     pages_per_seq = -(-want.max_model_len // want.page_size) if page_bytes else 0
@@ -66,13 +69,16 @@ def plan_cache_layout(config: ModelConfig, budget_bytes: int, want: PoolRequest)
             f"the state-cache budget is {budget_bytes / 2**20:.1f} MiB: raise cpu_memory_gb / "
             "gpu_memory_utilization or lower max_model_len"
         )
-    slots = want.max_num_seqs
+    slots = want.max_num_seqs + want.standby_slots
     if slots * slot_bytes + min_pages * page_bytes > budget_bytes:
         slots = max(1, (budget_bytes - min_pages * page_bytes) // max(slot_bytes, 1))
         logger.warning(
             "max_num_seqs lowered from %d to %d: %d Mamba state slots of %.1f MiB fit the budget",
-            want.max_num_seqs, slots, slots, slot_bytes / 2**20,
+            want.max_num_seqs + want.standby_slots, slots, slots, slot_bytes / 2**20,
         )
+    # the running batch's slots earn a kept checkpoint before cached KV; standby slots (states waiting outside
+    # the batch) do not, or a big standby pool would leave no KV for the requests it holds
+    seats = min(slots, want.max_num_seqs)
     rest = budget_bytes - slots * slot_bytes
     copies = 2 if want.prefix_caching else 1
     page_target = copies * slots * pages_per_seq if want.num_kv_pages is None else want.num_kv_pages
@@ -80,7 +86,7 @@ def plan_cache_layout(config: ModelConfig, budget_bytes: int, want: PoolRequest)
     ckpt_target = 0
     if want.prefix_caching and slot_bytes:
         cached_tokens = page_target * want.page_size if page_bytes else copies * slots * want.max_model_len
-        ckpt_target = max(slots, cached_tokens // want.state_block)
+        ckpt_target = max(seats, cached_tokens // want.state_block)
         if want.num_checkpoint_slots is not None:
             ckpt_target = want.num_checkpoint_slots
     pages, ckpts = page_target, ckpt_target
@@ -93,7 +99,7 @@ def plan_cache_layout(config: ModelConfig, budget_bytes: int, want: PoolRequest)
         if flexible_pages and page_bytes:
             # KV for the running requests (what the pool would get without the cache) comes before cached
             # state, once the cache keeps one checkpoint per running slot
-            keep_ckpts = min(ckpt_target, slots) if flexible_ckpts else ckpts
+            keep_ckpts = min(ckpt_target, seats) if flexible_ckpts else ckpts
             running = min(slots * pages_per_seq, max(0, rest - keep_ckpts * slot_bytes) // page_bytes)
             pages = max(min_pages, running, int(pages * scale))
         if flexible_ckpts:

@@ -4,10 +4,14 @@ runs, and a request that can never fit is refused when it is added."""
 from __future__ import annotations
 
 import pytest
+import torch
 from checkpoints import random_prompts
-from prefix_cases import cold_tokens, greedy, warm_llm
+from prefix_cases import cold_tokens, greedy, model_dir, warm_llm
 
 from hybridserve import SamplingParams
+from hybridserve.models.config import ModelConfig
+from hybridserve.statepool.sizing import PoolRequest, plan_cache_layout
+from hybridserve.statepool.state_cache import CacheLayout
 
 
 @pytest.mark.parametrize("kind", ["nemotron_h", "mamba2"])
@@ -67,3 +71,21 @@ def test_caching_off_keeps_no_state_after_requests() -> None:
     pool = llm.engine.pool
     pool.check()
     assert pool.pages.num_free == pool.num_pages and pool.radix is None
+
+
+def test_standby_slots_do_not_take_the_kv_of_the_requests_they_hold() -> None:
+    """A budget that holds every slot, one kept checkpoint per RUNNING slot and KV for every slot: the planner
+    gives it that way round (standby slots earn no kept checkpoint ahead of KV)."""
+    config = ModelConfig.from_dir(model_dir("nemotron_h"))
+    want = PoolRequest(max_num_seqs=2, standby_slots=6, max_model_len=64, page_size=8, conv_width=3,
+                       dtype=torch.float32, ssm_dtype=torch.float32, prefix_caching=True, state_block=16)
+    slot = CacheLayout.bytes_per_slot(config, 3, torch.float32, torch.float32)
+    page = CacheLayout.bytes_per_page(config, 8, torch.float32)
+    budget = 8 * slot + 2 * slot + 8 * (64 // 8) * page
+    layout = plan_cache_layout(config, budget, want)
+    assert layout.num_slots == 8
+    assert layout.num_pages >= 8 * (64 // 8)  # KV for all 8 slots' requests
+    assert layout.num_checkpoints >= 2  # one per running slot
+    with pytest.raises(ValueError, match="standby_slots"):
+        PoolRequest(max_num_seqs=2, standby_slots=-1, max_model_len=64, page_size=8, conv_width=3,
+                    dtype=torch.float32, ssm_dtype=torch.float32)
