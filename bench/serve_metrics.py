@@ -23,10 +23,11 @@ ENGINE_STEPS = "hybridserve_worker_engine_steps_total"
 ENGINE_STEP_SECONDS = "hybridserve_worker_engine_step_seconds_total"
 ENGINE_GAP_SECONDS = "hybridserve_worker_engine_gap_seconds_total"
 ENGINE_OUTPUTS = "hybridserve_worker_engine_step_outputs_total"
+ENGINE_GAPS = "hybridserve_worker_engine_gaps_total"
 GRAPH_STEPS = "hybridserve_worker_engine_graph_decode_steps_total"
 EAGER_DECODES = "hybridserve_worker_engine_eager_decode_steps_total"
 SCRAPED = (SPEC_ACCEPTED, SPEC_STEPS, PREFIX_HIT_TOKENS, PREFIX_QUERIES, PREFIX_HITS, ENGINE_STEPS,
-           ENGINE_STEP_SECONDS, ENGINE_GAP_SECONDS, ENGINE_OUTPUTS, GRAPH_STEPS, EAGER_DECODES)
+           ENGINE_STEP_SECONDS, ENGINE_GAP_SECONDS, ENGINE_OUTPUTS, GRAPH_STEPS, EAGER_DECODES, ENGINE_GAPS)
 
 
 @dataclass
@@ -124,7 +125,9 @@ def engine_loop(counters_delta: dict[str, float] | None) -> dict:
                 "engine_graph_steps": None, "engine_eager_decode_steps": None}
     return {
         "engine_step_ms_mean": 1e3 * counters_delta.get(ENGINE_STEP_SECONDS, 0.0) / steps,
-        "engine_gap_ms_mean": 1e3 * counters_delta.get(ENGINE_GAP_SECONDS, 0.0) / steps,
+        # per gap (a gap lies between two back-to-back busy steps); per step where the gap count is not exported
+        "engine_gap_ms_mean": 1e3 * counters_delta.get(ENGINE_GAP_SECONDS, 0.0) / (counters_delta.get(ENGINE_GAPS)
+                                                                                   or steps),
         "engine_outputs_per_step": counters_delta.get(ENGINE_OUTPUTS, 0.0) / steps,
         "engine_graph_steps": counters_delta.get(GRAPH_STEPS),
         "engine_eager_decode_steps": counters_delta.get(EAGER_DECODES),

@@ -108,9 +108,20 @@ class Scheduler:
             # every running request is stuck waiting for pages held by the others: free the newest
             self._preempt(self.running[-1])
 
-    def _schedule_once(self) -> SchedulerOutput:
-        while self.landed and len(self.running) < self.max_num_seqs:
+    def _promote_landed(self) -> None:
+        """Landed states join the batch, oldest first, while seats are free: at most one per step while requests
+        wait for admission (so neither queue starves the other), and only with a page for the next token (a
+        state just received is not preempted to make room) unless the batch is empty."""
+        limit = 1 if self.waiting else len(self.landed)
+        while self.landed and limit and len(self.running) < self.max_num_seqs:
+            request = self.landed[0]
+            if not self.pool.reserve(request, request.num_tokens + self.decode_lookahead) and self.running:
+                return
             self.running.append(self.landed.popleft())
+            limit -= 1
+
+    def _schedule_once(self) -> SchedulerOutput:
+        self._promote_landed()
         decodes: list[Request] = []
         for request in list(self.running):
             if request.status is RequestStatus.RUNNING and request.is_decoding:

@@ -211,7 +211,7 @@ class Orchestrator:
         last: _Retry | None = None
         attempt = 0
         busy_since: float | None = None
-        waited = False  # this request already waited in its decode worker's seat queue
+        woken_by: WorkerHandle | None = None  # a freed seat on this decode worker woke the request
         while attempt < res.attempts:
             if active.cancelled.is_set():
                 raise WorkerError(grpc.StatusCode.CANCELLED, "the request was aborted")
@@ -234,8 +234,8 @@ class Orchestrator:
                     raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       f"decode workers stayed full for {res.capacity_wait_s:.0f} s: {busy}") from None
                 self.metrics.seat_waits.inc()
-                await busy.worker.seats.wait(again=waited, cancelled=active.cancelled)
-                waited = True
+                woken = await busy.worker.seats.wait(again=woken_by is busy.worker, cancelled=active.cancelled)
+                woken_by = busy.worker if woken else None
                 continue
             except _Retry as retry:
                 last = retry
@@ -288,8 +288,9 @@ class Orchestrator:
         except _Retry:
             if events is not None:
                 events.cancel()
-            # awaited: a late Abort of this request id must not reach a worker after the retry's Reserve
-            await self._abort_all(d, rid)
+            # awaited: a late Abort of this request id must not reach a worker after the retry's Reserve; in a
+            # task of its own (shielded), so a client that goes away meanwhile does not cancel the abort
+            await asyncio.shield(self._abort_task(d, rid))
             raise
         except BaseException:
             if events is not None:
@@ -382,9 +383,13 @@ class Orchestrator:
     def _abort_later(self, d: Decision, request_id: str) -> None:
         """Abort the request on its workers in a task of its own: it runs even when the request's task is being
         cancelled, and the caller's error goes out without waiting for it."""
+        self._abort_task(d, request_id)
+
+    def _abort_task(self, d: Decision, request_id: str) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(self._abort_all(d, request_id))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
+        return task
 
     async def _abort_all(self, d: Decision, request_id: str) -> None:
         timeout = self.config.resilience.control_timeout_s

@@ -30,13 +30,13 @@ class SeatQueue:
     def __len__(self) -> int:
         return len(self._waiters)
 
-    async def wait(self, again: bool = False, cancelled: asyncio.Event | None = None) -> None:
+    async def wait(self, again: bool = False, cancelled: asyncio.Event | None = None) -> bool:
         """Wait until a seat may be free (woken, `poll_s` passed, or `cancelled` set); the caller then asks the
-        worker again. `again`: the caller was refused after a wait of its own, so it keeps the head of the line
-        (a newcomer took the seat first)."""
+        worker again. True when a freed seat woke it. `again`: the caller was woken for a seat and refused all
+        the same (a newcomer took it first), so it goes back to the head of the line."""
         if self._credit:
             self._credit -= 1
-            return
+            return True
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if again:
             self._waiters.appendleft(waiter)
@@ -46,6 +46,7 @@ class SeatQueue:
         pending: list[asyncio.Future[Any]] = [waiter] if watch is None else [waiter, watch]
         try:
             await asyncio.wait(pending, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED)
+            return waiter.done() and not waiter.cancelled()
         finally:
             if watch is not None:
                 watch.cancel()

@@ -38,6 +38,7 @@ class LoopStats:
         self.steps = 0
         self.step_seconds = 0.0
         self.gap_seconds = 0.0  # between the end of one busy step's hand-off and the next step's start
+        self.gaps = 0  # back-to-back pairs of steps (gap_seconds / gaps is the mean gap)
         self.outputs = 0
         self._last_end: float | None = None
         self._window_start = clock()
@@ -62,6 +63,7 @@ class LoopStats:
             self._window_outputs += num_outputs
             if gap is not None:
                 self.gap_seconds += gap
+                self.gaps += 1
                 self._window_gaps.append(gap)
         now = self._clock()
         self._last_end = now

@@ -81,6 +81,8 @@ class _EngineGauges(Collector):
             ("hybridserve_worker_engine_gap_seconds",
              "Time between two back-to-back busy steps (output hand-off, posted calls, GIL waits)",
              loop_stats.gap_seconds),
+            ("hybridserve_worker_engine_gaps", "Back-to-back busy steps (the gaps counted in engine_gap_seconds)",
+             loop_stats.gaps),
             ("hybridserve_worker_engine_step_outputs", "Request outputs produced by engine steps", loop_stats.outputs),
             ("hybridserve_worker_engine_graph_decode_steps", "Decode steps replayed from a CUDA graph", v["graph_steps"]),
             ("hybridserve_worker_engine_eager_decode_steps", "Decode-only steps that ran without a CUDA graph",

@@ -71,16 +71,20 @@ def test_seats_freed_while_nobody_waited_let_the_next_waiters_ask_at_once() -> N
     run(main())
 
 
-def test_a_wait_ends_on_abort_and_after_the_poll_interval() -> None:
+def test_a_wait_ends_on_abort_and_after_the_poll_interval_and_says_whether_a_seat_woke_it() -> None:
     async def main() -> None:
         queue = SeatQueue(poll_s=30.0)
         cancelled = asyncio.Event()
         task = asyncio.create_task(queue.wait(cancelled=cancelled))
         await asyncio.sleep(0)
         cancelled.set()
-        await asyncio.wait_for(task, 1.0)
+        assert await asyncio.wait_for(task, 1.0) is False
         assert len(queue) == 0
-        await asyncio.wait_for(SeatQueue(poll_s=0.01).wait(), 1.0)
+        assert await asyncio.wait_for(SeatQueue(poll_s=0.01).wait(), 1.0) is False
+        woken = asyncio.create_task(queue.wait())
+        await asyncio.sleep(0)
+        queue.seat_freed()
+        assert await asyncio.wait_for(woken, 1.0) is True
 
     run(main())
 

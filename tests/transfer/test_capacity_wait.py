@@ -125,3 +125,16 @@ def test_a_landed_request_that_is_aborted_or_stops_at_once_frees_its_standby_slo
         decode.step()
     decode.pool.check()
     assert decode.pool.slots.num_used == 0
+    # a local request waiting for admission and landed states share the one seat: all finish, none starves
+    land("d", prompts[0], 4)
+    decode.add_request(prompts[1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), "local")
+    land("e", prompts[2], 4)
+    land("f", prompts[1], 4)
+    finished = set()
+    for _ in range(200):
+        finished |= {o.request_id for o in decode.step() if o.finished}
+        if not decode.has_unfinished():
+            break
+    assert finished == {"d", "local", "e", "f"}
+    decode.pool.check()
+    assert decode.pool.slots.num_used == 0

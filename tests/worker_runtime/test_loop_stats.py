@@ -32,7 +32,7 @@ def test_gaps_count_only_between_back_to_back_steps(caplog: pytest.LogCaptureFix
     stats.record(1.0, 1.002, 2)  # after idleness: no gap
     assert stats.steps == 3 and stats.outputs == 10
     assert stats.step_seconds == pytest.approx(0.003 + 0.001 + 0.002)
-    assert stats.gap_seconds == pytest.approx(0.001)
+    assert stats.gap_seconds == pytest.approx(0.001) and stats.gaps == 1
     with caplog.at_level(logging.INFO):
         clock.now = 200.0
         stats.record(199.0, 200.0, 1)
