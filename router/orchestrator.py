@@ -211,7 +211,7 @@ class Orchestrator:
         last: _Retry | None = None
         attempt = 0
         busy_since: float | None = None
-        woken_by: WorkerHandle | None = None  # a freed seat on this decode worker woke the request
+        head_of: WorkerHandle | None = None  # the request left this decode worker's seat queue from its head
         while attempt < res.attempts:
             if active.cancelled.is_set():
                 raise WorkerError(grpc.StatusCode.CANCELLED, "the request was aborted")
@@ -234,8 +234,8 @@ class Orchestrator:
                     raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       f"decode workers stayed full for {res.capacity_wait_s:.0f} s: {busy}") from None
                 self.metrics.seat_waits.inc()
-                woken = await busy.worker.seats.wait(again=woken_by is busy.worker, cancelled=active.cancelled)
-                woken_by = busy.worker if woken else None
+                at_head = await busy.worker.seats.wait(again=head_of is busy.worker, cancelled=active.cancelled)
+                head_of = busy.worker if at_head else None
                 continue
             except _Retry as retry:
                 last = retry

@@ -3,9 +3,9 @@
 Without it, every request that found its decode worker full re-sent Reserve after a random 20-100 ms: with a
 burst of 100 such requests that is ~1,500 refused Reserves per second, each a trip to the worker's engine loop
 between two decode steps, and the refusals' clean-up raced the next attempt. Here a refused request waits in line;
-each request the router sees end on that worker wakes the head of the line, which then asks once. A wait also
-ends after `poll_s` (seats freed by other routers or expired reservations are seen that way). One instance per
-decode worker, used on the router's event loop only.
+each request the router sees end on that worker wakes the head of the line, which then asks once. The head
+also re-asks every `poll_s` (seats freed by other routers or expired reservations are seen that way), the rest of
+the line only every `idle_poll_s`. One instance per decode worker, used on the router's event loop only.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ MAX_CREDIT = 8  # bounds the immediate re-asks that stale credits can cause
 class SeatQueue:
     """Waiters in arrival order; `seat_freed()` wakes the oldest one."""
 
-    def __init__(self, poll_s: float = 0.25) -> None:
-        if poll_s <= 0:
-            raise ValueError(f"poll_s must be > 0, got {poll_s}")
-        self.poll_s = poll_s
+    def __init__(self, poll_s: float = 0.25, idle_poll_s: float = 2.0) -> None:
+        if poll_s <= 0 or idle_poll_s < poll_s:
+            raise ValueError(f"poll_s must be > 0 and idle_poll_s >= poll_s, got {poll_s} and {idle_poll_s}")
+        self.poll_s = poll_s  # the head of the line re-asks this often
+        self.idle_poll_s = idle_poll_s  # the rest only this often (a wake-up that was lost), not every poll_s
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._credit = 0  # seats freed while nobody waited: the next waiters ask at once
 
@@ -31,22 +32,28 @@ class SeatQueue:
         return len(self._waiters)
 
     async def wait(self, again: bool = False, cancelled: asyncio.Event | None = None) -> bool:
-        """Wait until a seat may be free (woken, `poll_s` passed, or `cancelled` set); the caller then asks the
-        worker again. True when a freed seat woke it. `again`: the caller was woken for a seat and refused all
-        the same (a newcomer took it first), so it goes back to the head of the line."""
+        """Wait until a seat may be free (woken; at the head of the line, `poll_s` passed; elsewhere in it,
+        `idle_poll_s` passed; or `cancelled` set); the caller then asks the worker again. True when it left from
+        the head of the line (woken, or the head's poll): if the worker refuses it all the same, it passes
+        `again=True` next time and keeps the head rather than queueing behind later requests."""
         if self._credit:
             self._credit -= 1
             return True
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
         if again:
             self._waiters.appendleft(waiter)
         else:
             self._waiters.append(waiter)
         watch: asyncio.Future[Any] | None = asyncio.ensure_future(cancelled.wait()) if cancelled is not None else None
         pending: list[asyncio.Future[Any]] = [waiter] if watch is None else [waiter, watch]
+        give_up = loop.time() + self.idle_poll_s
         try:
-            await asyncio.wait(pending, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED)
-            return waiter.done() and not waiter.cancelled()
+            while True:
+                done, _ = await asyncio.wait(pending, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED)
+                at_head = bool(self._waiters) and self._waiters[0] is waiter
+                if done or at_head or loop.time() >= give_up:
+                    return (waiter.done() and not waiter.cancelled()) or (at_head and not (watch and watch.done()))
         finally:
             if watch is not None:
                 watch.cancel()
