@@ -8,6 +8,7 @@ ever joins the batch.
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -40,6 +41,7 @@ from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
 logger = logging.getLogger(__name__)
 
 DEFAULT_RESERVATION_TIMEOUT_S = 60.0
+CANCELLED_KEPT = 1024  # causes of recently cancelled reservations kept for their late streams
 
 
 @dataclass
@@ -70,6 +72,9 @@ class DecodeWorker:
         self.metrics = WorkerMetrics(self.loop, "decode")
         self._metrics_port = metrics_port  # None: no /metrics server
         self._reservations: dict[str, Reservation] = {}
+        # why recent reservations were cancelled: a state's other streams arriving after the first one failed a
+        # check get that cause, not "unknown ticket" (bounded: oldest dropped)
+        self._cancelled: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.transfer = transfer or TransferConfig()
         self.receiver = StateReceiver(self.transfer, self.engine.config.torch_device)
         self._internal_token = internal_token  # required on every call to this worker
@@ -134,6 +139,10 @@ class DecodeWorker:
         with self._lock:
             reservation = self._reservations.get(ticket)
         if reservation is None:
+            with self._lock:
+                cause = self._cancelled.get(ticket)
+            if cause is not None:
+                raise TransferError("FAILED_PRECONDITION", f"the reservation of ticket {ticket!r} was cancelled: {cause}")
             raise TransferError("FAILED_PRECONDITION", f"unknown or expired ticket {ticket!r}")
         return reservation
 
@@ -184,6 +193,9 @@ class DecodeWorker:
         with self._lock:
             if self._reservations.pop(reservation.ticket, None) is None:
                 return
+            self._cancelled[reservation.ticket] = str(error)
+            while len(self._cancelled) > CANCELLED_KEPT:
+                self._cancelled.popitem(last=False)
         self.drain_state.end(reservation.request_id)
         self.loop.call(lambda: self.engine.abort(reservation.request_id))
         reservation.stream.put(error)
