@@ -32,8 +32,10 @@ from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.proto import common_pb2, worker_pb2
 from hybridserve.proto.convert import sampling_to_proto
 from hybridserve.proto.internal_tls import InternalTlsConfig
+from hybridserve.router.active_request import ActiveRequest as _Active
+from hybridserve.router.active_request import aborted as _aborted
 from hybridserve.router.config import OrchestratorConfig
-from hybridserve.router.event_loop import LoopThread, task_cancelling
+from hybridserve.router.event_loop import LoopThread
 from hybridserve.router.metrics import RouterMetrics
 from hybridserve.router.policy import Decision, NoWorkerError, RoutingPolicy
 from hybridserve.router.prefix_index import PrefixIndex
@@ -66,39 +68,6 @@ class _Retry(Exception):
 
 class _Busy(_Retry):
     """The decode worker has no free state slot or KV pages for the request now: wait, then ask again."""
-
-
-class _Active:
-    """An in-flight request: its live calls, so that an abort can cancel them (on the loop)."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.cancelled = asyncio.Event()
-        self._calls: list[Any] = []
-
-    def track(self, call: Any) -> Any:
-        self._calls.append(call)
-        if self.cancelled.is_set():
-            call.cancel()
-        return call
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-        for call in self._calls:
-            call.cancel()
-
-    async def wait(self, seconds: float) -> None:
-        """Sleep up to `seconds`, less when the request is aborted meanwhile."""
-        try:
-            await asyncio.wait_for(self.cancelled.wait(), seconds)
-        except asyncio.TimeoutError:  # not the builtin before Python 3.11
-            pass
-
-
-def _aborted(active: _Active) -> bool:
-    """Whether a CancelledError came from an abort of the request (its calls were cancelled) rather than from
-    the task itself being cancelled (the client went away), which must propagate."""
-    return active.cancelled.is_set() and not task_cancelling()
 
 
 class Orchestrator:
