@@ -83,7 +83,7 @@ def snapshot_state(cache: StateCache, model: HybridLM, rollback: str, tokens: in
         if rollback == "intermediate":
             ssm_pool[row] = intermediate_states[layer][decode_row, done - 1]
         else:
-            A = -torch.exp(cast(Mamba2Mixer, model.layers[layer].mixer).A_log.float())  # a Mamba layer's mixer
+            A = cast(Mamba2Mixer, model.layers[layer].mixer).decay_rates()  # a Mamba layer's mixer
             advance_states(ssm_pool, cache.replay_cache(layer), source, target, torch.tensor([done]), A)
 
 

@@ -66,14 +66,29 @@ def _dispatch(reference: Callable[..., Any], module: str, name: str) -> Callable
 SKINNY_MIN_WEIGHT = 32 * 1024 * 1024  # weight elements
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` takes the skinny Triton kernel for these tensors."""
+    return (x.is_cuda and triton_available() and weight.numel() >= SKINNY_MIN_WEIGHT and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and x.numel() <= _triton_fn("skinny_linear_triton", "MAX_ROWS") * x.shape[-1])
+
+
+def split_k_workspace(weight: torch.Tensor) -> Any:
+    """A SplitKWorkspace for a CUDA weight with few output columns (the skinny kernel may then split K), or
+    None; the caller keeps it for the weight's lifetime and never uses it in two launches at once."""
+    if not (weight.is_cuda and triton_available()) or not _triton_fn("skinny_linear_triton", "wants_split")(
+            weight.shape[0], weight.device):
+        return None
+    return _triton_fn("skinny_linear_triton", "SplitKWorkspace").create(weight.shape[0], weight.device)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           workspace: Any = None) -> torch.Tensor:
     """x @ weight^T + bias: the skinny Triton kernel for a decode step's few rows (up to its MAX_ROWS) against a
     large half-precision weight on CUDA (it streams the weight closer to copy bandwidth than cuBLAS), torch's
-    linear otherwise."""
-    if (x.is_cuda and triton_available() and weight.numel() >= SKINNY_MIN_WEIGHT and x.dtype == weight.dtype
-            and x.dtype in (torch.bfloat16, torch.float16)
-            and x.numel() <= _triton_fn("skinny_linear_triton", "MAX_ROWS") * x.shape[-1]):
-        return _triton_fn("skinny_linear_triton", "skinny_linear_triton")(x, weight, bias)
+    linear otherwise. `workspace` (from split_k_workspace) lets the kernel split K over more programs."""
+    if skinny_linear_applies(x, weight):
+        return _triton_fn("skinny_linear_triton", "skinny_linear_triton")(x, weight, bias, workspace)
     return torch.nn.functional.linear(x, weight, bias)
 
 

@@ -56,6 +56,19 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(config.num_heads), requires_grad=False)
         self.norm = _GatedNormWeights(config.intermediate_size, config.intermediate_size // config.n_groups, norm_eps)
         self.out_proj = Linear(config.intermediate_size, hidden_size, bias=config.proj_bias)
+        self._A: tuple[tuple[int, int], torch.Tensor] | None = None  # ((A_log storage, version), -exp(A_log))
+
+    def decay_rates(self) -> torch.Tensor:
+        """A = -exp(A_log) [H] fp32, computed once per loaded A_log (keyed on its storage and version counter,
+        so a reload recomputes it) instead of two elementwise kernels per layer in every step."""
+        try:
+            key = (self.A_log.data_ptr(), self.A_log._version)
+        except RuntimeError:  # an inference tensor has no version counter: nothing to key a cache on
+            return -torch.exp(self.A_log.float())
+        if self._A is None or self._A[0] != key:
+            with torch.no_grad():
+                self._A = (key, -torch.exp(self.A_log.float()))
+        return self._A[1]
 
     def forward(
         self,
@@ -71,9 +84,12 @@ class Mamba2Mixer(nn.Module):
         projected = self.in_proj(hidden)
         gate, xBC, dt = projected.split([cfg.intermediate_size, cfg.conv_dim, heads], dim=-1)
         conv_weight = self.conv1d.weight[:, 0, :]  # [D, K]
-        A = -torch.exp(self.A_log.float())
-        y = torch.empty(hidden.shape[0], heads, head_dim, dtype=hidden.dtype, device=hidden.device)
+        A = self.decay_rates()
         nd = batch.num_decode
+        if nd and nd == batch.num_seqs:  # decode rows only: the recurrent path's output is y (no copy into a buffer)
+            y = self._decode(xBC, dt, A, batch, conv_pool, ssm_pool, replay)
+            return self.out_proj(self.norm(y.reshape(-1, cfg.intermediate_size), gate))
+        y = torch.empty(hidden.shape[0], heads, head_dim, dtype=hidden.dtype, device=hidden.device)
         if nd:
             y[: nd * batch.decode_len] = self._decode(xBC, dt, A, batch, conv_pool, ssm_pool, replay)
         if nd < batch.num_seqs:
