@@ -20,7 +20,7 @@ from hybridserve.kernels.causal_conv1d import (
     check_conv_pool_args,
     conv_varlen_metadata,
 )
-from hybridserve.kernels.triton_utils import check_same_device, next_pow2
+from hybridserve.kernels.triton_utils import check_same_device, next_pow2, pdl_enabled, pdl_gate
 
 
 @triton.jit
@@ -225,8 +225,9 @@ def _conv_update_kernel(
     x_ptr, pool_ptr, slots_ptr, w_ptr, bias_ptr, y_ptr,
     T, D, W, x_b, x_t, x_d, p_s, p_d, p_w, wt_d, wt_k, y_b, y_t, y_d,
     K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_W: tl.constexpr,
-    HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SILU: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_gate(USE_PDL)
     b = tl.program_id(0)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -289,6 +290,6 @@ def causal_conv1d_update_triton(
         x, conv_state_pool, slots, weight, bias if bias is not None else weight, y,
         tokens, channels, width, *x.stride(), *conv_state_pool.stride(), *weight.stride(), *y.stride(),
         K=kernel, BLOCK_D=block_d, BLOCK_W=next_pow2(width), HAS_BIAS=bias is not None,
-        SILU=activation is not None, num_warps=4,
+        SILU=activation is not None, num_warps=4, USE_PDL=pdl_enabled(x.device), launch_pdl=pdl_enabled(x.device),
     )
     return y

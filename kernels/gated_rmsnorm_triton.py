@@ -11,14 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.kernels.triton_utils import check_same_device, next_pow2
+from hybridserve.kernels.triton_utils import check_same_device, next_pow2, pdl_enabled, pdl_gate
 
 
 @triton.jit
 def _gated_rmsnorm_kernel(
     x_ptr, z_ptr, w_ptr, y_ptr, group_size, eps, x_m, x_d, z_m, z_d, y_m, y_d,
-    BLOCK: tl.constexpr, HAS_Z: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_Z: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_gate(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * group_size + tl.arange(0, BLOCK)
     mask = tl.arange(0, BLOCK) < group_size
@@ -53,6 +54,7 @@ def gated_rmsnorm_triton(
         _gated_rmsnorm_kernel[(x2.shape[0], dim // group_size)](
             x2, z2, weight, y, group_size, eps, *x2.stride(), *z2.stride(), *y.stride(),
             BLOCK=block, HAS_Z=z is not None, num_warps=min(16, max(1, block // 256)),
+            USE_PDL=pdl_enabled(x.device), launch_pdl=pdl_enabled(x.device),
         )
     return y.reshape(x.shape)
 
@@ -75,9 +77,10 @@ def _tl_dtype(dtype: torch.dtype) -> tl.dtype:
 @triton.jit
 def _add_rmsnorm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, dim, eps, x_m, x_d, r_m, r_d, y_m, y_d, ro_m, ro_d,
-    BLOCK: tl.constexpr, SUM_DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr, SUM_DTYPE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One row: s = residual + x -> new residual and rmsnorm(s), both stored from one read of the inputs."""
+    pdl_gate(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < dim
@@ -121,6 +124,7 @@ def add_rmsnorm_triton(
         _add_rmsnorm_kernel[(x2.shape[0],)](
             x2, r2, weight, y2, ro2, dim, eps, *x2.stride(), *r2.stride(), *y2.stride(), *ro2.stride(),
             BLOCK=block, SUM_DTYPE=sum_dtype, num_warps=min(16, max(1, block // 256)),
+            USE_PDL=pdl_enabled(x.device), launch_pdl=pdl_enabled(x.device),
         )
     return normed, new_residual
 

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.moe import RouterSpec, route_topk
-from hybridserve.kernels.triton_utils import interpreting, next_pow2
+from hybridserve.kernels.triton_utils import interpreting, next_pow2, pdl_enabled, pdl_gate, prefetch_l2
 
 
 @triton.jit
@@ -79,12 +79,18 @@ def _route_kernel(
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, E, D, x_m, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, E, D, x_m, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                          USE_PDL: tl.constexpr):
     """logits[t, e] = sum_k x[t, k] * W[e, k] in fp32 from the weight's own dtype (no fp32 copy of it): one
-    program per (token, BLOCK_E experts), so a few tokens' router GEMV spreads over many SMs."""
+    program per (token, BLOCK_E experts), so a few tokens' router GEMV spreads over many SMs. Under PDL the
+    program's weight rows (one pointer per 64 elements) head for L2 before it waits on the kernel before."""
     row = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
+    if USE_PDL:
+        lines = tl.minimum(tl.arange(0, BLOCK_K // 64) * 64, D - 1)
+        prefetch_l2(w_ptr + tl.minimum(offs_e, E - 1).to(tl.int64)[:, None] * D + lines[None, :])
+    pdl_gate(USE_PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -112,7 +118,9 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     block_k = 32 if interpreting() else min(next_pow2(d), 4096)
     block_e = 8 if interpreting() else max(1, 8192 // block_k)
     _router_logits_kernel[(n, triton.cdiv(num_experts, block_e))](x, weight, logits, num_experts, d, x.stride(0),
-                                                                  BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
+                                                                  BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
+                                                                  USE_PDL=pdl_enabled(x.device),
+                                                                  launch_pdl=pdl_enabled(x.device))
     return logits
 
 

@@ -24,7 +24,14 @@ import triton.language as tl
 from hybridserve.kernels.moe import RouterSpec
 from hybridserve.kernels.moe_router_triton import groups_fit, route_topk_triton, router_logits, topk_choice
 from hybridserve.kernels.moe_triton import check_expert_inputs, moe_experts_triton
-from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting, next_pow2
+from hybridserve.kernels.triton_utils import (
+    PERSIST_AUTOTUNE,
+    interpreting,
+    next_pow2,
+    pdl_enabled,
+    pdl_gate,
+    prefetch_l2,
+)
 
 # pairs (tokens x (top_k + shared chunks)) up to which the layer takes the small-M path; Nano has 6 + 2 slots,
 # so 8 is one token. On the H200 (bench/results/h200/moe/small_path.json) the small path ties the grouped
@@ -82,12 +89,20 @@ def _small_up_kernel(
     E, N_OUT, K, scaling, x_m, w_e, w_n, ws_e, ws_n,
     TOP_K: tl.constexpr, WIDTH: tl.constexpr, K_BLOCK: tl.constexpr, N_GROUP: tl.constexpr,
     PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
-    HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """h[t * WIDTH + j, n] = relu2(x[t] . W[e_tj, n] * scale[e_tj, n]) for one (token t, column tile, slot j)."""
+    """h[t * WIDTH + j, n] = relu2(x[t] . W[e_tj, n] * scale[e_tj, n]) for one (token t, column tile, slot j).
+    Under PDL a shared-expert slot (its expert does not depend on the router) prefetches its rows' first 1024
+    columns into L2 before waiting on the router kernel."""
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     slot = tl.program_id(2)
+    if USE_PDL and SHARED:
+        if slot >= TOP_K:
+            rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N_OUT - 1)
+            lines = tl.minimum(tl.arange(0, 16) * 64, K - 1)
+            prefetch_l2(ws_ptr + (slot - TOP_K) * ws_e + rows.to(tl.int64)[:, None] * ws_n + lines[None, :])
+    pdl_gate(USE_PDL)
     chosen, weight = topk_choice(logits_ptr, bias_ptr, token, E, scaling, TOP_K, K_BLOCK, N_GROUP, PER_GROUP,
                                  TOPK_GROUP, NORM, SHARED)
     slots = tl.arange(0, K_BLOCK)
@@ -113,13 +128,14 @@ def _small_down_kernel(
     h_ptr, ids_ptr, weights_ptr, w_ptr, ws_ptr, scale_ptr, shared_ptr, out_ptr,
     E, N_OUT, K, w_e, w_n, ws_e, ws_n, out_m,
     WIDTH: tl.constexpr, SLOTS: tl.constexpr, SHARED: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_SHARED_OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_SHARED_OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[t, n] = round(sum_j w_tj * round(h[t * WIDTH + j] . W[e_tj, n] * scale)) (+ shared_out[t, n]): each
     pair's product rounds to the activation dtype before its routing weight, the sum is fp32 and rounds once,
     as transformers' experts (and `moe_experts_ref`) compute it. The token's slots stream side by side as one
     [SLOTS, BLOCK_N, BLOCK_K] tile per step: 8x the bytes in flight of a slot-by-slot loop, which a token's
     2688 / BLOCK_N programs need to reach the bandwidth at batch 1."""
+    pdl_gate(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N_OUT
@@ -186,6 +202,7 @@ def moe_small_triton(
     up_s = shared_up if fused and shared_up is not None else w_up
     down_s = shared_down if fused and shared_down is not None else w_down
     scale_dummy = weights  # never read without HAS_SCALE
+    pdl = pdl_enabled(x.device)
 
     def up_grid(meta: dict) -> tuple[int, int, int]:
         return (n, triton.cdiv(inter, meta["BLOCK_N"]), width)
@@ -196,7 +213,7 @@ def moe_small_triton(
         w_up.stride(1), inter * d if fused else 0, d if fused else 0,
         TOP_K=spec.top_k, WIDTH=width, K_BLOCK=next_pow2(width), N_GROUP=spec.n_group,
         PER_GROUP=num_experts // spec.n_group, TOPK_GROUP=spec.topk_group, NORM=spec.norm_topk_prob,
-        SHARED=spec.num_shared, HAS_SCALE=up_scale is not None,
+        SHARED=spec.num_shared, HAS_SCALE=up_scale is not None, USE_PDL=pdl, launch_pdl=pdl,
     )
     out = torch.empty(n, d, dtype=expert_x.dtype, device=x.device)
 
@@ -208,7 +225,7 @@ def moe_small_triton(
         shared_out if shared_out is not None else out, out, num_experts, d, inter, w_down.stride(0),
         w_down.stride(1), inter if fused else 0, spec.num_shared * inter if fused else 0, out.stride(0),
         WIDTH=width, SLOTS=next_pow2(width), SHARED=fused, HAS_SCALE=down_scale is not None,
-        HAS_SHARED_OUT=shared_out is not None,
+        HAS_SHARED_OUT=shared_out is not None, USE_PDL=pdl, launch_pdl=pdl,
     )
     return out
 

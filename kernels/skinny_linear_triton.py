@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting
+from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting, pdl_enabled, pdl_gate, prefetch_l2
 
 MAX_ROWS = 16  # rows of x this kernel takes (one tl.dot tile); more rows go to cuBLAS
 MAX_SPLIT = 8  # most K-splits of a projection with few output columns (see SplitKWorkspace)
@@ -74,7 +74,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
 def _skinny_linear_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, x_m, w_n, y_m,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (n, s): acc[16, BLOCK_N] += x[16, BLOCK_K] @ W[BLOCK_N, BLOCK_K]^T over K-split s; with
     SPLIT_K > 1 the partials meet in part_ptr and the last program of column block n writes y."""
@@ -87,6 +87,12 @@ def _skinny_linear_kernel(
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # each split's K range, whole blocks
     k_start = tl.program_id(1) * k_len
+    if USE_PDL:  # the first 1024 columns of this program's weight rows head for L2 while the kernel before
+        # (which wrote x) finishes: one pointer per 128-byte line, clamped inside the weight
+        lines = tl.minimum(k_start + tl.arange(0, 16) * 64, K - 1)
+        rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * w_n
+        prefetch_l2(rows + lines[None, :])
+    pdl_gate(USE_PDL)
     for k0 in range(k_start, tl.minimum(k_start + k_len, K), BLOCK_K):
         k = k0 + offs_k
         mask_k = k < K
@@ -158,10 +164,12 @@ def skinny_linear_triton(
             return (triton.cdiv(out_features, meta["BLOCK_N"]), meta["SPLIT_K"])
 
         kernel = _skinny_split if workspace is not None else _skinny_plain
+        pdl = pdl_enabled(x.device)
         scratch = (workspace.partials, workspace.arrivals) if workspace is not None else (y, y)
         kernel[grid](
             x2, weight, bias if bias is not None else weight, y, *scratch, rows, out_features, in_features,
             x2.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: exact parity runs
+            USE_PDL=pdl, launch_pdl=pdl,
         )
     return y.view(*x.shape[:-1], out_features)

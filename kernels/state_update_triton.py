@@ -13,7 +13,14 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.ssd_scan import NO_DT_LIMIT, DtLimit
-from hybridserve.kernels.triton_utils import check_same_device, finite_limits, next_pow2, process_dt_tl
+from hybridserve.kernels.triton_utils import (
+    check_same_device,
+    finite_limits,
+    next_pow2,
+    pdl_enabled,
+    pdl_gate,
+    process_dt_tl,
+)
 
 
 @triton.jit
@@ -30,8 +37,9 @@ def _state_update_kernel(
     i_b, i_t, i_h, i_p, i_n,  # intermediate states strides
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
     HAS_D: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_Z: tl.constexpr, HAS_INTER: tl.constexpr,
-    DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, WRITE_FINAL: tl.constexpr,
+    DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, WRITE_FINAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_gate(USE_PDL)
     # heads vary faster than sequences across the grid: programs launched together stream through one slot's
     # contiguous [H, P, N] state instead of touching every slot of the batch at once (bench/results/h100)
     h = tl.program_id(1)
@@ -153,7 +161,7 @@ def multi_token_state_update_triton(
         BLOCK_P=block_p, BLOCK_N=next_pow2(state_size), TILES=tiles,
         HAS_D=D is not None, HAS_BIAS=dt_bias is not None, HAS_Z=z is not None,
         HAS_INTER=intermediate_states is not None, DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
-        WRITE_FINAL=write_final_state,
+        WRITE_FINAL=write_final_state, USE_PDL=pdl_enabled(x.device), launch_pdl=pdl_enabled(x.device),
         num_warps=num_warps or 2,  # measured on H200: 2 warps per 16 x 128 tile moves the most bytes
     )
     return y

@@ -51,3 +51,30 @@ def process_dt_tl(dt, bias, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, 
     if HAS_LIMIT:
         dt = tl.minimum(tl.maximum(dt, dt_lo), dt_hi)
     return dt
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether decode kernels launch with programmatic dependent launch (Hopper and later, not under the
+    interpreter, HYBRIDSERVE_PDL=0 turns it off for A/B runs): a kernel's programs may then start while the
+    kernel before it finishes, stream weights that kernel cannot have written, and wait (`pdl_gate`) before
+    touching anything else. Every kernel that opts in calls `pdl_gate` first, so a chain stays ordered."""
+    if interpreting() or device.type != "cuda" or os.environ.get("HYBRIDSERVE_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def pdl_gate(USE_PDL: tl.constexpr):
+    """Wait until the kernel before this one has finished and its writes are visible, then let the next kernel
+    start launching. Every program of a PDL kernel must pass here before reading activations or writing."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the lines at `ptrs` (one pointer per 128-byte line is enough); nothing is returned or waited
+    for. Used before `pdl_gate` on weights, which no earlier kernel writes."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)

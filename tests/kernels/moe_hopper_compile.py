@@ -1,5 +1,6 @@
-"""Run by test_moe.py in a process without TRITON_INTERPRET: compiles the fused-MoE kernels for sm_90 (no GPU
-needed) and prints, per kernel variant, whether it reached a cubin and what its PTX uses, as one JSON line."""
+"""Run by test_moe.py in a process without TRITON_INTERPRET: compiles the fused-MoE and skinny-linear kernels
+for sm_90 (no GPU needed; with programmatic dependent launch where they use it) and prints, per kernel
+variant, whether it reached a cubin and what its PTX uses, as one JSON line."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from triton.runtime.jit import JITFunction
 from hybridserve.kernels.moe_router_triton import _route_kernel, _router_logits_kernel
 from hybridserve.kernels.moe_small_triton import _small_down_kernel, _small_up_kernel
 from hybridserve.kernels.moe_triton import _moe_align_kernel, _moe_combine_kernel, _moe_gemm_kernel
+from hybridserve.kernels.skinny_linear_triton import _skinny_linear_kernel
 
 
 def compile_for_hopper(kernel: Any, signature: dict, constexprs: dict, aligned: tuple[str, ...] = (),
@@ -64,7 +66,7 @@ def main() -> None:
             {"K": 6, "BLOCK_D": 1024, "HAS_SHARED": shared}, aligned=("pair_ptr", "shared_ptr", "out_ptr", "D"))
     found["router logits"] = compile_for_hopper(_router_logits_kernel, {
         "x_ptr": "*bf16", "w_ptr": "*bf16", "logits_ptr": "*fp32", "E": "i32", "D": "i32", "x_m": "i32"},
-        {"BLOCK_E": 2, "BLOCK_K": 4096}, aligned=("x_ptr", "w_ptr", "logits_ptr", "D", "x_m"))
+        {"BLOCK_E": 2, "BLOCK_K": 4096, "USE_PDL": True}, aligned=("x_ptr", "w_ptr", "logits_ptr", "D", "x_m"))
     small_ints = {n: "i32" for n in ("E", "N_OUT", "K", "w_e", "w_n", "ws_e", "ws_n")}
     for weights in ("*bf16", "*fp8e4nv"):
         fp8 = weights != "*bf16"
@@ -73,13 +75,21 @@ def main() -> None:
             "scale_ptr": "*fp32", "h_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", **small_ints,
             "scaling": "fp32", "x_m": "i32"}, {
             "TOP_K": 6, "WIDTH": 6 if fp8 else 8, "K_BLOCK": 8, "N_GROUP": 1, "PER_GROUP": 128, "TOPK_GROUP": 1,
-            "NORM": True, "SHARED": 0 if fp8 else 2, "HAS_SCALE": fp8, "BLOCK_N": 32, "BLOCK_K": 256},
+            "NORM": True, "SHARED": 0 if fp8 else 2, "HAS_SCALE": fp8, "BLOCK_N": 32, "BLOCK_K": 256,
+            "USE_PDL": True},
             aligned=("x_ptr", "w_ptr", "ws_ptr", "h_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "x_m"))
         found[f"small down {weights}"] = compile_for_hopper(_small_down_kernel, {
             "h_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", "w_ptr": weights, "ws_ptr": weights,
             "scale_ptr": "*fp32", "shared_ptr": "*bf16", "out_ptr": "*bf16", **small_ints, "out_m": "i32"}, {
             "WIDTH": 6 if fp8 else 8, "SLOTS": 8, "SHARED": not fp8, "HAS_SCALE": fp8, "HAS_SHARED_OUT": fp8, "BLOCK_N": 8,
-            "BLOCK_K": 256}, aligned=("h_ptr", "w_ptr", "ws_ptr", "out_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "out_m"))
+            "BLOCK_K": 256, "USE_PDL": fp8},
+            aligned=("h_ptr", "w_ptr", "ws_ptr", "out_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "out_m"))
+    skinny = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
+              "arrive_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "x_m": "i32", "w_n": "i32", "y_m": "i32"}
+    for split in (1, 4):  # the decode projections, with programmatic dependent launch and L2 prefetch
+        found[f"skinny split={split}"] = compile_for_hopper(_skinny_linear_kernel, skinny, {
+            "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split, "HAS_BIAS": split == 1, "DOT_PRECISION": "tf32",
+            "USE_PDL": True}, aligned=("x_ptr", "w_ptr", "y_ptr", "K", "w_n", "x_m", "y_m"))
     print(json.dumps(found))
 
 
