@@ -61,9 +61,10 @@ def _dispatch(reference: Callable[..., Any], module: str, name: str) -> Callable
     return op
 
 
-# the skinny Triton linear beat cuBLAS only for large weights on the H100 (bench/results/h100/skinny_linear.json:
-# 4-11 % faster from the 45.9M-element mamba out_proj up, 2-17 % slower on the attention projections <= 22.9M)
-SKINNY_MIN_WEIGHT = 32 * 1024 * 1024  # weight elements
+# inside a decode step (weights cold in L2, bench/step_profile.py) the skinny kernel with split-K matches or beats
+# cuBLAS + its split-K reduce down to 4M-element projections (Nemotron-3-Nano-30B-A3B's 11M-element out_proj /
+# q_proj / o_proj, bench/results/h200/decode_step_b1); the tiny k/v projections stay on cuBLAS
+SKINNY_MIN_WEIGHT = 4 * 1024 * 1024  # weight elements
 
 
 def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
