@@ -88,7 +88,7 @@ def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, E, D, x_m, BLOCK_E: tl.const
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
     if USE_PDL:
-        lines = tl.minimum(tl.arange(0, BLOCK_K // 64) * 64, D - 1)
+        lines = tl.minimum(tl.arange(0, (BLOCK_K + 63) // 64) * 64, D - 1)  # >= 1 line for tiny rows
         prefetch_l2(w_ptr + tl.minimum(offs_e, E - 1).to(tl.int64)[:, None] * D + lines[None, :])
     pdl_gate(USE_PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)

@@ -64,9 +64,10 @@ def main() -> None:
             _moe_combine_kernel, {"pair_ptr": "*bf16", "route_w_ptr": "*fp32", "shared_ptr": "*bf16", "out_ptr": "*bf16",
                                   "D": "i32"},
             {"K": 6, "BLOCK_D": 1024, "HAS_SHARED": shared}, aligned=("pair_ptr", "shared_ptr", "out_ptr", "D"))
-    found["router logits"] = compile_for_hopper(_router_logits_kernel, {
-        "x_ptr": "*bf16", "w_ptr": "*bf16", "logits_ptr": "*fp32", "E": "i32", "D": "i32", "x_m": "i32"},
-        {"BLOCK_E": 2, "BLOCK_K": 4096, "USE_PDL": True}, aligned=("x_ptr", "w_ptr", "logits_ptr", "D", "x_m"))
+    for block_k in (4096, 32):  # Nano's rows, and a tiny test model's (fewer than 64 elements)
+        found[f"router logits {block_k}"] = compile_for_hopper(_router_logits_kernel, {
+            "x_ptr": "*bf16", "w_ptr": "*bf16", "logits_ptr": "*fp32", "E": "i32", "D": "i32", "x_m": "i32"},
+            {"BLOCK_E": 2, "BLOCK_K": block_k, "USE_PDL": True}, aligned=("x_ptr", "w_ptr", "logits_ptr", "D", "x_m"))
     small_ints = {n: "i32" for n in ("E", "N_OUT", "K", "w_e", "w_n", "ws_e", "ws_n")}
     for weights in ("*bf16", "*fp8e4nv"):
         fp8 = weights != "*bf16"
