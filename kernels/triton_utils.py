@@ -5,6 +5,7 @@ Only imported on the GPU path (or by tests under TRITON_INTERPRET=1), so a CPU i
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -58,9 +59,16 @@ def pdl_enabled(device: torch.device) -> bool:
     interpreter, HYBRIDSERVE_PDL=0 turns it off for A/B runs): a kernel's programs may then start while the
     kernel before it finishes, stream weights that kernel cannot have written, and wait (`pdl_gate`) before
     touching anything else. Every kernel that opts in calls `pdl_gate` first, so a chain stays ordered."""
-    if interpreting() or device.type != "cuda" or os.environ.get("HYBRIDSERVE_PDL", "1") == "0":
+    if device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _pdl_on_cuda_device(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache  # asked at every launch: the answer for a device never changes within a process
+def _pdl_on_cuda_device(index: int) -> bool:
+    if interpreting() or os.environ.get("HYBRIDSERVE_PDL", "1") == "0":
+        return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @triton.jit

@@ -106,3 +106,23 @@ def test_dummy_load_format_needs_only_the_config(tmp_path) -> None:
     assert len(out.token_ids) == 4
     with pytest.raises(ValueError, match="load_format"):
         LLM(tmp_path, load_format="npz")
+
+
+def test_mamba_decay_rates_follow_a_log() -> None:
+    """A = -exp(A_log) is computed once per loaded A_log, not per step, and a reload (in place or a new tensor)
+    is seen at the next call."""
+    from hybridserve.models.config import MambaConfig
+    from hybridserve.models.mamba_mixer import Mamba2Mixer
+
+    mixer = Mamba2Mixer(16, MambaConfig(num_heads=4, head_dim=8, state_size=4, n_groups=1, conv_kernel=4,
+                                        chunk_size=8, use_conv_bias=True, proj_bias=False, dt_limit=(0.0, 1e9)), 1e-5)
+    with torch.no_grad():
+        mixer.A_log.copy_(torch.tensor([0.0, 0.5, 1.0, 2.0]))
+    first = mixer.decay_rates()
+    assert torch.equal(first, -torch.exp(mixer.A_log.float()))
+    assert mixer.decay_rates() is first  # cached
+    with torch.no_grad():
+        mixer.A_log.copy_(torch.tensor([1.0, 1.0, 1.0, 1.0]))  # reloaded in place
+    assert torch.equal(mixer.decay_rates(), torch.full((4,), -torch.e))
+    mixer.A_log = torch.nn.Parameter(torch.zeros(4), requires_grad=False)  # replaced (a tensor-parallel shard)
+    assert torch.equal(mixer.decay_rates(), -torch.ones(4))
