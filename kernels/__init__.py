@@ -4,7 +4,8 @@
 `<op>_triton.py` beside it holds the Triton kernel(s) and launcher with the same signature, imported only
 on the GPU path (and by the interpreter tests) so a CPU install needs no triton. `ops` picks between them.
 `replay_state_update` (speculative-decoding verify by replay) and `skinny_linear_triton` (decode projections,
-oracle torch's linear) hold the Triton kernel and its torch oracle in one file.
+split-K for few output columns, oracle torch's linear) hold the Triton kernel and its torch oracle in one file.
+`triton_utils.pdl_gate` is how a decode kernel takes part in programmatic dependent launch (Hopper+).
 """
 
 from hybridserve.kernels.causal_conv1d import ConvVarlenOutput, causal_conv1d_update_ref, causal_conv1d_varlen_ref
