@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from hybridserve.engine.request import Request
 from hybridserve.engine.sampler import sample
 from hybridserve.engine.scheduler import SchedulerOutput
 from hybridserve.engine.structured_output import GrammarBackend
+from hybridserve.kernels.host_index import pack_to_device
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.state_cache import StateCache
@@ -69,16 +71,16 @@ def build_forward_batch(
             input_ids.extend(request.all_token_ids[start : start + count])
         rows.append(PlacedRow(request.page_ids, start, count, -1 if request.state_slot is None else request.state_slot))
 
-    def as_tensor(values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
-    batch = place_rows(
-        rows, num_decode, page_size, device,
-        **_checkpoint_fields(state_block, checkpoint_slots or [], as_tensor),
+    boundary_rows = _checkpoint_rows(state_block, checkpoint_slots or [])
+    batch, (ids, *kept) = place_rows(
+        rows, num_decode, page_size, device, extra=[input_ids, *([boundary_rows] if boundary_rows else [])],
         **_verify_fields(verify, num_decode, device),
         **({"layer_done": layer_done} if layer_done is not None else {}),
     )
-    return as_tensor(input_ids), batch
+    if boundary_rows:
+        batch = dataclasses.replace(batch, state_block=state_block, num_checkpoint_boundaries=len(boundary_rows),
+                                    boundary_rows=kept[0])
+    return ids, batch
 
 
 @dataclass(frozen=True)
@@ -92,10 +94,12 @@ class PlacedRow:
 
 
 def place_rows(
-    rows: list[PlacedRow], num_decode: int, page_size: int, device: torch.device, **fields: object
-) -> ForwardBatch:
-    """The batch metadata placing each row's tokens (slot mapping, block tables, lengths); `fields` adds
-    the optional ForwardBatch fields."""
+    rows: list[PlacedRow], num_decode: int, page_size: int, device: torch.device,
+    extra: Sequence[Sequence[int]] = (), **fields: object,
+) -> tuple[ForwardBatch, list[torch.Tensor]]:
+    """The batch metadata placing each row's tokens (slot mapping, block tables, lengths) and the `extra` int64
+    arrays, all sent in one host->device copy that does not wait for the device (torch.tensor(..., device=)
+    per array costs a copy and a stream sync each); `fields` adds the optional ForwardBatch fields."""
     slot_mapping: list[int] = []
     max_pages = max((len(r.page_ids) for r in rows), default=0)
     cu = [0]
@@ -108,32 +112,30 @@ def place_rows(
             slot_mapping.extend([-1] * row.count)
         cu.append(cu[-1] + row.count)
 
-    def as_tensor(values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
-    return ForwardBatch(
+    tables = [page for r in rows for page in (*r.page_ids, *[0] * (max_pages - len(r.page_ids)))]
+    cu_t, context_t, kv_t, slots_t, tables_t, mapping_t, *extra_t = pack_to_device(
+        [cu, [r.start for r in rows], [r.start + r.count for r in rows], [r.state_slot for r in rows], tables,
+         slot_mapping, *extra], torch.int64, device)
+    batch = ForwardBatch(
         num_decode=num_decode,
         query_lens=tuple(r.count for r in rows),
-        cu_seqlens=as_tensor(cu),
-        context_lens=as_tensor([r.start for r in rows]),
-        kv_lens=as_tensor([r.start + r.count for r in rows]),
-        state_slots=as_tensor([r.state_slot for r in rows]),
-        block_tables=as_tensor([r.page_ids + [0] * (max_pages - len(r.page_ids)) for r in rows]).reshape(
-            len(rows), max_pages
-        ),
-        slot_mapping=as_tensor(slot_mapping),
+        cu_seqlens=cu_t,
+        context_lens=context_t,
+        kv_lens=kv_t,
+        state_slots=slots_t,
+        block_tables=tables_t.view(len(rows), max_pages),
+        slot_mapping=mapping_t,
         context_lens_host=tuple(r.start for r in rows),
         **fields,  # type: ignore[arg-type]
     )
+    return batch, extra_t
 
 
-def _checkpoint_fields(
-    state_block: int | None, slots: list[int], as_tensor: Callable[[list], torch.Tensor]
-) -> dict[str, object]:
-    """ForwardBatch checkpoint fields from one slot (or -1) per boundary; nothing when none is kept."""
+def _checkpoint_rows(state_block: int | None, slots: list[int]) -> list[int]:
+    """One checkpoint slot (or -1) per boundary when the batch keeps any, else [] (no checkpoint fields)."""
     if state_block is None or all(s < 0 for s in slots):
-        return {}
-    return {"state_block": state_block, "num_checkpoint_boundaries": len(slots), "boundary_rows": as_tensor(slots)}
+        return []
+    return slots
 
 def _verify_fields(verify: VerifyInputs | None, num_decode: int, device: torch.device) -> dict[str, object]:
     if verify is None or num_decode == 0:
@@ -141,7 +143,7 @@ def _verify_fields(verify: VerifyInputs | None, num_decode: int, device: torch.d
     return {
         "decode_len": len(verify.tokens[0]),
         "spec_rollback": verify.rollback,
-        "num_replay": torch.tensor(verify.num_replay, dtype=torch.int32, device=device),
+        "num_replay": torch.tensor(verify.num_replay, dtype=torch.int32).to(device, non_blocking=True),
     }
 
 
@@ -181,7 +183,10 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(chunks, nd, hidden, batch)
         if not due:
             return StepOutput(hidden, batch, new_token_ids, verify_logits, first_sampled, None, prompt_logprobs)
-        rows = batch.cu_seqlens[torch.tensor(due, device=self.device) + 1] - 1
+        cu = [0]
+        for _, count in chunks:
+            cu.append(cu[-1] + count)
+        rows = torch.tensor([cu[i + 1] - 1 for i in due]).to(self.device, non_blocking=True)  # no stream sync
         last_hidden = hidden[rows]  # [num_due, hidden]
         requests = [chunks[i][0] for i in due]
         logits = process_logits(self.model.compute_logits(last_hidden), [r.params for r in requests],

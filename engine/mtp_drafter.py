@@ -36,7 +36,7 @@ class CatchUp:
 def _slot_batch(rows: list[tuple[Request, int, int]], page_size: int, device: torch.device) -> ForwardBatch:
     """A prefill-shaped batch placing `count` drafter slots of each request from position `start` (the drafter
     has no Mamba layers: no state slots)."""
-    return place_rows([PlacedRow(r.page_ids, start, count) for r, start, count in rows], 0, page_size, device)
+    return place_rows([PlacedRow(r.page_ids, start, count) for r, start, count in rows], 0, page_size, device)[0]
 
 
 class MTPDrafter:

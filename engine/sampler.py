@@ -29,12 +29,21 @@ def processed_probs(
     return torch.zeros_like(probs).scatter_(1, order, probs)
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without a stream sync (torch.tensor(..., device=) waits for the device)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def params_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """processed_probs with one SamplingParams per row (all non-greedy)."""
+    """processed_probs with one SamplingParams per row (all non-greedy). Rows without top-k and top-p (the
+    default) skip the sort over the vocabulary: their distribution is the tempered softmax itself."""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    temperature = _to_device([p.temperature for p in params], torch.float32, device)
+    vocab = logits.shape[-1]
+    if all((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 for p in params):
+        return torch.softmax(logits.float() / temperature[:, None], dim=-1)
+    top_k = _to_device([p.top_k for p in params], torch.int64, device)
+    top_p = _to_device([p.top_p for p in params], torch.float32, device)
     return processed_probs(logits, temperature, top_k, top_p)
 
 
@@ -46,7 +55,7 @@ def target_probs(logits: torch.Tensor, param: SamplingParams) -> torch.Tensor:
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """One token per row of probs [R, V] by inverse CDF, each row's uniform from its own CPU generator -> [R]."""
-    uniforms = torch.stack([torch.rand((), generator=g) for g in generators]).to(probs.device)
+    uniforms = torch.stack([torch.rand((), generator=g) for g in generators]).to(probs.device, non_blocking=True)
     cdf = torch.cumsum(probs, dim=-1)
     # the first index whose cdf exceeds u * total: never a zero-probability token
     index = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)
@@ -58,7 +67,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        index = torch.tensor(rows, device=logits.device)
+        index = _to_device(rows, torch.int64, logits.device)
         probs = params_probs(logits[index], [params[i] for i in rows])
         tokens[index] = draw(probs, [generators[i] for i in rows])
     return tokens.tolist()

@@ -30,7 +30,7 @@ def _same_meta(a: ChunkMeta, b: ChunkMeta) -> None:
 
 def _batch(num_decode: int, rows: list[tuple[int, int]]) -> object:
     placed = [PlacedRow([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], start, count, i) for i, (count, start) in enumerate(rows)]
-    return place_rows(placed, num_decode, 16, CPU)
+    return place_rows(placed, num_decode, 16, CPU)[0]
 
 
 @settings(max_examples=40, deadline=None)
