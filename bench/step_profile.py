@@ -20,6 +20,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cuda_graph import capture  # noqa: E402
+
 from hybridserve.kernels import ops  # noqa: E402
 from hybridserve.models.config import ModelConfig  # noqa: E402
 from hybridserve.models.forward_batch import ForwardBatch  # noqa: E402
@@ -48,19 +50,6 @@ def decode_step(config: ModelConfig, batch: int, device: torch.device):  # noqa:
         return model.compute_logits(model(ids, fb, cache))
 
     return step, model
-
-
-def capture(step: Any) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return graph
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 200) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -143,7 +144,7 @@ def _verify_fields(verify: VerifyInputs | None, num_decode: int, device: torch.d
     return {
         "decode_len": len(verify.tokens[0]),
         "spec_rollback": verify.rollback,
-        "num_replay": torch.tensor(verify.num_replay, dtype=torch.int32).to(device, non_blocking=True),
+        "num_replay": pack_to_device([verify.num_replay], torch.int32, device)[0],
     }
 
 
@@ -183,10 +184,8 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(chunks, nd, hidden, batch)
         if not due:
             return StepOutput(hidden, batch, new_token_ids, verify_logits, first_sampled, None, prompt_logprobs)
-        cu = [0]
-        for _, count in chunks:
-            cu.append(cu[-1] + count)
-        rows = torch.tensor([cu[i + 1] - 1 for i in due]).to(self.device, non_blocking=True)  # no stream sync
+        ends = list(itertools.accumulate(batch.query_lens))  # host copy of cu_seqlens[1:]
+        rows = pack_to_device([[ends[i] - 1 for i in due]], torch.int64, self.device)[0]  # no stream sync
         last_hidden = hidden[rows]  # [num_due, hidden]
         requests = [chunks[i][0] for i in due]
         logits = process_logits(self.model.compute_logits(last_hidden), [r.params for r in requests],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.kernels.host_index import pack_to_device
 
 
 def processed_probs(
@@ -31,7 +32,7 @@ def processed_probs(
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list on the device without a stream sync (torch.tensor(..., device=) waits for the device)."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    return pack_to_device([values], dtype, device)[0]
 
 
 def params_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

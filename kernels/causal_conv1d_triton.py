@@ -20,7 +20,7 @@ from hybridserve.kernels.causal_conv1d import (
     check_conv_pool_args,
     conv_varlen_metadata,
 )
-from hybridserve.kernels.triton_utils import check_same_device, next_pow2, pdl_enabled, pdl_gate
+from hybridserve.kernels.triton_utils import check_same_device, next_pow2, pdl_gate, pdl_launch
 
 
 @triton.jit
@@ -290,6 +290,6 @@ def causal_conv1d_update_triton(
         x, conv_state_pool, slots, weight, bias if bias is not None else weight, y,
         tokens, channels, width, *x.stride(), *conv_state_pool.stride(), *weight.stride(), *y.stride(),
         K=kernel, BLOCK_D=block_d, BLOCK_W=next_pow2(width), HAS_BIAS=bias is not None,
-        SILU=activation is not None, num_warps=4, USE_PDL=pdl_enabled(x.device), launch_pdl=pdl_enabled(x.device),
+        SILU=activation is not None, num_warps=4, **pdl_launch(x.device),
     )
     return y

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.kernels.triton_utils import check_same_device, next_pow2, pdl_enabled, pdl_gate
+from hybridserve.kernels.triton_utils import check_same_device, next_pow2, pdl_gate, pdl_launch
 
 
 @triton.jit
@@ -54,7 +54,7 @@ def gated_rmsnorm_triton(
         _gated_rmsnorm_kernel[(x2.shape[0], dim // group_size)](
             x2, z2, weight, y, group_size, eps, *x2.stride(), *z2.stride(), *y.stride(),
             BLOCK=block, HAS_Z=z is not None, num_warps=min(16, max(1, block // 256)),
-            USE_PDL=pdl_enabled(x.device), launch_pdl=pdl_enabled(x.device),
+            **pdl_launch(x.device),
         )
     return y.reshape(x.shape)
 
@@ -124,7 +124,7 @@ def add_rmsnorm_triton(
         _add_rmsnorm_kernel[(x2.shape[0],)](
             x2, r2, weight, y2, ro2, dim, eps, *x2.stride(), *r2.stride(), *y2.stride(), *ro2.stride(),
             BLOCK=block, SUM_DTYPE=sum_dtype, num_warps=min(16, max(1, block // 256)),
-            USE_PDL=pdl_enabled(x.device), launch_pdl=pdl_enabled(x.device),
+            **pdl_launch(x.device),
         )
     return normed, new_residual
 

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.moe import RouterSpec, route_topk
-from hybridserve.kernels.triton_utils import interpreting, next_pow2, pdl_enabled, pdl_gate, prefetch_l2
+from hybridserve.kernels.triton_utils import interpreting, next_pow2, pdl_gate, pdl_launch, prefetch_l2
 
 
 @triton.jit
@@ -119,8 +119,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     block_e = 8 if interpreting() else max(1, 8192 // block_k)
     _router_logits_kernel[(n, triton.cdiv(num_experts, block_e))](x, weight, logits, num_experts, d, x.stride(0),
                                                                   BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
-                                                                  USE_PDL=pdl_enabled(x.device),
-                                                                  launch_pdl=pdl_enabled(x.device))
+                                                                  **pdl_launch(x.device))
     return logits
 
 

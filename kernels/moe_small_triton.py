@@ -28,8 +28,8 @@ from hybridserve.kernels.triton_utils import (
     PERSIST_AUTOTUNE,
     interpreting,
     next_pow2,
-    pdl_enabled,
     pdl_gate,
+    pdl_launch,
     prefetch_l2,
 )
 
@@ -202,7 +202,7 @@ def moe_small_triton(
     up_s = shared_up if fused and shared_up is not None else w_up
     down_s = shared_down if fused and shared_down is not None else w_down
     scale_dummy = weights  # never read without HAS_SCALE
-    pdl = pdl_enabled(x.device)
+    pdl = pdl_launch(x.device)
 
     def up_grid(meta: dict) -> tuple[int, int, int]:
         return (n, triton.cdiv(inter, meta["BLOCK_N"]), width)
@@ -213,7 +213,7 @@ def moe_small_triton(
         w_up.stride(1), inter * d if fused else 0, d if fused else 0,
         TOP_K=spec.top_k, WIDTH=width, K_BLOCK=next_pow2(width), N_GROUP=spec.n_group,
         PER_GROUP=num_experts // spec.n_group, TOPK_GROUP=spec.topk_group, NORM=spec.norm_topk_prob,
-        SHARED=spec.num_shared, HAS_SCALE=up_scale is not None, USE_PDL=pdl, launch_pdl=pdl,
+        SHARED=spec.num_shared, HAS_SCALE=up_scale is not None, **pdl,
     )
     out = torch.empty(n, d, dtype=expert_x.dtype, device=x.device)
 
@@ -225,7 +225,7 @@ def moe_small_triton(
         shared_out if shared_out is not None else out, out, num_experts, d, inter, w_down.stride(0),
         w_down.stride(1), inter if fused else 0, spec.num_shared * inter if fused else 0, out.stride(0),
         WIDTH=width, SLOTS=next_pow2(width), SHARED=fused, HAS_SCALE=down_scale is not None,
-        HAS_SHARED_OUT=shared_out is not None, USE_PDL=pdl, launch_pdl=pdl,
+        HAS_SHARED_OUT=shared_out is not None, **pdl,
     )
     return out
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting, pdl_enabled, pdl_gate, prefetch_l2
+from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting, pdl_gate, pdl_launch, prefetch_l2
 
 MAX_ROWS = 16  # rows of x this kernel takes (one tl.dot tile); more rows go to cuBLAS
 MAX_SPLIT = 8  # most K-splits of a projection with few output columns (see SplitKWorkspace)
@@ -164,12 +164,12 @@ def skinny_linear_triton(
             return (triton.cdiv(out_features, meta["BLOCK_N"]), meta["SPLIT_K"])
 
         kernel = _skinny_split if workspace is not None else _skinny_plain
-        pdl = pdl_enabled(x.device)
+        pdl = pdl_launch(x.device)
         scratch = (workspace.partials, workspace.arrivals) if workspace is not None else (y, y)
         kernel[grid](
             x2, weight, bias if bias is not None else weight, y, *scratch, rows, out_features, in_features,
             x2.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: exact parity runs
-            USE_PDL=pdl, launch_pdl=pdl,
+            **pdl,
         )
     return y.view(*x.shape[:-1], out_features)

@@ -17,8 +17,8 @@ from hybridserve.kernels.triton_utils import (
     check_same_device,
     finite_limits,
     next_pow2,
-    pdl_enabled,
     pdl_gate,
+    pdl_launch,
     process_dt_tl,
 )
 
@@ -161,7 +161,7 @@ def multi_token_state_update_triton(
         BLOCK_P=block_p, BLOCK_N=next_pow2(state_size), TILES=tiles,
         HAS_D=D is not None, HAS_BIAS=dt_bias is not None, HAS_Z=z is not None,
         HAS_INTER=intermediate_states is not None, DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
-        WRITE_FINAL=write_final_state, USE_PDL=pdl_enabled(x.device), launch_pdl=pdl_enabled(x.device),
+        WRITE_FINAL=write_final_state, **pdl_launch(x.device),
         num_warps=num_warps or 2,  # measured on H200: 2 warps per 16 x 128 tile moves the most bytes
     )
     return y

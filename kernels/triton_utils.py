@@ -64,6 +64,12 @@ def pdl_enabled(device: torch.device) -> bool:
     return _pdl_on_cuda_device(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """The launch keywords of a kernel taking part in PDL: its USE_PDL constexpr and Triton's launch_pdl."""
+    on = pdl_enabled(device)
+    return {"USE_PDL": on, "launch_pdl": on}
+
+
 @functools.cache  # asked at every launch: the answer for a device never changes within a process
 def _pdl_on_cuda_device(index: int) -> bool:
     if interpreting() or os.environ.get("HYBRIDSERVE_PDL", "1") == "0":

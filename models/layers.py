@@ -18,18 +18,15 @@ def _param(*shape: int) -> nn.Parameter:
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict keys) whose forward goes through `ops.linear`, so decode-sized
     inputs on CUDA take the skinny Triton kernel; a projection with few output columns keeps the kernel's
-    split-K scratch (made at its first skinny call, i.e. in warm-up, before any CUDA-graph capture)."""
+    split-K scratch (made at its first call, i.e. in warm-up, before any CUDA-graph capture)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        workspace = None
-        if ops.skinny_linear_applies(x, self.weight):
-            key = (self.weight.device, self.weight.shape[0])
-            cached = self.__dict__.get("_split_k")
-            if cached is None or cached[0] != key:
-                cached = (key, ops.split_k_workspace(self.weight))
-                self.__dict__["_split_k"] = cached
-            workspace = cached[1]
-        return ops.linear(x, self.weight, self.bias, workspace)
+        key = (self.weight.device, self.weight.shape[0])
+        cached = self.__dict__.get("_split_k")
+        if cached is None or cached[0] != key:  # None off CUDA and for projections with many output columns
+            cached = (key, ops.split_k_workspace(self.weight))
+            self.__dict__["_split_k"] = cached
+        return ops.linear(x, self.weight, self.bias, cached[1])
 
 
 class RMSNorm(nn.Module):
