@@ -25,6 +25,12 @@
 # twice per server with fresh prompts of one arrival pattern (no warm-up pass: the cold pass is the first
 # traffic after ready; PROBE=1 adds one request right after ready and one after the passes);
 # the results are named <deployment>-<in>-<out>-<pass>.
+# KIND=shared-prefix or KIND=multi-turn replays that bench/serve.py workload instead of random prompts (IN = the
+# suffix / user-message tokens), with KIND_ARGS for its shape, e.g. prefix caching on vs off:
+#   KIND=shared-prefix KIND_ARGS="--num-groups 4 --prefix-len 2048" WORKLOADS=64:64 RATES=8 \
+#     bash bench/serve_gpu.sh OUT colocated-1gpu colocated-1gpu-nocache
+#   KIND=multi-turn KIND_ARGS="--num-turns 4 --prefix-len 512" WORKLOADS=128:64 NUM_PROMPTS=16 RATES=2 ...
+# Their results are named <deployment>-<kind>-<in>-<out>.
 # bench/serve_table.py OUT then prints and writes the comparison table (OUT/table.md).
 set -euo pipefail
 OUT=${1:-bench/results/gpu/serve}
@@ -33,6 +39,9 @@ mkdir -p "$OUT"
 NUM_PROMPTS=${NUM_PROMPTS:-64}
 RATES=${RATES:-4,8,16,inf}
 WORKLOADS=${WORKLOADS:-"512:128 2048:256"}
+KIND=${KIND:-random}
+read -r -a KIND_EXTRA <<< "${KIND_ARGS:-}"
+TAG=""; [ "$KIND" != random ] && TAG="-$KIND"
 GPUS=$(nvidia-smi --list-gpus | wc -l)
 if [ "$#" -eq 0 ]; then
   set -- colocated-1gpu
@@ -104,10 +113,10 @@ run() {
       local warmup=4; [ -n "${PASSES:-}" ] && warmup=0
       for w in $WORKLOADS; do
         local in=${w%%:*} out=${w##*:}
-        python3 bench/serve.py --base-url http://127.0.0.1:8000 --workload random --input-len "$in" \
-          --output-len "$out" --num-prompts "$NUM_PROMPTS" --request-rate "$RATES" --token-range 3,1000 \
-          --seed 1 --id-seed "$((index * 1000))" --warmup "$warmup" --no-plots --result-dir "$OUT" \
-          --result-name "$name-$in-$out$suffix" || true
+        python3 bench/serve.py --base-url http://127.0.0.1:8000 --workload "$KIND" "${KIND_EXTRA[@]}" \
+          --input-len "$in" --output-len "$out" --num-prompts "$NUM_PROMPTS" --request-rate "$RATES" \
+          --token-range 3,1000 --seed 1 --id-seed "$((index * 1000))" --warmup "$warmup" --no-plots \
+          --result-dir "$OUT" --result-name "$name$TAG-$in-$out$suffix" || true
       done
     done
     if [ "${PROBE:-0}" = 1 ]; then probe last 501; fi

@@ -130,6 +130,9 @@ def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+SCAN_CONFIGS = _HERE / "configs" / "demo_scan_configs_h200.json"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", type=Path, required=True)
@@ -175,14 +178,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-engine-eval", action="store_true", help="skip the hybridserve engine evaluation")
     p.add_argument("--max-files", type=int, default=None, help="debug: only the first N files")
     p.add_argument("--tokenizer-dir", type=Path, default=None, help="reuse a trained tokenizer")
-    p.add_argument("--compile", action="store_true", help="torch.compile the loss function")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the loss function (default: on CUDA; 1.8-2x faster steps on an H200: "
+                   "bench/results/h200/demo_model/session35_compile)")
+    p.add_argument("--scan-configs", type=Path, default=None,
+                   help="pin mamba_ssm's autotuned kernels to the configs of this file (what --scan-configs-out "
+                   f"wrote) instead of benchmarking them all at start-up (default on CUDA: {SCAN_CONFIGS.name}, "
+                   "tuned on an H200)")
+    p.add_argument("--scan-configs-out", type=Path, default=None,
+                   help="write the configs mamba_ssm's autotuner picked to this file (for --scan-configs)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after the timed steps, profile this many steps (torch.profiler: the kernels' GPU time into "
+                   "<out-dir>/profile.txt), then stop without saving a model")
     p.add_argument("--torch-scan", action="store_true", help="train with transformers' torch scan, not mamba_ssm's")
     p.add_argument("--line-break-rate", type=float, default=0.15,
                    help="share of training line ends encoded as a piece boundary (prompts ending in a newline)")
     args = p.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    if args.compile is None:
+        args.compile = cuda
+    if args.scan_configs is None and cuda and SCAN_CONFIGS.is_file():
+        args.scan_configs = SCAN_CONFIGS
     if args.calib_steps <= 10:
         p.error("--calib-steps must exceed 10 (steps 10..calib-steps are timed)")
     return args
+
+
+def write_profile(profiler, steps: int, path: Path) -> None:  # noqa: ANN001
+    """Stop `profiler` and write its per-kernel table (sorted by GPU time) with the per-step totals on top."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    profiler.__exit__(None, None, None)
+    events = profiler.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events)
+    table = events.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70)
+    path.write_text(f"{steps} steps profiled; GPU time {gpu_us / steps / 1e3:.1f} ms/step\n\n{table}\n")
+    logger.info("profile of %d steps (GPU time %.1f ms/step) -> %s", steps, gpu_us / steps / 1e3, path)
 
 
 def tokenizer_texts(train: list[tuple[str, str]], megabytes: float) -> list[str]:
@@ -287,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     autocast = device != "cpu"
     history: list[dict] = []
     scan_patch = contextlib.ExitStack()
-    triton_scan = False if args.torch_scan else scan_patch.enter_context(_scan.fast_scan(device, cfg))
+    triton_scan = False if args.torch_scan else scan_patch.enter_context(_scan.fast_scan(device, cfg, args.scan_configs))
+    profiler = None
     while total is None or step < total:
         offsets = torch.randint(0, train_stream.numel() - args.seq_len - 1, (args.batch_size,), generator=gen)
         batch = stream_dev[offsets.to(device)[:, None] + span[None, :]].long()
@@ -315,6 +347,13 @@ def main(argv: list[str] | None = None) -> int:
                 remaining = budget - (time.perf_counter() - t_loop) - n_evals * 2 * per_step
                 total = step + max(0, int(remaining / per_step))
                 logger.info("%d steps fit the %.0fs budget", total, budget)
+            if args.profile_steps:
+                profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                              torch.profiler.ProfilerActivity.CUDA])
+                profiler.__enter__()
+        if profiler is not None and step == args.calib_steps + args.profile_steps:
+            write_profile(profiler, step - args.calib_steps, out_dir / "profile.txt")
+            break
         if step % 50 == 0 or step == 1 or step == total:
             elapsed = time.perf_counter() - t_loop
             logger.info(
@@ -338,7 +377,11 @@ def main(argv: list[str] | None = None) -> int:
             break
     if device.startswith("cuda"):
         torch.cuda.synchronize()
+    if triton_scan and args.scan_configs_out is not None:
+        args.scan_configs_out.write_text(json.dumps(_scan.tuned_configs(), indent=1) + "\n")
     scan_patch.close()
+    if profiler is not None:
+        return 0
     train_time = time.perf_counter() - t_loop
     tokens_seen = step * args.batch_size * args.seq_len
     logger.info("trained %d steps, %.1fM tokens in %.1fs", step, tokens_seen / 1e6, train_time)

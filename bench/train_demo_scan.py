@@ -7,9 +7,12 @@ loop only, after a check against transformers' own scan on the same inputs. Eval
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -56,9 +59,43 @@ def _max_rel_error(reference: Callable[..., Any], candidate: Callable[..., Any],
     return worst
 
 
+def _tuners() -> dict[str, Any]:
+    """mamba_ssm's autotuned Triton kernels that are loaded, by `module.name`."""
+    from triton.runtime.autotuner import Autotuner
+
+    found = {}
+    for module_name, module in list(sys.modules.items()):
+        if module_name.startswith("mamba_ssm.ops.triton") and module is not None:
+            found.update({f"{module_name}.{attr}": value for attr, value in vars(module).items()
+                          if isinstance(value, Autotuner)})
+    return found
+
+
+def tuned_configs() -> dict[str, list[str]]:
+    """The configs the autotuner picked so far, per kernel (what --scan-configs pins in a later run)."""
+    return {name: sorted({str(c) for c in tuner.cache.values()}) for name, tuner in _tuners().items() if tuner.cache}
+
+
+def pin_configs(path: Path) -> int:
+    """Restrict each of mamba_ssm's autotuned kernels to the configs `path` (a tuned_configs() dump) lists, so a
+    fresh machine compiles one config instead of benchmarking every one (~2.5 minutes of a 9-minute run on an
+    H200). A kernel the file does not name, or none of whose configs match (another Triton), keeps all its configs;
+    the configs are only launch parameters, so a stale file costs speed, never correctness. Returns the number
+    pinned."""
+    winners = json.loads(path.read_text())
+    pinned = 0
+    for name, tuner in _tuners().items():
+        keep = [c for c in tuner.configs if str(c) in set(winners.get(name, ()))]
+        if keep:
+            tuner.configs = keep
+            pinned += 1
+    return pinned
+
+
 @contextmanager
-def fast_scan(device: str, cfg: dict) -> Iterator[bool]:
-    """Patch the Triton scan into transformers' NemotronH while the block runs; yields whether it did."""
+def fast_scan(device: str, cfg: dict, configs: Path | None = None) -> Iterator[bool]:
+    """Patch the Triton scan into transformers' NemotronH while the block runs; yields whether it did. `configs`:
+    a tuned_configs() dump whose choices are pinned (see pin_configs)."""
     if not device.startswith("cuda"):
         yield False
         return
@@ -79,6 +116,8 @@ def fast_scan(device: str, cfg: dict) -> Iterator[bool]:
         logger.warning("mamba_ssm Triton sources not available (%s): training with transformers' torch scan", exc)
         yield False
         return
+    if configs is not None and configs.is_file():
+        logger.info("pinned %d of mamba_ssm's autotuned kernels to the configs in %s", pin_configs(configs), configs)
     from transformers.models.nemotron_h import modeling_nemotron_h as modeling
 
     reference = modeling.mamba2_chunk_scan
