@@ -327,6 +327,10 @@ def main() -> None:
         "step": lambda: bench_model_step(config, device, timer, ceil),
     }
     run_sections(sections, args.skip, result)
+    if not cpu:
+        from hybridserve.kernels.moe_small_triton import _small_down_kernel, _small_up_kernel
+
+        result["small_configs"] = {"up": _best_configs(_small_up_kernel), "down": _best_configs(_small_down_kernel)}
     result["wall_s"] = time.perf_counter() - started
     result["summary"] = [*summary(result), f"wall {result['wall_s']:.0f} s"]
     print("\n".join(result["summary"]), flush=True)
