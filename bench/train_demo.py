@@ -54,6 +54,7 @@ _mtp = _sibling("train_demo_mtp")
 _card = _sibling("train_demo_card")
 _eval = _sibling("train_demo_eval")
 _scan = _sibling("train_demo_scan")
+parse_args = _sibling("train_demo_args").parse_args
 EOS, load_corpus, train_tokenizer = _data.EOS, _data.load_corpus, _data.train_tokenizer
 encode_stream, windows_of = _data.encode_stream, _data.windows_of
 MTP, init_mtp, forward_losses, model_card = _mtp.MTP, _mtp.init_mtp, _mtp.forward_losses, _card.model_card
@@ -130,80 +131,6 @@ def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-SCAN_CONFIGS = _HERE / "configs" / "demo_scan_configs_h200.json"
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out-dir", type=Path, required=True)
-    p.add_argument("--corpus", type=Path, default=None, help="archive of bench/train_demo_fetch.py (default: stdlib)")
-    p.add_argument("--tar", type=Path, default=None, help="also pack --out-dir into this tar (after saving)")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--tokenizer-mb", type=float, default=24.0, help="train the tokenizer on this much text")
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--pattern", default="M-*M-M*-")
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--mlp-intermediate", type=int, default=2048)
-    p.add_argument("--mamba-head-dim", type=int, default=64)
-    p.add_argument("--ssm-state", type=int, default=32)
-    p.add_argument("--n-groups", type=int, default=2)
-    p.add_argument("--chunk-size", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=1024)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=1.5e-3)
-    p.add_argument("--min-lr", type=float, default=1e-4)
-    p.add_argument("--warmup", type=int, default=100)
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--mtp-depths", type=int, default=3, help="recurrent MTP depths trained (drafts K)")
-    p.add_argument("--mtp-weight", type=float, default=0.3, help="loss weight of each MTP depth")
-    p.add_argument("--max-steps", type=int, default=None, help="fixed step count (default: fit the budget)")
-    p.add_argument("--total-budget-s", type=float, default=450.0, help="wall time of the whole script")
-    p.add_argument("--eval-reserve-s", type=float, default=110.0, help="kept for saving and evaluation")
-    p.add_argument("--calib-steps", type=int, default=30, help="steps timed to size the run to the budget")
-    p.add_argument("--heldout-percent", type=int, default=4)
-    p.add_argument("--validation-percent", type=int, default=3, help="files that pick the best step")
-    p.add_argument("--eval-windows", type=int, default=256, help="held-out windows evaluated at the end")
-    p.add_argument("--eval-every", type=int, default=250)
-    p.add_argument("--eval-prompts", type=int, default=64, help="held-out function prompts of the parse test")
-    p.add_argument("--gen-tokens", type=int, default=256, help="long enough for every held-out body (longest 184)")
-    p.add_argument("--repetition-penalty", type=float, default=1.1,
-                   help="shipped in generation_config.json as the model's sampling default (1: none); a small "
-                   "model loops under plain greedy decoding (bench/results/cpu/demo_parse.json)")
-    p.add_argument("--max-dup-line-fraction", type=float, default=1.0,
-                   help="drop training files whose lines are mostly copies of each other, e.g. 0.5 (default 1: keep "
-                   "all, as the shipped model; 0.5 did not help: bench/results/h200/demo_model/session32_dedup_filter)")
-    p.add_argument("--no-engine-eval", action="store_true", help="skip the hybridserve engine evaluation")
-    p.add_argument("--max-files", type=int, default=None, help="debug: only the first N files")
-    p.add_argument("--tokenizer-dir", type=Path, default=None, help="reuse a trained tokenizer")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the loss function (default: on CUDA; 1.8-2x faster steps on an H200: "
-                   "bench/results/h200/demo_model/session35_compile)")
-    p.add_argument("--scan-configs", type=Path, default=None,
-                   help="pin mamba_ssm's autotuned kernels to the configs of this file (what --scan-configs-out "
-                   f"wrote) instead of benchmarking them all at start-up (default on CUDA: {SCAN_CONFIGS.name}, "
-                   "tuned on an H200)")
-    p.add_argument("--scan-configs-out", type=Path, default=None,
-                   help="write the configs mamba_ssm's autotuner picked to this file (for --scan-configs)")
-    p.add_argument("--profile-steps", type=int, default=0,
-                   help="after the timed steps, profile this many steps (torch.profiler: the kernels' GPU time into "
-                   "<out-dir>/profile.txt), then stop without saving a model")
-    p.add_argument("--torch-scan", action="store_true", help="train with transformers' torch scan, not mamba_ssm's")
-    p.add_argument("--line-break-rate", type=float, default=0.15,
-                   help="share of training line ends encoded as a piece boundary (prompts ending in a newline)")
-    args = p.parse_args(argv)
-    cuda = args.device.startswith("cuda")
-    if args.compile is None:
-        args.compile = cuda
-    if args.scan_configs is None and cuda and SCAN_CONFIGS.is_file():
-        args.scan_configs = SCAN_CONFIGS
-    if args.calib_steps <= 10:
-        p.error("--calib-steps must exceed 10 (steps 10..calib-steps are timed)")
-    return args
-
-
 def write_profile(profiler, steps: int, path: Path) -> None:  # noqa: ANN001
     """Stop `profiler` and write its per-kernel table (sorted by GPU time) with the per-step totals on top."""
     if torch.cuda.is_available():
@@ -240,7 +167,7 @@ def write_outputs(report: dict, cfg: dict, mtp_kinds: list[str], out_dir: Path, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = parse_args(argv, __doc__)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
     t_start = time.perf_counter()
     deadline = t_start + args.total_budget_s
