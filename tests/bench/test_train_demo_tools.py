@@ -1,0 +1,92 @@
+"""The demo-model tools of bench/: mamba_ssm's autotuner picks pinned from a file (train_demo_scan), the
+decoding-default pick on validation prompts (demo_parse_eval.select), and train_demo's --profile-steps run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import triton
+import triton.language as tl
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name: str):  # noqa: ANN202 - a module
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+scan_mod = _load("train_demo_scan")
+parse_mod = _load("demo_parse_eval")
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 16}, num_warps=4), triton.Config({"BLOCK": 32}, num_warps=8)],
+                 key=["n"])
+@triton.jit
+def _tuned_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, BLOCK), tl.zeros([BLOCK], dtype=tl.float32), mask=tl.arange(0, BLOCK) < n)
+
+
+@pytest.fixture
+def fake_mamba_module(monkeypatch: pytest.MonkeyPatch):
+    """_tuned_kernel as an autotuned kernel of a loaded `mamba_ssm.ops.triton` module, its configs restored after."""
+    module = types.ModuleType("mamba_ssm.ops.triton._pin_test")
+    module.kernel = _tuned_kernel
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    configs, cache = list(_tuned_kernel.configs), dict(_tuned_kernel.cache)
+    yield f"{module.__name__}.kernel"
+    _tuned_kernel.configs, _tuned_kernel.cache = configs, cache
+
+
+def test_pinned_configs_round_trip(fake_mamba_module: str, tmp_path: Path) -> None:
+    both = list(_tuned_kernel.configs)
+    _tuned_kernel.cache[(1024,)] = both[1]  # what a tuning run leaves behind
+    picks = scan_mod.tuned_configs()
+    assert picks[fake_mamba_module] == [str(both[1])]
+    path = tmp_path / "picks.json"
+    path.write_text(json.dumps(picks))
+    _tuned_kernel.cache.clear()
+    assert scan_mod.pin_configs(path) == 1
+    assert _tuned_kernel.configs == [both[1]]  # one config left: the autotuner benchmarks nothing
+
+
+def test_stale_or_foreign_picks_keep_every_config(fake_mamba_module: str, tmp_path: Path) -> None:
+    both = list(_tuned_kernel.configs)
+    path = tmp_path / "picks.json"
+    path.write_text(json.dumps({fake_mamba_module: ["BLOCK: 64, num_warps: 2"], "mamba_ssm.other.kernel": ["x"]}))
+    assert scan_mod.pin_configs(path) == 0
+    assert _tuned_kernel.configs == both
+
+
+def _row(parsed: int, penalty: float, ngram: int) -> dict:
+    return {"parsed": parsed, "repetition_penalty": penalty, "no_repeat_ngram_size": ngram}
+
+
+def test_select_takes_the_most_parsed_then_the_mildest_setting() -> None:
+    rows = [_row(90, 1.0, 0), _row(95, 1.2, 8), _row(95, 1.1, 8), _row(95, 1.1, 16), _row(95, 1.1, 0)]
+    assert parse_mod.select(rows) == _row(95, 1.1, 0)  # tie: lowest penalty, then no ban
+    assert parse_mod.select(rows[:4]) == _row(95, 1.1, 16)  # then the longer (milder) n-gram ban
+    assert parse_mod.select([_row(90, 1.0, 0), _row(91, 1.2, 4)]) == _row(91, 1.2, 4)
+
+
+def test_profile_steps_writes_the_kernel_table_and_no_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))  # train_demo takes bench/ off sys.path; later tests need it
+    train = _load("train_demo")
+    out = tmp_path / "run"
+    tiny = ["--hidden", "32", "--mlp-intermediate", "64", "--heads", "2", "--kv-heads", "1", "--mamba-head-dim", "8",
+            "--ssm-state", "8", "--n-groups", "1", "--chunk-size", "8", "--vocab-size", "280", "--tokenizer-mb",
+            "0.2", "--seq-len", "32", "--batch-size", "2", "--max-files", "20"]
+    code = train.main(["--out-dir", str(out), "--device", "cpu", "--max-steps", "20", "--calib-steps", "12",
+                       "--profile-steps", "2", *tiny])
+    assert code == 0
+    table = (out / "profile.txt").read_text()
+    assert table.startswith("2 steps profiled") and "aten::" in table
+    assert not (out / "model.safetensors").exists()
