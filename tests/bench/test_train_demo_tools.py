@@ -3,29 +3,17 @@ decoding-default pick on validation prompts (demo_parse_eval.select), and train_
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import sys
 import types
 from pathlib import Path
 
+import demo_parse_eval as parse_mod  # bench/ is on pytest's pythonpath
 import pytest
+import train_demo_scan as scan_mod
 import triton
 import triton.language as tl
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _load(name: str):  # noqa: ANN202 - a module
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-scan_mod = _load("train_demo_scan")
-parse_mod = _load("demo_parse_eval")
 
 
 @triton.autotune(configs=[triton.Config({"BLOCK": 16}, num_warps=4), triton.Config({"BLOCK": 32}, num_warps=8)],
@@ -79,7 +67,7 @@ def test_select_takes_the_most_parsed_then_the_mildest_setting() -> None:
 
 def test_profile_steps_writes_the_kernel_table_and_no_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "path", list(sys.path))  # train_demo takes bench/ off sys.path; later tests need it
-    train = _load("train_demo")
+    train = importlib.import_module("train_demo")
     out = tmp_path / "run"
     tiny = ["--hidden", "32", "--mlp-intermediate", "64", "--heads", "2", "--kv-heads", "1", "--mamba-head-dim", "8",
             "--ssm-state", "8", "--n-groups", "1", "--chunk-size", "8", "--vocab-size", "280", "--tokenizer-mb",
