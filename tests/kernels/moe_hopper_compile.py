@@ -30,7 +30,8 @@ def compile_for_hopper(kernel: Any, signature: dict, constexprs: dict, aligned: 
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": 3})
     ptx = compiled.asm["ptx"]
     return {"cubin": bool(compiled.asm.get("cubin")), "cp.async": "cp.async" in ptx, "wgmma": "wgmma" in ptx,
-            "ld.global.v4": "ld.global.v4" in ptx, "cp.async 16B": "cp.async.cg.shared.global" in ptx}
+            "ld.global.v4": "ld.global.v4" in ptx, "cp.async 16B": "cp.async.cg.shared.global" in ptx,
+            "prefetch.L2": "prefetch.global.L2" in ptx}
 
 
 def main() -> None:
