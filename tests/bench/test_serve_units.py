@@ -13,6 +13,7 @@ import httpx
 import numpy as np
 import pytest
 import serve as bench_serve
+import serve_client
 from serve_client import ClientConfig, request_body, stream_completion
 from serve_metrics import (
     PREFIX_HIT_TOKENS,
@@ -56,13 +57,32 @@ def test_tpot_definition() -> None:
 GAP_S = 0.06
 
 
-def _sse_transport(chunks: list[dict | str], status: int = 200) -> httpx.MockTransport:
-    """A server that streams `chunks` as SSE events GAP_S apart (the first at once)."""
+class FakeClock:
+    """serve_client's perf_counter in these tests: it moves only when the scripted server says so, so the
+    timing assertions hold on a loaded machine (no wall-clock time is measured)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(serve_client, "time", fake)
+    return fake
+
+
+def _sse_transport(chunks: list[dict | str], status: int = 200, clock: FakeClock | None = None) -> httpx.MockTransport:
+    """A server that streams `chunks` as SSE events GAP_S apart on `clock` (the first at once)."""
 
     async def body():
         for i, chunk in enumerate(chunks):
-            if i:
-                await asyncio.sleep(GAP_S)
+            if i and clock is not None:
+                clock.now += GAP_S
+            await asyncio.sleep(0)
             payload = chunk if isinstance(chunk, str) else json.dumps(chunk)
             yield f"data: {payload}\n\n".encode()
 
@@ -86,16 +106,17 @@ async def _stream(transport: httpx.MockTransport) -> tuple[RequestRecord, list[i
     return rec, answer
 
 
-def test_stream_timing_ttft_itl_tpot_and_usage() -> None:
+def test_stream_timing_ttft_itl_tpot_and_usage(clock: FakeClock) -> None:
     usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8,
                                       "prompt_tokens_details": {"cached_tokens": 2}}}
     chunks = [_choice([7]), _choice([8, 9]), _choice([10], "length"), usage, "[DONE]"]
-    rec, answer = asyncio.run(_stream(_sse_transport(chunks)))
+    rec, answer = asyncio.run(_stream(_sse_transport(chunks, clock=clock)))
     assert rec.success and rec.error is None and answer == [7, 8, 9, 10]
     assert rec.output_tokens == 4 and rec.cached_tokens == 2 and rec.finish_reason == "length"
-    assert len(rec.itl) == 2  # one gap per token-carrying chunk after the first; the 2-token chunk is one gap
-    assert all(GAP_S * 0.8 < g < GAP_S * 4 for g in rec.itl)
-    assert rec.ttft < GAP_S and rec.e2e >= rec.ttft + sum(rec.itl)
+    # one gap per token-carrying chunk after the first (the 2-token chunk is one gap); the usage and [DONE]
+    # events come GAP_S apart after the last token and count in e2e only
+    assert rec.ttft == 0.0 and rec.itl == pytest.approx([GAP_S, GAP_S])
+    assert rec.e2e == pytest.approx(4 * GAP_S)
     assert rec.tpot == pytest.approx((rec.e2e - rec.ttft) / 3)
 
 
