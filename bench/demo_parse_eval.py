@@ -21,6 +21,10 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridserve import LLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_demo_data  # noqa: E402 - bench/ siblings
@@ -44,8 +48,9 @@ def looped(text: str, min_repeats: int = 4) -> bool:
     return bool(counts) and counts.most_common(1)[0][1] >= min_repeats
 
 
-def run(llm, prompts: list[str], penalty: float, ngram: int, max_tokens: int) -> dict:  # noqa: ANN001
-    """Greedy continuations of `prompts` under one (repetition penalty, no-repeat n-gram size) setting."""
+def run(llm: LLM, prompts: list[str], penalty: float, ngram: int, max_tokens: int) -> dict:
+    """Greedy continuations of `prompts` under one (repetition penalty, no-repeat n-gram size) setting (the LLM
+    runs without prefix caching, so every setting computes its prompts afresh)."""
     from hybridserve import SamplingParams
 
     t0 = time.perf_counter()
@@ -107,7 +112,7 @@ def main() -> int:
     if args.select_on_validation:
         splits["validation"] = train_demo_eval.heldout_prompts(corpus.validation, args.prompts)
     shipped = json.loads((Path(args.model) / "generation_config.json").read_text()).get("repetition_penalty", 1.0)
-    llm = LLM(args.model, generation_config="none", **engine)
+    llm = LLM(args.model, generation_config="none", enable_prefix_caching=False, **engine)
     rows: dict[str, list[dict]] = {name: [] for name in splits}
     for name, prompts in splits.items():
         for penalty in args.penalties:

@@ -40,6 +40,10 @@ NUM_PROMPTS=${NUM_PROMPTS:-64}
 RATES=${RATES:-4,8,16,inf}
 WORKLOADS=${WORKLOADS:-"512:128 2048:256"}
 KIND=${KIND:-random}
+case $KIND in
+  random|shared-prefix|multi-turn) ;;
+  *) echo "KIND must be random, shared-prefix or multi-turn, got '$KIND'" >&2; exit 2 ;;
+esac
 read -r -a KIND_EXTRA <<< "${KIND_ARGS:-}"
 TAG=""; [ "$KIND" != random ] && TAG="-$KIND"
 GPUS=$(nvidia-smi --list-gpus | wc -l)
@@ -113,7 +117,7 @@ run() {
       local warmup=4; [ -n "${PASSES:-}" ] && warmup=0
       for w in $WORKLOADS; do
         local in=${w%%:*} out=${w##*:}
-        python3 bench/serve.py --base-url http://127.0.0.1:8000 --workload "$KIND" "${KIND_EXTRA[@]}" \
+        python3 bench/serve.py --base-url http://127.0.0.1:8000 --workload "$KIND" ${KIND_EXTRA[@]+"${KIND_EXTRA[@]}"} \
           --input-len "$in" --output-len "$out" --num-prompts "$NUM_PROMPTS" --request-rate "$RATES" \
           --token-range 3,1000 --seed 1 --id-seed "$((index * 1000))" --warmup "$warmup" --no-plots \
           --result-dir "$OUT" --result-name "$name$TAG-$in-$out$suffix" || true

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 BASELINE = "colocated-1gpu"
+KINDS = ("shared-prefix", "multi-turn")  # workloads other than random prompts (serve_gpu.sh KIND)
 
 
 def load(result_dir: Path) -> dict[tuple[str, str], dict[str, dict]]:
@@ -32,10 +33,13 @@ def load(result_dir: Path) -> dict[tuple[str, str], dict[str, dict]]:
         suffix = ""
         if parts[-1] in ("cold", "warm"):
             suffix = f" ({parts.pop()})"
-        deployment, input_len, output_len = "-".join(parts[:-2]) + suffix, parts[-2], parts[-1]
+        deployment, input_len, output_len = "-".join(parts[:-2]), parts[-2], parts[-1]
         if not (input_len.isdigit() and output_len.isdigit()):
             continue
-        by_rate = table.setdefault((deployment, f"{input_len}/{output_len}"), {})
+        kind = next((k for k in KINDS if deployment.endswith(f"-{k}")), "")  # serve_gpu.sh KIND=...: its own workload
+        deployment = deployment.removesuffix(f"-{kind}") + suffix if kind else deployment + suffix
+        workload = f"{kind} {input_len}/{output_len}" if kind else f"{input_len}/{output_len}"
+        by_rate = table.setdefault((deployment, workload), {})
         for r in runs:
             by_rate.setdefault(_tag(r["request_rate"]), r["metrics"])
     return table

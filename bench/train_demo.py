@@ -131,13 +131,14 @@ def count_params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def write_profile(profiler, steps: int, path: Path) -> None:  # noqa: ANN001
-    """Stop `profiler` and write its per-kernel table (sorted by GPU time) with the per-step totals on top."""
+def write_profile(profiler: torch.profiler.profile, steps: int, path: Path) -> None:
+    """Stop `profiler` and write its per-kernel table (sorted by GPU time) with the kernels' GPU time per step on
+    top (device-side events only: the operator rows repeat their kernels' time)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     profiler.__exit__(None, None, None)
     events = profiler.key_averages()
-    gpu_us = sum(e.self_device_time_total for e in events)
+    gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     table = events.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70)
     path.write_text(f"{steps} steps profiled; GPU time {gpu_us / steps / 1e3:.1f} ms/step\n\n{table}\n")
     logger.info("profile of %d steps (GPU time %.1f ms/step) -> %s", steps, gpu_us / steps / 1e3, path)
@@ -280,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                 profiler.__enter__()
         if profiler is not None and step == args.calib_steps + args.profile_steps:
             write_profile(profiler, step - args.calib_steps, out_dir / "profile.txt")
+            profiler = None
             break
         if step % 50 == 0 or step == 1 or step == total:
             elapsed = time.perf_counter() - t_loop
@@ -305,9 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     if triton_scan and args.scan_configs_out is not None:
+        args.scan_configs_out.parent.mkdir(parents=True, exist_ok=True)
         args.scan_configs_out.write_text(json.dumps(_scan.tuned_configs(), indent=1) + "\n")
     scan_patch.close()
-    if profiler is not None:
+    if profiler is not None:  # the time budget ended the loop inside the profiled steps
+        write_profile(profiler, step - args.calib_steps, out_dir / "profile.txt")
+    if args.profile_steps:
         return 0
     train_time = time.perf_counter() - t_loop
     tokens_seen = step * args.batch_size * args.seq_len

@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
     p.add_argument("--scan-configs", type=Path, default=None,
                    help="pin mamba_ssm's autotuned kernels to the configs of this file (what --scan-configs-out "
                    f"wrote) instead of benchmarking them all at start-up (default on CUDA: {SCAN_CONFIGS.name}, "
-                   "tuned on an H200)")
+                   "tuned on an H200, unless --scan-configs-out is given; `none`: benchmark them all)")
     p.add_argument("--scan-configs-out", type=Path, default=None,
                    help="write the configs mamba_ssm's autotuner picked to this file (for --scan-configs)")
     p.add_argument("--profile-steps", type=int, default=0,
@@ -72,8 +72,17 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
     cuda = args.device.startswith("cuda")
     if args.compile is None:
         args.compile = cuda
-    if args.scan_configs is None and cuda and SCAN_CONFIGS.is_file():
-        args.scan_configs = SCAN_CONFIGS
+    if args.scan_configs is not None and str(args.scan_configs) == "none":
+        args.scan_configs = None  # benchmark every config, as mamba_ssm does
+    elif args.scan_configs is not None and not args.scan_configs.is_file():
+        p.error(f"--scan-configs {args.scan_configs}: no such file (give one that --scan-configs-out wrote, or none)")
+    elif "--scan-configs" not in (argv or []) and cuda and args.scan_configs_out is None and SCAN_CONFIGS.is_file():
+        args.scan_configs = SCAN_CONFIGS  # the default; not when recording picks (pinned kernels pick nothing)
     if args.calib_steps <= 10:
         p.error("--calib-steps must exceed 10 (steps 10..calib-steps are timed)")
+    if args.profile_steps < 0:
+        p.error(f"--profile-steps must be >= 0, got {args.profile_steps}")
+    if args.profile_steps and args.max_steps is not None and args.max_steps < args.calib_steps + args.profile_steps:
+        p.error(f"--max-steps {args.max_steps} ends before the profiled steps (--calib-steps {args.calib_steps} + "
+                f"--profile-steps {args.profile_steps}); raise it or leave it unset")
     return args

@@ -71,21 +71,35 @@ def _tuners() -> dict[str, Any]:
     return found
 
 
-def tuned_configs() -> dict[str, list[str]]:
+def config_fields(config: Any) -> dict[str, Any]:
+    """What identifies a triton.Config across Triton versions: its meta-parameters, warps, stages and CTAs (its
+    str() gains fields between versions)."""
+    return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages,
+            "num_ctas": config.num_ctas}
+
+
+def tuned_configs() -> dict[str, list[dict[str, Any]]]:
     """The configs the autotuner picked so far, per kernel (what --scan-configs pins in a later run)."""
-    return {name: sorted({str(c) for c in tuner.cache.values()}) for name, tuner in _tuners().items() if tuner.cache}
+    picks = {}
+    for name, tuner in _tuners().items():
+        fields = {json.dumps(config_fields(c), sort_keys=True) for c in tuner.cache.values()}
+        if fields:
+            picks[name] = [json.loads(f) for f in sorted(fields)]
+    return picks
 
 
 def pin_configs(path: Path) -> int:
     """Restrict each of mamba_ssm's autotuned kernels to the configs `path` (a tuned_configs() dump) lists, so a
-    fresh machine compiles one config instead of benchmarking every one (~2.5 minutes of a 9-minute run on an
-    H200). A kernel the file does not name, or none of whose configs match (another Triton), keeps all its configs;
-    the configs are only launch parameters, so a stale file costs speed, never correctness. Returns the number
-    pinned."""
-    winners = json.loads(path.read_text())
+    fresh machine compiles one config instead of benchmarking every one (~1.5 minutes of a 9-minute run on an
+    H200). A kernel the file does not name, or none of whose configs match, keeps all its configs. A pick is one
+    of the kernel's own configs, so results stay within what mamba_ssm can produce anyway (block sizes change
+    the order of some sums: rounding-level differences, as between two GPUs' autotuner picks). Returns the
+    number of kernels pinned."""
+    picks = json.loads(path.read_text())
     pinned = 0
     for name, tuner in _tuners().items():
-        keep = [c for c in tuner.configs if str(c) in set(winners.get(name, ()))]
+        wanted = [json.dumps(f, sort_keys=True) for f in picks.get(name, ())]
+        keep = [c for c in tuner.configs if json.dumps(config_fields(c), sort_keys=True) in wanted]
         if keep:
             tuner.configs = keep
             pinned += 1

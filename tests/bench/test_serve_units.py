@@ -243,3 +243,18 @@ def test_compare_needs_matching_labels(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         bench_serve.main(["--compare", str(path), "--labels", "a,b", "--result-dir", str(tmp_path)])
     assert "2 labels for 1" in capsys.readouterr().err
+
+
+def test_serve_table_keys_a_workload_kind_apart_from_random_prompts(tmp_path) -> None:
+    import serve_table
+
+    def write(name: str, rate: float) -> None:
+        (tmp_path / f"{name}.json").write_text(json.dumps({"config": {"request_rate": rate}, "metrics": {"m": name}}))
+
+    write("colocated-1gpu-128-64-rate2", 2)
+    write("colocated-1gpu-multi-turn-128-64-rate2", 2)
+    write("colocated-1gpu-nocache-shared-prefix-64-64-warm-rate8", 8)
+    table = serve_table.load(tmp_path)
+    assert table[("colocated-1gpu", "128/64")]["2"]["m"] == "colocated-1gpu-128-64-rate2"
+    assert table[("colocated-1gpu", "multi-turn 128/64")]["2"]["m"] == "colocated-1gpu-multi-turn-128-64-rate2"
+    assert ("colocated-1gpu-nocache (warm)", "shared-prefix 64/64") in table

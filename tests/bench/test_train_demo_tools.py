@@ -7,6 +7,7 @@ import importlib
 import json
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import demo_parse_eval as parse_mod  # bench/ is on pytest's pythonpath
@@ -24,7 +25,7 @@ def _tuned_kernel(x_ptr, n, BLOCK: tl.constexpr):
 
 
 @pytest.fixture
-def fake_mamba_module(monkeypatch: pytest.MonkeyPatch):
+def fake_mamba_module(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """_tuned_kernel as an autotuned kernel of a loaded `mamba_ssm.ops.triton` module, its configs restored after."""
     module = types.ModuleType("mamba_ssm.ops.triton._pin_test")
     module.kernel = _tuned_kernel
@@ -38,7 +39,8 @@ def test_pinned_configs_round_trip(fake_mamba_module: str, tmp_path: Path) -> No
     both = list(_tuned_kernel.configs)
     _tuned_kernel.cache[(1024,)] = both[1]  # what a tuning run leaves behind
     picks = scan_mod.tuned_configs()
-    assert picks[fake_mamba_module] == [str(both[1])]
+    assert picks[fake_mamba_module] == [{"kwargs": {"BLOCK": 32}, "num_warps": 8, "num_stages": both[1].num_stages,
+                                         "num_ctas": 1}]
     path = tmp_path / "picks.json"
     path.write_text(json.dumps(picks))
     _tuned_kernel.cache.clear()
@@ -49,7 +51,8 @@ def test_pinned_configs_round_trip(fake_mamba_module: str, tmp_path: Path) -> No
 def test_stale_or_foreign_picks_keep_every_config(fake_mamba_module: str, tmp_path: Path) -> None:
     both = list(_tuned_kernel.configs)
     path = tmp_path / "picks.json"
-    path.write_text(json.dumps({fake_mamba_module: ["BLOCK: 64, num_warps: 2"], "mamba_ssm.other.kernel": ["x"]}))
+    foreign = {"kwargs": {"BLOCK": 64}, "num_warps": 2, "num_stages": 1, "num_ctas": 1}
+    path.write_text(json.dumps({fake_mamba_module: [foreign], "mamba_ssm.other.kernel": [foreign]}))
     assert scan_mod.pin_configs(path) == 0
     assert _tuned_kernel.configs == both
 
@@ -67,6 +70,12 @@ def test_select_takes_the_most_parsed_then_the_mildest_setting() -> None:
 
 def test_profile_steps_writes_the_kernel_table_and_no_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "path", list(sys.path))  # train_demo takes bench/ off sys.path; later tests need it
+    for name in ("train_demo", *(f"train_demo_{part}" for part in ("data", "mtp", "card", "eval", "scan", "args"))):
+        if name in sys.modules:  # train_demo re-imports its siblings: put this module's copies back afterwards
+            monkeypatch.setitem(sys.modules, name, sys.modules[name])
+        else:  # recorded as absent, so the import below is removed afterwards
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+            del sys.modules[name]
     train = importlib.import_module("train_demo")
     out = tmp_path / "run"
     tiny = ["--hidden", "32", "--mlp-intermediate", "64", "--heads", "2", "--kv-heads", "1", "--mamba-head-dim", "8",
