@@ -8,6 +8,7 @@ import json
 import math
 import random
 import statistics
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -245,7 +246,7 @@ def test_compare_needs_matching_labels(tmp_path, capsys) -> None:
     assert "2 labels for 1" in capsys.readouterr().err
 
 
-def test_serve_table_keys_a_workload_kind_apart_from_random_prompts(tmp_path) -> None:
+def test_serve_table_keys_a_workload_kind_apart_from_random_prompts(tmp_path: Path) -> None:
     import serve_table
 
     def write(name: str, rate: float) -> None:
