@@ -42,7 +42,10 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
     p.add_argument("--validation-percent", type=int, default=3, help="files that pick the best step")
     p.add_argument("--eval-windows", type=int, default=256, help="held-out windows evaluated at the end")
     p.add_argument("--eval-every", type=int, default=250)
-    p.add_argument("--eval-prompts", type=int, default=64, help="held-out function prompts of the parse test")
+    p.add_argument("--eval-prompts", type=int, default=64,
+                   help="held-out function prompts of transformers' parse test and of the MTP acceptance runs")
+    p.add_argument("--engine-eval-prompts", type=int, default=256,
+                   help="held-out function prompts of the engine's parse test (default: all, ~160; issue 25's set)")
     p.add_argument("--gen-tokens", type=int, default=256, help="long enough for every held-out body (longest 184)")
     p.add_argument("--repetition-penalty", type=float, default=1.1,
                    help="shipped in generation_config.json as the model's sampling default (1: none); a small "

@@ -138,7 +138,8 @@ def parse_line(report: dict) -> str:
     engine = report.get("engine") or {}
     if "parse_rate" in engine:
         penalty = (engine.get("sampling_defaults") or {}).get("repetition_penalty", 1.0)
-        line += f"; {engine['parse_rate']:.3f} through hybridserve's engine (greedy, repetition_penalty {penalty}"
+        line += (f"; {engine['parse_rate']:.3f} through hybridserve's engine ({engine.get('prompts', '?')} prompts, "
+                 f"greedy, repetition_penalty {penalty}")
         line += " from generation_config.json)"
         if "parse_rate_without_defaults" in engine:
             line += f", {engine['parse_rate_without_defaults']:.3f} with plain greedy"

@@ -134,9 +134,11 @@ def replay_acceptance(trunk, mtp, recurrent_mtp, generations: list[dict], max_k:
     return {k: tokens[k] / steps[k] if steps[k] else float("nan") for k in tokens}
 
 
-def engine_eval(model_dir: Path, prompts: list[str], max_tokens: int, max_k: int, deadline: float) -> dict:
-    """Greedy outputs and MTP acceptance through hybridserve's engine (may raise where it cannot run); K = max_k
-    first, the smaller K only while `deadline` (a perf_counter time) is not near."""
+def engine_eval(model_dir: Path, prompts: list[str], max_tokens: int, max_k: int, deadline: float,
+                acceptance_prompts: int) -> dict:
+    """Greedy outputs of `prompts` and MTP acceptance over the first `acceptance_prompts` of them through
+    hybridserve's engine (may raise where it cannot run); K = max_k first, the smaller K only while `deadline` (a
+    perf_counter time) is not near."""
     from hybridserve import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -155,9 +157,9 @@ def engine_eval(model_dir: Path, prompts: list[str], max_tokens: int, max_k: int
             logger.warning("engine evaluation: time budget spent before K=%d", k)
             break
         llm = LLM(str(model_dir), speculative_config={"method": "mtp", "num_speculative_tokens": k})
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts[:acceptance_prompts], params)
         result["acceptance_length"][k] = llm.engine.spec.metrics.acceptance_length
-        result["greedy_equal"][k] = sum(o.token_ids == p.token_ids for o, p in zip(outs, plain)) / len(prompts)
+        result["greedy_equal"][k] = sum(o.token_ids == p.token_ids for o, p in zip(outs, plain)) / len(outs)
         del llm
     result["seconds"] = round(time.perf_counter() - t0, 1)
     return result
@@ -243,13 +245,16 @@ def evaluate_trained(report: dict, trunk, mtp, tokenizer, corpus, heldout_window
     del trunk, mtp
     torch.cuda.empty_cache()
     try:
-        engine = engine_eval(out_dir, prompts, args.gen_tokens, args.mtp_depths, deadline)
+        engine_prompts = heldout_prompts(corpus.heldout, max(args.eval_prompts, args.engine_eval_prompts))
+        engine = engine_eval(out_dir, engine_prompts, args.gen_tokens, args.mtp_depths, deadline, args.eval_prompts)
     except Exception as exc:  # noqa: BLE001 - the engine numbers are extra; the report says why they are missing
         logger.warning("engine evaluation failed: %r", exc)
         report["engine"] = {"error": repr(exc)}
         return
+    prompts = engine_prompts
     ok = [parses(p, t or "", f) for p, t, f in zip(prompts, engine.pop("texts"), engine.pop("finished"))]
     engine["parse_rate"] = sum(ok) / max(1, len(ok))
+    engine["prompts"] = len(prompts)
     bare = [parses(p, t or "", f) for p, t, f in zip(prompts, engine.pop("bare_texts"), engine.pop("bare_finished"))]
     engine["parse_rate_without_defaults"] = sum(bare) / max(1, len(bare))
     report["engine"] = engine

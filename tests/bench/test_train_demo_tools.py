@@ -87,3 +87,17 @@ def test_profile_steps_writes_the_kernel_table_and_no_model(tmp_path: Path, monk
     table = (out / "profile.txt").read_text()
     assert table.startswith("2 steps profiled") and "aten::" in table
     assert not (out / "model.safetensors").exists()
+
+
+def test_engine_eval_parses_every_prompt_and_measures_acceptance_on_the_first_ones() -> None:
+    import time
+
+    import train_demo_eval
+
+    demo = Path(__file__).resolve().parents[2] / "models" / "demo_model"
+    prompts = ["def f(x):\n", "import os\n", "class A:\n"]
+    result = train_demo_eval.engine_eval(demo, prompts, 8, 1, time.perf_counter() + 600, acceptance_prompts=2)
+    assert len(result["texts"]) == len(result["bare_texts"]) == 3
+    assert set(result["acceptance_length"]) == {1} and result["acceptance_length"][1] >= 1.0
+    assert result["greedy_equal"][1] == 1.0  # MTP drafts never change greedy output
+    assert result["sampling_defaults"]["repetition_penalty"] == 1.1  # the checkpoint's generation_config.json
