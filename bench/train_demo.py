@@ -136,7 +136,7 @@ def write_profile(profiler: torch.profiler.profile, steps: int, path: Path) -> N
     top (device-side events only: the operator rows repeat their kernels' time)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    profiler.__exit__(None, None, None)
+    profiler.stop()
     events = profiler.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     table = events.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=70)
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.profile_steps:
                 profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                               torch.profiler.ProfilerActivity.CUDA])
-                profiler.__enter__()
+                profiler.start()
         if profiler is not None and step == args.calib_steps + args.profile_steps:
             write_profile(profiler, step - args.calib_steps, out_dir / "profile.txt")
             profiler = None

@@ -79,7 +79,7 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
         args.scan_configs = None  # benchmark every config, as mamba_ssm does
     elif args.scan_configs is not None and not args.scan_configs.is_file():
         p.error(f"--scan-configs {args.scan_configs}: no such file (give one that --scan-configs-out wrote, or none)")
-    elif "--scan-configs" not in (argv or []) and cuda and args.scan_configs_out is None and SCAN_CONFIGS.is_file():
+    elif args.scan_configs is None and cuda and args.scan_configs_out is None and SCAN_CONFIGS.is_file():
         args.scan_configs = SCAN_CONFIGS  # the default; not when recording picks (pinned kernels pick nothing)
     if args.calib_steps <= 10:
         p.error("--calib-steps must exceed 10 (steps 10..calib-steps are timed)")

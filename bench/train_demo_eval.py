@@ -222,7 +222,9 @@ def evaluate_trained(report: dict, trunk, mtp, tokenizer, corpus, heldout_window
     gen_budget = max(0.0, min(60.0, deadline - time.perf_counter() - 45.0))
     samples = greedy_hf(trunk, tokenizer, list(SAMPLE_PROMPTS), 64, device, gen_budget)
     report["samples"] = {s["prompt"]: s["text"] for s in samples}
-    prompts = heldout_prompts(corpus.heldout, args.eval_prompts)
+    # heldout_prompts takes files in order, so the first N of the engine's set are the N-prompt set
+    engine_prompts = heldout_prompts(corpus.heldout, max(args.eval_prompts, args.engine_eval_prompts))
+    prompts = engine_prompts[: args.eval_prompts]
     gens = greedy_hf(trunk, tokenizer, prompts, args.gen_tokens, device,
                      max(0.0, min(40.0, deadline - time.perf_counter() - 60.0)))
     passed = [parses(g["prompt"], g["text"], g["finished"]) for g in gens]
@@ -245,17 +247,16 @@ def evaluate_trained(report: dict, trunk, mtp, tokenizer, corpus, heldout_window
     del trunk, mtp
     torch.cuda.empty_cache()
     try:
-        engine_prompts = heldout_prompts(corpus.heldout, max(args.eval_prompts, args.engine_eval_prompts))
         engine = engine_eval(out_dir, engine_prompts, args.gen_tokens, args.mtp_depths, deadline, args.eval_prompts)
     except Exception as exc:  # noqa: BLE001 - the engine numbers are extra; the report says why they are missing
         logger.warning("engine evaluation failed: %r", exc)
         report["engine"] = {"error": repr(exc)}
         return
-    prompts = engine_prompts
-    ok = [parses(p, t or "", f) for p, t, f in zip(prompts, engine.pop("texts"), engine.pop("finished"))]
+    ok = [parses(p, t or "", f) for p, t, f in zip(engine_prompts, engine.pop("texts"), engine.pop("finished"))]
     engine["parse_rate"] = sum(ok) / max(1, len(ok))
-    engine["prompts"] = len(prompts)
-    bare = [parses(p, t or "", f) for p, t, f in zip(prompts, engine.pop("bare_texts"), engine.pop("bare_finished"))]
+    engine["prompts"] = len(engine_prompts)
+    bare = [parses(p, t or "", f)
+            for p, t, f in zip(engine_prompts, engine.pop("bare_texts"), engine.pop("bare_finished"))]
     engine["parse_rate_without_defaults"] = sum(bare) / max(1, len(bare))
     report["engine"] = engine
     logger.info("engine: parse rate %.3f, acceptance %s (%.0fs)", engine["parse_rate"], engine["acceptance_length"],

@@ -80,11 +80,11 @@ def config_fields(config: Any) -> dict[str, Any]:
 
 def tuned_configs() -> dict[str, list[dict[str, Any]]]:
     """The configs the autotuner picked so far, per kernel (what --scan-configs pins in a later run)."""
-    picks = {}
+    picks: dict[str, list[dict[str, Any]]] = {}
     for name, tuner in _tuners().items():
-        fields = {json.dumps(config_fields(c), sort_keys=True) for c in tuner.cache.values()}
-        if fields:
-            picks[name] = [json.loads(f) for f in sorted(fields)]
+        for fields in map(config_fields, tuner.cache.values()):
+            if fields not in picks.setdefault(name, []):
+                picks[name].append(fields)
     return picks
 
 
@@ -98,8 +98,7 @@ def pin_configs(path: Path) -> int:
     picks = json.loads(path.read_text())
     pinned = 0
     for name, tuner in _tuners().items():
-        wanted = [json.dumps(f, sort_keys=True) for f in picks.get(name, ())]
-        keep = [c for c in tuner.configs if json.dumps(config_fields(c), sort_keys=True) in wanted]
+        keep = [c for c in tuner.configs if config_fields(c) in picks.get(name, [])]
         if keep:
             tuner.configs = keep
             pinned += 1
