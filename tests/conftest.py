@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
+import time
+from collections.abc import Iterator
 
+import pytest
 import torch
 
 # the default model is written on first use; keep test runs from touching the user's cache
@@ -18,3 +22,21 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 # anything imports triton (transformers does, through the checkpoint helpers), so it lives here
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_router_left_running() -> Iterator[None]:
+    """Every test module closes the orchestrators it makes: a cache subscriber left running reconnects to its
+    worker's port forever, and once a later test's server gets that port (ports are reused) the stray calls
+    land on it (a CI run failed that way)."""
+    before = {t.ident for t in threading.enumerate()}
+    yield
+    deadline = time.monotonic() + 10  # subscribers retired by update_workers stop on threads of their own
+    while True:
+        left = [t.name for t in threading.enumerate()
+                if t.ident not in before and t.name.startswith("cache-events-") and t.is_alive()]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if left:
+        pytest.fail(f"cache subscribers still running after the module: {left}; close() the Orchestrator / Router")

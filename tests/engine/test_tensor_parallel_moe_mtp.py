@@ -165,6 +165,7 @@ def test_disaggregated_mtp_prefill_tp1_to_decode_tp2() -> None:
     expected = _tokens(LLM(model_dir, page_size=8), prompts, params)
     decode = DecodeWorker(model_dir, dataclasses.replace(config, tensor_parallel_size=2))
     prefill = PrefillWorker(model_dir, config, transfer=TransferConfig(grpc_chunk_bytes=512))
+    orchestrator = None
     try:
         for worker in (prefill, decode):
             worker.start()
@@ -174,6 +175,8 @@ def test_disaggregated_mtp_prefill_tp1_to_decode_tp2() -> None:
         metrics = decode.loop.call(lambda: decode.engine.spec.metrics)
         assert metrics.num_draft_tokens > 0
     finally:
+        if orchestrator is not None:
+            orchestrator.close()
         prefill.stop()
         decode.stop()
         decode.engine.close()

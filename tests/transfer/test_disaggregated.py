@@ -206,18 +206,19 @@ def test_reservation_expires_and_frees_its_pages(nemotron_cluster) -> None:
 
 def test_short_prompts_prefill_on_the_decode_worker() -> None:
     model_dir, _ = nemotron_h("M*-M*")
+    from hybridserve.router.orchestrator import OrchestratorConfig
+
     decode = DecodeWorker(model_dir, CONFIG)
     decode.start()
+    # a prefill address that answers nothing: a local prefill must not touch it
+    orchestrator = Orchestrator(["127.0.0.1:9"], [decode.address], OrchestratorConfig(local_prefill_max_tokens=16))
     try:
-        from hybridserve.router.orchestrator import OrchestratorConfig
-
-        # a prefill address that answers nothing: a local prefill must not touch it
-        orchestrator = Orchestrator(["127.0.0.1:9"], [decode.address], OrchestratorConfig(local_prefill_max_tokens=16))
         prompts = random_prompts([5, 16], vocab=128, seed=47)
         got = [[t for e in orchestrator.generate(p, GREEDY) for t in e.token_ids] for p in prompts]
         assert got == _reference(model_dir, prompts)
         decode.loop.call(decode.engine.pool.check)
-    finally:
+    finally:  # closed: its cache subscribers would go on reconnecting to ports later tests reuse
+        orchestrator.close()
         decode.stop(grace=0)
 
 

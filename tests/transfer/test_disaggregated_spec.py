@@ -53,11 +53,12 @@ def test_prefill_and_decode_must_agree_on_speculation() -> None:
     decode = DecodeWorker(model_dir, spec)
     for w in (prefill, decode):
         w.start()
+    orchestrator = Orchestrator([prefill.address], [decode.address])
     try:
-        orchestrator = Orchestrator([prefill.address], [decode.address])
         with pytest.raises(Exception) as info:
             list(orchestrator.generate(random_prompts([30], vocab=128, seed=61)[0], GREEDY))
         assert "speculative_config" in str(info.value), str(info.value)
     finally:
+        orchestrator.close()
         for w in (prefill, decode):
             w.stop(grace=0)

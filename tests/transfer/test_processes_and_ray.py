@@ -35,11 +35,12 @@ def test_process_workers_equal_in_process() -> None:
     model_dir, _ = nemotron_h("M*-M*")
     options = WorkerOptions(str(model_dir), EngineConfig(prefill_chunk_size=16))
     workers = [start_worker_process("prefill", "p0", options), start_worker_process("decode", "d0", options)]
+    orchestrator = Orchestrator([workers[0].address], [workers[1].address])
     try:
-        orchestrator = Orchestrator([workers[0].address], [workers[1].address])
         prompts = random_prompts([4, 25, 41], vocab=128, seed=50)
         assert [_generate(orchestrator, p) for p in prompts] == _reference(model_dir, prompts)
     finally:
+        orchestrator.close()
         for w in workers:
             w.process.terminate()
             w.process.wait(timeout=30)
@@ -101,6 +102,7 @@ def test_killed_ray_actor_restarts_and_serves_again() -> None:
     model_dir, _ = nemotron_h("M*-M*")
     ray.init(num_cpus=4, resources={"prefill": 1, "decode": 1}, include_dashboard=False, log_to_driver=False,
              namespace=f"test-{os.getpid()}")
+    orchestrator: Orchestrator | None = None
     try:
         token = new_internal_token()  # the actors get it with their options; the orchestrator sends it
         options = ClusterOptions(router=RouterOptions(str(model_dir), internal_token=token),
@@ -132,4 +134,6 @@ def test_killed_ray_actor_restarts_and_serves_again() -> None:
         health = decode_handle.stub.Health(common_pb2.HealthRequest(), timeout=30)
         assert health.role == "decode" and health.status == "ok"
     finally:
+        if orchestrator is not None:
+            orchestrator.close()
         ray.shutdown()
