@@ -5,7 +5,9 @@
    stub over gRPC, then through the router's gRPC door and its HTTP (OpenAI) door, `--repeats` interleaved
    runs each; the added latency is the median over runs of the router path's percentile minus the direct
    path's. Also the router process's CPU time per request, and the per-token cost of streaming: the added
-   p50 of `--stream-tokens`-token requests minus that of 4-token ones, per extra token. The same runs also go
+   p50 of `--stream-tokens`-token requests minus that of 4-token ones, per extra token. The router sends local
+   requests on its session with the worker (one stream for all of them); "router_grpc_calls" is a second router
+   over a stub without sessions (a GenerateLocal call per request, as before sessions). The same runs also go
    through a bare proxy with the router's transport stack and none of its logic (`bench/router_floor.py`:
    "floor_grpc", "floor_http", with the proxy process's CPU per request): the floor no router change removes.
 2. Index accuracy: tiny real workers (2 prefill + 2 decode) on a shared-prefix workload; for each request
@@ -36,25 +38,33 @@ from pathlib import Path
 import grpc
 import httpx
 
-from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2_grpc
+from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 PROMPT = list(range(10, 74))  # 64 tokens
 MAX_TOKENS = 4
 
 
 class StubDecode(worker_pb2_grpc.DecodeWorkerServicer):
-    """Answers like a decode worker that generates instantly; caches nothing."""
+    """Answers like a decode worker that generates instantly; caches nothing. With `sessions` its Health offers
+    the Session stream (the router sends local requests there), where it sends each token in a message of its
+    own, as a worker stepping one request would: the router relays as many events either way."""
+
+    def __init__(self, sessions: bool = True) -> None:
+        self.sessions = sessions
 
     def GenerateLocal(self, request, context):  # noqa: N802
-        n = request.sampling.max_tokens or 16
-        for i in range(n):
-            yield common_pb2.TokenEvent(request_id=request.request_id, token_ids=[65 + i % 26],
-                                        finish_reason="length" if i == n - 1 else "",
-                                        num_prompt_tokens=len(request.prompt_token_ids))
+        yield from _events(request)
+
+    def Session(self, request_iterator, context):  # noqa: N802
+        for request in request_iterator:
+            if request.WhichOneof("kind") == "generate":
+                for event in _events(request.generate):
+                    yield worker_pb2.SessionEvents(events=[event])
 
     def Health(self, request, context):  # noqa: N802
         return common_pb2.HealthResponse(status="ok", role="decode", block_size=16, state_block=32,
-                                         total_state_slots=1024, free_state_slots=1024, max_model_len=4096)
+                                         total_state_slots=1024, free_state_slots=1024, max_model_len=4096,
+                                         sessions=self.sessions)
 
     def CacheEvents(self, request, context):  # noqa: N802
         yield common_pb2.CacheEventBatch(worker_id="stub", snapshot=True)
@@ -65,11 +75,19 @@ class StubDecode(worker_pb2_grpc.DecodeWorkerServicer):
         return common_pb2.AbortResponse(found=False)
 
 
-def _serve_stub(queue) -> None:
+def _events(request: worker_pb2.GenerateLocalRequest):
+    n = request.sampling.max_tokens or 16
+    for i in range(n):
+        yield common_pb2.TokenEvent(request_id=request.request_id, token_ids=[65 + i % 26],
+                                    finish_reason="length" if i == n - 1 else "",
+                                    num_prompt_tokens=len(request.prompt_token_ids))
+
+
+def _serve_stub(queue, sessions: bool = True) -> None:
     """Child process: the stub decode worker, until killed (a process of its own, like a real worker, so the
     router's CPU time is its own)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(StubDecode(), server)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(StubDecode(sessions), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     queue.put(f"127.0.0.1:{port}")
@@ -161,19 +179,29 @@ def _median_row(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int, stream_tokens: int,
-             stream_rate: float, floor: bool = True) -> tuple[list[dict], dict]:
+             stream_rate: float, floor: bool = True, calls: bool = True) -> tuple[list[dict], dict]:
     """Added latency per rate (median over `repeats` interleaved runs of each path) and the per-token cost of
-    streaming (`stream_tokens` per request at `stream_rate` vs MAX_TOKENS at the same rate)."""
+    streaming (`stream_tokens` per request at `stream_rate` vs MAX_TOKENS at the same rate). With `calls`,
+    also "router_grpc_calls": a second router over a stub that offers no sessions (a GenerateLocal call per
+    request, as before sessions)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     stub = ctx.Process(target=_serve_stub, args=(queue,), daemon=True)
     stub.start()
-    router = proxy = None
+    router = proxy = plain_stub = plain_router = None
     try:
         stub_address = queue.get(timeout=120)
         router = ctx.Process(target=_serve_router, args=(model_dir, stub_address, queue), daemon=True)
         router.start()
         grpc_address, http_address = queue.get(timeout=120)
+        if calls:
+            plain_stub = ctx.Process(target=_serve_stub, args=(queue, False), daemon=True)
+            plain_stub.start()
+            plain_stub_address = queue.get(timeout=120)
+            plain_router = ctx.Process(target=_serve_router, args=(model_dir, plain_stub_address, queue), daemon=True)
+            plain_router.start()
+            plain_grpc_address, _ = queue.get(timeout=120)
+            routed_calls = router_pb2_grpc.RouterStub(grpc.insecure_channel(plain_grpc_address))
         if floor:
             from router_floor import serve_floor
 
@@ -184,10 +212,10 @@ def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int
         direct = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(stub_address))
         routed = router_pb2_grpc.RouterStub(grpc.insecure_channel(grpc_address))
         pids = {"router_grpc": router.pid, "router_http": router.pid}
+        if plain_router is not None:
+            pids["router_grpc_calls"] = plain_router.pid
         if proxy is not None:
             pids.update(floor_grpc=proxy.pid, floor_http=proxy.pid)
-        from hybridserve.proto import worker_pb2
-
         def paths(max_tokens: int) -> dict:
             sampling = common_pb2.SamplingOptions(max_tokens=max_tokens)
             body = {"model": "bench", "prompt": PROMPT, "max_tokens": max_tokens}
@@ -204,6 +232,13 @@ def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int
                     "router_grpc": lambda rate: _open_loop(rate, duration_s, send_grpc),
                     "router_http": lambda rate: _open_loop_async(rate, duration_s, f"http://{http_address}", body),
                     "_warm": (send_direct, send_grpc)}
+            if plain_router is not None:
+                def send_calls() -> None:
+                    list(routed_calls.Generate(router_pb2.GenerateRequest(
+                        token_ids=router_pb2.TokenIds(ids=PROMPT), sampling=sampling), timeout=30))
+
+                ways.update(router_grpc_calls=lambda rate: _open_loop(rate, duration_s, send_calls),
+                            _warm=(send_direct, send_grpc, send_calls))
             if proxy is not None:
                 def send_floor() -> None:
                     list(floored.Generate(router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=PROMPT),
@@ -212,7 +247,7 @@ def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int
                 ways.update(floor_grpc=lambda rate: _open_loop(rate, duration_s, send_floor),
                             floor_http=lambda rate: _open_loop_async(rate, duration_s, f"http://{floor_http_address}",
                                                                      body),
-                            _warm=(send_direct, send_grpc, send_floor))
+                            _warm=(*ways["_warm"], send_floor))
             return ways
 
         def measure(rate: float, max_tokens: int) -> dict:
@@ -244,12 +279,13 @@ def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int
         long = measure(stream_rate, stream_tokens)
         per_token = {f"{path}_added_us_per_token": round(
             (long[f"{path}_added"]["p50_ms"] - short[f"{path}_added"]["p50_ms"]) / (stream_tokens - MAX_TOKENS) * 1e3, 1)
-            for path in ("router_grpc", "router_http", "floor_grpc", "floor_http") if f"{path}_added" in long}
+            for path in ("router_grpc", "router_grpc_calls", "router_http", "floor_grpc", "floor_http")
+            if f"{path}_added" in long}
         streaming = {"rate_rps": stream_rate, "tokens": [MAX_TOKENS, stream_tokens], "long": long, **per_token}
         print(json.dumps(per_token), flush=True)
         return rows, streaming
     finally:
-        for child in (proxy, router, stub):
+        for child in (proxy, router, stub, plain_router, plain_stub):
             if child is not None:
                 child.kill()
 
@@ -314,6 +350,8 @@ def main() -> None:
     parser.add_argument("--stream-rate", type=float, default=20.0, help="requests/s of the streaming row")
     parser.add_argument("--no-accuracy", action="store_true", help="skip the index-accuracy workload")
     parser.add_argument("--no-floor", action="store_true", help="skip the bare-proxy floor paths")
+    parser.add_argument("--no-calls", action="store_true",
+                        help="skip the router over a stub without sessions (a GenerateLocal call per request)")
     parser.add_argument("--systems", type=int, default=4, help="shared prefixes in the accuracy workload")
     parser.add_argument("--users", type=int, default=5, help="requests per shared prefix")
     parser.add_argument("--out", default=None, help="write the results JSON here")
@@ -326,7 +364,7 @@ def main() -> None:
 
     model_dir = tiny_model_dir()
     rows, streaming = overhead(str(model_dir), [float(r) for r in args.rates.split(",")], args.duration, args.repeats,
-                               args.stream_tokens, args.stream_rate, floor=not args.no_floor)
+                               args.stream_tokens, args.stream_rate, floor=not args.no_floor, calls=not args.no_calls)
     result = {
         "machine": {"platform": platform.platform(), "cpu": _cpu_model(), "python": platform.python_version(),
                     "cpus": mp.cpu_count(),

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 
+from hybridserve.decode_worker.session import WorkerSession
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.handoff import CapacityError
 from hybridserve.engine.llm_engine import LLMEngine
@@ -225,6 +226,7 @@ class DecodeWorker:
             ),
             timeout=10,
         )
+        health.sessions = True
         if self.drain_state.draining:
             health.status = DRAINING_STATUS
         return health
@@ -313,6 +315,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except CapacityError as exc:
             _abort(context, "RESOURCE_EXHAUSTED", str(exc))
         yield from _events(self.worker, request.request_id, stream, context, local=True)
+
+    def Session(self, request_iterator, context):  # noqa: N802
+        yield from WorkerSession(self.worker, context).run(request_iterator)
 
     def Abort(self, request, context):  # noqa: N802
         return common_pb2.AbortResponse(found=self.worker.abort(request.request_id))

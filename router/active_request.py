@@ -15,6 +15,7 @@ class ActiveRequest:
         self.request_id = request_id
         self.cancelled = asyncio.Event()
         self._calls: list[Any] = []
+        self.session: Any = None  # the WorkerSession the current attempt went over (aborts go there), or None
 
     def track(self, call: Any) -> Any:
         self._calls.append(call)

@@ -40,6 +40,7 @@ from hybridserve.router.metrics import RouterMetrics
 from hybridserve.router.policy import Decision, NoWorkerError, RoutingPolicy
 from hybridserve.router.prefix_index import PrefixIndex
 from hybridserve.router.stream_buffer import StreamBuffer, StreamStalled
+from hybridserve.router.worker_session import SessionStream, WorkerSession
 from hybridserve.router.workers import WorkerHandle, WorkerSet
 
 __all__ = ["Orchestrator", "OrchestratorConfig", "WorkerError"]
@@ -231,10 +232,16 @@ class Orchestrator:
         decode = d.decode.aio_stub()
         md = d.decode.metadata
         events = None
+        active.session = None
         try:
             if d.local:
                 request = worker_pb2.GenerateLocalRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
-                events = active.track(decode.GenerateLocal(request, timeout=res.stream_timeout_s, metadata=md))
+                session = d.decode.session()
+                if session is not None:  # one message on the worker's session instead of a call of its own
+                    active.session = session  # set first: an abort while the open is under way goes behind it
+                    events = active.track(await session.open(request, res.stream_timeout_s))
+                else:  # a worker without sessions (an older version)
+                    events = active.track(decode.GenerateLocal(request, timeout=res.stream_timeout_s, metadata=md))
                 return events, await self._first(d, events, d.decode, "generate_local", active)
             reserve = active.track(decode.Reserve(
                 worker_pb2.ReserveRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
@@ -259,12 +266,12 @@ class Orchestrator:
                 events.cancel()
             # awaited: a late Abort of this request id must not reach a worker after the retry's Reserve; in a
             # task of its own (shielded), so a client that goes away meanwhile does not cancel the abort
-            await asyncio.shield(self._abort_task(d, rid))
+            await asyncio.shield(self._abort_task(d, active))
             raise
         except BaseException:
             if events is not None:
                 events.cancel()
-            self._abort_later(d, rid)
+            self._abort_later(d, active)
             raise
 
     async def _call(self, worker: WorkerHandle, stage: str, active: _Active, call: Awaitable[Any]) -> Any:
@@ -306,8 +313,11 @@ class Orchestrator:
         tokens = 0  # counted once at the end: one counter update per request instead of one per event
         last = time.perf_counter()
         metrics.ttft.observe(last - start)
-        buffer = StreamBuffer(events, res.stream_buffer_events, res.stream_stall_timeout_s,
-                              lambda: self._abort_later(d, active.request_id))
+        on_stall = functools.partial(self._abort_later, d, active)
+        buffer: StreamBuffer | SessionStream = (
+            events.watch(res.stream_buffer_events, res.stream_stall_timeout_s, on_stall)
+            if isinstance(events, SessionStream)
+            else StreamBuffer(events, res.stream_buffer_events, res.stream_stall_timeout_s, on_stall))
         try:
             event = first
             while True:
@@ -345,26 +355,29 @@ class Orchestrator:
             buffer.close()
             if not finished and not buffer.stalled:  # client went away or failure: free everything on both sides
                 events.cancel()
-                self._abort_later(d, active.request_id)  # frees the seat once the abort is through
+                self._abort_later(d, active)  # frees the seat once the abort is through
             elif finished:
                 d.decode.seats.seat_freed()
 
-    def _abort_later(self, d: Decision, request_id: str) -> None:
+    def _abort_later(self, d: Decision, active: _Active) -> None:
         """Abort the request on its workers in a task of its own: it runs even when the request's task is being
         cancelled, and the caller's error goes out without waiting for it."""
-        self._abort_task(d, request_id)
+        self._abort_task(d, active)
 
-    def _abort_task(self, d: Decision, request_id: str) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(self._abort_all(d, request_id))
+    def _abort_task(self, d: Decision, active: _Active) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(self._abort_all(d, active.request_id, active.session))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
         return task
 
-    async def _abort_all(self, d: Decision, request_id: str) -> None:
+    async def _abort_all(self, d: Decision, request_id: str, session: WorkerSession | None) -> None:
         timeout = self.config.resilience.control_timeout_s
-        calls = [worker.aio_stub().Abort(common_pb2.AbortRequest(request_id=request_id), timeout=timeout,
-                                         metadata=worker.metadata)
-                 for worker in (d.decode, d.prefill) if worker is not None]
+        calls: list[Awaitable[Any]] = [
+            worker.aio_stub().Abort(common_pb2.AbortRequest(request_id=request_id), timeout=timeout,
+                                    metadata=worker.metadata)
+            for worker in (d.decode, d.prefill) if worker is not None and not (worker is d.decode and session)]
+        if session is not None:  # on the session, behind the request's generate (a call could overtake it)
+            calls.append(session.abort(request_id))
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, BaseException) and not isinstance(result, grpc.RpcError):
                 logger.warning("aborting request %s on its workers failed: %r", request_id, result)

@@ -23,6 +23,7 @@ from hybridserve.router.circuit_breaker import CircuitBreaker
 from hybridserve.router.config import ResilienceConfig
 from hybridserve.router.prefix_index import PrefixIndex
 from hybridserve.router.seat_queue import SeatQueue
+from hybridserve.router.worker_session import WorkerSession
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class WorkerHandle:
     seats: SeatQueue = field(default_factory=SeatQueue, repr=False)  # requests waiting for a seat (decode role)
     _aio_stub: Any = field(default=None, repr=False)
     _aio_channel: grpc.aio.Channel | None = field(default=None, repr=False)
+    _session: WorkerSession | None = field(default=None, repr=False)
 
     def aio_stub(self) -> Any:
         """The role's stub on a grpc.aio channel; made on first use, which must be on the router's loop."""
@@ -71,8 +73,20 @@ class WorkerHandle:
             self._aio_stub = cls(self._aio_channel)
         return self._aio_stub
 
+    def session(self) -> WorkerSession | None:
+        """The decode worker's request session (`router/worker_session.py`) if its Health says it serves
+        sessions (None: GenerateLocal calls); made on first use, on the loop."""
+        if self.health is None or not self.health.sessions:
+            return None
+        if self._session is None:
+            self._session = WorkerSession(self.address, self.aio_stub(), self.metadata)
+        return self._session
+
     async def close_aio(self) -> None:
-        """Close the aio channel (on the router's loop), if one was made."""
+        """Close the session and the aio channel (on the router's loop), if they were made."""
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
         channel, self._aio_channel, self._aio_stub = self._aio_channel, None, None
         if channel is not None:
             await channel.close()

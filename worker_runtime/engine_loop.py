@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
@@ -26,13 +26,20 @@ T = TypeVar("T")
 _IDLE_WAIT_S = 0.05
 
 
+class OutputSink(Protocol):
+    """Where the loop puts a request's outputs (and the error that ends it): a queue.Queue, or a session's
+    tagged view of its shared queue."""
+
+    def put(self, item: RequestOutput | BaseException) -> None: ...
+
+
 class EngineLoop:
     """`step()`s the engine while it has work; runs submitted calls between steps."""
 
     def __init__(self, engine: LLMEngine, name: str = "engine-loop") -> None:
         self.engine = engine
         self._calls: queue.Queue[tuple[Callable[[], Any], Future | None]] = queue.Queue()  # None: posted
-        self._streams: dict[str, queue.Queue[RequestOutput | BaseException]] = {}
+        self._streams: dict[str, OutputSink] = {}
         self._stop = threading.Event()
         self.stats = LoopStats(name)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -59,9 +66,15 @@ class EngineLoop:
         to the loop, so a new request waits for one step boundary, not two; a failing `add` closes the stream
         again and raises here."""
         stream: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        self.submit_to(request_id, add, stream)
+        return stream
+
+    def submit_to(self, request_id: str, add: Callable[[], Any], sink: OutputSink) -> None:
+        """`submit` into a given sink (a worker session's tagged view of its shared queue: the loop hands every
+        output straight to the one thread that sends them all)."""
 
         def open_and_add() -> None:
-            self._streams[request_id] = stream
+            self._streams[request_id] = sink
             try:
                 add()
             except BaseException:
@@ -69,7 +82,21 @@ class EngineLoop:
                 raise
 
         self.call(open_and_add)
-        return stream
+
+    def submit_later(self, request_id: str, add: Callable[[], Any], sink: OutputSink,
+                     refused: Callable[[BaseException], None]) -> None:
+        """`submit_to` without waiting for the loop: the caller goes on at once (a session reader admitting
+        many requests must not wait a step boundary for each); a failing `add` goes to `refused`, on the loop."""
+
+        def open_and_add() -> None:
+            self._streams[request_id] = sink
+            try:
+                add()
+            except Exception as exc:
+                self._streams.pop(request_id, None)
+                refused(exc)
+
+        self.post(open_and_add)
 
     def fail(self, request_id: str, error: BaseException) -> bool:
         """Abort a request and end its stream with `error` (its consumer raises it); False if unknown."""
@@ -122,6 +149,10 @@ class EngineLoop:
             self.close_stream(request_id)
             if not finished:
                 self.post(lambda: self.engine.abort(request_id))
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
 
     def stop(self) -> None:
         self._stop.set()

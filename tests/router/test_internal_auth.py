@@ -34,6 +34,8 @@ def _requests(prompt: list[int]) -> dict[str, object]:
         "GenerateLocalRequest": worker_pb2.GenerateLocalRequest(request_id=rid, prompt_token_ids=prompt,
                                                                 sampling=sampling),
         "AbortRequest": common_pb2.AbortRequest(request_id=rid),
+        "SessionRequest": worker_pb2.SessionRequest(generate=worker_pb2.GenerateLocalRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling)),
     }
 
 
@@ -73,7 +75,7 @@ def test_every_worker_method_refuses_a_missing_or_wrong_token_and_changes_nothin
                     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, (service.name, method.name)
                     checked.append(f"{service.name}.{method.name}")
             channel.close()
-    assert len(set(checked)) == 13  # 9 decode + 4 prefill methods
+    assert len(set(checked)) == 14  # 10 decode + 4 prefill methods
     assert not decode._reservations  # no Reserve went through
     assert secured.idle()
     secured.check_pools()

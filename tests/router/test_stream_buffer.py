@@ -75,6 +75,7 @@ def test_a_client_that_stops_reading_is_aborted(routed) -> None:
         assert time.monotonic() < deadline, "the worker was not aborted"
         time.sleep(0.02)
     assert orchestrator.num_in_flight() == 0
+    assert orchestrator.workers.all()[0].session() is None  # Health does not offer sessions: GenerateLocal calls
 
 
 def test_a_slow_reader_within_the_timeout_gets_everything(routed) -> None:

@@ -165,6 +165,32 @@ class GenerateLocalRequest(_message.Message):
     sampling: _common_pb2.SamplingOptions
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ...) -> None: ...
 
+class SessionRequest(_message.Message):
+    __slots__ = ("generate", "abort")
+    GENERATE_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    generate: GenerateLocalRequest
+    abort: _common_pb2.AbortRequest
+    def __init__(self, generate: _Optional[_Union[GenerateLocalRequest, _Mapping]] = ..., abort: _Optional[_Union[_common_pb2.AbortRequest, _Mapping]] = ...) -> None: ...
+
+class RequestRefused(_message.Message):
+    __slots__ = ("request_id", "code", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SessionEvents(_message.Message):
+    __slots__ = ("events", "refused")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenEvent]
+    refused: _containers.RepeatedCompositeFieldContainer[RequestRefused]
+    def __init__(self, events: _Optional[_Iterable[_Union[_common_pb2.TokenEvent, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[RequestRefused, _Mapping]]] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "ticket")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -65,6 +65,11 @@ class DecodeWorkerStub:
                 request_serializer=hybridserve_dot_v1_dot_worker__pb2.GenerateLocalRequest.SerializeToString,
                 response_deserializer=hybridserve_dot_v1_dot_common__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/hybridserve.v1.DecodeWorker/Session',
+                request_serializer=hybridserve_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
+                response_deserializer=hybridserve_dot_v1_dot_worker__pb2.SessionEvents.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/hybridserve.v1.DecodeWorker/Abort',
                 request_serializer=hybridserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
@@ -121,6 +126,12 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -171,6 +182,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GenerateLocal,
                     request_deserializer=hybridserve_dot_v1_dot_worker__pb2.GenerateLocalRequest.FromString,
                     response_serializer=hybridserve_dot_v1_dot_common__pb2.TokenEvent.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=hybridserve_dot_v1_dot_worker__pb2.SessionRequest.FromString,
+                    response_serializer=hybridserve_dot_v1_dot_worker__pb2.SessionEvents.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -350,6 +366,33 @@ class DecodeWorker:
             '/hybridserve.v1.DecodeWorker/GenerateLocal',
             hybridserve_dot_v1_dot_worker__pb2.GenerateLocalRequest.SerializeToString,
             hybridserve_dot_v1_dot_common__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/hybridserve.v1.DecodeWorker/Session',
+            hybridserve_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
+            hybridserve_dot_v1_dot_worker__pb2.SessionEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,233 @@
+"""The decode worker's side of a router session: many local requests over one bidirectional gRPC stream.
+
+A router opens one `Session` per decode worker and sends each local request as one message on it instead of a
+GenerateLocal call of its own. Call set-up and teardown are most of what a relayed request costs in Python gRPC
+(bench/results/cpu/router_relay_variants.json); on the session a request is one message in, and its tokens leave
+in messages shared with every other request of the router (one per engine step at most, not one per request).
+
+Threads: a reader takes requests off the stream and admits them with calls posted to the engine loop (it never
+waits for a step boundary, so requests that arrive together start together); the loop puts every output,
+tagged with its request id, on one queue; the gRPC handler thread drains that queue and sends what it found
+as one `SessionEvents`. The session owns its requests: when the router goes away, the ones still running are
+aborted, as a cancelled GenerateLocal call aborts its one.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+
+from hybridserve.engine.handoff import CapacityError
+from hybridserve.engine.outputs import RequestOutput
+from hybridserve.proto import common_pb2, worker_pb2
+from hybridserve.proto.convert import sampling_from_proto, token_event
+
+if TYPE_CHECKING:
+    from hybridserve.decode_worker.worker import DecodeWorker
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 1.0  # how often an idle session checks that its router and engine loop are still there
+_MAX_BATCH = 4096  # items taken off the shared queue for one message
+
+
+@dataclass(frozen=True)
+class _Refused:
+    code: grpc.StatusCode
+    message: str
+    opened: bool  # counted as open (and in flight for the drain) before it was refused
+
+
+class _Closed:
+    """The router's side of the stream ended (put by the reader)."""
+
+
+_CLOSED = _Closed()
+_Item = RequestOutput | BaseException | _Refused | _Closed
+
+
+class _Tagged:
+    """One request's view of the session queue: what the engine loop puts comes out tagged with its id."""
+
+    __slots__ = ("_outbound", "_request_id")
+
+    def __init__(self, request_id: str, outbound: queue.SimpleQueue[tuple[str, _Item]]) -> None:
+        self._request_id, self._outbound = request_id, outbound
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._outbound.put((self._request_id, item))
+
+
+class WorkerSession:
+    """One router's session with a decode worker; `run()` is the gRPC handler's response iterator."""
+
+    def __init__(self, worker: DecodeWorker, context: grpc.ServicerContext) -> None:
+        self._worker = worker
+        self._context = context
+        self._outbound: queue.SimpleQueue[tuple[str, _Item]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._open: dict[str, int] = {}  # request id -> tokens sent so far (admitted, not yet finished)
+        self._gone = False  # the RPC ended
+
+    # ---- the reader thread -----------------------------------------------------------------------
+    def _read(self, requests: Iterator[worker_pb2.SessionRequest]) -> None:
+        try:
+            for request in requests:
+                kind = request.WhichOneof("kind")
+                if kind == "generate":
+                    self._admit(request.generate)
+                elif kind == "abort":
+                    self._abort(request.abort.request_id)
+        except grpc.RpcError:  # the router went away: run() sees the context end
+            pass
+        except Exception:  # never leave run() waiting on a dead reader
+            logger.exception("session reader failed")
+        finally:
+            self._outbound.put(("", _CLOSED))
+
+    def _admit(self, request: worker_pb2.GenerateLocalRequest) -> None:
+        rid = request.request_id
+        worker = self._worker
+        if worker.drain_state.draining:
+            self._refuse(rid, grpc.StatusCode.UNAVAILABLE, "worker is draining (shutting down): retry on another worker")
+            return
+        with self._lock:
+            if rid in self._open:
+                self._refuse(rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running on this session")
+                return
+            self._open[rid] = 0
+        worker.drain_state.begin(rid)
+        try:
+            params = sampling_from_proto(request.sampling)
+        except ValueError as exc:
+            self._refuse(rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc), opened=True)
+            return
+        prompt = list(request.prompt_token_ids)
+
+        def add() -> None:
+            worker.engine.add_request(prompt, params, rid, bounded=True)
+
+        def refused(exc: BaseException) -> None:
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, CapacityError) else (
+                grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, ValueError) else grpc.StatusCode.INTERNAL)
+            self._refuse(rid, code, str(exc), opened=True)
+
+        worker.loop.submit_later(rid, add, _Tagged(rid, self._outbound), refused)
+
+    def _abort(self, request_id: str) -> None:
+        """Forget the request here at once (what it still outputs goes nowhere) and abort it on the loop, behind
+        its admission (posted calls run in order)."""
+        if self._forget(request_id):
+            engine = self._worker.engine
+            self._worker.loop.post(lambda: engine.abort(request_id))
+
+    def _refuse(self, request_id: str, code: grpc.StatusCode, message: str, opened: bool = False) -> None:
+        self._outbound.put((request_id, _Refused(code, message, opened)))
+
+    # ---- the sender (the gRPC handler thread) ----------------------------------------------------------
+    def run(self, requests: Iterator[worker_pb2.SessionRequest]) -> Iterator[worker_pb2.SessionEvents]:
+        # the RPC's end (router gone, server stopping) aborts what is open even if grpc never resumes run()
+        self._context.add_callback(self._terminated)
+        threading.Thread(target=self._read, args=(requests,), name="session-reader", daemon=True).start()
+        closed = False
+        try:
+            while not (closed and not self._open):
+                try:
+                    first = self._outbound.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if self._gone or not self._context.is_active():
+                        return
+                    if self._worker.loop.stopped:
+                        self._fail_open("the engine loop stopped before the request finished")
+                    continue
+                batch = [first]
+                while len(batch) < _MAX_BATCH:
+                    try:
+                        batch.append(self._outbound.get_nowait())
+                    except queue.Empty:
+                        break
+                message, closed_now = self._message(batch)
+                closed = closed or closed_now
+                if self._gone:
+                    return
+                if message.events or message.refused:
+                    yield message
+        finally:
+            self._end_open()
+
+    def _message(self, batch: list[tuple[str, _Item]]) -> tuple[worker_pb2.SessionEvents, bool]:
+        """One SessionEvents from queued items: one event per request (its newest output: each holds every
+        token so far), a finished output or an error ends the request."""
+        message = worker_pb2.SessionEvents()
+        closed = False
+        latest: dict[str, RequestOutput] = {}  # unfinished outputs, sent after the loop
+        for rid, item in batch:
+            if isinstance(item, _Closed):
+                closed = True
+            elif isinstance(item, _Refused):
+                if item.opened:
+                    self._forget(rid)
+                message.refused.add(request_id=rid, code=item.code.value[0], message=item.message)
+            elif isinstance(item, RequestOutput) and not item.finished:
+                latest[rid] = item
+            else:  # a finished output or an error: the request's last event
+                pending = latest.pop(rid, None)
+                if pending is not None and isinstance(item, BaseException):
+                    self._send(message, rid, pending)  # the tokens before the error still go out
+                self._send(message, rid, item)
+        for rid, output in latest.items():
+            self._send(message, rid, output)
+        return message, closed
+
+    def _send(self, message: worker_pb2.SessionEvents, rid: str, item: RequestOutput | BaseException) -> None:
+        """Add the request's event for `item` unless the request is no longer open (refused, aborted, ended)."""
+        with self._lock:
+            sent = self._open.get(rid)
+        if sent is None:
+            return
+        if isinstance(item, BaseException):
+            message.events.append(common_pb2.TokenEvent(request_id=rid, finish_reason="error", error=str(item)))
+            self._forget(rid)
+            return
+        message.events.append(token_event(item, sent))
+        if item.finished:
+            self._worker.metrics.observe_finished(len(item.prompt_token_ids), len(item.token_ids),
+                                                  item.finish_reason or "")
+            self._forget(rid)
+        else:
+            with self._lock:
+                if rid in self._open:
+                    self._open[rid] = max(sent, len(item.token_ids))
+
+    def _forget(self, request_id: str) -> bool:
+        """Close an open request's stream and drain count; False if it was not open."""
+        with self._lock:
+            if self._open.pop(request_id, None) is None:
+                return False
+        self._worker.loop.close_stream(request_id)
+        self._worker.drain_state.end(request_id)
+        return True
+
+    def _fail_open(self, reason: str) -> None:
+        with self._lock:
+            open_ids = list(self._open)
+        for rid in open_ids:
+            self._outbound.put((rid, RuntimeError(reason)))
+
+    def _terminated(self) -> None:
+        self._gone = True
+        self._end_open()
+        self._outbound.put(("", _CLOSED))  # wake run() if it waits
+
+    def _end_open(self) -> None:
+        """The session ended (router gone, worker stopping): abort what it still runs."""
+        with self._lock:
+            open_ids = list(self._open)
+        for rid in open_ids:
+            self._abort(rid)

@@ -1,0 +1,183 @@
+"""Local requests over the router's session with a decode worker (one bidirectional stream for all of them):
+tokens equal the offline engine's under concurrency; aborts, cuts of the session, stalled readers and deadlines
+free everything on the worker; refusals keep their gRPC status; the worker's side batches and refuses by
+request id when driven directly."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+from checkpoints import nemotron_h, random_prompts
+from router_cluster import GREEDY, Cluster
+
+from hybridserve.decode_worker.worker import DecodeWorker
+from hybridserve.engine.config import EngineConfig
+from hybridserve.engine.llm import LLM
+from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
+from hybridserve.proto.channels import insecure_channel
+from hybridserve.proto.convert import sampling_to_proto
+from hybridserve.router.config import OrchestratorConfig, ResilienceConfig
+from hybridserve.router.orchestrator import WorkerError
+
+LONG = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def local(model_dir):
+    c = Cluster(model_dir, num_prefill=0, num_decode=1, router=False)
+    c.wait_ready()  # the worker's Health (which offers sessions) is in
+    yield c
+    c.stop()
+
+
+def _quiet(cluster: Cluster) -> None:
+    """Nothing runs or is counted in flight on the worker; its pool's invariants hold."""
+    assert cluster.idle()
+    deadline = time.monotonic() + 10
+    while cluster.decode[0].drain_state.in_flight() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert cluster.decode[0].drain_state.in_flight() == []
+    cluster.check_pools()
+
+
+def test_concurrent_requests_share_one_session_and_equal_the_offline_engine(local, model_dir) -> None:
+    prompts = random_prompts([3, 9, 17, 31, 40, 5], vocab=300, seed=71)
+    with futures.ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(local.generate, prompts))
+    expected = [o.token_ids for o in LLM(model_dir, max_model_len=256).generate(prompt_token_ids=prompts,
+                                                                                 sampling_params=GREEDY)]
+    assert got == expected
+    session = local.orchestrator.workers.all()[0]._session
+    assert session is not None and not session._streams  # the requests went over it and are done
+    _quiet(local)
+
+
+def test_an_aborted_request_stops_on_the_worker(local) -> None:
+    events = local.orchestrator.generate([5, 6, 7], LONG, request_id="long")
+    next(events)
+    assert local.orchestrator.abort("long")
+    with pytest.raises(WorkerError) as info:
+        list(events)
+    assert info.value.code == grpc.StatusCode.CANCELLED
+    _quiet(local)
+    assert len(local.generate([5, 6, 7])) == GREEDY.max_tokens  # the session serves on
+
+
+def test_refusals_keep_their_status(local) -> None:
+    with pytest.raises(WorkerError) as info:
+        local.generate(list(range(10, 10 + 300)))  # past max_model_len (256)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in str(info.value)
+    _quiet(local)
+    assert len(local.generate([8, 9])) == GREEDY.max_tokens
+
+
+def test_a_session_cut_by_the_router_aborts_its_requests_and_the_next_request_opens_another(local) -> None:
+    events = local.orchestrator.generate([11, 12, 13], LONG)
+    next(events)  # running over the session
+    handle = local.orchestrator.workers.all()[0]
+    first = handle._session._call
+    local.orchestrator.loop.run(handle._session.close())
+    with pytest.raises(WorkerError) as info:
+        list(events)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE  # after its first token: not retried elsewhere
+    _quiet(local)  # the worker aborted what the cut session ran
+    assert len(local.generate([14, 15])) == GREEDY.max_tokens
+    assert handle._session._call is not first
+
+
+def test_a_stalled_client_and_a_deadline_are_aborted_over_the_session(model_dir) -> None:
+    for resilience, code in ((ResilienceConfig(stream_buffer_events=2, stream_stall_timeout_s=0.3),
+                              grpc.StatusCode.RESOURCE_EXHAUSTED),
+                             (ResilienceConfig(stream_timeout_s=0.5), grpc.StatusCode.DEADLINE_EXCEEDED)):
+        cluster = Cluster(model_dir, num_prefill=0, num_decode=1, router=False,
+                          config=OrchestratorConfig(resilience=resilience))
+        cluster.wait_ready()
+        try:
+            events = cluster.orchestrator.generate([20, 21, 22], LONG)
+            next(events)
+            time.sleep(1.5)  # not reading: the stall timeout or the deadline passes meanwhile
+            with pytest.raises(WorkerError) as info:
+                list(events)
+            assert info.value.code == code, info.value
+            _quiet(cluster)
+        finally:
+            cluster.stop()
+
+
+def _drive(stub, first: list[worker_pb2.SessionRequest], then: list[worker_pb2.SessionRequest], finished: set[str],
+           num_refused: int, timeout: float = 60):
+    """Drive a worker's Session directly: send `first`, then `then` once a token came back; read until every id
+    in `finished` finished and `num_refused` refusals came. Returns (tokens by id, [(id, code, message)])."""
+    started, done = threading.Event(), threading.Event()
+
+    def requests():
+        yield from first
+        started.wait(timeout)
+        yield from then
+        done.wait(timeout)  # the session stays open until the reads are over
+
+    tokens: dict[str, list[int]] = {}
+    ended: set[str] = set()
+    refused: list[tuple[str, grpc.StatusCode, str]] = []
+    call = stub.Session(requests(), timeout=timeout)
+    try:
+        for batch in call:
+            for r in batch.refused:
+                refused.append((r.request_id, next(c for c in grpc.StatusCode if c.value[0] == r.code), r.message))
+            for e in batch.events:
+                assert e.finish_reason != "error", e.error
+                tokens.setdefault(e.request_id, []).extend(e.token_ids)
+                started.set()
+                if e.finish_reason:
+                    ended.add(e.request_id)
+            if finished <= ended and len(refused) >= num_refused:
+                break
+    finally:
+        done.set()
+        call.cancel()
+    return tokens, refused
+
+
+def test_the_worker_side_refuses_by_id_keeps_the_calls_tokens_and_cleans_up() -> None:
+    model_dir, _ = nemotron_h("M*")
+    worker = DecodeWorker(model_dir, EngineConfig(max_num_seqs=1, max_num_waiting=1, max_model_len=256),
+                          metrics_port=None)
+    step = worker.engine.step
+    worker.engine.step = lambda: (time.sleep(0.02), step())[1]  # type: ignore[method-assign]
+    stub = worker_pb2_grpc.DecodeWorkerStub(insecure_channel(worker.start()))
+
+    def generate(rid: str, prompt: list[int], params: SamplingParams) -> worker_pb2.SessionRequest:
+        return worker_pb2.SessionRequest(generate=worker_pb2.GenerateLocalRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling_to_proto(params)))
+
+    short = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    try:
+        # a runs (the one slot); then a prompt past max_model_len is refused, b waits (the one waiting place: a
+        # holds the slot for 12 slowed steps), full is refused, so is a duplicate of a running id
+        then = [generate("big", list(range(300)), short), generate("b", [6, 7], short), generate("full", [9], short),
+                generate("a", [1], short)]
+        tokens, refused = _drive(stub, [generate("a", [5, 6, 7], short)], then, {"a", "b"}, 3)
+        assert {(rid, code) for rid, code, _ in refused} == {
+            ("full", grpc.StatusCode.RESOURCE_EXHAUSTED), ("a", grpc.StatusCode.ALREADY_EXISTS),
+            ("big", grpc.StatusCode.INVALID_ARGUMENT)}
+        assert "max_num_waiting" in next(m for rid, _, m in refused if rid == "full")
+        for rid, prompt in (("a", [5, 6, 7]), ("b", [6, 7])):
+            call = stub.GenerateLocal(worker_pb2.GenerateLocalRequest(
+                request_id=rid + "-call", prompt_token_ids=prompt, sampling=sampling_to_proto(short)))
+            assert tokens[rid] == [t for e in call for t in e.token_ids]  # the session's tokens are the call's
+        # an abort on the session ends a long request; the session's end aborts what it still runs
+        _drive(stub, [generate("x", [3, 4], LONG), generate("y", [3, 5], LONG)],
+               [worker_pb2.SessionRequest(abort=common_pb2.AbortRequest(request_id="x"))], set(), 0)
+        deadline = time.monotonic() + 10
+        while (worker.loop.call(worker.engine.has_unfinished) or worker.drain_state.in_flight()) \
+                and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not worker.loop.call(worker.engine.has_unfinished) and worker.drain_state.in_flight() == []
+        worker.loop.call(worker.engine.pool.check)
+    finally:
+        worker.stop(grace=0)
