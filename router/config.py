@@ -106,6 +106,9 @@ class OrchestratorConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     local_prefill_max_tokens: int | None = None
+    # local requests go on one Session stream per decode worker that offers it (router/worker_session.py);
+    # False: a GenerateLocal call each (the path before sessions; a switch for comparing and for operators)
+    worker_sessions: bool = True
 
     def __post_init__(self) -> None:
         if self.local_prefill_max_tokens is not None:

@@ -236,7 +236,7 @@ class Orchestrator:
         try:
             if d.local:
                 request = worker_pb2.GenerateLocalRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
-                session = d.decode.session()
+                session = d.decode.session() if self.config.worker_sessions else None
                 if session is not None:  # one message on the worker's session instead of a call of its own
                     active.session = session  # set first: an abort while the open is under way goes behind it
                     events = active.track(await session.open(request, res.stream_timeout_s))

@@ -181,3 +181,19 @@ def test_the_worker_side_refuses_by_id_keeps_the_calls_tokens_and_cleans_up() ->
         worker.loop.call(worker.engine.pool.check)
     finally:
         worker.stop(grace=0)
+
+
+def test_worker_sessions_off_sends_calls(model_dir) -> None:
+    from hybridserve.cli import _cluster_options, build_parser
+
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--no-worker-sessions", "--no-ray"])
+    config = _cluster_options(args)["router"].orchestrator
+    assert config.worker_sessions is False
+    assert _cluster_options(build_parser().parse_args(["serve", "--no-ray"]))["router"].orchestrator.worker_sessions
+    cluster = Cluster(model_dir, num_prefill=0, num_decode=1, router=False, config=config)
+    cluster.wait_ready()
+    try:
+        assert len(cluster.generate([30, 31])) == GREEDY.max_tokens
+        assert cluster.orchestrator.workers.all()[0]._session is None  # a GenerateLocal call, no session made
+    finally:
+        cluster.stop()
