@@ -135,7 +135,7 @@ class SessionStream:
         self._items.append(item)
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
-        elif self._max_events and self._stall_timer is None and len(self._items) > self._max_events:
+        elif self._max_events and not self.done and self._stall_timer is None and len(self._items) > self._max_events:
             self._stall_timer = asyncio.get_running_loop().call_later(self._stall_s, self._stall)
 
     def _event(self, event: common_pb2.TokenEvent) -> None:

@@ -5,6 +5,7 @@ request id when driven directly."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent import futures
@@ -197,3 +198,38 @@ def test_worker_sessions_off_sends_calls(model_dir) -> None:
         assert cluster.orchestrator.workers.all()[0]._session is None  # a GenerateLocal call, no session made
     finally:
         cluster.stop()
+
+
+def test_the_session_stream_forgives_a_slow_reader_and_stops_a_stalled_one() -> None:
+    """The read-ahead bound of a session stream, on its own (no gRPC): a reader that catches up within the stall
+    timeout gets every event; one that does not gets StreamStalled and the request's abort runs; a deadline
+    ends a stream with DEADLINE_EXCEEDED."""
+    from hybridserve.router.stream_buffer import StreamStalled
+    from hybridserve.router.worker_session import SessionError, SessionStream, WorkerSession
+
+    def events(stream: SessionStream, n: int) -> None:
+        for i in range(n):
+            stream._event(common_pb2.TokenEvent(request_id=stream.request_id, token_ids=[i]))
+
+    async def run() -> None:
+        session = WorkerSession("w", stub=None, metadata=None)
+        stalls: list[str] = []
+        slow = SessionStream(session, "slow", 60).watch(2, 0.2, lambda: stalls.append("slow"))
+        events(slow, 5)
+        await asyncio.sleep(0.1)  # within the stall timeout
+        assert [(await slow.get()).token_ids[0] for _ in range(5)] == [0, 1, 2, 3, 4]
+        await asyncio.sleep(0.3)  # caught up: the stall timer is off
+        assert not stalls and not slow.stalled
+        stuck = SessionStream(session, "stuck", 60).watch(2, 0.2, lambda: stalls.append("stuck"))
+        events(stuck, 5)
+        await asyncio.sleep(0.4)
+        assert stalls == ["stuck"] and stuck.stalled
+        with pytest.raises(StreamStalled):
+            await stuck.get()
+        late = SessionStream(session, "late", 0.1)
+        await asyncio.sleep(0.2)
+        with pytest.raises(SessionError) as info:
+            await late.read()
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    asyncio.run(run())
