@@ -6,8 +6,10 @@
 #
 #   bash bench/serve_ab_cpu.sh OUT      # ROUNDS=4 A_FLAGS="" B_FLAGS="--no-worker-sessions"
 #
-# OUT/ab_summary.json: TTFT / TPOT / ITL p50 per run and their medians per setting, and the decode worker's
-# and the router's CPU seconds per run (from /proc); OUT/<setting>-r<round>-*.json the serve.py results.
+# OUT/ab_summary.json: TTFT / TPOT / ITL p50, output tokens/s, the engine's mean step and gap between steps
+# (its own metrics: the offline-engine line the served TPOT is compared with), and the decode worker's and the
+# router's CPU seconds per run (from /proc), with medians per setting; OUT/<setting>-r<round>-*.json the
+# serve.py results.
 set -euo pipefail
 OUT=$(realpath -m "${1:-bench/results/cpu/serve_ab}")
 mkdir -p "$OUT"
@@ -64,6 +66,9 @@ run() {  # setting name, round, flags
 }
 
 rm -f "$OUT/cpu.jsonl" "$OUT"/warm-*.json
+# the offline engine on one batch of the served size: its decode step is the line the served TPOT is held to
+python3 bench/one_batch.py --model "$MODEL" --batch "${CONCURRENCY:-32}" --input-len "${INPUT_LEN:-32}" \
+  --output-len "${OUTPUT_LEN:-64}" --max-num-seqs 32 --max-model-len 256 --repeats 3 --json "$OUT/offline.json" > /dev/null
 for round in $(seq 1 "$ROUNDS"); do
   if [ $((round % 2)) = 1 ]; then run A "$round" "$A_FLAGS"; run B "$round" "$B_FLAGS"
   else run B "$round" "$B_FLAGS"; run A "$round" "$A_FLAGS"; fi
@@ -82,11 +87,17 @@ for path in sorted(out.glob("[AB]-r*-rate*.json")):
     rows.append({"setting": setting, "round": rnd, "completed": m["completed"], "failed": m["failed"],
                  "output_tok_s": round(m.get("output_throughput", 0.0), 1),
                  **{f"{k}_p50": round(m[f"{k}_ms"]["p50"], 3) for k in ("ttft", "tpot", "itl")},
+                 "step_ms": m.get("engine_step_ms_mean"), "gap_ms": m.get("engine_gap_ms_mean"),
+                 "outputs_per_step": m.get("engine_outputs_per_step"),
                  **{k: cpu.get((setting, rnd), {}).get(k) for k in ("worker_cpu_s", "router_cpu_s")}})
-keys = ("ttft_p50", "tpot_p50", "itl_p50", "output_tok_s", "worker_cpu_s", "router_cpu_s")
+keys = ("ttft_p50", "tpot_p50", "itl_p50", "output_tok_s", "step_ms", "gap_ms", "outputs_per_step", "worker_cpu_s",
+        "router_cpu_s")
 summary = {s: {k: statistics.median(r[k] for r in rows if r["setting"] == s) for k in keys
                if all(r[k] is not None for r in rows if r["setting"] == s)} for s in ("A", "B")}
-result = {"A_flags": sys.argv[2], "B_flags": sys.argv[3], "median": summary, "runs": rows}
+offline = json.loads((out / "offline.json").read_text())
+result = {"A_flags": sys.argv[2], "B_flags": sys.argv[3], "median": summary,
+          "offline_decode_step_ms_p50": round(offline["decode_step_ms_p50"], 3), "offline_batch": offline["batch"],
+          "runs": rows}
 (out / "ab_summary.json").write_text(json.dumps(result, indent=1))
-print(json.dumps(summary, indent=1))
+print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
 PY
