@@ -5,6 +5,7 @@
 # random NemotronH checkpoint (steps of ~ms, so per-token transport costs show), many short streams at once.
 #
 #   bash bench/serve_ab_cpu.sh OUT      # ROUNDS=4 A_FLAGS="" B_FLAGS="--no-worker-sessions"
+#   PREFILL_WORKERS=1 bash bench/serve_ab_cpu.sh OUT   # disaggregated: 1 prefill + 1 decode worker
 #
 # OUT/ab_summary.json: TTFT / TPOT / ITL p50, output tokens/s, the engine's mean step and gap between steps
 # (its own metrics: the offline-engine line the served TPOT is compared with), and the decode worker's and the
@@ -25,7 +26,7 @@ from router_cluster import tiny_model_dir
 print(tiny_model_dir())
 PY
 )
-COMMON=(--no-ray --model "$MODEL" --prefill-workers 0 --decode-workers 1 --max-num-seqs 32 --max-model-len 256
+COMMON=(--no-ray --model "$MODEL" --prefill-workers ${PREFILL_WORKERS:-0} --decode-workers 1 --max-num-seqs 32 --max-model-len 256
         --port 8000 --grpc-port 50051 --insecure-internal)
 
 cpu_of() {  # user+system seconds of every process whose command line has $1 (children of the server)

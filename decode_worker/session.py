@@ -27,6 +27,7 @@ from hybridserve.engine.handoff import CapacityError
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.proto import common_pb2, worker_pb2
 from hybridserve.proto.convert import sampling_from_proto, token_event
+from hybridserve.worker_runtime.engine_loop import OutputSink
 
 if TYPE_CHECKING:
     from hybridserve.decode_worker.worker import DecodeWorker
@@ -73,6 +74,8 @@ class WorkerSession:
         self._outbound: queue.SimpleQueue[tuple[str, _Item]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._open: dict[str, int] = {}  # request id -> tokens sent so far (admitted, not yet finished)
+        self._remote: set[str] = set()  # open ids whose prompt was prefilled elsewhere (reservations)
+        self._sinks: dict[str, OutputSink] = {}  # open id -> the stream the engine loop feeds for it
         self._gone = False  # the RPC ended
 
     # ---- the reader thread -----------------------------------------------------------------------
@@ -82,6 +85,8 @@ class WorkerSession:
                 kind = request.WhichOneof("kind")
                 if kind == "generate":
                     self._admit(request.generate)
+                elif kind == "stream_tokens":
+                    self._follow(request.stream_tokens)
                 elif kind == "abort":
                     self._abort(request.abort.request_id)
         except grpc.RpcError:  # the router went away: run() sees the context end
@@ -102,6 +107,7 @@ class WorkerSession:
                 self._refuse(rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running on this session")
                 return
             self._open[rid] = 0
+            sink = self._sinks[rid] = _Tagged(rid, self._outbound)
         worker.drain_state.begin(rid)
         try:
             params = sampling_from_proto(request.sampling)
@@ -118,14 +124,45 @@ class WorkerSession:
                 grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, ValueError) else grpc.StatusCode.INTERNAL)
             self._refuse(rid, code, str(exc), opened=True)
 
-        worker.loop.submit_later(rid, add, _Tagged(rid, self._outbound), refused)
+        worker.loop.submit_later(rid, add, sink, refused)
 
-    def _abort(self, request_id: str) -> None:
-        """Forget the request here at once (what it still outputs goes nowhere) and abort it on the loop, behind
-        its admission (posted calls run in order)."""
-        if self._forget(request_id):
+    def _follow(self, request: worker_pb2.StreamTokensRequest) -> None:
+        """Take over a reservation's token stream: what it output so far and all that follows comes here."""
+        from hybridserve.transfer.manifest import TransferError
+
+        rid = request.request_id
+        try:
+            reservation = self._worker.take(request.ticket)
+        except TransferError as exc:
+            self._refuse(rid, getattr(grpc.StatusCode, exc.code), str(exc))
+            return
+        if reservation.request_id != rid:
+            self._refuse(rid, grpc.StatusCode.INVALID_ARGUMENT, "ticket and request_id do not match")
+            return
+        with self._lock:
+            if rid in self._open:
+                self._refuse(rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running on this session")
+                return
+            self._open[rid] = 0
+            self._remote.add(rid)
+            self._sinks[rid] = reservation.stream
+        self._worker.drain_state.begin(rid)
+        reservation.stream.redirect(_Tagged(rid, self._outbound))
+
+    def _abort(self, request_id: str, router_gone: bool = False) -> None:
+        """Forget the request here at once (what it still outputs goes nowhere); a local one is aborted on the
+        loop, behind its admission (posted calls run in order). One prefilled elsewhere is aborted by the
+        router's Abort call (its reservation is the anchor, whichever arrives first), unless the router is gone:
+        then through the worker here, on a thread of its own (it waits for a step boundary)."""
+        with self._lock:
+            remote = request_id in self._remote
+        if not self._forget(request_id):
+            return
+        if not remote:
             engine = self._worker.engine
             self._worker.loop.post(lambda: engine.abort(request_id))
+        elif router_gone:
+            threading.Thread(target=self._worker.abort, args=(request_id,), name="session-abort", daemon=True).start()
 
     def _refuse(self, request_id: str, code: grpc.StatusCode, message: str, opened: bool = False) -> None:
         self._outbound.put((request_id, _Refused(code, message, opened)))
@@ -196,8 +233,10 @@ class WorkerSession:
             self._forget(rid)
             return
         message.events.append(token_event(item, sent))
-        if item.finished:
-            self._worker.metrics.observe_finished(len(item.prompt_token_ids), len(item.token_ids),
+        if item.finished:  # prompt tokens only for prompts this worker prefilled itself
+            with self._lock:
+                remote = rid in self._remote
+            self._worker.metrics.observe_finished(0 if remote else len(item.prompt_token_ids), len(item.token_ids),
                                                   item.finish_reason or "")
             self._forget(rid)
         else:
@@ -210,7 +249,9 @@ class WorkerSession:
         with self._lock:
             if self._open.pop(request_id, None) is None:
                 return False
-        self._worker.loop.close_stream(request_id)
+            self._remote.discard(request_id)
+            sink = self._sinks.pop(request_id, None)
+        self._worker.loop.close_stream(request_id, sink)
         self._worker.drain_state.end(request_id)
         return True
 
@@ -230,4 +271,4 @@ class WorkerSession:
         with self._lock:
             open_ids = list(self._open)
         for rid in open_ids:
-            self._abort(rid)
+            self._abort(rid, router_gone=True)

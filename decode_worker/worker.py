@@ -35,7 +35,7 @@ from hybridserve.transfer.planes import TransferConfig
 from hybridserve.transfer.receiver import LandedState, StateReceiver
 from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
 from hybridserve.worker_runtime.drain import DRAINING_STATUS, Drain
-from hybridserve.worker_runtime.engine_loop import EngineLoop
+from hybridserve.worker_runtime.engine_loop import EngineLoop, RedirectableStream
 from hybridserve.worker_runtime.health import health_response
 from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
 
@@ -51,7 +51,7 @@ class Reservation:
     request_id: str
     num_tokens: int
     deadline: float
-    stream: queue.Queue = field(repr=False)
+    stream: RedirectableStream = field(repr=False)  # its outputs: read by StreamTokens, or handed to a session
     committed: bool = False
     assembly: StateAssembly | None = field(default=None, repr=False)
 

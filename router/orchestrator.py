@@ -239,7 +239,8 @@ class Orchestrator:
                 session = d.decode.session() if self.config.worker_sessions else None
                 if session is not None:  # one message on the worker's session instead of a call of its own
                     active.session = session  # set first: an abort while the open is under way goes behind it
-                    events = active.track(await session.open(request, res.stream_timeout_s))
+                    events = active.track(await session.open(worker_pb2.SessionRequest(generate=request),
+                                                             res.stream_timeout_s))
                 else:  # a worker without sessions (an older version)
                     events = active.track(decode.GenerateLocal(request, timeout=res.stream_timeout_s, metadata=md))
                 return events, await self._first(d, events, d.decode, "generate_local", active)
@@ -248,8 +249,14 @@ class Orchestrator:
                                           timeout_ms=int(res.reservation_ttl_s * 1000)),
                 timeout=res.reserve_timeout_s, metadata=md))
             ticket = (await self._call(d.decode, "reserve", active, reserve)).ticket
-            events = active.track(decode.StreamTokens(
-                worker_pb2.StreamTokensRequest(request_id=rid, ticket=ticket), timeout=res.stream_timeout_s, metadata=md))
+            follow = worker_pb2.StreamTokensRequest(request_id=rid, ticket=ticket)
+            session = d.decode.session() if self.config.worker_sessions else None
+            if session is not None:
+                active.session = session
+                events = active.track(await session.open(worker_pb2.SessionRequest(stream_tokens=follow),
+                                                         res.stream_timeout_s))
+            else:
+                events = active.track(decode.StreamTokens(follow, timeout=res.stream_timeout_s, metadata=md))
             prefill = d.prefill
             if prefill is None:  # a non-local decision always names its prefill worker
                 raise RuntimeError("routing chose remote prefill without a prefill worker")
@@ -372,11 +379,16 @@ class Orchestrator:
 
     async def _abort_all(self, d: Decision, request_id: str, session: WorkerSession | None) -> None:
         timeout = self.config.resilience.control_timeout_s
+        # a local request on the session is aborted there, behind its generate (a call could overtake it); one
+        # prefilled elsewhere by the Abort call (its reservation is the anchor, in either order; the call's answer
+        # means it is done, before a retry may reserve the same id again), and on the session too, which only
+        # stops its token stream there
         calls: list[Awaitable[Any]] = [
             worker.aio_stub().Abort(common_pb2.AbortRequest(request_id=request_id), timeout=timeout,
                                     metadata=worker.metadata)
-            for worker in (d.decode, d.prefill) if worker is not None and not (worker is d.decode and session)]
-        if session is not None:  # on the session, behind the request's generate (a call could overtake it)
+            for worker in (d.decode, d.prefill)
+            if worker is not None and not (worker is d.decode and session is not None and d.local)]
+        if session is not None:
             calls.append(session.abort(request_id))
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, BaseException) and not isinstance(result, grpc.RpcError):

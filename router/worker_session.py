@@ -1,4 +1,5 @@
-"""The router's side of a decode worker session: local requests multiplexed over one long-lived gRPC stream.
+"""The router's side of a decode worker session: requests multiplexed over one long-lived gRPC stream (local
+ones, and the token streams of requests prefilled elsewhere).
 
 Each request is one `SessionRequest` written on the stream and a `SessionStream` the orchestrator reads like a
 grpc.aio call (`read()` gives TokenEvents, then `grpc.aio.EOF`; a failure raises a `grpc.RpcError` with its
@@ -170,16 +171,17 @@ class WorkerSession:
         self._streams: dict[str, SessionStream] = {}
         self._write_lock = asyncio.Lock()
 
-    async def open(self, request: worker_pb2.GenerateLocalRequest, timeout_s: float) -> SessionStream:
-        """Send the request on the session (opening it if needed); failures come out of the stream's reads."""
-        rid = request.request_id
+    async def open(self, request: worker_pb2.SessionRequest, timeout_s: float) -> SessionStream:
+        """Send a generate or stream_tokens request on the session (opening it if needed); failures come out of
+        the stream's reads."""
+        rid = request.generate.request_id if request.HasField("generate") else request.stream_tokens.request_id
         if rid in self._streams:  # the orchestrator refuses duplicate ids before this; kept as a guard
             stream = SessionStream(self, rid, timeout_s)
             stream._end(SessionError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already on this session"))
             return stream
         call = self._ensure_call()
         stream = self._streams[rid] = SessionStream(self, rid, timeout_s)
-        if not await self._write(call, worker_pb2.SessionRequest(generate=request)) and self._call is not call:
+        if not await self._write(call, request) and self._call is not call:
             # the call ended and its reader is through (it ended the streams it knew, this one included unless
             # it came later); while the reader still runs, it ends this stream with the call's own outcome
             stream._end(SessionError(grpc.StatusCode.UNAVAILABLE, f"the session to {self.address} is closed"))

@@ -33,6 +33,36 @@ class OutputSink(Protocol):
     def put(self, item: RequestOutput | BaseException) -> None: ...
 
 
+class RedirectableStream(queue.Queue):
+    """A request's output queue that can be handed on to another sink once, keeping order: what was queued moves
+    there first, and every later put goes there (a reserved request's outputs start before its reader is known:
+    a token stream call reads the queue, a worker session redirects it into its shared queue)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._target: OutputSink | None = None
+
+    def put(self, item: RequestOutput | BaseException, block: bool = True, timeout: float | None = None) -> None:
+        with self._lock:
+            if self._target is None:
+                super().put(item, block, timeout)
+                return
+            target = self._target
+        target.put(item)
+
+    def redirect(self, sink: OutputSink) -> None:
+        with self._lock:
+            if self._target is not None:
+                raise RuntimeError("the stream was redirected already")
+            while True:
+                try:
+                    sink.put(self.get_nowait())
+                except queue.Empty:
+                    break
+            self._target = sink
+
+
 class EngineLoop:
     """`step()`s the engine while it has work; runs submitted calls between steps."""
 
@@ -61,11 +91,11 @@ class EngineLoop:
             return
         self._calls.put((fn, None))
 
-    def submit(self, request_id: str, add: Callable[[], Any]) -> queue.Queue[RequestOutput | BaseException]:
+    def submit(self, request_id: str, add: Callable[[], Any]) -> RedirectableStream:
         """Open the request's output stream and run `add` (which puts the request into the engine) in ONE trip
         to the loop, so a new request waits for one step boundary, not two; a failing `add` closes the stream
         again and raises here."""
-        stream: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        stream = RedirectableStream()
         self.submit_to(request_id, add, stream)
         return stream
 
@@ -110,9 +140,15 @@ class EngineLoop:
 
         return bool(self.call(run))
 
-    def close_stream(self, request_id: str) -> None:
-        """Forget the request's stream (no wait: nothing comes back)."""
-        self.post(lambda: self._streams.pop(request_id, None))
+    def close_stream(self, request_id: str, stream: OutputSink | None = None) -> None:
+        """Forget the request's stream (no wait: nothing comes back); with `stream`, only if it is still that one
+        (a new request of the same id may have opened its own meanwhile)."""
+
+        def close() -> None:
+            if stream is None or self._streams.get(request_id) is stream:
+                self._streams.pop(request_id, None)
+
+        self.post(close)
 
     def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, hold_state: bool = False,

@@ -233,3 +233,33 @@ def test_the_session_stream_forgives_a_slow_reader_and_stops_a_stalled_one() -> 
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
     asyncio.run(run())
+
+
+def test_disaggregated_token_streams_go_on_the_session_and_aborts_free_both_sides(model_dir) -> None:
+    cluster = Cluster(model_dir, num_prefill=1, num_decode=1, router=False)
+    cluster.wait_ready()
+    try:
+        prompts = random_prompts([20, 33, 47, 61], vocab=300, seed=72)
+        with futures.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(cluster.generate, prompts))
+        expected = [o.token_ids for o in LLM(model_dir, max_model_len=256).generate(prompt_token_ids=prompts,
+                                                                                     sampling_params=GREEDY)]
+        assert got == expected
+        assert not any(d.local for _, d in cluster.orchestrator.recent_decisions)  # prefilled on the prefill worker
+        session = cluster.orchestrator.workers.snapshot()[1][0]._session
+        assert session is not None and not session._streams
+        events = cluster.orchestrator.generate(random_prompts([40], vocab=300, seed=73)[0], LONG, request_id="pd")
+        next(events)
+        assert cluster.orchestrator.abort("pd")
+        with pytest.raises(WorkerError) as info:
+            list(events)
+        assert info.value.code == grpc.StatusCode.CANCELLED
+        _quiet(cluster)
+        assert cluster.idle()
+        # a ticket the worker does not know is refused on the session with the call's status
+        stub = worker_pb2_grpc.DecodeWorkerStub(insecure_channel(cluster.decode[0].address))
+        follow = worker_pb2.StreamTokensRequest(request_id="nope", ticket="no-such-ticket")
+        _, refused = _drive(stub, [worker_pb2.SessionRequest(stream_tokens=follow)], [], set(), 1)
+        assert [(rid, code) for rid, code, _ in refused] == [("nope", grpc.StatusCode.FAILED_PRECONDITION)]
+    finally:
+        cluster.stop()

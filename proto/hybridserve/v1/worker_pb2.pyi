@@ -166,12 +166,14 @@ class GenerateLocalRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingOptions, _Mapping]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("generate", "abort")
+    __slots__ = ("generate", "abort", "stream_tokens")
     GENERATE_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     generate: GenerateLocalRequest
     abort: _common_pb2.AbortRequest
-    def __init__(self, generate: _Optional[_Union[GenerateLocalRequest, _Mapping]] = ..., abort: _Optional[_Union[_common_pb2.AbortRequest, _Mapping]] = ...) -> None: ...
+    stream_tokens: StreamTokensRequest
+    def __init__(self, generate: _Optional[_Union[GenerateLocalRequest, _Mapping]] = ..., abort: _Optional[_Union[_common_pb2.AbortRequest, _Mapping]] = ..., stream_tokens: _Optional[_Union[StreamTokensRequest, _Mapping]] = ...) -> None: ...
 
 class RequestRefused(_message.Message):
     __slots__ = ("request_id", "code", "message")
