@@ -249,6 +249,15 @@ class Orchestrator:
                                           timeout_ms=int(res.reservation_ttl_s * 1000)),
                 timeout=res.reserve_timeout_s, metadata=md))
             ticket = (await self._call(d.decode, "reserve", active, reserve)).ticket
+            prefill = d.prefill
+            if prefill is None:  # a non-local decision always names its prefill worker
+                raise RuntimeError("routing chose remote prefill without a prefill worker")
+            # the prefill starts first; the token stream is set up while it runs (the reservation queues what it
+            # outputs until its reader comes)
+            prefill_call = active.track(prefill.aio_stub().Prefill(
+                worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                          decode_address=d.decode.address, ticket=ticket),
+                timeout=res.prefill_timeout_s, metadata=prefill.metadata))
             follow = worker_pb2.StreamTokensRequest(request_id=rid, ticket=ticket)
             session = d.decode.session() if self.config.worker_sessions else None
             if session is not None:
@@ -257,13 +266,6 @@ class Orchestrator:
                                                          res.stream_timeout_s))
             else:
                 events = active.track(decode.StreamTokens(follow, timeout=res.stream_timeout_s, metadata=md))
-            prefill = d.prefill
-            if prefill is None:  # a non-local decision always names its prefill worker
-                raise RuntimeError("routing chose remote prefill without a prefill worker")
-            prefill_call = active.track(prefill.aio_stub().Prefill(
-                worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                                          decode_address=d.decode.address, ticket=ticket),
-                timeout=res.prefill_timeout_s, metadata=prefill.metadata))
             await self._call(prefill, "prefill", active, prefill_call)
             return events, await self._first(d, events, d.decode, "stream", active)
         except _Busy:  # the Reserve was refused: nothing exists on the workers to abort
