@@ -102,13 +102,9 @@ class WorkerSession:
         if worker.drain_state.draining:
             self._refuse(rid, grpc.StatusCode.UNAVAILABLE, "worker is draining (shutting down): retry on another worker")
             return
-        with self._lock:
-            if rid in self._open:
-                self._refuse(rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running on this session")
-                return
-            self._open[rid] = 0
-            sink = self._sinks[rid] = _Tagged(rid, self._outbound)
-        worker.drain_state.begin(rid)
+        sink = _Tagged(rid, self._outbound)
+        if not self._open_request(rid, sink, remote=False):
+            return
         try:
             params = sampling_from_proto(request.sampling)
         except ValueError as exc:
@@ -139,15 +135,21 @@ class WorkerSession:
         if reservation.request_id != rid:
             self._refuse(rid, grpc.StatusCode.INVALID_ARGUMENT, "ticket and request_id do not match")
             return
+        if self._open_request(rid, reservation.stream, remote=True):
+            reservation.stream.redirect(_Tagged(rid, self._outbound))
+
+    def _open_request(self, rid: str, sink: OutputSink, remote: bool) -> bool:
+        """Count a request as open on this session (and in flight for the drain); refused if its id already is."""
         with self._lock:
             if rid in self._open:
                 self._refuse(rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running on this session")
-                return
+                return False
             self._open[rid] = 0
-            self._remote.add(rid)
-            self._sinks[rid] = reservation.stream
+            self._sinks[rid] = sink
+            if remote:
+                self._remote.add(rid)
         self._worker.drain_state.begin(rid)
-        reservation.stream.redirect(_Tagged(rid, self._outbound))
+        return True
 
     def _abort(self, request_id: str, router_gone: bool = False) -> None:
         """Forget the request here at once (what it still outputs goes nowhere); a local one is aborted on the

@@ -35,9 +35,8 @@ def _add_front_door_flags(p: argparse.ArgumentParser, host: str) -> None:
     p.add_argument("--port", dest="http_port", metavar="PORT", type=int, default=8000,
                    help="OpenAI-compatible HTTP port (default 8000; 0: a free one)")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC front-door port (default 50051; 0: a free one)")
-    p.add_argument("--no-worker-sessions", action="store_true",
-                   help="send each local request to its decode worker as a call of its own instead of on the "
-                   "router's one Session stream per worker")
+    p.add_argument("--no-worker-sessions", action="store_true", help="a gRPC call per request to its decode worker, "
+                   "not the router's one Session stream per worker")
     p.add_argument("--served-model-name", dest="model_name", default=None,
                    help="model id served over the API (default: the checkpoint directory's name)")
     p.add_argument("--http-port", dest="http_port", type=int, action=_DeprecatedAlias, replacement="--port",
@@ -94,8 +93,9 @@ def _cluster_options(args: argparse.Namespace) -> dict:
     if getattr(args, "max_running", None) is not None:
         extra["admission"] = AdmissionConfig(max_running=args.max_running, max_queued=args.max_queued,
                                              max_per_client=args.max_per_client)
-    if getattr(args, "local_prefill_max_tokens", None) is not None or args.no_worker_sessions:
-        extra["orchestrator"] = OrchestratorConfig(local_prefill_max_tokens=getattr(args, "local_prefill_max_tokens", None),
+    local_max = getattr(args, "local_prefill_max_tokens", None)
+    if local_max is not None or args.no_worker_sessions:
+        extra["orchestrator"] = OrchestratorConfig(local_prefill_max_tokens=local_max,
                                                    worker_sessions=not args.no_worker_sessions)
     router = RouterOptions(model_dir=model_dir, model_name=args.model_name, host=args.host, http_port=args.http_port,
                            grpc_port=args.grpc_port, api_key=args.api_key, generation_config=args.generation_config,

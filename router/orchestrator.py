@@ -23,7 +23,7 @@ import random
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Generator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
 from typing import Any
 
 import grpc
@@ -39,6 +39,9 @@ from hybridserve.router.event_loop import LoopThread
 from hybridserve.router.metrics import RouterMetrics
 from hybridserve.router.policy import Decision, NoWorkerError, RoutingPolicy
 from hybridserve.router.prefix_index import PrefixIndex
+from hybridserve.router.request_errors import RetryElsewhere as _Retry
+from hybridserve.router.request_errors import WorkerBusy as _Busy
+from hybridserve.router.request_errors import WorkerError
 from hybridserve.router.stream_buffer import StreamBuffer, StreamStalled
 from hybridserve.router.worker_session import SessionStream, WorkerSession
 from hybridserve.router.workers import WorkerHandle, WorkerSet
@@ -49,26 +52,6 @@ logger = logging.getLogger(__name__)
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
 _BREAKER_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
-
-
-class WorkerError(RuntimeError):
-    """A request failed on the workers; `code` is the gRPC status to report."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class _Retry(Exception):
-    """A worker failed retryably before the first token: exclude it and try again."""
-
-    def __init__(self, worker: WorkerHandle, stage: str, error: grpc.RpcError) -> None:
-        super().__init__(f"{stage} on {worker.address}: {error.code()} {error.details()}")
-        self.worker, self.stage, self.error = worker, stage, error
-
-
-class _Busy(_Retry):
-    """The decode worker has no free state slot or KV pages for the request now: wait, then ask again."""
 
 
 class Orchestrator:
@@ -236,13 +219,9 @@ class Orchestrator:
         try:
             if d.local:
                 request = worker_pb2.GenerateLocalRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
-                session = d.decode.session() if self.config.worker_sessions else None
-                if session is not None:  # one message on the worker's session instead of a call of its own
-                    active.session = session  # set first: an abort while the open is under way goes behind it
-                    events = active.track(await session.open(worker_pb2.SessionRequest(generate=request),
-                                                             res.stream_timeout_s))
-                else:  # a worker without sessions (an older version)
-                    events = active.track(decode.GenerateLocal(request, timeout=res.stream_timeout_s, metadata=md))
+                events = await self._token_stream(d, active, worker_pb2.SessionRequest(generate=request),
+                                                  lambda: decode.GenerateLocal(request, timeout=res.stream_timeout_s,
+                                                                               metadata=md))
                 return events, await self._first(d, events, d.decode, "generate_local", active)
             reserve = active.track(decode.Reserve(
                 worker_pb2.ReserveRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
@@ -259,13 +238,9 @@ class Orchestrator:
                                           decode_address=d.decode.address, ticket=ticket),
                 timeout=res.prefill_timeout_s, metadata=prefill.metadata))
             follow = worker_pb2.StreamTokensRequest(request_id=rid, ticket=ticket)
-            session = d.decode.session() if self.config.worker_sessions else None
-            if session is not None:
-                active.session = session
-                events = active.track(await session.open(worker_pb2.SessionRequest(stream_tokens=follow),
-                                                         res.stream_timeout_s))
-            else:
-                events = active.track(decode.StreamTokens(follow, timeout=res.stream_timeout_s, metadata=md))
+            events = await self._token_stream(d, active, worker_pb2.SessionRequest(stream_tokens=follow),
+                                              lambda: decode.StreamTokens(follow, timeout=res.stream_timeout_s,
+                                                                          metadata=md))
             await self._call(prefill, "prefill", active, prefill_call)
             return events, await self._first(d, events, d.decode, "stream", active)
         except _Busy:  # the Reserve was refused: nothing exists on the workers to abort
@@ -282,6 +257,16 @@ class Orchestrator:
                 events.cancel()
             self._abort_later(d, active)
             raise
+
+    async def _token_stream(self, d: Decision, active: _Active, on_session: worker_pb2.SessionRequest,
+                            call: Callable[[], Any]) -> Any:
+        """The request's token stream from its decode worker: one message on the worker's session, or `call()`
+        (sessions off, or a worker without them)."""
+        session = d.decode.session() if self.config.worker_sessions else None
+        if session is None:
+            return active.track(call())
+        active.session = session  # set first: an abort while the open is under way goes behind it
+        return active.track(await session.open(on_session, self.config.resilience.stream_timeout_s))
 
     async def _call(self, worker: WorkerHandle, stage: str, active: _Active, call: Awaitable[Any]) -> Any:
         try:
