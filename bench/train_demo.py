@@ -54,6 +54,7 @@ _mtp = _sibling("train_demo_mtp")
 _card = _sibling("train_demo_card")
 _eval = _sibling("train_demo_eval")
 _scan = _sibling("train_demo_scan")
+_ditto = _sibling("train_demo_ditto")
 parse_args = _sibling("train_demo_args").parse_args
 EOS, load_corpus, train_tokenizer = _data.EOS, _data.load_corpus, _data.train_tokenizer
 encode_stream, windows_of = _data.encode_stream, _data.windows_of
@@ -213,9 +214,16 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model_config(args, len(tokenizer), eos)
     mtp_kinds = ["full_attention", "mlp"]
     torch.manual_seed(args.seed)
-    trunk = NemotronHForCausalLM(NemotronHConfig(**cfg)).to(device)
-    mtp = MTP(cfg, mtp_kinds).to(device)
-    init_mtp(mtp, std=0.02)
+    if args.init_from is not None:  # fine-tuning: the checkpoint's shapes and weights
+        trunk, mtp_state, mtp_kinds = _ditto.load_initial(args.init_from, device)
+        cfg = {key: getattr(trunk.config, key) for key in cfg}
+        mtp = MTP(cfg, mtp_kinds).to(device)
+        mtp.load_state_dict(mtp_state)
+        logger.info("starting from %s", args.init_from)
+    else:
+        trunk = NemotronHForCausalLM(NemotronHConfig(**cfg)).to(device)
+        mtp = MTP(cfg, mtp_kinds).to(device)
+        init_mtp(mtp, std=0.02)
     trunk.train()
     mtp.train()
     n_trunk, n_mtp = count_params(trunk), count_params(mtp)
@@ -233,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = torch.Generator().manual_seed(args.seed)
     stream_dev = train_stream.to(device)
+    if args.ditto_batch:
+        newline = _ditto.newline_token_mask(tokenizer, cfg["vocab_size"])
+        stream_np, ditto_rng = train_stream.numpy(), _ditto.np.random.default_rng(args.seed)
     span = torch.arange(args.seq_len + 1, device=device)
     heldout_windows = windows_of(heldout_stream, args.seq_len, args.eval_windows)
     validation_windows = windows_of(validation_stream, args.seq_len, 64)
@@ -257,6 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=autocast):
             loss, mtp_losses, _, _ = loss_fn(trunk, mtp, batch, args.mtp_depths)
         (loss + args.mtp_weight * sum(mtp_losses)).backward()
+        if args.ditto_batch:  # a second backward into the same gradients: the peak memory of one batch at a time
+            tokens, prev = _ditto.pseudo_batch(stream_np, newline, args.ditto_batch, args.seq_len, ditto_rng)
+            with torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16, enabled=autocast):
+                ditto = _ditto.ditto_loss(trunk, tokens.to(device), prev.to(device), args.ditto_lambda)
+            (args.ditto_weight * ditto).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -286,12 +302,13 @@ def main(argv: list[str] | None = None) -> int:
         if step % 50 == 0 or step == 1 or step == total:
             elapsed = time.perf_counter() - t_loop
             logger.info(
-                "step %d/%s loss %.3f mtp %s gnorm %.2f lr %.2e  %.0fs  %.0f tok/s",
-                step, total, loss.item(), " ".join(f"{m.item():.3f}" for m in mtp_losses), grad_norm.item(), lr,
+                "step %d/%s loss %.3f mtp %s ditto %.3f gnorm %.2f lr %.2e  %.0fs  %.0f tok/s",
+                step, total, loss.item(), " ".join(f"{m.item():.3f}" for m in mtp_losses),
+                ditto.item() if args.ditto_batch else 0.0, grad_norm.item(), lr,
                 elapsed, step * args.batch_size * args.seq_len / elapsed,
             )
             history.append({"step": step, "loss": loss.item(), "mtp_losses": [m.item() for m in mtp_losses],
-                            "elapsed_s": elapsed})
+                            "ditto_loss": ditto.item() if args.ditto_batch else None, "elapsed_s": elapsed})
         if validation_windows.shape[0] and ((args.eval_every and step % args.eval_every == 0) or step == total):
             val = _eval.heldout_metrics(trunk, mtp, validation_windows, args.batch_size, device, args.mtp_depths)
             val_loss = val["trunk_loss_nats_per_token"] + args.mtp_weight * sum(

@@ -71,6 +71,14 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
     p.add_argument("--torch-scan", action="store_true", help="train with transformers' torch scan, not mamba_ssm's")
     p.add_argument("--line-break-rate", type=float, default=0.15,
                    help="share of training line ends encoded as a piece boundary (prompts ending in a newline)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from this demo checkpoint (its shapes and MTP module; e.g. models/demo_model) instead "
+                   "of random weights: a fine-tuning run, e.g. with --ditto-batch")
+    p.add_argument("--ditto-batch", type=int, default=0,
+                   help="pseudo-repetitive windows per step trained with DITTO's anti-loop loss (0: off; "
+                   "bench/train_demo_ditto.py)")
+    p.add_argument("--ditto-lambda", type=float, default=0.5, help="DITTO's decay of a repeated token's probability")
+    p.add_argument("--ditto-weight", type=float, default=1.0, help="weight of the DITTO loss")
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if args.compile is None:
@@ -81,6 +89,10 @@ def parse_args(argv: list[str] | None, description: str = "") -> argparse.Namesp
         p.error(f"--scan-configs {args.scan_configs}: no such file (give one that --scan-configs-out wrote, or none)")
     elif args.scan_configs is None and cuda and args.scan_configs_out is None and SCAN_CONFIGS.is_file():
         args.scan_configs = SCAN_CONFIGS  # the default; not when recording picks (pinned kernels pick nothing)
+    if args.ditto_batch < 0 or not 0.0 < args.ditto_lambda < 1.0:
+        p.error(f"--ditto-batch must be >= 0 and --ditto-lambda in (0, 1), got {args.ditto_batch}, {args.ditto_lambda}")
+    if args.init_from is not None and not (args.init_from / "config.json").is_file():
+        p.error(f"--init-from {args.init_from}: no config.json there (give a directory train_demo.py wrote)")
     if args.calib_steps <= 10:
         p.error("--calib-steps must exceed 10 (steps 10..calib-steps are timed)")
     if args.profile_steps < 0:

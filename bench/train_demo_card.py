@@ -60,7 +60,7 @@ Loads with `transformers.AutoTokenizer.from_pretrained(dir, local_files_only=Tru
 {report['command']}
 ```
 
-Seed {a['seed']}; {t['steps']} steps of {a['batch_size']} x {a['seq_len']} random windows
+{finetune_text(a)}Seed {a['seed']}; {t['steps']} steps of {a['batch_size']} x {a['seq_len']} random windows
 ({t['tokens_seen'] / 1e6:.0f} M tokens); AdamW (betas 0.9/0.95, weight decay {a['weight_decay']} on matrices),
 peak lr {a['lr']} with {a['warmup']} warmup steps and cosine decay to {a['min_lr']}, grad clip 1.0, bf16 autocast;
 trunk and MTP trained jointly; the weights of step {t['shipped_step']} (lowest
@@ -100,6 +100,17 @@ model. {"The Mamba2 scan trained through mamba_ssm's Triton kernels (forward and
 
 {samples}
 """
+
+
+def finetune_text(a: dict) -> str:
+    """The fine-tuning paragraph of a run that started from a checkpoint (--init-from), else nothing."""
+    if not a.get("init_from"):
+        return ""
+    ditto = (f" Each step also trained {a['ditto_batch']} pseudo-repetitive windows (real code, then one span of 1-2 "
+             f"real lines repeated to the window's end) with DITTO's loss (lambda {a['ditto_lambda']}, weight "
+             f"{a['ditto_weight']}; `bench/train_demo_ditto.py`), which teaches the model that a line's repetition "
+             "becomes less likely with each copy: the greedy loops that fail the parse test." if a.get("ditto_batch") else "")
+    return f"Fine-tuned from `{a['init_from']}` (its weights, shapes and tokenizer).{ditto}\n\n"
 
 
 def packages(d: dict) -> list[dict]:
