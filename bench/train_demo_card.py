@@ -11,7 +11,7 @@ def model_card(report: dict, cfg: dict, mtp_kinds: list[str]) -> str:
     return f"""# hybridserve demo model: nemotron-h-pycode-demo
 
 A small NemotronH (hybrid Mamba2 + attention + MLP) with a multi-token-prediction (MTP) module, trained
-from scratch on Python source code (the standard library and {len(packages(d))} widely used packages). It is `hybridserve`'s embedded default model:
+from scratch{' (then fine-tuned against greedy loops)' if a.get('init_from') else ''} on Python source code (the standard library and {len(packages(d))} widely used packages). It is `hybridserve`'s embedded default model:
 big enough to write plausible-looking Python, small enough ({report['model']['safetensors_mb']} MB in bf16)
 to ship in the package. It is a demo, not a useful code model.
 
@@ -63,8 +63,7 @@ Loads with `transformers.AutoTokenizer.from_pretrained(dir, local_files_only=Tru
 {finetune_text(a)}Seed {a['seed']}; {t['steps']} steps of {a['batch_size']} x {a['seq_len']} random windows
 ({t['tokens_seen'] / 1e6:.0f} M tokens); AdamW (betas 0.9/0.95, weight decay {a['weight_decay']} on matrices),
 peak lr {a['lr']} with {a['warmup']} warmup steps and cosine decay to {a['min_lr']}, grad clip 1.0, bf16 autocast;
-trunk and MTP trained jointly; the weights of step {t['shipped_step']} (lowest
-validation loss, evaluated every {a['eval_every']} steps) are shipped. The step count was sized to a
+trunk and MTP trained jointly; {shipped_text(t, a)}. The step count was sized to a
 {a['total_budget_s']:.0f} s budget for the whole script after timing the first steps. Device: {report['device']}; training loop
 {t['train_time_s']} s, whole script {t['total_time_s']} s (tokenizer and encoding {t['tokenizer_and_encoding_s']} s).
 torch {report['versions']['torch']}, transformers {report['versions']['transformers']},
@@ -100,6 +99,14 @@ model. {"The Mamba2 scan trained through mamba_ssm's Triton kernels (forward and
 
 {samples}
 """
+
+
+def shipped_text(t: dict, a: dict) -> str:
+    """Which step's weights ship: the lowest validation loss of the periodic evaluations, or the last step."""
+    if not a.get("eval_every"):
+        return f"the weights of the last step ({t['shipped_step']}) are shipped"
+    return (f"the weights of step {t['shipped_step']} (lowest validation loss, evaluated every {a['eval_every']} "
+            "steps) are shipped")
 
 
 def finetune_text(a: dict) -> str:
