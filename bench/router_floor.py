@@ -9,6 +9,11 @@ One process, one uvloop event loop (as the router), serving
 `bench/router_overhead.py` measures it beside the router ("floor_grpc", "floor_http"): the router's added
 latency and CPU minus the floor's is what its own Python costs; the floor is what grpc.aio, uvicorn and the
 extra hop cost, which no router code change removes.
+
+`serve_direct_http` is the HTTP client's direct baseline: the same uvicorn + raw ASGI stack answering
+/v1/completions itself with the stub worker's tokens (an engine's own HTTP server over a free engine), so the
+HTTP door's added latency is measured HTTP to HTTP, as the gRPC door's is gRPC to gRPC: the client's own protocol
+cost (httpx is slower per request than a gRPC stub) is not the router's.
 """
 
 from __future__ import annotations
@@ -77,3 +82,38 @@ def serve_floor(stub_address: str, queue: Any) -> None:
 
     loop = new_event_loop()
     loop.run_until_complete(main())
+
+
+def serve_direct_http(queue: Any) -> None:
+    """Child process: POST /v1/completions answered in place with the stub worker's tokens (65 + i % 26, as
+    bench/router_overhead.py's stub), until killed; puts the HTTP address."""
+    import uvicorn
+
+    from hybridserve.router.event_loop import new_event_loop
+
+    async def app(scope, receive, send) -> None:  # POST /v1/completions, token-id prompts only
+        if scope["type"] != "http":
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        req = json.loads(body)
+        ids = [65 + i % 26 for i in range(req["max_tokens"])]
+        answer = json.dumps({"id": uuid.uuid4().hex, "object": "text_completion", "choices": [
+            {"index": 0, "text": "", "token_ids": ids, "finish_reason": "length"}]}).encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": answer})
+
+    async def main() -> None:
+        http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off",
+                                             access_log=False))
+        serving = asyncio.ensure_future(http.serve())
+        while not http.started:
+            await asyncio.sleep(0.02)
+        queue.put(f"127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}")
+        await serving
+
+    new_event_loop().run_until_complete(main())

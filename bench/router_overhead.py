@@ -4,7 +4,9 @@
    own process. An open-loop client sends requests at increasing rates (Poisson arrivals) straight to the
    stub over gRPC, then through the router's gRPC door and its HTTP (OpenAI) door, `--repeats` interleaved
    runs each; the added latency is the median over runs of the router path's percentile minus the direct
-   path's. Also the router process's CPU time per request, and the per-token cost of streaming: the added
+   path's; for the HTTP paths also minus "direct_http" (`*_added_vs_http`: the same client against an HTTP
+   server that answers in place, `router_floor.serve_direct_http`). Also the router process's CPU time per
+   request, and the per-token cost of streaming: the added
    p50 of `--stream-tokens`-token requests minus that of 4-token ones, per extra token. The router sends local
    requests on its session with the worker (one stream for all of them); "router_grpc_calls" is a second router
    over a stub without sessions (a GenerateLocal call per request, as before sessions). The same runs also go
@@ -188,7 +190,7 @@ def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int
     queue = ctx.Queue()
     stub = ctx.Process(target=_serve_stub, args=(queue,), daemon=True)
     stub.start()
-    router = proxy = plain_stub = plain_router = None
+    router = proxy = plain_stub = plain_router = direct_http = None
     try:
         stub_address = queue.get(timeout=120)
         router = ctx.Process(target=_serve_router, args=(model_dir, stub_address, queue), daemon=True)
@@ -209,6 +211,11 @@ def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int
             proxy.start()
             floor_grpc_address, floor_http_address = queue.get(timeout=120)
             floored = router_pb2_grpc.RouterStub(grpc.insecure_channel(floor_grpc_address))
+        from router_floor import serve_direct_http
+
+        direct_http = ctx.Process(target=serve_direct_http, args=(queue,), daemon=True)
+        direct_http.start()
+        direct_http_address = queue.get(timeout=120)
         direct = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(stub_address))
         routed = router_pb2_grpc.RouterStub(grpc.insecure_channel(grpc_address))
         pids = {"router_grpc": router.pid, "router_http": router.pid}
@@ -229,6 +236,8 @@ def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int
                                                                 sampling=sampling), timeout=30))
 
             ways = {"direct": lambda rate: _open_loop(rate, duration_s, send_direct),
+                    "direct_http": lambda rate: _open_loop_async(rate, duration_s, f"http://{direct_http_address}",
+                                                                 body),
                     "router_grpc": lambda rate: _open_loop(rate, duration_s, send_grpc),
                     "router_http": lambda rate: _open_loop_async(rate, duration_s, f"http://{http_address}", body),
                     "_warm": (send_direct, send_grpc)}
@@ -268,9 +277,12 @@ def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int
                     runs.setdefault(name, []).append(row)
             row = {"rate_rps": rate, "max_tokens": max_tokens, "repeats": repeats}
             row.update({name: _median_row(r) for name, r in runs.items()})
-            for path in (p for p in runs if p != "direct"):
+            for path in (p for p in runs if not p.startswith("direct")):
                 row[f"{path}_added"] = {q: round(statistics.median(
                     r[q] - d[q] for r, d in zip(runs[path], runs["direct"])), 3) for q in ("p50_ms", "p99_ms")}
+                if path.endswith("_http"):  # HTTP to HTTP: the client's protocol cost cancels
+                    row[f"{path}_added_vs_http"] = {q: round(statistics.median(
+                        r[q] - d[q] for r, d in zip(runs[path], runs["direct_http"])), 3) for q in ("p50_ms", "p99_ms")}
             print(json.dumps(row), flush=True)
             return row
 
@@ -285,7 +297,7 @@ def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int
         print(json.dumps(per_token), flush=True)
         return rows, streaming
     finally:
-        for child in (proxy, router, stub, plain_router, plain_stub):
+        for child in (proxy, router, stub, plain_router, plain_stub, direct_http):
             if child is not None:
                 child.kill()
 
