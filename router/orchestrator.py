@@ -17,6 +17,7 @@ a client that stops reading gets its request aborted instead of growing the rout
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import random
@@ -71,6 +72,7 @@ class Orchestrator:
         self.policy = RoutingPolicy(config.routing, self.index)
         self._active: dict[str, _Active] = {}  # touched on the loop only (reads elsewhere are atomic dict reads)
         self._aborts: set[asyncio.Task] = set()  # fire-and-forget worker aborts still running
+        self._retiring: dict[int, tuple[WorkerHandle, concurrent.futures.Future]] = {}  # left the set, closing
         self.recent_decisions: deque[tuple[str, Decision]] = deque(maxlen=1024)  # (request id, decision)
         # clients repeat their sampling settings: convert each distinct one once (the message is only ever copied
         # into worker requests, never changed)
@@ -83,7 +85,15 @@ class Orchestrator:
         """Point at a new set of workers (after a restart moved one); in-flight requests keep their stubs."""
         if not decode_addresses:
             raise ValueError("at least one decode worker address is needed")
-        self.workers.update(list(prefill_addresses), list(decode_addresses))
+        for gone in self.workers.update(list(prefill_addresses), list(decode_addresses)):
+            # its in-flight requests finish on it; then its session and channel close, on the loop
+            future = asyncio.run_coroutine_threadsafe(
+                gone.retire_aio(self.config.resilience.stream_timeout_s), self.loop.loop)
+            self._retiring[id(gone)] = (gone, future)
+            future.add_done_callback(functools.partial(self._retired, id(gone)))
+
+    def _retired(self, key: int, _: concurrent.futures.Future) -> None:
+        self._retiring.pop(key, None)
 
     def close(self) -> None:
         """Abort what is in flight, close the channels, stop the loop (call from outside the loop)."""
@@ -101,6 +111,9 @@ class Orchestrator:
         await asyncio.sleep(0)  # let the cancelled streams unwind and start their worker aborts
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=5)
+        for handle, retiring in list(self._retiring.values()):
+            retiring.cancel()
+            await handle.close_aio()
         for handle in self.workers.all():
             await handle.close_aio()
 

@@ -170,6 +170,7 @@ class WorkerSession:
         self._reader: asyncio.Task | None = None
         self._streams: dict[str, SessionStream] = {}
         self._write_lock = asyncio.Lock()
+        self._idle = asyncio.Event()  # set whenever the last open request detaches
 
     async def open(self, request: worker_pb2.SessionRequest, timeout_s: float) -> SessionStream:
         """Send a generate or stream_tokens request on the session (opening it if needed); failures come out of
@@ -202,6 +203,19 @@ class WorkerSession:
             call.cancel()
         if reader is not None:
             await asyncio.gather(reader, return_exceptions=True)
+
+    async def close_when_idle(self, timeout_s: float) -> None:
+        """Close once every open request is done, or after `timeout_s` (then those still open fail with
+        UNAVAILABLE): a retired worker's in-flight requests finish on it, and its stream does not outlive them."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._streams and loop.time() < deadline:
+            self._idle.clear()
+            try:
+                await asyncio.wait_for(self._idle.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:  # TimeoutError's alias from 3.11; a class of its own on 3.10
+                break
+        await self.close()
 
     # ---- internals -------------------------------------------------------------------------------------
     def _ensure_call(self) -> Any:
@@ -252,3 +266,5 @@ class WorkerSession:
     def _detach(self, request_id: str, stream: SessionStream) -> None:
         if self._streams.get(request_id) is stream:
             del self._streams[request_id]
+            if not self._streams:
+                self._idle.set()

@@ -91,6 +91,14 @@ class WorkerHandle:
         if channel is not None:
             await channel.close()
 
+    async def retire_aio(self, timeout_s: float) -> None:
+        """After the worker left the set: its session closes once its in-flight requests are done (at most
+        `timeout_s`), then the aio channel."""
+        session = self._session
+        if session is not None:
+            await session.close_when_idle(timeout_s)
+        await self.close_aio()
+
     @property
     def key(self) -> str:
         return self.address
@@ -124,8 +132,9 @@ class WorkerSet:
         self._poller = threading.Thread(target=self._poll, name="router-health", daemon=True)
         self._poller.start()
 
-    def update(self, prefill_addresses: list[str], decode_addresses: list[str]) -> None:
-        """Point at a new set of workers; unchanged addresses keep their handles (and breaker state)."""
+    def update(self, prefill_addresses: list[str], decode_addresses: list[str]) -> list[WorkerHandle]:
+        """Point at a new set of workers; unchanged addresses keep their handles (and breaker state). Returns
+        the handles that left (their cache subscribers are stopped; their request channels are the caller's)."""
         with self._lock:
             old = {(h.role, h.address): h for h in self.prefill + self.decode}
             new_prefill = [old.pop(("prefill", a)) if ("prefill", a) in old else self._handle("prefill", a)
@@ -135,6 +144,7 @@ class WorkerSet:
             self.prefill, self.decode = new_prefill, new_decode
         for gone in old.values():
             self._retire(gone)
+        return list(old.values())
 
     def _handle(self, role: str, address: str) -> WorkerHandle:
         cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub

@@ -264,3 +264,44 @@ def test_disaggregated_token_streams_go_on_the_session_and_aborts_free_both_side
         assert [(rid, code) for rid, code, _ in refused] == [("nope", grpc.StatusCode.FAILED_PRECONDITION)]
     finally:
         cluster.stop()
+
+
+def test_a_retired_worker_finishes_its_requests_then_its_session_closes(model_dir) -> None:
+    cluster = Cluster(model_dir, num_prefill=0, num_decode=2, router=False)
+    try:
+        cluster.wait_ready()
+        events = cluster.orchestrator.generate([4, 5, 6], SamplingParams(max_tokens=40, temperature=0.0,
+                                                                         ignore_eos=True))
+        tokens = list(next(events).token_ids)
+        busy = next(h for h in cluster.orchestrator.workers.all() if h._session is not None and h._session._streams)
+        stays = next(w.address for w in cluster.decode if w.address != busy.address)
+        cluster.orchestrator.update_workers([], [stays])  # `busy` leaves the set with a request in flight
+        assert [h.address for h in cluster.orchestrator.workers.all()] == [stays]
+        tokens += [t for event in events for t in event.token_ids]
+        assert len(tokens) == 40  # finished on the retired worker, not cut
+        deadline = time.monotonic() + 10
+        while (busy._session is not None or busy._aio_channel is not None) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert busy._session is None and busy._aio_channel is None  # then its session and channel closed
+        assert not cluster.orchestrator._retiring
+        assert cluster.idle()
+        assert len(cluster.generate([4, 5, 6])) == GREEDY.max_tokens  # the remaining worker serves
+    finally:
+        cluster.stop()
+
+
+def test_closing_the_router_does_not_wait_for_a_retired_workers_request(model_dir) -> None:
+    cluster = Cluster(model_dir, num_prefill=0, num_decode=2, router=False)
+    try:
+        cluster.wait_ready()
+        events = cluster.orchestrator.generate([7, 8], LONG)
+        next(events)
+        busy = next(h for h in cluster.orchestrator.workers.all() if h._session is not None and h._session._streams)
+        cluster.orchestrator.update_workers([], [w.address for w in cluster.decode if w.address != busy.address])
+        assert cluster.orchestrator._retiring  # waiting for the long request
+        start = time.monotonic()
+        cluster.orchestrator.close()
+        assert time.monotonic() - start < 8 and busy._session is None  # the request was cut, not waited for
+    finally:
+        for w in cluster.decode:
+            w.stop(grace=0)
