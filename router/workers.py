@@ -7,6 +7,7 @@ in-flight requests keep the handles they started with.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -92,12 +93,19 @@ class WorkerHandle:
             await channel.close()
 
     async def retire_aio(self, timeout_s: float) -> None:
-        """After the worker left the set: its session closes once its in-flight requests are done (at most
-        `timeout_s`), then the aio channel."""
+        """After the worker left the set: its session closes once its requests on it are done, then the aio
+        channel once its calls in flight are (prefill, reservations, GenerateLocal streams), `timeout_s` in all;
+        what is still open then is cancelled."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         session = self._session
         if session is not None:
             await session.close_when_idle(timeout_s)
-        await self.close_aio()
+            self._session = None
+        channel = self._aio_channel
+        if channel is not None:
+            await channel.close(grace=max(0.0, deadline - loop.time()))
+            self._aio_channel, self._aio_stub = None, None
 
     @property
     def key(self) -> str:

@@ -266,14 +266,16 @@ def test_disaggregated_token_streams_go_on_the_session_and_aborts_free_both_side
         cluster.stop()
 
 
-def test_a_retired_worker_finishes_its_requests_then_its_session_closes(model_dir) -> None:
-    cluster = Cluster(model_dir, num_prefill=0, num_decode=2, router=False)
+@pytest.mark.parametrize("sessions", [True, False], ids=["session", "calls"])
+def test_a_retired_worker_finishes_its_requests_then_its_session_closes(model_dir, sessions: bool) -> None:
+    cluster = Cluster(model_dir, num_prefill=0, num_decode=2, router=False,
+                      config=OrchestratorConfig(worker_sessions=sessions))
     try:
         cluster.wait_ready()
         events = cluster.orchestrator.generate([4, 5, 6], SamplingParams(max_tokens=40, temperature=0.0,
                                                                          ignore_eos=True))
         tokens = list(next(events).token_ids)
-        busy = next(h for h in cluster.orchestrator.workers.all() if h._session is not None and h._session._streams)
+        busy = next(h for h in cluster.orchestrator.workers.all() if h._aio_channel is not None)  # the one used
         stays = next(w.address for w in cluster.decode if w.address != busy.address)
         cluster.orchestrator.update_workers([], [stays])  # `busy` leaves the set with a request in flight
         assert [h.address for h in cluster.orchestrator.workers.all()] == [stays]
