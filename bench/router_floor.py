@@ -24,6 +24,16 @@ import uuid
 from typing import Any
 
 
+async def _json_body(receive: Any) -> dict:
+    """An ASGI request's whole body, parsed as JSON."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            return json.loads(body)
+
+
 def serve_floor(stub_address: str, queue: Any) -> None:
     """Child process: the bare proxy over the stub worker, until killed; puts (grpc address, http address)."""
     import grpc
@@ -54,13 +64,7 @@ def serve_floor(stub_address: str, queue: Any) -> None:
         async def app(scope, receive, send) -> None:  # POST /v1/completions, token-id prompts only
             if scope["type"] != "http":
                 return
-            body = b""
-            while True:
-                message = await receive()
-                body += message.get("body", b"")
-                if not message.get("more_body"):
-                    break
-            req = json.loads(body)
+            req = await _json_body(receive)
             call = stub.GenerateLocal(worker_pb2.GenerateLocalRequest(
                 request_id=uuid.uuid4().hex, prompt_token_ids=req["prompt"],
                 sampling={"max_tokens": req["max_tokens"]}), timeout=3600)
@@ -94,13 +98,7 @@ def serve_direct_http(queue: Any) -> None:
     async def app(scope, receive, send) -> None:  # POST /v1/completions, token-id prompts only
         if scope["type"] != "http":
             return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
-        req = json.loads(body)
+        req = await _json_body(receive)
         ids = [65 + i % 26 for i in range(req["max_tokens"])]
         answer = json.dumps({"id": uuid.uuid4().hex, "object": "text_completion", "choices": [
             {"index": 0, "text": "", "token_ids": ids, "finish_reason": "length"}]}).encode()

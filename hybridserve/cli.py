@@ -88,7 +88,7 @@ def _cluster_options(args: argparse.Namespace) -> dict:
     from hybridserve.deploy.options import WorkerOptions
     from hybridserve.router.config import AdmissionConfig, OrchestratorConfig, RouterOptions
 
-    model_dir, engine = _model_dir(args), _engine_config(args)
+    model_dir, engine, tls = _model_dir(args), _engine_config(args), _internal_tls(args)
     extra: dict[str, Any] = {}
     if getattr(args, "max_running", None) is not None:
         extra["admission"] = AdmissionConfig(max_running=args.max_running, max_queued=args.max_queued,
@@ -100,12 +100,11 @@ def _cluster_options(args: argparse.Namespace) -> dict:
     router = RouterOptions(model_dir=model_dir, model_name=args.model_name, host=args.host, http_port=args.http_port,
                            grpc_port=args.grpc_port, api_key=args.api_key, generation_config=args.generation_config,
                            internal_token=args.internal_token, drain_timeout_s=args.drain_timeout,
-                           internal_tls=_internal_tls(args), **extra)
+                           internal_tls=tls, **extra)
     on_ray_cluster = getattr(args, "address", None) and not getattr(args, "no_ray", False)
     worker_host = args.worker_host or ("node-ip" if on_ray_cluster else "127.0.0.1")
     worker = WorkerOptions(model_dir=model_dir, engine=engine, host=worker_host, transfer=_transfer_config(args),
-                           internal_token=args.internal_token, drain_timeout_s=args.drain_timeout,
-                           internal_tls=_internal_tls(args))
+                           internal_token=args.internal_token, drain_timeout_s=args.drain_timeout, internal_tls=tls)
     return dict(router=router, worker=worker, num_prefill=args.prefill_workers, num_decode=args.decode_workers,
                 num_gpus_per_worker=args.num_gpus_per_worker,
                 prefill_engine_overrides=getattr(args, "prefill_worker_overrides", None))

@@ -72,7 +72,7 @@ class Orchestrator:
         self.policy = RoutingPolicy(config.routing, self.index)
         self._active: dict[str, _Active] = {}  # touched on the loop only (reads elsewhere are atomic dict reads)
         self._aborts: set[asyncio.Task] = set()  # fire-and-forget worker aborts still running
-        self._retiring: dict[int, tuple[WorkerHandle, concurrent.futures.Future]] = {}  # left the set, closing
+        self._retiring: dict[concurrent.futures.Future, WorkerHandle] = {}  # left the set, closing on the loop
         self.recent_decisions: deque[tuple[str, Decision]] = deque(maxlen=1024)  # (request id, decision)
         # clients repeat their sampling settings: convert each distinct one once (the message is only ever copied
         # into worker requests, never changed)
@@ -89,11 +89,8 @@ class Orchestrator:
             # its in-flight requests finish on it; then its session and channel close, on the loop
             future = asyncio.run_coroutine_threadsafe(
                 gone.retire_aio(self.config.resilience.stream_timeout_s), self.loop.loop)
-            self._retiring[id(gone)] = (gone, future)
-            future.add_done_callback(functools.partial(self._retired, id(gone)))
-
-    def _retired(self, key: int, _: concurrent.futures.Future) -> None:
-        self._retiring.pop(key, None)
+            self._retiring[future] = gone
+            future.add_done_callback(self._retiring.pop)
 
     def close(self) -> None:
         """Abort what is in flight, close the channels, stop the loop (call from outside the loop)."""
@@ -111,7 +108,7 @@ class Orchestrator:
         await asyncio.sleep(0)  # let the cancelled streams unwind and start their worker aborts
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=5)
-        for handle, retiring in list(self._retiring.values()):
+        for retiring, handle in list(self._retiring.items()):
             retiring.cancel()
             await handle.close_aio()
         for handle in self.workers.all():

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
+
 import pytest
 from router_cluster import Cluster, tiny_model_dir
 
@@ -12,3 +16,18 @@ def server():
     c = Cluster(tiny_model_dir(), num_prefill=1, num_decode=1)
     yield c
     c.stop()
+
+
+@pytest.fixture
+def train_demo(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """bench/train_demo.py imported for one test: it takes bench/ off sys.path and re-imports its
+    train_demo_* siblings, so sys.path and those modules are put back as they were afterwards."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("train_demo", *(f"train_demo_{part}" for part in ("data", "mtp", "card", "eval", "scan", "args",
+                                                                     "ditto"))):
+        if name in sys.modules:  # this module's copy comes back afterwards
+            monkeypatch.setitem(sys.modules, name, sys.modules[name])
+        else:  # recorded as absent, so the import below is removed afterwards
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+            del sys.modules[name]
+    return importlib.import_module("train_demo")

@@ -3,14 +3,11 @@ loss's fixed point, and a fine-tuning run of train_demo.py from a checkpoint."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 import types
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 import train_demo_ditto as ditto  # bench/ is on pytest's pythonpath
 
@@ -91,16 +88,7 @@ def test_newline_mask_marks_line_ending_tokens() -> None:
 
 
 def test_finetuning_from_the_demo_checkpoint_with_ditto_runs_and_saves(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sys, "path", list(sys.path))  # train_demo takes bench/ off sys.path; later tests need it
-    for name in ("train_demo", *(f"train_demo_{part}" for part in ("data", "mtp", "card", "eval", "scan", "args",
-                                                                     "ditto"))):
-        if name in sys.modules:  # train_demo re-imports its siblings: put this module's copies back afterwards
-            monkeypatch.setitem(sys.modules, name, sys.modules[name])
-        else:  # recorded as absent, so the import below is removed afterwards
-            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-            del sys.modules[name]
-    train_demo = importlib.import_module("train_demo")
+                                                                       train_demo: types.ModuleType) -> None:
 
     demo = ROOT / "models" / "demo_model"
     out = tmp_path / "tuned"

@@ -3,7 +3,6 @@ decoding-default pick on validation prompts (demo_parse_eval.select), and train_
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 import types
@@ -68,21 +67,13 @@ def test_select_takes_the_most_parsed_then_the_mildest_setting() -> None:
     assert parse_mod.select([_row(90, 1.0, 0), _row(91, 1.2, 4)]) == _row(91, 1.2, 4)
 
 
-def test_profile_steps_writes_the_kernel_table_and_no_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sys, "path", list(sys.path))  # train_demo takes bench/ off sys.path; later tests need it
-    for name in ("train_demo", *(f"train_demo_{part}" for part in ("data", "mtp", "card", "eval", "scan", "args"))):
-        if name in sys.modules:  # train_demo re-imports its siblings: put this module's copies back afterwards
-            monkeypatch.setitem(sys.modules, name, sys.modules[name])
-        else:  # recorded as absent, so the import below is removed afterwards
-            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-            del sys.modules[name]
-    train = importlib.import_module("train_demo")
+def test_profile_steps_writes_the_kernel_table_and_no_model(tmp_path: Path, train_demo: types.ModuleType) -> None:
     out = tmp_path / "run"
     tiny = ["--hidden", "32", "--mlp-intermediate", "64", "--heads", "2", "--kv-heads", "1", "--mamba-head-dim", "8",
             "--ssm-state", "8", "--n-groups", "1", "--chunk-size", "8", "--vocab-size", "280", "--tokenizer-mb",
             "0.2", "--seq-len", "32", "--batch-size", "2", "--max-files", "20"]
-    code = train.main(["--out-dir", str(out), "--device", "cpu", "--max-steps", "20", "--calib-steps", "12",
-                       "--profile-steps", "2", *tiny])
+    code = train_demo.main(["--out-dir", str(out), "--device", "cpu", "--max-steps", "20", "--calib-steps", "12",
+                            "--profile-steps", "2", *tiny])
     assert code == 0
     table = (out / "profile.txt").read_text()
     assert table.startswith("2 steps profiled") and "aten::" in table

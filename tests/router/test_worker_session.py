@@ -46,6 +46,16 @@ def _quiet(cluster: Cluster) -> None:
     cluster.check_pools()
 
 
+def _abort_after_first_token(cluster: Cluster, prompt: list[int], request_id: str) -> None:
+    """A long request aborted through the router after its first token: its stream ends CANCELLED."""
+    events = cluster.orchestrator.generate(prompt, LONG, request_id=request_id)
+    next(events)
+    assert cluster.orchestrator.abort(request_id)
+    with pytest.raises(WorkerError) as info:
+        list(events)
+    assert info.value.code == grpc.StatusCode.CANCELLED
+
+
 def test_concurrent_requests_share_one_session_and_equal_the_offline_engine(local, model_dir) -> None:
     prompts = random_prompts([3, 9, 17, 31, 40, 5], vocab=300, seed=71)
     with futures.ThreadPoolExecutor(len(prompts)) as pool:
@@ -59,12 +69,7 @@ def test_concurrent_requests_share_one_session_and_equal_the_offline_engine(loca
 
 
 def test_an_aborted_request_stops_on_the_worker(local) -> None:
-    events = local.orchestrator.generate([5, 6, 7], LONG, request_id="long")
-    next(events)
-    assert local.orchestrator.abort("long")
-    with pytest.raises(WorkerError) as info:
-        list(events)
-    assert info.value.code == grpc.StatusCode.CANCELLED
+    _abort_after_first_token(local, [5, 6, 7], "long")
     _quiet(local)
     assert len(local.generate([5, 6, 7])) == GREEDY.max_tokens  # the session serves on
 
@@ -249,12 +254,7 @@ def test_disaggregated_token_streams_go_on_the_session_and_aborts_free_both_side
         assert not any(d.local for _, d in cluster.orchestrator.recent_decisions)  # prefilled on the prefill worker
         session = cluster.orchestrator.workers.snapshot()[1][0]._session
         assert session is not None and not session._streams
-        events = cluster.orchestrator.generate(random_prompts([40], vocab=300, seed=73)[0], LONG, request_id="pd")
-        next(events)
-        assert cluster.orchestrator.abort("pd")
-        with pytest.raises(WorkerError) as info:
-            list(events)
-        assert info.value.code == grpc.StatusCode.CANCELLED
+        _abort_after_first_token(cluster, random_prompts([40], vocab=300, seed=73)[0], "pd")
         _quiet(cluster)
         assert cluster.idle()
         # a ticket the worker does not know is refused on the session with the call's status
