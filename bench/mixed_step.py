@@ -18,11 +18,13 @@ import gc
 import json
 import statistics
 import time
+import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_prompts
+from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_prompts, sync
 
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.sampling_params import SamplingParams
@@ -96,6 +98,196 @@ def measure(engine: LLMEngine, rows: int, args: argparse.Namespace, seed: int) -
     }
 
 
+def sync_sites(engine: LLMEngine, rows: int, args: argparse.Namespace) -> str:
+    """Where the host waits for the device in a mixed and a decode step: every synchronising CUDA call (torch's
+    sync debug mode) counted by the project frames that made it. Each sync inside the forward idles the GPU
+    while the host queues the rest of the step."""
+    decoders = start_decoders(engine, rows, args.prompt_len, 777)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    sites: dict[str, collections.Counter[str]] = {"mixed": collections.Counter(), "decode": collections.Counter()}
+    kind = "mixed"
+
+    def record(message: Warning | str, *_: object, **__: object) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if "hybridserve" in f.filename or "/engine/" in f.filename
+                  or "/models/" in f.filename or "/kernels/" in f.filename or "/statepool/" in f.filename]
+        where = " <- ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno}" for f in frames[-4:][::-1])
+        sites[kind][where or str(message)[:120]] += 1
+
+    steps = 3
+    torch.cuda.set_sync_debug_mode(1)
+    saved = warnings.showwarning
+    warnings.showwarning = record  # type: ignore[assignment]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record  # type: ignore[assignment]
+            for i in range(steps):
+                kind = "mixed"
+                rid = engine.add_request(random_prompts(1, args.prompt_len, 5000 + i, vocab)[0], params)
+                engine.step()
+                engine.abort(rid)
+                kind = "decode"
+                engine.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = saved
+    for rid in decoders:
+        engine.abort(rid)
+    engine.step()
+    lines = []
+    for name, counter in sites.items():
+        lines.append(f"## {name} step ({rows} decode rows, {args.prompt_len}-token prefill in mixed): "
+                     f"{sum(counter.values()) / steps:.1f} syncs per step")
+        lines.extend(f"{n / steps:6.1f}  {where}" for where, n in counter.most_common())
+    return "\n".join(lines) + "\n"
+
+
+def busy_union(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of (start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def timeline(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """Per mixed step, from a profiler trace: wall time, GPU kernel busy time (union of kernel intervals), when the
+    host had queued the step's last kernel, and the GPU's idle gaps over 100 us (what the host was doing): a step
+    whose busy time is far below its wall time is host-bound."""
+    decoders = start_decoders(engine, rows, args.prompt_len, 888)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    lengths = [int(n) for n in args.timeline_lens.split(",")]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for i, length in enumerate(lengths * 3):
+            sync(engine)
+            rid = engine.add_request(random_prompts(1, length, 9000 + i, vocab)[0], params) if length else None
+            with torch.profiler.record_function(f"step_{length}"):
+                engine.step()
+            sync(engine)
+            if rid is not None:
+                engine.abort(rid)
+                engine.step()
+    trace = out / "mixed_step_trace.json"
+    prof.export_chrome_trace(str(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    kernels = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "kernel"]
+    launches = [e for e in events if e.get("cat") == "cuda_runtime" and "aunch" in e.get("name", "")]
+    ops = [e for e in events if e.get("cat") == "cpu_op" and e.get("dur", 0) > 0]
+    steps = [e for e in events if e.get("name", "").startswith("step_") and e.get("cat") == "user_annotation"]
+    result = []
+    for step in sorted(steps, key=lambda e: e["ts"]):
+        t0, t1 = step["ts"], step["ts"] + step["dur"]
+        inside = [(max(a, t0), min(b, t1 + 1e6)) for a, b in kernels if t0 <= a <= t1 + 2e5]
+        last_launch = max((e["ts"] for e in launches if t0 <= e["ts"] <= t1), default=t0)
+        gaps = []
+        ordered = sorted(inside)
+        end = t0
+        for a, b in ordered:
+            if a - end > 100:
+                busy_ops = [o for o in ops if o["ts"] <= a <= o["ts"] + o["dur"] and o["ts"] >= end - 5e4]
+                gaps.append({"at_ms": round((end - t0) / 1e3, 2), "gap_ms": round((a - end) / 1e3, 2),
+                             "host_in": [o["name"] for o in sorted(busy_ops, key=lambda o: -o["dur"])[:3]]})
+            end = max(end, b)
+        result.append({"step": step["name"], "wall_ms": round((t1 - t0) / 1e3, 2),
+                       "kernel_busy_ms": round(busy_union(inside) / 1e3, 2),
+                       "last_launch_ms": round((last_launch - t0) / 1e3, 2),
+                       "kernels": len(inside), "gaps_over_100us": len(gaps),
+                       "gap_total_ms": round(sum(g["gap_ms"] for g in gaps), 2), "largest_gaps":
+                       sorted(gaps, key=lambda g: -g["gap_ms"])[:8]})
+    trace.unlink()
+    for rid in decoders:
+        engine.abort(rid)
+    engine.step()
+    return {"decode_rows": rows, "steps": result}
+
+
+def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+    """The host's own cost of queueing a step: the GPU is first given a ~0.5 s spin, so the time from the step's
+    start to the sampler (where the step first waits for the device) is pure host work, never the host waiting.
+    A step whose host time exceeds its GPU time is host-bound. One 1024-token step is also run under cProfile
+    (the functions with the most own time, into DIR/host_profile.txt)."""
+    import cProfile
+    import io
+    import pstats
+
+    from hybridserve.engine import model_runner
+
+    decoders = start_decoders(engine, rows, args.prompt_len, 999)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    reached: list[float] = []
+    original = model_runner.sample
+
+    def timed_sample(*a: Any, **k: Any) -> Any:
+        reached.append(time.perf_counter())
+        return original(*a, **k)
+
+    model_runner.sample = timed_sample  # type: ignore[assignment]
+    results = []
+    graphed = engine.runner.model
+    modes = (True, False) if hasattr(graphed, "split_mixed") else (False,)
+    try:
+        for length in [int(n) for n in args.timeline_lens.split(",")]:
+            hosts: dict[bool, list[float]] = {m: [] for m in modes}
+            walls: dict[bool, list[float]] = {m: [] for m in modes}
+            for i in range(args.repeats):
+                for split in modes:  # alternated step for step, so drift hits both alike
+                    if hasattr(graphed, "split_mixed"):
+                        graphed.split_mixed = split
+                    sync(engine)
+                    rid = engine.add_request(random_prompts(1, length, 7000 + i, vocab)[0], params) if length else None
+                    if torch.cuda.is_available():
+                        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of device spin ahead of the step
+                    reached.clear()
+                    start = time.perf_counter()
+                    if length == 1024 and i == args.repeats - 1 and split == modes[0]:
+                        prof = cProfile.Profile()
+                        prof.enable()
+                        engine.step()
+                        prof.disable()
+                        text = io.StringIO()
+                        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(45)
+                        pstats.Stats(prof, stream=text).sort_stats("cumtime").print_stats(45)
+                        (out / "host_profile.txt").write_text(text.getvalue())
+                    else:
+                        engine.step()
+                        hosts[split].append(1e3 * (reached[0] - start))
+                    sync(engine)
+                    if rid is not None:
+                        engine.abort(rid)
+                        engine.step()
+                    # the same step without the spin: its wall time (host and device overlapping as served)
+                    rid = engine.add_request(random_prompts(1, length, 8000 + i, vocab)[0], params) if length else None
+                    sync(engine)
+                    start = time.perf_counter()
+                    engine.step()
+                    sync(engine)
+                    walls[split].append(1e3 * (time.perf_counter() - start))
+                    if rid is not None:
+                        engine.abort(rid)
+                        engine.step()
+            for split in modes:
+                results.append({"decode_rows": rows, "prefill_tokens": length, "split_mixed": split,
+                                "host_ms_p50": statistics.median(hosts[split]), "host_ms_min": min(hosts[split]),
+                                "wall_ms_p50": statistics.median(walls[split]), "wall_ms_min": min(walls[split]),
+                                "wall_ms": [round(w, 2) for w in walls[split]]})
+                print({k: v for k, v in results[-1].items() if k != "wall_ms"})
+        if hasattr(graphed, "split_mixed"):
+            graphed.split_mixed = True
+    finally:
+        model_runner.sample = original  # type: ignore[assignment]
+    for rid in decoders:
+        engine.abort(rid)
+    engine.step()
+    return results
+
+
 def diff_table(off: dict[str, tuple], on: dict[str, tuple], column: int, label: str) -> str:
     keys = set(off) | set(on)
     rows = sorted(keys, key=lambda k: -abs(on.get(k, (0, 0, 0))[column] - off.get(k, (0, 0, 0))[column]))[:25]
@@ -113,8 +305,42 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default=None, help="directory for mixed_step.json and mixed_step_diff.txt")
+    parser.add_argument("--sync-sites", action="store_true",
+                        help="only list where a mixed and a decode step synchronise with the GPU (cache on, as "
+                             "served), into DIR/sync_sites.txt")
+    parser.add_argument("--timeline", action="store_true",
+                        help="only trace steps with --timeline-lens prefill tokens beside the first --decode-rows "
+                             "(cache on): wall vs GPU busy time and idle gaps, into DIR/mixed_step_timeline.json")
+    parser.add_argument("--timeline-lens", default="0,512,1024,2048")
+    parser.add_argument("--host-time", action="store_true",
+                        help="only measure the host's cost of queueing steps with --timeline-lens prefill tokens "
+                             "(cache on), into DIR/mixed_step_host.json and DIR/host_profile.txt")
     args = parser.parse_args()
     model_dir = dummy_model_dir(args.dummy_config) if args.model is None else Path(args.model)
+    if args.host_time:
+        out = Path(args.out or ".")
+        out.mkdir(parents=True, exist_ok=True)
+        engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=True))
+        found = host_time(engine, args.decode_rows[0], args, out)
+        (out / "mixed_step_host.json").write_text(json.dumps(found, indent=1) + "\n")
+        return
+    if args.timeline:
+        out = Path(args.out or ".")
+        out.mkdir(parents=True, exist_ok=True)
+        engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=True))
+        found = timeline(engine, args.decode_rows[0], args, out)
+        (out / "mixed_step_timeline.json").write_text(json.dumps(found, indent=1) + "\n")
+        for row in found["steps"]:
+            print({k: v for k, v in row.items() if k != "largest_gaps"})
+        return
+    if args.sync_sites:
+        engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=True))
+        text = sync_sites(engine, args.decode_rows[0], args)
+        print(text)
+        if args.out:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "sync_sites.txt").write_text(text)
+        return
     results: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     for caching in (False, True, False, True):  # alternated, so drift hits both settings alike
         engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=caching))

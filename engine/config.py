@@ -45,6 +45,9 @@ class EngineConfig:
     seed: int = 0  # seeds requests that bring no seed of their own
     enable_prefix_caching: bool = True  # radix cache of KV blocks + aligned Mamba checkpoints
     cuda_graphs: bool = True  # on device="cuda": replay decode-only steps from captured CUDA graphs
+    # with cuda_graphs: a step mixing decode rows and prefill chunks replays the decode rows' graph and runs only
+    # the prefill eagerly (a prefill step is bound by the host's kernel launches); off: the whole step eagerly
+    split_mixed_steps: bool = True
     # Tokens between cached Mamba checkpoints; a multiple of the model's SSD chunk_size (and of page_size
     # for models with attention). None: 4 x chunk_size (rounded up to a page multiple). Each checkpoint is a
     # whole state (137 MiB for Nemotron-Nano-9B-v2 in fp32, ~8.8K tokens of its KV), so every chunk would
@@ -106,8 +109,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be a bool, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "split_mixed_steps"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         standby = self.standby_state_slots
         if standby is not None and (isinstance(standby, bool) or not isinstance(standby, int) or standby < 0):
             raise ValueError(f"standby_state_slots must be an integer >= 0 or None, got {standby!r}")

@@ -4,6 +4,9 @@ bucket and replayed, so a decode step costs one graph launch instead of hundreds
 Inputs are copied into static buffers; rows past the real batch are padding (state slot -1 and KV slot -1,
 which every kernel skips; kv_len 1 on page 0, whose output is discarded). Only decode-only batches whose
 size fits a bucket and whose block tables fit the captured width take the graph; the rest run eagerly.
+A mixed step (decode rows beside prefill chunks) replays the decode rows' graph and runs only the prefill
+eagerly: a prefill step is bound by the host's kernel launches (~40 ms for the 9B at any chunk size on the
+H200, bench/results/h200/serve_speed/mixed_split/), and the decode rows' eager path added to them.
 """
 
 from __future__ import annotations
@@ -114,24 +117,45 @@ class DecodeGraphs:
 class GraphedModel:
     """Stands in for a HybridLM: decode-only batches replay a captured graph, everything else runs eagerly."""
 
-    def __init__(self, model: HybridLM, graphs: DecodeGraphs) -> None:
+    def __init__(self, model: HybridLM, graphs: DecodeGraphs, split_mixed: bool = True) -> None:
         self.model = model
         self.graphs = graphs
+        self.split_mixed = split_mixed
+        self.num_split_steps = 0  # mixed steps whose decode rows replayed a graph
 
     def __call__(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: StateCache) -> torch.Tensor:
         if cache is self.graphs.cache:
             hidden = self.graphs.run(input_ids, batch)
             if hidden is not None:
                 return hidden
+            if self.splits(batch):
+                decodes, prefills = batch.split_decodes()
+                nd = batch.num_decode
+                decoded = self.graphs.run(input_ids[:nd], decodes)
+                assert decoded is not None  # `splits` checked what `bucket_for` checks
+                self.num_split_steps += 1
+                # [N, hidden]: the graph's output buffer is rewritten by its next replay, so it is copied now
+                return torch.cat([decoded, self.model(input_ids[nd:], prefills, cache)])
         return self.model(input_ids, batch, cache)
+
+    def splits(self, batch: ForwardBatch) -> bool:
+        """Whether a mixed batch's decode rows can replay a graph beside an eager prefill (not speculative
+        verify rows, not a prefill worker's layer-by-layer staging, decode rows within the largest bucket)."""
+        return (self.split_mixed and 0 < batch.num_decode < batch.num_seqs and batch.decode_len == 1
+                and batch.spec_rollback is None and batch.layer_done is None
+                and batch.num_decode <= self.graphs.buckets[-1]
+                and batch.block_tables.shape[1] <= self.graphs.block_tables.shape[1])
 
     def __getattr__(self, name: str) -> Any:  # compute_logits, config, parameters, ...
         return getattr(self.model, name)
 
 
-def enable_decode_graphs(runner: Any, max_batch: int, max_pages_per_seq: int) -> DecodeGraphs | None:
-    """Capture decode graphs for a ModelRunner on CUDA and route its forwards through them. A model whose
-    decode step cannot be captured (a layer that syncs with the host) keeps running eagerly: returns None."""
+def enable_decode_graphs(
+    runner: Any, max_batch: int, max_pages_per_seq: int, split_mixed: bool = True
+) -> DecodeGraphs | None:
+    """Capture decode graphs for a ModelRunner on CUDA and route its forwards through them (`split_mixed`: mixed
+    steps too, their decode rows). A model whose decode step cannot be captured (a layer that syncs with the
+    host) keeps running eagerly: returns None."""
     if runner.device.type != "cuda":
         raise ValueError(f"CUDA graphs need a CUDA device, the runner is on {runner.device}")
     graphs = DecodeGraphs(runner.model, runner.cache, max_batch, max_pages_per_seq)
@@ -141,5 +165,5 @@ def enable_decode_graphs(runner: Any, max_batch: int, max_pages_per_seq: int) ->
         logger.warning("decode step not capturable as a CUDA graph, running eagerly: %s", exc)
         torch.cuda.synchronize()
         return None
-    runner.model = GraphedModel(runner.model, graphs)
+    runner.model = GraphedModel(runner.model, graphs, split_mixed)
     return graphs

@@ -104,7 +104,7 @@ class LLMEngine:
             elif self.tp is not None:  # every rank captures, the all-reduces inside the graphs
                 self.tp.capture_graphs(cast(tp_worker.LeaderModel, self.model), self.cache, self.max_running, max_pages)
             else:
-                enable_decode_graphs(self.runner, self.max_running, max_pages)
+                enable_decode_graphs(self.runner, self.max_running, max_pages, config.split_mixed_steps)
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}  # finished, state kept for export
         self._hooks: dict[str, handoff.HandoffHooks] = {}  # held requests' callbacks, until they finish
@@ -283,10 +283,13 @@ class LLMEngine:
         }
 
     def graph_stats(self) -> dict[str, int]:
-        """Decode steps replayed from a CUDA graph and decode-only steps that ran eagerly (0 without graphs)."""
-        graphs = getattr(self.runner.model, "graphs", None)
+        """Decode steps replayed from a CUDA graph (the decode rows of split mixed steps included), decode-only
+        steps that ran eagerly, and mixed steps split into a replay and an eager prefill (0 without graphs)."""
+        graphed = self.runner.model
+        graphs = getattr(graphed, "graphs", None)
         return {"graph_decode_steps": getattr(graphs, "num_replays", 0),
-                "eager_decode_steps": getattr(graphs, "num_eager_decodes", 0)}
+                "eager_decode_steps": getattr(graphs, "num_eager_decodes", 0),
+                "split_mixed_steps": getattr(graphed, "num_split_steps", 0)}
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -107,7 +107,8 @@ class Leader:
         rank 0's forwards then replay too. A capture error raises: ranks must not disagree on graphs."""
         self.send([CAPTURE, max_batch, max_pages])
         graphs = capture_rank_graphs(model.model, cache, max_batch, max_pages)
-        model.model = cast(HybridLM, GraphedModel(model.model, graphs))
+        # mixed steps stay whole under TP (every rank must split alike; not measured on two GPUs yet)
+        model.model = cast(HybridLM, GraphedModel(model.model, graphs, split_mixed=False))
         return graphs
 
     def send_layout(self, layout: CacheLayout) -> None:
@@ -349,7 +350,7 @@ def follow(model: HybridLM, tp: TPGroup, device: torch.device, config: EngineCon
                 model.mtp_forward(input_ids, tp.broadcast(prev), batch, cache)
         elif command == CAPTURE:
             assert cache is not None
-            forward = GraphedModel(model, capture_rank_graphs(model, cache, fields[1], fields[2]))
+            forward = GraphedModel(model, capture_rank_graphs(model, cache, fields[1], fields[2]), split_mixed=False)
         elif command == LOGITS:
             hidden = tp.broadcast(torch.empty(fields[1], fields[2], dtype=model.lm_head.weight.dtype, device=device))
             cast(VocabParallelLMHead, model.lm_head).gathered_logits(hidden)

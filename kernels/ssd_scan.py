@@ -116,6 +116,7 @@ def ssd_scan_varlen_ref(
     slots: torch.Tensor | None = None,  # [S] pool row of each sequence
     checkpoint_rows: torch.Tensor | None = None,  # [K] pool row of each kept state, -1 = not written
     meta: ChunkMeta | None = None,  # unused here (the Triton scan's precomputed chunk metadata)
+    init_rows: torch.Tensor | None = None,  # unused here (the Triton scan's precomputed initial rows)
 ) -> SSDScanOutput:
     """Reference varlen SSD scan with chunk-aligned intermediate states (fp32 math).
 

@@ -85,9 +85,11 @@ def ssd_scan_varlen_triton(
     walk: WalkConfig | None = None,  # state-walk launch shape (benchmark sweeps); None: `walk_config`
     segment_chunks: int = WHOLE_SEQUENCE,  # chunks per walk segment (walked in parallel, then joined), meta None
     output_kernel: str | None = None,  # "blocked" or "dense" (see `OUTPUT_KERNELS`); None: by chunk size
+    init_rows: torch.Tensor | None = None,  # [S] pool mode: slots where start_positions > 0, else -1 (precomputed)
 ) -> SSDScanOutput:
     """Triton version of `ssd_scan_varlen_ref`: same arguments, same outputs (fp32 states). In pool mode the
-    kernels read initial states from and write final / kept states to the pool rows directly."""
+    kernels read initial states from and write final / kept states to the pool rows directly. `init_rows` saves
+    two small ops per call when every layer of a forward scans the same batch."""
     output_kernel = output_kernel or default_output_kernel(chunk_size)
     if output_kernel not in OUTPUT_KERNELS:
         raise ValueError(f"output_kernel must be one of {OUTPUT_KERNELS}, got {output_kernel!r}")
@@ -112,9 +114,10 @@ def ssd_scan_varlen_triton(
             raise ValueError(f"checkpoint_rows has {checkpoint_rows.numel()} entries for {num_kept} kept states")
         final = kept = init = state_pool
         final_rows = slots
-        kept_rows = checkpoint_rows if checkpoint_rows is not None else torch.full((1,), -1, device=dev)
-        resumed = start_positions > 0 if start_positions is not None else torch.zeros_like(slots, dtype=torch.bool)
-        init_rows = torch.where(resumed, slots, -1)
+        kept_rows = checkpoint_rows if checkpoint_rows is not None else slots  # unread without HAS_KEPT
+        if init_rows is None:
+            resumed = start_positions > 0 if start_positions is not None else torch.zeros_like(slots, dtype=torch.bool)
+            init_rows = torch.where(resumed, slots, -1)
     else:
         final = torch.empty(num_seqs, heads, head_dim, state_size, dtype=torch.float32, device=dev)
         kept = torch.empty(max(num_kept, 1), heads, head_dim, state_size, dtype=torch.float32, device=dev)

@@ -58,9 +58,38 @@ class ForwardBatch:
         return sum(self.query_lens)
 
     def prefill_cu_seqlens(self) -> torch.Tensor:
-        """Offsets of the prefill sequences' tokens, starting at 0: [S - num_decode + 1]."""
-        cu = self.cu_seqlens[self.num_decode :]
-        return cu - cu[0]
+        """Offsets of the prefill sequences' tokens, starting at 0: [S - num_decode + 1] (built once per batch)."""
+        key = ("prefill_cu",)
+        if key not in self._derived:
+            cu = self.cu_seqlens[self.num_decode :]
+            self._derived[key] = cu - cu[0]
+        return self._derived[key]  # type: ignore[return-value]
+
+    def split_decodes(self) -> tuple[ForwardBatch, ForwardBatch]:
+        """(the decode rows alone, the prefill rows alone) of a mixed batch of one-token decode rows, so the
+        decode rows can replay a CUDA graph and only the prefill runs eagerly. The prefill half's tensors are
+        fresh copies, not views at an offset: Triton specializes on pointer alignment, and a view at an odd
+        row would launch kernel variants the warm-up never compiled."""
+        nd = self.num_decode
+        if not 0 < nd < self.num_seqs or self.decode_len != 1 or self.spec_rollback is not None:
+            raise ValueError(f"split_decodes needs one-token decode rows and prefill rows, got num_decode={nd} of "
+                             f"{self.num_seqs} sequences, decode_len={self.decode_len}")
+        decodes = ForwardBatch(
+            num_decode=nd, query_lens=self.query_lens[:nd], cu_seqlens=self.cu_seqlens[: nd + 1],
+            context_lens=self.context_lens[:nd], kv_lens=self.kv_lens[:nd], state_slots=self.state_slots[:nd],
+            block_tables=self.block_tables[:nd], slot_mapping=self.slot_mapping[:nd],
+            context_lens_host=None if self.context_lens_host is None else self.context_lens_host[:nd],
+        )
+        prefills = ForwardBatch(
+            num_decode=0, query_lens=self.query_lens[nd:], cu_seqlens=self.cu_seqlens[nd:] - nd,
+            context_lens=self.context_lens[nd:].clone(), kv_lens=self.kv_lens[nd:].clone(),
+            state_slots=self.state_slots[nd:].clone(), block_tables=self.block_tables[nd:].clone(),
+            slot_mapping=self.slot_mapping[nd:].clone(), state_block=self.state_block,
+            num_checkpoint_boundaries=self.num_checkpoint_boundaries, boundary_rows=self.boundary_rows,
+            context_lens_host=None if self.context_lens_host is None else self.context_lens_host[nd:],
+            layer_done=self.layer_done,
+        )
+        return decodes, prefills
 
     # ---- metadata every layer of one forward shares: built once, on the first layer that needs it ----------
     def _prefill_starts(self) -> list[int]:
@@ -98,6 +127,15 @@ class ForwardBatch:
         if key not in self._derived:
             nd = self.num_decode
             self._derived[key] = (self.state_slots[nd:].clone(), self.context_lens[nd:].clone())
+        return self._derived[key]  # type: ignore[return-value]
+
+    def prefill_init_rows(self) -> torch.Tensor:
+        """[S - num_decode] the state slot each prefill sequence resumes from, -1 for a fresh one (the SSD scan's
+        initial-state rows, built once per batch instead of in every layer)."""
+        key = ("init_rows",)
+        if key not in self._derived:
+            slots, starts = self.prefill_rows()
+            self._derived[key] = torch.where(starts > 0, slots, -1)
         return self._derived[key]  # type: ignore[return-value]
 
     def attention_blocks(self) -> QueryBlocks | None:

@@ -122,6 +122,7 @@ class Mamba2Mixer(nn.Module):
                 slots=slots,
                 checkpoint_rows=boundary_rows,
                 meta=batch.prefill_chunk_meta(cfg.chunk_size, block),
+                init_rows=batch.prefill_init_rows(),
             )
             y[nd * batch.decode_len :] = scan.y
         return self.out_proj(self.norm(y.reshape(-1, cfg.intermediate_size), gate))

@@ -49,3 +49,59 @@ def test_preemption_under_page_pressure_keeps_tokens() -> None:
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.pool.pages.num_free == 16
     assert llm.engine.pool.slots.num_free == 4
+
+
+class SplitCheck:
+    """Stands in for the runner's model: every mixed batch is run whole and, from the same cache contents, as
+    its decode half then its prefill half (`ForwardBatch.split_decodes`, what a CUDA-graph engine does); the
+    hidden states and every cache tensor must agree."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.checked = 0
+
+    def __call__(self, input_ids, batch, cache):
+        if not 0 < batch.num_decode < batch.num_seqs:
+            return self.model(input_ids, batch, cache)
+        tensors = [cache.k_pages, cache.v_pages, cache.conv_states, cache.ssm_states]
+        before = [t.clone() for t in tensors]
+        whole = self.model(input_ids, batch, cache)
+        after = [t.clone() for t in tensors]
+        for t, saved in zip(tensors, before):
+            t.copy_(saved)
+        decodes, prefills = batch.split_decodes()
+        nd = batch.num_decode
+        parts = torch.cat([self.model(input_ids[:nd], decodes, cache), self.model(input_ids[nd:], prefills, cache)])
+        torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5)
+        for t, expected in zip(tensors, after):
+            torch.testing.assert_close(t, expected, rtol=1e-5, atol=1e-5)
+        self.checked += 1
+        return parts
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.mark.parametrize("caching", [False, True], ids=["cache_off", "cache_on"])
+def test_mixed_step_split_into_decodes_and_prefill_matches_whole(caching) -> None:
+    model_dir, _ = nemotron_h("M*-M*")
+    prompts = random_prompts([3, 40, 9, 33], vocab=128, seed=8)
+    reference = _generate(model_dir, prompts, prefill_chunk_size=7)
+    llm = LLM(model_dir, prefill_chunk_size=7, enable_prefix_caching=caching, state_block=16 if caching else None)
+    check = SplitCheck(llm.engine.runner.model)
+    llm.engine.runner.model = check
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert check.checked > 0, "no mixed step was scheduled"
+    assert [o.token_ids for o in outs] == reference
+
+
+def test_split_decodes_refuses_batches_it_cannot_split() -> None:
+    from hybridserve.engine.model_runner import PlacedRow, place_rows
+
+    batch, _ = place_rows([PlacedRow([0], 3, 1, 0), PlacedRow([1], 0, 4, 1)], 1, 16, torch.device("cpu"))
+    decodes, prefills = batch.split_decodes()
+    assert decodes.query_lens == (1,) and prefills.query_lens == (4,)
+    assert prefills.cu_seqlens.tolist() == [0, 4] and prefills.slot_mapping.tolist() == [16, 17, 18, 19]
+    only_decodes, _ = place_rows([PlacedRow([0], 3, 1, 0)], 1, 16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="split_decodes needs"):
+        only_decodes.split_decodes()

@@ -37,3 +37,16 @@ def test_graph_decode_equals_eager(family):
     graphed = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     assert any(replays), "no decode step went through a graph"
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+
+
+def test_mixed_steps_replay_the_decode_rows_and_match_eager():
+    """A prefill chunk beside decode rows: the decode rows replay their graph, the prefill runs eagerly."""
+    model_dir = nemotron_h("M*-M")[0]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eager = LLM(model_dir, device="cuda", dtype="float32", cuda_graphs=False, prefill_chunk_size=8)
+    expected = [o.token_ids for o in eager.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+    for caching in (False, True):
+        llm = LLM(model_dir, device="cuda", dtype="float32", prefill_chunk_size=8, enable_prefix_caching=caching)
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+        assert llm.engine.graph_stats()["split_mixed_steps"] > 0
+        assert got == expected
