@@ -33,6 +33,9 @@
 #     bash bench/serve_gpu.sh OUT colocated-1gpu colocated-1gpu-nocache
 #   KIND=multi-turn KIND_ARGS="--num-turns 4 --prefix-len 512" WORKLOADS=128:64 NUM_PROMPTS=16 RATES=2 ...
 # Their results are named <deployment>-<kind>-<in>-<out>.
+# OFFLINE_BATCHES="4 8" also runs the offline engine (bench/one_batch.py, same shapes and settings) at those batch
+# sizes for every workload after the servers, so the table sets each served TPOT beside the engine's own decode
+# step at the nearest batch in the same run (one_batch-<batch>x<in>.json).
 # bench/serve_table.py OUT then prints and writes the comparison table (OUT/table.md).
 set -euo pipefail
 OUT=${1:-bench/results/gpu/serve}
@@ -138,5 +141,12 @@ run() {
 
 for deployment in "$@"; do
   run "$deployment"
+done
+for batch in ${OFFLINE_BATCHES:-}; do
+  for w in $WORKLOADS; do
+    python3 bench/one_batch.py --dummy-config "$MODEL/config.json" --gpu-memory-gb "${GPU_MEMORY_GB:-24}" \
+      --max-num-seqs 32 --max-model-len 4096 --batch "$batch" --input-len "${w%%:*}" --output-len "${w##*:}" \
+      --repeats 3 --json "$OUT/one_batch-${batch}x${w%%:*}.json" > "$OUT/one_batch-${batch}x${w%%:*}.log" 2>&1 || true
+  done
 done
 python3 bench/serve_table.py "$OUT" || true

@@ -1,5 +1,8 @@
 """One table from the sweeps bench/serve_gpu.sh wrote: per workload and deployment, TTFT / TPOT percentiles
-and output throughput at every offered rate, and the ratios the disaggregation targets are stated in.
+and output throughput at every offered rate, and the ratios the disaggregation targets are stated in. Where the
+same run measured the offline engine (serve_gpu.sh OFFLINE_BATCHES: `one_batch-<batch>x<input>.json`), each row
+also gets the offline decode step at the batch nearest its served mean batch (outputs per step) and TPOT p50
+over it (issue 20's line: <= 1.5x).
 
   python bench/serve_table.py bench/results/h200x2/serve     # prints it and writes table.md / table.json there
 """
@@ -45,14 +48,36 @@ def load(result_dir: Path) -> dict[tuple[str, str], dict[str, dict]]:
     return table
 
 
+def offline_steps(result_dir: Path) -> dict[tuple[int, int], float]:
+    """(input length, batch) -> the offline engine's decode step p50 in ms, from bench/one_batch.py's JSONs."""
+    steps = {}
+    for path in sorted(result_dir.glob("one_batch-*.json")):
+        result = json.loads(path.read_text())
+        steps[(int(result["input_len"]), int(result["batch"]))] = float(result["decode_step_ms_p50"])
+    return steps
+
+
+def nearest_offline(steps: dict[tuple[int, int], float], input_len: int, mean_batch: float | None) -> float | None:
+    """The offline decode step for this input length at the measured batch nearest the served mean batch (the
+    larger on a tie: a bigger batch's step is the slower, so the ratio errs against us); None without one."""
+    batches = [b for (n, b) in steps if n == input_len]
+    if not batches or mean_batch is None:
+        return None
+    batch = min(batches, key=lambda b: (abs(b - mean_batch), -b))
+    return steps[(input_len, batch)]
+
+
 def _tag(rate: object) -> str:
     return "inf" if rate in (None, "inf", float("inf")) or (isinstance(rate, str) and "inf" in rate) else f"{float(rate):g}"
 
 
-def rows(table: dict[tuple[str, str], dict[str, dict]]) -> list[dict]:
+def rows(table: dict[tuple[str, str], dict[str, dict]], offline: dict[tuple[int, int], float] | None = None) -> list[dict]:
     out = []
     for (deployment, workload), by_rate in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        input_len = int(workload.split()[-1].split("/")[0])
         for rate, m in sorted(by_rate.items(), key=lambda kv: float("inf") if kv[0] == "inf" else float(kv[0])):
+            step = nearest_offline(offline or {}, input_len, m.get("engine_outputs_per_step"))
+            tpot = m["tpot_ms"]["p50"]
             out.append({
                 "workload": workload, "deployment": deployment, "rate": rate, "completed": m["completed"],
                 "failed": m["failed"], "request_throughput": m["request_throughput"],
@@ -60,7 +85,8 @@ def rows(table: dict[tuple[str, str], dict[str, dict]]) -> list[dict]:
                 "ttft_p99_ms": m["ttft_ms"]["p99"], "tpot_p50_ms": m["tpot_ms"]["p50"],
                 "tpot_p99_ms": m["tpot_ms"]["p99"], "itl_p99_ms": m["itl_ms"]["p99"],
                 "engine_step_ms": m.get("engine_step_ms_mean"), "engine_gap_ms": m.get("engine_gap_ms_mean"),
-                "outputs_per_step": m.get("engine_outputs_per_step"),
+                "outputs_per_step": m.get("engine_outputs_per_step"), "offline_step_ms": step,
+                "tpot_over_offline": tpot / step if step and tpot is not None else None,
             })
     return out
 
@@ -105,13 +131,15 @@ def targets(table: dict[tuple[str, str], dict[str, dict]]) -> list[str]:
 
 def markdown(all_rows: list[dict], target_lines: list[str]) -> str:
     head = ("| workload | deployment | rate | done | req/s | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
-            "| ITL p99 | step ms | gap ms | out/step |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| ITL p99 | step ms | gap ms | out/step | offline step ms | TPOT / offline |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     body = "".join(
         f"| {r['workload']} | {r['deployment']} | {r['rate']} | {r['completed']}/{r['completed'] + r['failed']} "
         f"| {_num(r['request_throughput'], '.2f')} | {_num(r['output_throughput'], '.0f')} "
         f"| {_num(r['ttft_p50_ms'], '.0f')} | {_num(r['ttft_p99_ms'], '.0f')} | {_num(r['tpot_p50_ms'], '.1f')} "
         f"| {_num(r['tpot_p99_ms'], '.1f')} | {_num(r['itl_p99_ms'], '.1f')} | {_num(r['engine_step_ms'], '.2f')} "
-        f"| {_num(r['engine_gap_ms'], '.2f')} | {_num(r['outputs_per_step'], '.1f')} |\n" for r in all_rows)
+        f"| {_num(r['engine_gap_ms'], '.2f')} | {_num(r['outputs_per_step'], '.1f')} "
+        f"| {_num(r['offline_step_ms'], '.2f')} | {_num(r['tpot_over_offline'], '.2f')} |\n" for r in all_rows)
     return head + body + "\n" + "\n".join(target_lines) + "\n"
 
 
@@ -126,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     result_dir = Path(argv[0])
     table = load(result_dir)
-    all_rows, target_lines = rows(table), targets(table)
+    all_rows, target_lines = rows(table, offline_steps(result_dir)), targets(table)
     text = markdown(all_rows, target_lines)
     print(text)
     (result_dir / "table.md").write_text(text)

@@ -259,3 +259,27 @@ def test_serve_table_keys_a_workload_kind_apart_from_random_prompts(tmp_path: Pa
     assert table[("colocated-1gpu", "128/64")]["2"]["m"] == "colocated-1gpu-128-64-rate2"
     assert table[("colocated-1gpu", "multi-turn 128/64")]["2"]["m"] == "colocated-1gpu-multi-turn-128-64-rate2"
     assert ("colocated-1gpu-nocache (warm)", "shared-prefix 64/64") in table
+
+
+def test_serve_table_sets_tpot_beside_the_offline_step_at_the_nearest_batch(tmp_path: Path) -> None:
+    import serve_table
+
+    metrics = {"completed": 96, "failed": 0, "request_throughput": 7.7, "output_throughput": 496,
+               "ttft_ms": {"p50": 50.0, "p99": 100.0}, "tpot_ms": {"p50": 9.0, "p99": 15.0}, "itl_ms": {"p99": 60.0},
+               "engine_step_ms_mean": 8.5, "engine_gap_ms_mean": 0.04, "engine_outputs_per_step": 4.3}
+    (tmp_path / "colocated-1gpu-1024-64-rate8.json").write_text(
+        json.dumps({"config": {"request_rate": 8}, "metrics": metrics}))
+    (tmp_path / "colocated-1gpu-512-64-rate8.json").write_text(
+        json.dumps({"config": {"request_rate": 8}, "metrics": metrics}))
+    for batch, step in ((4, 6.0), (8, 6.5), (2, 5.0)):
+        (tmp_path / f"one_batch-{batch}x1024.json").write_text(
+            json.dumps({"batch": batch, "input_len": 1024, "output_len": 64, "decode_step_ms_p50": step}))
+    offline = serve_table.offline_steps(tmp_path)
+    assert offline == {(1024, 4): 6.0, (1024, 8): 6.5, (1024, 2): 5.0}
+    assert serve_table.nearest_offline(offline, 1024, 6.0) == 6.5  # a tie takes the larger batch
+    by_workload = {r["workload"]: r for r in serve_table.rows(serve_table.load(tmp_path), offline)}
+    assert by_workload["1024/64"]["offline_step_ms"] == 6.0
+    assert by_workload["1024/64"]["tpot_over_offline"] == 1.5
+    assert by_workload["512/64"]["offline_step_ms"] is None  # no offline run of that input length
+    assert serve_table.main([str(tmp_path)]) == 0
+    assert "| 6.00 | 1.50 |" in (tmp_path / "table.md").read_text()
