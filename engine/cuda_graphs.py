@@ -115,7 +115,8 @@ class DecodeGraphs:
 
 
 class GraphedModel:
-    """Stands in for a HybridLM: decode-only batches replay a captured graph, everything else runs eagerly."""
+    """Stands in for a HybridLM: decode-only batches replay a captured graph, mixed batches replay their decode
+    rows' graph beside an eager prefill (`split_mixed`), everything else runs eagerly."""
 
     def __init__(self, model: HybridLM, graphs: DecodeGraphs, split_mixed: bool = True) -> None:
         self.model = model
