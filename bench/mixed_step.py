@@ -61,6 +61,23 @@ def start_decoders(engine: LLMEngine, count: int, prompt_len: int, seed: int) ->
     return ids
 
 
+ONE_TOKEN = SamplingParams(max_tokens=2, ignore_eos=True)
+
+
+def inject(engine: LLMEngine, length: int, seed: int) -> str | None:
+    """A fresh unique prompt of `length` tokens for the next step to prefill (None for length 0: no prompt)."""
+    if not length:
+        return None
+    return engine.add_request(random_prompts(1, length, seed, engine.model_config.vocab_size)[0], ONE_TOKEN)
+
+
+def retire(engine: LLMEngine, request_id: str | None) -> None:
+    """Abort an injected prompt after its prefill step and step once, so the decode rows are alone again."""
+    if request_id is not None:
+        engine.abort(request_id)
+        engine.step()
+
+
 def measure(engine: LLMEngine, rows: int, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     timer = StepTimer(engine.config.torch_device.type == "cuda")
     decoders = start_decoders(engine, rows, args.prompt_len, seed)
@@ -103,8 +120,6 @@ def sync_sites(engine: LLMEngine, rows: int, args: argparse.Namespace) -> str:
     sync debug mode) counted by the project frames that made it. Each sync inside the forward idles the GPU
     while the host queues the rest of the step."""
     decoders = start_decoders(engine, rows, args.prompt_len, 777)
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
     sites: dict[str, collections.Counter[str]] = {"mixed": collections.Counter(), "decode": collections.Counter()}
     kind = "mixed"
 
@@ -116,22 +131,18 @@ def sync_sites(engine: LLMEngine, rows: int, args: argparse.Namespace) -> str:
 
     steps = 3
     torch.cuda.set_sync_debug_mode(1)
-    saved = warnings.showwarning
-    warnings.showwarning = record  # type: ignore[assignment]
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores showwarning on exit
             warnings.simplefilter("always")
             warnings.showwarning = record  # type: ignore[assignment]
             for i in range(steps):
                 kind = "mixed"
-                rid = engine.add_request(random_prompts(1, args.prompt_len, 5000 + i, vocab)[0], params)
+                rid = inject(engine, args.prompt_len, 5000 + i)
                 engine.step()
-                engine.abort(rid)
                 kind = "decode"
-                engine.step()
+                retire(engine, rid)  # its step is a decode step of the decode rows alone
     finally:
         torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = saved
     for rid in decoders:
         engine.abort(rid)
     engine.step()
@@ -159,20 +170,16 @@ def timeline(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path) 
     host had queued the step's last kernel, and the GPU's idle gaps over 100 us (what the host was doing): a step
     whose busy time is far below its wall time is host-bound."""
     decoders = start_decoders(engine, rows, args.prompt_len, 888)
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
     lengths = [int(n) for n in args.timeline_lens.split(",")]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for i, length in enumerate(lengths * 3):
             sync(engine)
-            rid = engine.add_request(random_prompts(1, length, 9000 + i, vocab)[0], params) if length else None
+            rid = inject(engine, length, 9000 + i)
             with torch.profiler.record_function(f"step_{length}"):
                 engine.step()
             sync(engine)
-            if rid is not None:
-                engine.abort(rid)
-                engine.step()
+            retire(engine, rid)
     trace = out / "mixed_step_trace.json"
     prof.export_chrome_trace(str(trace))
     events = json.loads(trace.read_text())["traceEvents"]
@@ -183,7 +190,7 @@ def timeline(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path) 
     result = []
     for step in sorted(steps, key=lambda e: e["ts"]):
         t0, t1 = step["ts"], step["ts"] + step["dur"]
-        inside = [(max(a, t0), min(b, t1 + 1e6)) for a, b in kernels if t0 <= a <= t1 + 2e5]
+        inside = [(a, min(b, t1)) for a, b in kernels if t0 <= a <= t1]  # the step ends with the sampler's sync
         last_launch = max((e["ts"] for e in launches if t0 <= e["ts"] <= t1), default=t0)
         gaps = []
         ordered = sorted(inside)
@@ -219,8 +226,6 @@ def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path)
     from hybridserve.engine import model_runner
 
     decoders = start_decoders(engine, rows, args.prompt_len, 999)
-    vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=2, ignore_eos=True)
     reached: list[float] = []
     original = model_runner.sample
 
@@ -241,7 +246,7 @@ def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path)
                     if hasattr(graphed, "split_mixed"):
                         graphed.split_mixed = split
                     sync(engine)
-                    rid = engine.add_request(random_prompts(1, length, 7000 + i, vocab)[0], params) if length else None
+                    rid = inject(engine, length, 7000 + i)
                     if torch.cuda.is_available():
                         torch.cuda._sleep(1_000_000_000)  # ~0.5 s of device spin ahead of the step
                     reached.clear()
@@ -259,19 +264,15 @@ def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path)
                         engine.step()
                         hosts[split].append(1e3 * (reached[0] - start))
                     sync(engine)
-                    if rid is not None:
-                        engine.abort(rid)
-                        engine.step()
+                    retire(engine, rid)
                     # the same step without the spin: its wall time (host and device overlapping as served)
-                    rid = engine.add_request(random_prompts(1, length, 8000 + i, vocab)[0], params) if length else None
+                    rid = inject(engine, length, 8000 + i)
                     sync(engine)
                     start = time.perf_counter()
                     engine.step()
                     sync(engine)
                     walls[split].append(1e3 * (time.perf_counter() - start))
-                    if rid is not None:
-                        engine.abort(rid)
-                        engine.step()
+                    retire(engine, rid)
             for split in modes:
                 results.append({"decode_rows": rows, "prefill_tokens": length, "split_mixed": split,
                                 "host_ms_p50": statistics.median(hosts[split]), "host_ms_min": min(hosts[split]),
@@ -317,17 +318,15 @@ def main() -> None:
                              "(cache on), into DIR/mixed_step_host.json and DIR/host_profile.txt")
     args = parser.parse_args()
     model_dir = dummy_model_dir(args.dummy_config) if args.model is None else Path(args.model)
-    if args.host_time:
+    if args.host_time or args.timeline:  # one engine with the cache on, as served
         out = Path(args.out or ".")
         out.mkdir(parents=True, exist_ok=True)
         engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=True))
-        found = host_time(engine, args.decode_rows[0], args, out)
-        (out / "mixed_step_host.json").write_text(json.dumps(found, indent=1) + "\n")
+    if args.host_time:
+        found_host = host_time(engine, args.decode_rows[0], args, out)
+        (out / "mixed_step_host.json").write_text(json.dumps(found_host, indent=1) + "\n")
         return
     if args.timeline:
-        out = Path(args.out or ".")
-        out.mkdir(parents=True, exist_ok=True)
-        engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=True))
         found = timeline(engine, args.decode_rows[0], args, out)
         (out / "mixed_step_timeline.json").write_text(json.dumps(found, indent=1) + "\n")
         for row in found["steps"]:

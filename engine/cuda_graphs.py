@@ -98,6 +98,11 @@ class DecodeGraphs:
             if batch.num_decode == batch.num_seqs:
                 self.num_eager_decodes += 1
             return None
+        return self.replay(size, input_ids, batch)
+
+    @torch.inference_mode()
+    def replay(self, size: int, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [num_seqs, hidden] of a decode-only batch by replaying bucket `size` (from `bucket_for`)."""
         self.num_replays += 1
         n, pages = batch.num_seqs, batch.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids)
@@ -129,23 +134,23 @@ class GraphedModel:
             hidden = self.graphs.run(input_ids, batch)
             if hidden is not None:
                 return hidden
-            if self.splits(batch):
-                decodes, prefills = batch.split_decodes()
-                nd = batch.num_decode
-                decoded = self.graphs.run(input_ids[:nd], decodes)
-                assert decoded is not None  # `splits` checked what `bucket_for` checks
-                self.num_split_steps += 1
-                # [N, hidden]: the graph's output buffer is rewritten by its next replay, so it is copied now
-                return torch.cat([decoded, self.model(input_ids[nd:], prefills, cache)])
+            if self.split_mixed and self.splits(batch):
+                decodes = batch.decode_half()
+                size = self.graphs.bucket_for(decodes)
+                if size is not None:
+                    self.num_split_steps += 1
+                    nd = batch.num_decode
+                    decoded = self.graphs.replay(size, input_ids[:nd], decodes)
+                    # [N, hidden]: the graph's output buffer is rewritten by its next replay, so it is copied now
+                    return torch.cat([decoded, self.model(input_ids[nd:], batch.prefill_half(), cache)])
         return self.model(input_ids, batch, cache)
 
-    def splits(self, batch: ForwardBatch) -> bool:
-        """Whether a mixed batch's decode rows can replay a graph beside an eager prefill (not speculative
-        verify rows, not a prefill worker's layer-by-layer staging, decode rows within the largest bucket)."""
-        return (self.split_mixed and 0 < batch.num_decode < batch.num_seqs and batch.decode_len == 1
-                and batch.spec_rollback is None and batch.layer_done is None
-                and batch.num_decode <= self.graphs.buckets[-1]
-                and batch.block_tables.shape[1] <= self.graphs.block_tables.shape[1])
+    @staticmethod
+    def splits(batch: ForwardBatch) -> bool:
+        """Whether a batch is mixed in a way its decode rows can replay a graph beside an eager prefill (not
+        speculative verify rows, not a prefill worker's layer-by-layer staging); `bucket_for` says the rest."""
+        return (0 < batch.num_decode < batch.num_seqs and batch.decode_len == 1 and batch.spec_rollback is None
+                and batch.layer_done is None)
 
     def __getattr__(self, name: str) -> Any:  # compute_logits, config, parameters, ...
         return getattr(self.model, name)

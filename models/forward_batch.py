@@ -65,22 +65,23 @@ class ForwardBatch:
             self._derived[key] = cu - cu[0]
         return self._derived[key]  # type: ignore[return-value]
 
-    def split_decodes(self) -> tuple[ForwardBatch, ForwardBatch]:
-        """(the decode rows alone, the prefill rows alone) of a mixed batch of one-token decode rows, so the
-        decode rows can replay a CUDA graph and only the prefill runs eagerly. The prefill half's tensors are
-        fresh copies, not views at an offset: Triton specializes on pointer alignment, and a view at an odd
-        row would launch kernel variants the warm-up never compiled."""
-        nd = self.num_decode
-        if not 0 < nd < self.num_seqs or self.decode_len != 1 or self.spec_rollback is not None:
-            raise ValueError(f"split_decodes needs one-token decode rows and prefill rows, got num_decode={nd} of "
-                             f"{self.num_seqs} sequences, decode_len={self.decode_len}")
-        decodes = ForwardBatch(
+    def decode_half(self) -> ForwardBatch:
+        """The one-token decode rows of a mixed batch alone (views of this batch's tensors), so they can replay a
+        CUDA graph while only the prefill runs eagerly (`prefill_half`)."""
+        nd = self._check_splittable()
+        return ForwardBatch(
             num_decode=nd, query_lens=self.query_lens[:nd], cu_seqlens=self.cu_seqlens[: nd + 1],
             context_lens=self.context_lens[:nd], kv_lens=self.kv_lens[:nd], state_slots=self.state_slots[:nd],
             block_tables=self.block_tables[:nd], slot_mapping=self.slot_mapping[:nd],
             context_lens_host=None if self.context_lens_host is None else self.context_lens_host[:nd],
         )
-        prefills = ForwardBatch(
+
+    def prefill_half(self) -> ForwardBatch:
+        """The prefill rows of a mixed batch alone. Its tensors are fresh copies, not views at an offset: Triton
+        specializes on pointer alignment, and a view at an odd row would launch kernel variants the warm-up never
+        compiled."""
+        nd = self._check_splittable()
+        return ForwardBatch(
             num_decode=0, query_lens=self.query_lens[nd:], cu_seqlens=self.cu_seqlens[nd:] - nd,
             context_lens=self.context_lens[nd:].clone(), kv_lens=self.kv_lens[nd:].clone(),
             state_slots=self.state_slots[nd:].clone(), block_tables=self.block_tables[nd:].clone(),
@@ -89,7 +90,13 @@ class ForwardBatch:
             context_lens_host=None if self.context_lens_host is None else self.context_lens_host[nd:],
             layer_done=self.layer_done,
         )
-        return decodes, prefills
+
+    def _check_splittable(self) -> int:
+        nd = self.num_decode
+        if not 0 < nd < self.num_seqs or self.decode_len != 1 or self.spec_rollback is not None:
+            raise ValueError(f"a batch splits into one-token decode rows and prefill rows, got num_decode={nd} of "
+                             f"{self.num_seqs} sequences, decode_len={self.decode_len}")
+        return nd
 
     # ---- metadata every layer of one forward shares: built once, on the first layer that needs it ----------
     def _prefill_starts(self) -> list[int]:

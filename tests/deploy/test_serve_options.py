@@ -97,15 +97,16 @@ def test_the_cli_builds_the_chain_and_binds_workers_where_told(monkeypatch: pyte
 
 
 def test_internal_tls_travels_whole_to_worker_processes_and_must_match_the_routers() -> None:
-    from hybridserve.cli import _internal_tls, build_parser
+    from hybridserve.cli import build_parser
+    from hybridserve.cli_options import internal_tls
     from hybridserve.proto.internal_tls import InternalTlsConfig
 
     tls = InternalTlsConfig(ca_file="/etc/tls/ca.crt", cert_file="/etc/tls/tls.crt", key_file="/etc/tls/tls.key",
                             server_name="internal.example")
     worker = WorkerOptions("m", internal_tls=tls)
     args = build_parser().parse_args(["worker", "--role", "decode", *worker.argv()])
-    assert _internal_tls(args) == tls
-    assert _internal_tls(build_parser().parse_args(["worker", "--role", "decode", *WorkerOptions("m").argv()])) \
+    assert internal_tls(args) == tls
+    assert internal_tls(build_parser().parse_args(["worker", "--role", "decode", *WorkerOptions("m").argv()])) \
         == InternalTlsConfig()
     with pytest.raises(ValueError, match="internal TLS"):
         ServeOptions(router=RouterOptions("m"), worker=worker)

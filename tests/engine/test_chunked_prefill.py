@@ -53,7 +53,7 @@ def test_preemption_under_page_pressure_keeps_tokens() -> None:
 
 class SplitCheck:
     """Stands in for the runner's model: every mixed batch is run whole and, from the same cache contents, as
-    its decode half then its prefill half (`ForwardBatch.split_decodes`, what a CUDA-graph engine does); the
+    its decode half then its prefill half (`ForwardBatch.decode_half` / `prefill_half`, what a CUDA-graph engine does); the
     hidden states and every cache tensor must agree."""
 
     def __init__(self, model) -> None:
@@ -69,7 +69,7 @@ class SplitCheck:
         after = [t.clone() for t in tensors]
         for t, saved in zip(tensors, before):
             t.copy_(saved)
-        decodes, prefills = batch.split_decodes()
+        decodes, prefills = batch.decode_half(), batch.prefill_half()
         nd = batch.num_decode
         parts = torch.cat([self.model(input_ids[:nd], decodes, cache), self.model(input_ids[nd:], prefills, cache)])
         torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5)
@@ -95,13 +95,13 @@ def test_mixed_step_split_into_decodes_and_prefill_matches_whole(caching) -> Non
     assert [o.token_ids for o in outs] == reference
 
 
-def test_split_decodes_refuses_batches_it_cannot_split() -> None:
+def test_batch_halves_refuse_a_batch_that_does_not_split() -> None:
     from hybridserve.engine.model_runner import PlacedRow, place_rows
 
     batch, _ = place_rows([PlacedRow([0], 3, 1, 0), PlacedRow([1], 0, 4, 1)], 1, 16, torch.device("cpu"))
-    decodes, prefills = batch.split_decodes()
+    decodes, prefills = batch.decode_half(), batch.prefill_half()
     assert decodes.query_lens == (1,) and prefills.query_lens == (4,)
     assert prefills.cu_seqlens.tolist() == [0, 4] and prefills.slot_mapping.tolist() == [16, 17, 18, 19]
     only_decodes, _ = place_rows([PlacedRow([0], 3, 1, 0)], 1, 16, torch.device("cpu"))
-    with pytest.raises(ValueError, match="split_decodes needs"):
-        only_decodes.split_decodes()
+    with pytest.raises(ValueError, match="splits into one-token decode rows and prefill rows"):
+        only_decodes.prefill_half()

@@ -191,12 +191,13 @@ def test_the_worker_side_refuses_by_id_keeps_the_calls_tokens_and_cleans_up() ->
 
 
 def test_worker_sessions_off_sends_calls(model_dir) -> None:
-    from hybridserve.cli import _cluster_options, build_parser
+    from hybridserve.cli import build_parser
+    from hybridserve.cli_options import cluster_options
 
     args = build_parser().parse_args(["serve", "--model", str(model_dir), "--no-worker-sessions", "--no-ray"])
-    config = _cluster_options(args)["router"].orchestrator
+    config = cluster_options(args)["router"].orchestrator
     assert config.worker_sessions is False
-    assert _cluster_options(build_parser().parse_args(["serve", "--no-ray"]))["router"].orchestrator.worker_sessions
+    assert cluster_options(build_parser().parse_args(["serve", "--no-ray"]))["router"].orchestrator.worker_sessions
     cluster = Cluster(model_dir, num_prefill=0, num_decode=1, router=False, config=config)
     cluster.wait_ready()
     try:

@@ -1,0 +1,141 @@
+"""The flag groups `serve` and `up` share (front doors, internal gRPC, engine and transfer configs) and the
+configs built back from them: one definition for both commands."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+INTERNAL_TOKEN_ENV = "HYBRIDSERVE_INTERNAL_TOKEN"
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old spelling of a flag: stores into the new flag's destination and warns once on stderr (the
+    aliases stay for one release)."""
+
+    def __init__(self, option_strings: list[str], dest: str, replacement: str = "", **kwargs: object) -> None:
+        self.replacement = replacement
+        super().__init__(option_strings, dest, **kwargs)  # type: ignore[arg-type]
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        print(f"hybridserve: warning: {option_string} is deprecated and goes away in the next release; "
+              f"use {self.replacement}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_front_door_flags(p: argparse.ArgumentParser, host: str) -> None:
+    """vLLM's dialect for the router's doors, shared by `serve` and `up`: --port is HTTP, --grpc-port gRPC."""
+    p.add_argument("--host", default=host, help=f"front-door bind host (default {host})")
+    p.add_argument("--port", dest="http_port", metavar="PORT", type=int, default=8000,
+                   help="OpenAI-compatible HTTP port (default 8000; 0: a free one)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC front-door port (default 50051; 0: a free one)")
+    p.add_argument("--no-worker-sessions", action="store_true", help="a gRPC call per request to its decode worker, "
+                   "not the router's one Session stream per worker")
+    p.add_argument("--served-model-name", dest="model_name", default=None,
+                   help="model id served over the API (default: the checkpoint directory's name)")
+    p.add_argument("--http-port", dest="http_port", type=int, action=DeprecatedAlias, replacement="--port",
+                   help=argparse.SUPPRESS)
+    p.add_argument("--model-name", dest="model_name", action=DeprecatedAlias, replacement="--served-model-name",
+                   help=argparse.SUPPRESS)
+    p.add_argument("--generation-config", default="auto",
+                   help="sampling defaults for what a request leaves unset: 'auto' (the checkpoint's "
+                   "generation_config.json), 'none', or a folder with one (default auto)")
+    p.add_argument("--api-key", default=os.environ.get("HYBRIDSERVE_API_KEY"),
+                   help="clients must send 'Authorization: Bearer KEY' on /v1 and as gRPC metadata "
+                   "(default: $HYBRIDSERVE_API_KEY; unset: no key)")
+
+
+def add_internal_flags(p: argparse.ArgumentParser, worker_host: str | None) -> None:
+    """How the router and the workers talk to each other: worker bind address and the shared internal token."""
+    p.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
+                   help="shared secret on every internal gRPC call (router -> worker, worker -> worker) "
+                   f"(default: ${INTERNAL_TOKEN_ENV}; serve generates one per run when unset)")
+    add_drain_flag(p)
+    add_internal_tls_options(p)
+    shown = worker_host or "127.0.0.1, or node-ip with --address"
+    p.add_argument("--worker-host", default=worker_host,
+                   help=f"address the workers' gRPC servers bind (default {shown}; 'node-ip': the Ray node's "
+                   "address; 0.0.0.0 only when asked)")
+
+
+def add_internal_tls_options(p: argparse.ArgumentParser) -> None:
+    from hybridserve.config_flags import add_config_flags
+    from hybridserve.proto.internal_tls import InternalTlsConfig
+
+    add_config_flags(p, InternalTlsConfig, "mutual TLS on internal gRPC (InternalTlsConfig)", prefix="internal-tls-")
+
+
+def internal_tls(args: argparse.Namespace):  # noqa: ANN202 - InternalTlsConfig, imported lazily
+    from hybridserve.config_flags import config_from_args
+    from hybridserve.proto.internal_tls import InternalTlsConfig
+
+    return config_from_args(InternalTlsConfig, args, prefix="internal-tls-")
+
+
+def add_drain_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="SIGTERM: seconds the requests in flight get to finish before they are aborted (default 30)")
+
+
+def cluster_options(args: argparse.Namespace) -> dict:
+    """The fields `serve` and `up` share (deploy/options.py ClusterOptions), built from their flags."""
+    from hybridserve.deploy.options import WorkerOptions
+    from hybridserve.router.config import AdmissionConfig, OrchestratorConfig, RouterOptions
+
+    model_dir, engine, tls = resolved_model_dir(args), engine_config(args), internal_tls(args)
+    extra: dict[str, Any] = {}
+    if getattr(args, "max_running", None) is not None:
+        extra["admission"] = AdmissionConfig(max_running=args.max_running, max_queued=args.max_queued,
+                                             max_per_client=args.max_per_client)
+    local_max = getattr(args, "local_prefill_max_tokens", None)
+    if local_max is not None or args.no_worker_sessions:
+        extra["orchestrator"] = OrchestratorConfig(local_prefill_max_tokens=local_max,
+                                                   worker_sessions=not args.no_worker_sessions)
+    router = RouterOptions(model_dir=model_dir, model_name=args.model_name, host=args.host, http_port=args.http_port,
+                           grpc_port=args.grpc_port, api_key=args.api_key, generation_config=args.generation_config,
+                           internal_token=args.internal_token, drain_timeout_s=args.drain_timeout,
+                           internal_tls=tls, **extra)
+    on_ray_cluster = getattr(args, "address", None) and not getattr(args, "no_ray", False)
+    worker_host = args.worker_host or ("node-ip" if on_ray_cluster else "127.0.0.1")
+    worker = WorkerOptions(model_dir=model_dir, engine=engine, host=worker_host, transfer=transfer_config(args),
+                           internal_token=args.internal_token, drain_timeout_s=args.drain_timeout, internal_tls=tls)
+    return dict(router=router, worker=worker, num_prefill=args.prefill_workers, num_decode=args.decode_workers,
+                num_gpus_per_worker=args.num_gpus_per_worker,
+                prefill_engine_overrides=getattr(args, "prefill_worker_overrides", None))
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    from hybridserve.config_flags import add_config_flags
+    from hybridserve.engine.config import EngineConfig
+
+    add_config_flags(p, EngineConfig, "engine (EngineConfig)", aliases={"enable_prefix_caching": ["--prefix-caching"]})
+
+
+def engine_config(args: argparse.Namespace):  # noqa: ANN202 - EngineConfig, imported lazily
+    from hybridserve.config_flags import config_from_args
+    from hybridserve.engine.config import EngineConfig
+
+    return config_from_args(EngineConfig, args)
+
+
+def resolved_model_dir(args: argparse.Namespace) -> str:
+    from hybridserve.models.default_model import default_model_dir
+
+    return str(args.model) if args.model else str(default_model_dir())
+
+def add_transfer_options(p: argparse.ArgumentParser) -> None:
+    from hybridserve.config_flags import add_config_flags
+    from hybridserve.transfer.planes import TransferConfig
+
+    add_config_flags(p, TransferConfig, "state transfer, prefill -> decode (TransferConfig)", prefix="transfer-")
+
+
+def transfer_config(args: argparse.Namespace):  # noqa: ANN202 - TransferConfig, imported lazily
+    from hybridserve.config_flags import config_from_args
+    from hybridserve.transfer.planes import TransferConfig
+
+    return config_from_args(TransferConfig, args, prefix="transfer-")
+
