@@ -20,6 +20,7 @@ from hybridserve.kernels.causal_conv1d import (
     check_conv_pool_args,
     conv_varlen_metadata,
 )
+from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.triton_utils import check_same_device, next_pow2, pdl_gate, pdl_launch
 
 
@@ -51,6 +52,7 @@ def _history(x_ptr, win_ptr, begin, row, resumed, rel, offs_d, mask, x_t, x_d, w
     return val
 
 
+@lean_launch
 @triton.jit
 def _conv_varlen_kernel(
     x_ptr, w_ptr, bias_ptr, win_ptr, rows_ptr, start_ptr, y_ptr, cu_ptr, token_seq_ptr,
@@ -81,6 +83,7 @@ def _conv_varlen_kernel(
             tl.store(y_ptr + t * y_t + offs_d * y_d, acc.to(y_ptr.dtype.element_ty), mask=mask_d)
 
 
+@lean_launch
 @triton.jit
 def _window_gather_kernel(
     x_ptr, win_ptr, rows_ptr, start_ptr, out_ptr, out_row_ptr, cu_ptr, out_seq_ptr, out_len_ptr,
@@ -220,6 +223,7 @@ def causal_conv1d_varlen_triton(
     )
 
 
+@lean_launch
 @triton.jit
 def _conv_update_kernel(
     x_ptr, pool_ptr, slots_ptr, w_ptr, bias_ptr, y_ptr,

@@ -11,9 +11,11 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.triton_utils import check_same_device, next_pow2, pdl_gate, pdl_launch
 
 
+@lean_launch
 @triton.jit
 def _gated_rmsnorm_kernel(
     x_ptr, z_ptr, w_ptr, y_ptr, group_size, eps, x_m, x_d, z_m, z_d, y_m, y_d,
@@ -74,6 +76,7 @@ def _tl_dtype(dtype: torch.dtype) -> tl.dtype:
     return _TL_DTYPES[dtype]
 
 
+@lean_launch
 @triton.jit
 def _add_rmsnorm_kernel(
     x_ptr, r_ptr, w_ptr, y_ptr, ro_ptr, dim, eps, x_m, x_d, r_m, r_d, y_m, y_d, ro_m, ro_d,
@@ -129,6 +132,7 @@ def add_rmsnorm_triton(
     return normed, new_residual
 
 
+@lean_launch
 @triton.jit
 def _relu2_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
     """BLOCK contiguous elements: y = max(x, 0)^2, fp32 math, rounded once to y's dtype like torch."""

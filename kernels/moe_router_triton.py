@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.moe import RouterSpec, route_topk
 from hybridserve.kernels.triton_utils import interpreting, next_pow2, pdl_gate, pdl_launch, prefetch_l2
 
@@ -62,6 +63,7 @@ def topk_choice(
     return chosen, weight
 
 
+@lean_launch
 @triton.jit
 def _route_kernel(
     logits_ptr, bias_ptr, weights_ptr, ids_ptr, E, scaling,
@@ -78,6 +80,7 @@ def _route_kernel(
     tl.store(weights_ptr + row * width + slots, weight, mask=slots < width)
 
 
+@lean_launch
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, E, D, x_m, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                           USE_PDL: tl.constexpr):

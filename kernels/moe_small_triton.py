@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.moe import RouterSpec
 from hybridserve.kernels.moe_router_triton import groups_fit, route_topk_triton, router_logits, topk_choice
 from hybridserve.kernels.moe_triton import check_expert_inputs, moe_experts_triton
@@ -81,6 +82,7 @@ def _gemv(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     return tl.sum(acc, 1)
 
 
+@lean_launch
 @triton.autotune(configs=_configs(_UP_TILES), key=["N_OUT", "K", "WIDTH", "HAS_SCALE"],
                  cache_results=PERSIST_AUTOTUNE)
 @triton.jit
@@ -121,6 +123,7 @@ def _small_up_kernel(
     tl.store(h_ptr + (token * WIDTH + slot) * N_OUT + offs_n, (h * h).to(h_ptr.dtype.element_ty), mask=n_ok)
 
 
+@lean_launch
 @triton.autotune(configs=_configs(_DOWN_TILES), key=["N_OUT", "K", "WIDTH", "HAS_SCALE", "HAS_SHARED_OUT"],
                  cache_results=PERSIST_AUTOTUNE)
 @triton.jit

@@ -21,10 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.moe import align_capacity
 from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting, next_pow2
 
 
+@lean_launch
 @triton.jit
 def _moe_align_kernel(
     ids_ptr, sorted_ptr, block_expert_ptr, used_rows_ptr, cursor_ptr, num_pairs, num_rows, num_blocks,
@@ -114,6 +116,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
     return kept or configs
 
 
+@lean_launch
 @triton.autotune(configs=_gemm_configs(), key=["N_OUT", "K", "BLOCK_M", "A_ROW_DIV", "HAS_SCALE", "SHARED"],
                  prune_configs_by={"early_config_prune": _prune}, cache_results=PERSIST_AUTOTUNE)
 @triton.jit
@@ -171,6 +174,7 @@ def _moe_gemm_kernel(
              mask=row_ok[:, None] & n_ok[None, :])
 
 
+@lean_launch
 @triton.jit
 def _moe_combine_kernel(pair_ptr, route_w_ptr, shared_ptr, out_ptr, D, K: tl.constexpr, BLOCK_D: tl.constexpr,
                         HAS_SHARED: tl.constexpr):

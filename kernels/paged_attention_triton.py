@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.paged_attention import DECODE_MAX_QUERY, PREFILL_BLOCK_M, QueryBlocks, query_blocks
 from hybridserve.kernels.triton_utils import check_same_device, interpreting, next_pow2
 
@@ -40,6 +41,7 @@ def _online_softmax_step(s, v, offs_n, q_pos, kv_start, mask_n, m_i, l_i, acc):
     return m_new, l_i, acc
 
 
+@lean_launch
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, tables_ptr, block_seq_ptr, block_row_ptr,
@@ -84,6 +86,7 @@ def _paged_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
+@lean_launch
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cu_q_ptr, kv_lens_ptr, tables_ptr,
@@ -138,6 +141,7 @@ def _paged_decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
+@lean_launch
 @triton.jit
 def _combine_splits_kernel(
     out_ptr, m_ptr, l_ptr, acc_ptr, cu_q_ptr, num_q_heads, Dh, num_splits, o_n, o_h, o_d,
@@ -291,6 +295,7 @@ def paged_attention_triton(
     return out
 
 
+@lean_launch
 @triton.jit
 def _write_kv_kernel(
     k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ptr, page_size, Hkv, Dh,

@@ -21,12 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.replay_state import ReplayCache
 from hybridserve.kernels.ssd_scan import NO_DT_LIMIT, DtLimit
 from hybridserve.kernels.state_update import multi_token_state_update_ref
 from hybridserve.kernels.triton_utils import check_same_device, finite_limits, next_pow2, process_dt_tl
 
 
+@lean_launch
 @triton.jit
 def _replay_precompute_kernel(
     slots_ptr, dt_ptr, A_ptr, bias_ptr, B_ptr, C_ptr, cbs_ptr, buf_ptr, pB_ptr, pdt_ptr, pcum_ptr,
@@ -78,6 +80,7 @@ def _replay_precompute_kernel(
     tl.store(base + square[None, :, :], cbs, mask=mask_h[:, None, None])
 
 
+@lean_launch
 @triton.jit
 def _replay_main_kernel(
     state_ptr, slots_ptr, acc_ptr, x_ptr, z_ptr, C_ptr, D_ptr, y_ptr, cbs_ptr, buf_ptr,
@@ -158,6 +161,7 @@ def _replay_main_kernel(
     tl.store(px_ptr + slot * px_s + offs_t[None, :] * px_t + h * px_h + offs_p[:, None] * px_p, xT, mask=mask_pt)
 
 
+@lean_launch
 @triton.jit
 def _flip_kernel(slots_ptr, buf_ptr):
     slot = tl.load(slots_ptr + tl.program_id(0)).to(tl.int64)

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting, pdl_gate, pdl_launch, prefetch_l2
 
 MAX_ROWS = 16  # rows of x this kernel takes (one tl.dot tile); more rows go to cuBLAS
@@ -120,11 +121,11 @@ def _skinny_linear_kernel(
 
 
 _KEY = ["N", "K", "HAS_BIAS"]
-_skinny_plain = triton.autotune(configs=_configs(split=False), key=_KEY, cache_results=PERSIST_AUTOTUNE)(
-    _skinny_linear_kernel)
-_skinny_split = triton.autotune(configs=_configs(split=True), key=_KEY, cache_results=PERSIST_AUTOTUNE,
-                                prune_configs_by=None if interpreting() else {"early_config_prune": _prune})(
-    _skinny_linear_kernel)
+_skinny_plain = lean_launch(triton.autotune(configs=_configs(split=False), key=_KEY, cache_results=PERSIST_AUTOTUNE)(
+    _skinny_linear_kernel))
+_skinny_split = lean_launch(triton.autotune(configs=_configs(split=True), key=_KEY, cache_results=PERSIST_AUTOTUNE,
+                                            prune_configs_by=None if interpreting() else {"early_config_prune": _prune})(
+    _skinny_linear_kernel))
 
 
 def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

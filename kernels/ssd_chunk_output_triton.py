@@ -18,6 +18,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.ssd_chunk_state_triton import segment_start_term
 from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting
 
@@ -42,6 +43,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: Any) -> lis
     return list({str(c): c for c in kept}.values())
 
 
+@lean_launch
 @triton.autotune(configs=_output_configs(), key=["P", "N", "CHUNK", "HAS_SEGMENTS"],
                  prune_configs_by={"early_config_prune": _prune},
                  cache_results=PERSIST_AUTOTUNE)

@@ -15,6 +15,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.ssd_chunk_state_triton import segment_start_term
 from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting
 
@@ -44,6 +45,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: Any) -> lis
     return kept[:1] if interpreting() else kept  # the interpreter runs one config (HEADS=2 where it divides)
 
 
+@lean_launch
 @triton.autotune(configs=_scan_configs(), key=["P", "N", "CHUNK", "heads_per_group", "HAS_SEGMENTS"],
                  prune_configs_by={"early_config_prune": _prune},
                  cache_results=PERSIST_AUTOTUNE)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.triton_utils import interpreting
 
 
@@ -94,6 +95,7 @@ def segment_start_term(corr_ptr, seg_decay_ptr, chunk_seg_ptr, c, h, H, P, N, NC
     return seg_decay * corr.to(tl.float32)
 
 
+@lean_launch
 @triton.jit
 def chunk_state_walk_kernel(
     x_ptr, wscale_ptr, cum_ptr, B_ptr, init_ptr, init_rows_ptr, states_ptr, seg_end_ptr,
@@ -172,6 +174,7 @@ def chunk_state_walk_kernel(
     tl.store(seg_end_ptr + tl.cast(seg, tl.int64) * H * P * N + rows_out, state, mask=mask_pn)
 
 
+@lean_launch
 @triton.jit
 def chunk_state_join_kernel(
     cum_ptr, init_ptr, init_rows_ptr, seg_end_ptr, corr_ptr, seg_decay_ptr, final_ptr, final_rows_ptr,

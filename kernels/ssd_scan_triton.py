@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.ssd_chunk_output_triton import chunk_output_kernel
 from hybridserve.kernels.ssd_chunk_scan_triton import chunk_scan_kernel
 from hybridserve.kernels.ssd_chunk_state_triton import (
@@ -30,6 +31,7 @@ from hybridserve.kernels.ssd_scan_meta import WHOLE_SEQUENCE, ChunkMeta, chunk_m
 from hybridserve.kernels.triton_utils import check_same_device, finite_limits, next_pow2, process_dt_tl
 
 
+@lean_launch
 @triton.jit
 def _chunk_cumsum_kernel(
     dt_ptr, A_ptr, bias_ptr, dt_out_ptr, cum_ptr, wscale_ptr, chunk_start_ptr, chunk_len_ptr, H, NC, dt_lo, dt_hi,

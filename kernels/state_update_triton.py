@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.ssd_scan import NO_DT_LIMIT, DtLimit
 from hybridserve.kernels.triton_utils import (
     check_same_device,
@@ -23,6 +24,7 @@ from hybridserve.kernels.triton_utils import (
 )
 
 
+@lean_launch
 @triton.jit
 def _state_update_kernel(
     state_ptr, slots_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, bias_ptr, z_ptr, y_ptr, inter_ptr,

@@ -87,10 +87,11 @@ class Mamba2Mixer(nn.Module):
         A = self.decay_rates()
         nd = batch.num_decode
         if nd and nd == batch.num_seqs:  # decode rows only: the recurrent path's output is y (no copy into a buffer)
-            y = self._decode(xBC, dt, A, batch, conv_pool, ssm_pool, replay)
-            return self.out_proj(self.norm(y.reshape(-1, cfg.intermediate_size), gate))
-        y = torch.empty(hidden.shape[0], heads, head_dim, dtype=hidden.dtype, device=hidden.device)
+            y_decode = self._decode(xBC, dt, A, batch, conv_pool, ssm_pool, replay)
+            return self.out_proj(self.norm(y_decode.reshape(-1, cfg.intermediate_size), gate))
+        y: torch.Tensor | None = None  # [N, H, P]; prefill rows only: the scan's output itself (no copy)
         if nd:
+            y = torch.empty(hidden.shape[0], heads, head_dim, dtype=hidden.dtype, device=hidden.device)
             y[: nd * batch.decode_len] = self._decode(xBC, dt, A, batch, conv_pool, ssm_pool, replay)
         if nd < batch.num_seqs:
             xBC, dt = xBC[nd * batch.decode_len :], dt[nd * batch.decode_len :]
@@ -124,7 +125,12 @@ class Mamba2Mixer(nn.Module):
                 meta=batch.prefill_chunk_meta(cfg.chunk_size, block),
                 init_rows=batch.prefill_init_rows(),
             )
-            y[nd * batch.decode_len :] = scan.y
+            if y is None:
+                y = scan.y
+            else:
+                y[nd * batch.decode_len :] = scan.y
+        if y is None:  # a batch without rows
+            y = torch.empty(0, heads, head_dim, dtype=hidden.dtype, device=hidden.device)
         return self.out_proj(self.norm(y.reshape(-1, cfg.intermediate_size), gate))
 
     def _decode(
