@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from mixed_step import inject, retire, start_decoders
 from one_batch import add_engine_flags, dummy_model_dir, engine_config, sync
+from triton import knobs
 from triton.runtime import driver
 from triton.runtime import jit as triton_jit
 
@@ -76,7 +77,9 @@ def variants(lean: launch.LeanKernel, grid: Any, args: tuple, kwargs: dict) -> d
         kwargs_jit = kwargs
     device = driver.active.get_current_device()
     kernel_cache, key_cache, _, _, binder = jit.device_caches[device]
-    full = dict(kwargs_jit, debug=kwargs_jit.get("debug", jit.debug), instrumentation_mode="")
+    # what JITFunction.run adds to the options before binding (its cache key includes them)
+    full = dict(kwargs_jit, debug=kwargs_jit.get("debug", jit.debug) or knobs.runtime.debug,
+                instrumentation_mode=knobs.compilation.instrumentation_mode)
     bound, spec, options = binder(*args, **full)
     kernel = kernel_cache[triton_jit.compute_cache_key(key_cache, spec, options)]
     g = grid(bound) if callable(grid) else grid

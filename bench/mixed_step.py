@@ -235,16 +235,20 @@ def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path)
 
     model_runner.sample = timed_sample  # type: ignore[assignment]
     results = []
-    graphed = engine.runner.model
-    modes = (True, False) if hasattr(graphed, "split_mixed") else (False,)
+    runner = engine.runner
+    graphed = runner.model
+    # fold: decode rows as one-token prefill chunks; split: decode rows replay their graph beside an eager
+    # prefill; whole: one eager forward with recurrent decode rows
+    modes = ("fold", "split", "whole") if hasattr(graphed, "split_mixed") else ("fold", "whole")
     try:
         for length in [int(n) for n in args.timeline_lens.split(",")]:
-            hosts: dict[bool, list[float]] = {m: [] for m in modes}
-            walls: dict[bool, list[float]] = {m: [] for m in modes}
+            hosts: dict[str, list[float]] = {m: [] for m in modes}
+            walls: dict[str, list[float]] = {m: [] for m in modes}
             for i in range(args.repeats):
-                for split in modes:  # alternated step for step, so drift hits both alike
+                for split in modes:  # alternated step for step, so drift hits all alike
+                    runner.fold_decode_rows = split == "fold"
                     if hasattr(graphed, "split_mixed"):
-                        graphed.split_mixed = split
+                        graphed.split_mixed = split == "split"
                     sync(engine)
                     rid = inject(engine, length, 7000 + i)
                     if torch.cuda.is_available():
@@ -274,14 +278,15 @@ def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path)
                     walls[split].append(1e3 * (time.perf_counter() - start))
                     retire(engine, rid)
             for split in modes:
-                results.append({"decode_rows": rows, "prefill_tokens": length, "split_mixed": split,
+                results.append({"decode_rows": rows, "prefill_tokens": length, "mode": split,
                                 "host_ms_p50": statistics.median(hosts[split]), "host_ms_min": min(hosts[split]),
                                 "wall_ms_p50": statistics.median(walls[split]), "wall_ms_min": min(walls[split]),
                                 "wall_ms": [round(w, 2) for w in walls[split]]})
                 print({k: v for k, v in results[-1].items() if k != "wall_ms"})
-        if hasattr(graphed, "split_mixed"):
-            graphed.split_mixed = True
     finally:
+        runner.fold_decode_rows = engine.config.folds_decode_rows
+        if hasattr(graphed, "split_mixed"):
+            graphed.split_mixed = engine.config.split_mixed_steps
         model_runner.sample = original  # type: ignore[assignment]
     for rid in decoders:
         engine.abort(rid)

@@ -90,7 +90,8 @@ class LLMEngine:
         self.max_running = min(config.max_num_seqs, layout.num_slots)
         self.scheduler = Scheduler(self.pool, config.prefill_chunk_tokens, self.max_running, lookahead,
                                    config.max_num_batched_tokens, self.model_config.eos_token_ids, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.cache, config.page_size, device, self.state_block)
+        self.runner = ModelRunner(self.model, self.cache, config.page_size, device, self.state_block,
+                                  fold_decode_rows=config.folds_decode_rows)
         self.spec: SpecDecoder | None = None
         if spec is not None:
             if spec.rollback == "replay":
@@ -284,12 +285,14 @@ class LLMEngine:
 
     def graph_stats(self) -> dict[str, int]:
         """Decode steps replayed from a CUDA graph (the decode rows of split mixed steps included), decode-only
-        steps that ran eagerly, and mixed steps split into a replay and an eager prefill (0 without graphs)."""
+        steps that ran eagerly, mixed steps split into a replay and an eager prefill (0 without graphs), and mixed
+        steps whose decode rows were folded into the prefill forward."""
         graphed = self.runner.model
         graphs = getattr(graphed, "graphs", None)
         return {"graph_decode_steps": getattr(graphs, "num_replays", 0),
                 "eager_decode_steps": getattr(graphs, "num_eager_decodes", 0),
-                "split_mixed_steps": getattr(graphed, "num_split_steps", 0)}
+                "split_mixed_steps": getattr(graphed, "num_split_steps", 0),
+                "folded_mixed_steps": self.runner.num_folded_steps}
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -152,9 +152,12 @@ class ModelRunner:
     """Owns the model and its state cache on one device."""
 
     def __init__(
-        self, model: HybridLM, cache: StateCache, page_size: int, device: torch.device, state_block: int | None = None
+        self, model: HybridLM, cache: StateCache, page_size: int, device: torch.device, state_block: int | None = None,
+        fold_decode_rows: bool = False,
     ) -> None:
         self.model = model
+        self.fold_decode_rows = fold_decode_rows  # EngineConfig.fold_decode_rows
+        self.num_folded_steps = 0  # mixed steps whose decode rows ran as one-token prefill chunks
         self.cache = cache
         self.page_size = page_size
         self.device = device
@@ -171,8 +174,13 @@ class ModelRunner:
         nd = len(work.decodes)
         tokens = len(verify.tokens[0]) if verify is not None and nd else 1
         chunks = [(r, tokens) for r in work.decodes] + [(c.request, c.num_tokens) for c in work.prefills]
+        model_nd = nd
+        if self.fold_decode_rows and nd and work.prefills and verify is None:
+            # the decode rows become one-token chunks resumed from their state slot: the model sees a prefill
+            model_nd, checkpoint_slots = 0, self._fold_boundaries(work.decodes, checkpoint_slots)
+            self.num_folded_steps += 1
         input_ids, batch = build_forward_batch(
-            chunks, nd, self.page_size, self.device, self.state_block, checkpoint_slots, verify, layer_done
+            chunks, model_nd, self.page_size, self.device, self.state_block, checkpoint_slots, verify, layer_done
         )
         hidden = self.model(input_ids, batch, self.cache)
         verify_logits = None
@@ -209,6 +217,16 @@ class ModelRunner:
             for row, entry in zip(wanted, found):
                 logprobs[due[row]] = [entry]
         return StepOutput(hidden, batch, new_token_ids, verify_logits, first_sampled, logprobs, prompt_logprobs)
+
+    def _fold_boundaries(self, decodes: Sequence[Request], checkpoint_slots: list[int] | None) -> list[int] | None:
+        """The checkpoint slots of a folded step: a decode row whose token lands on a multiple of state_block
+        crosses a checkpoint boundary as a prefill chunk would; it keeps none (-1), ahead of the prefill chunks'
+        boundaries (boundaries are listed in row order, decode rows first)."""
+        block = self.state_block
+        if not checkpoint_slots or block is None:
+            return checkpoint_slots  # no boundary kept: the kernels look for none
+        crossing = sum(1 for r in decodes if (r.num_computed_tokens + 1) % block == 0)
+        return [-1] * crossing + checkpoint_slots
 
     def _prompt_logprobs(self, chunks: list[tuple[Request, int]], num_decode: int, hidden: torch.Tensor,
                          batch: ForwardBatch) -> dict[int, tuple[int, list[TokenLogprob]]] | None:

@@ -21,7 +21,7 @@ from hybridserve.kernels.causal_conv1d import (
     conv_varlen_metadata,
 )
 from hybridserve.kernels.launch import lean_launch
-from hybridserve.kernels.triton_utils import check_same_device, next_pow2, pdl_gate, pdl_launch
+from hybridserve.kernels.triton_utils import cdiv, check_same_device, next_pow2, pdl_gate, pdl_launch
 
 
 @triton.jit
@@ -125,7 +125,7 @@ def _launch_gather(
         return
     block_d = min(256, next_pow2(channels))
     dummy = cu_seqlens
-    _window_gather_kernel[(num, triton.cdiv(channels, block_d))](
+    _window_gather_kernel[(num, cdiv(channels, block_d))](
         x, src if src is not None else out, src_rows if src_rows is not None else dummy,
         gate if gate is not None else dummy, out, out_rows if out_rows is not None else dummy, cu_seqlens,
         out_seq, out_len, channels, width, *x.stride(), *(src.stride() if src is not None else (0, 0, 0)),
@@ -193,7 +193,7 @@ def causal_conv1d_varlen_triton(
     block_d = min(256, next_pow2(channels))
     if num_tokens:
         block_t = 8
-        _conv_varlen_kernel[(triton.cdiv(num_tokens, block_t), triton.cdiv(channels, block_d))](
+        _conv_varlen_kernel[(cdiv(num_tokens, block_t), cdiv(channels, block_d))](
             x, weight, bias if bias is not None else weight, src if src is not None else y,
             src_rows if src_rows is not None else cu_seqlens, gate if gate is not None else cu_seqlens, y,
             cu_seqlens, meta.token_seq, num_tokens, channels, width, *x.stride(),
@@ -290,7 +290,7 @@ def causal_conv1d_update_triton(
     if batch == 0:
         return y
     block_d = min(256, next_pow2(channels))
-    _conv_update_kernel[(batch, triton.cdiv(channels, block_d))](
+    _conv_update_kernel[(batch, cdiv(channels, block_d))](
         x, conv_state_pool, slots, weight, bias if bias is not None else weight, y,
         tokens, channels, width, *x.stride(), *conv_state_pool.stride(), *weight.stride(), *y.stride(),
         K=kernel, BLOCK_D=block_d, BLOCK_W=next_pow2(width), HAS_BIAS=bias is not None,

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.launch import lean_launch
-from hybridserve.kernels.triton_utils import check_same_device, next_pow2, pdl_gate, pdl_launch
+from hybridserve.kernels.triton_utils import cdiv, check_same_device, next_pow2, pdl_gate, pdl_launch
 
 
 @lean_launch
@@ -153,5 +153,5 @@ def relu2_triton(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return torch.square(torch.relu(x), out=y)
     n = x.numel()
     if n:
-        _relu2_kernel[(triton.cdiv(n, 1024),)](x, y, n, BLOCK=1024, num_warps=4)
+        _relu2_kernel[(cdiv(n, 1024),)](x, y, n, BLOCK=1024, num_warps=4)
     return y

@@ -13,7 +13,7 @@ import triton.language as tl
 
 from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.moe import RouterSpec, route_topk
-from hybridserve.kernels.triton_utils import interpreting, next_pow2, pdl_gate, pdl_launch, prefetch_l2
+from hybridserve.kernels.triton_utils import cdiv, interpreting, next_pow2, pdl_gate, pdl_launch, prefetch_l2
 
 
 @triton.jit
@@ -120,7 +120,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # a whole row per step (one dependent memory round trip for hidden <= 4096), 8K elements per program
     block_k = 32 if interpreting() else min(next_pow2(d), 4096)
     block_e = 8 if interpreting() else max(1, 8192 // block_k)
-    _router_logits_kernel[(n, triton.cdiv(num_experts, block_e))](x, weight, logits, num_experts, d, x.stride(0),
+    _router_logits_kernel[(n, cdiv(num_experts, block_e))](x, weight, logits, num_experts, d, x.stride(0),
                                                                   BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
                                                                   **pdl_launch(x.device))
     return logits

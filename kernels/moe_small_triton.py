@@ -27,6 +27,7 @@ from hybridserve.kernels.moe_router_triton import groups_fit, route_topk_triton,
 from hybridserve.kernels.moe_triton import check_expert_inputs, moe_experts_triton
 from hybridserve.kernels.triton_utils import (
     PERSIST_AUTOTUNE,
+    cdiv,
     interpreting,
     next_pow2,
     pdl_gate,
@@ -208,7 +209,7 @@ def moe_small_triton(
     pdl = pdl_launch(x.device)
 
     def up_grid(meta: dict) -> tuple[int, int, int]:
-        return (n, triton.cdiv(inter, meta["BLOCK_N"]), width)
+        return (n, cdiv(inter, meta["BLOCK_N"]), width)
 
     _small_up_kernel[up_grid](
         expert_x, logits, bias, w_up, up_s, up_scale if up_scale is not None else scale_dummy, hidden, ids, weights,
@@ -221,7 +222,7 @@ def moe_small_triton(
     out = torch.empty(n, d, dtype=expert_x.dtype, device=x.device)
 
     def down_grid(meta: dict) -> tuple[int, int]:
-        return (n, triton.cdiv(d, meta["BLOCK_N"]))
+        return (n, cdiv(d, meta["BLOCK_N"]))
 
     _small_down_kernel[down_grid](
         hidden, ids, weights, w_down, down_s, down_scale if down_scale is not None else scale_dummy,

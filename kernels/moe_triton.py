@@ -23,7 +23,7 @@ import triton.language as tl
 
 from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.moe import align_capacity
-from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting, next_pow2
+from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, cdiv, interpreting, next_pow2
 
 
 @lean_launch
@@ -218,7 +218,7 @@ def _grouped_gemm(
     num_blocks = block_expert.numel()
 
     def grid(meta: dict) -> tuple[int]:
-        return (num_blocks * triton.cdiv(n_out, meta["BLOCK_N"]),)
+        return (num_blocks * cdiv(n_out, meta["BLOCK_N"]),)
 
     _moe_gemm_kernel[grid](
         a, w, ws, scale if scale is not None else a, out,
@@ -296,6 +296,6 @@ def moe_experts_triton(
     out = torch.empty_like(x)
     shared = shared_out.contiguous() if shared_out is not None else out
     route_w = topk_weights.reshape(-1).float().contiguous()
-    _moe_combine_kernel[(n, triton.cdiv(d, 1024))](pair_out, route_w, shared, out, d, K=k, BLOCK_D=1024,
+    _moe_combine_kernel[(n, cdiv(d, 1024))](pair_out, route_w, shared, out, d, K=k, BLOCK_D=1024,
                                                    HAS_SHARED=shared_out is not None, num_warps=4)
     return out

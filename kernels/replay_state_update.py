@@ -25,7 +25,7 @@ from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.replay_state import ReplayCache
 from hybridserve.kernels.ssd_scan import NO_DT_LIMIT, DtLimit
 from hybridserve.kernels.state_update import multi_token_state_update_ref
-from hybridserve.kernels.triton_utils import check_same_device, finite_limits, next_pow2, process_dt_tl
+from hybridserve.kernels.triton_utils import cdiv, check_same_device, finite_limits, next_pow2, process_dt_tl
 
 
 @lean_launch
@@ -204,7 +204,7 @@ def replay_state_update_triton(
     lo, hi, has_limit = finite_limits(dt_limit)
     heads_per_group = heads // groups
     heads_per_program = min(16, next_pow2(heads_per_group))
-    _replay_precompute_kernel[(batch, groups, triton.cdiv(heads_per_group, heads_per_program))](
+    _replay_precompute_kernel[(batch, groups, cdiv(heads_per_group, heads_per_program))](
         slots, dt, A, dt_bias if dt_bias is not None else A, B, C, cbs, cache.buf, cache.prev_B, cache.prev_dt,
         cache.prev_cum, tokens, heads, state, heads_per_group, lo, hi,
         *dt.stride(), *B.stride(), *C.stride(), *cache.prev_B.stride(), *cache.prev_dt.stride(),
@@ -212,7 +212,7 @@ def replay_state_update_triton(
         DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit, num_warps=4,
     )
     zz = z if z is not None else x
-    _replay_main_kernel[(triton.cdiv(head_dim, block_p), heads, batch)](
+    _replay_main_kernel[(cdiv(head_dim, block_p), heads, batch)](
         state_pool, slots, num_accepted, x, zz, C, D if D is not None else A, y, cbs, cache.buf,
         cache.prev_x, cache.prev_B, cache.prev_dt, cache.prev_cum,
         tokens, heads, head_dim, state, heads_per_group,

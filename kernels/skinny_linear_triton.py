@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.launch import lean_launch
-from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting, pdl_gate, pdl_launch, prefetch_l2
+from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, cdiv, interpreting, pdl_gate, pdl_launch, prefetch_l2
 
 MAX_ROWS = 16  # rows of x this kernel takes (one tl.dot tile); more rows go to cuBLAS
 MAX_SPLIT = 8  # most K-splits of a projection with few output columns (see SplitKWorkspace)
@@ -37,7 +37,7 @@ class SplitKWorkspace:
     @classmethod
     def create(cls, out_features: int, device: torch.device) -> SplitKWorkspace:
         return cls(torch.empty(MAX_SPLIT, MAX_ROWS, out_features, dtype=torch.float32, device=device),
-                   torch.zeros(triton.cdiv(out_features, 16), dtype=torch.int32, device=device))
+                   torch.zeros(cdiv(out_features, 16), dtype=torch.int32, device=device))
 
 
 def wants_split(out_features: int, device: torch.device) -> bool:
@@ -45,7 +45,7 @@ def wants_split(out_features: int, device: torch.device) -> bool:
     SplitKWorkspace, so the autotuner may split their K."""
     if device.type != "cuda":
         return False
-    return triton.cdiv(out_features, 16) < 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return cdiv(out_features, 16) < 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _configs(split: bool) -> list[triton.Config]:
@@ -65,7 +65,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
     sms = torch.cuda.get_device_properties(named_args["w_ptr"].device).multi_processor_count
     kept = []
     for c in configs:
-        blocks, split = triton.cdiv(n, c.kwargs["BLOCK_N"]), c.kwargs["SPLIT_K"]
+        blocks, split = cdiv(n, c.kwargs["BLOCK_N"]), c.kwargs["SPLIT_K"]
         if split == 1 or (blocks < 2 * sms and blocks * split <= 4 * sms and k >= 4 * split * c.kwargs["BLOCK_K"]):
             kept.append(c)
     return kept
@@ -162,7 +162,7 @@ def skinny_linear_triton(
     y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows and out_features:
         def grid(meta: dict) -> tuple[int, int]:
-            return (triton.cdiv(out_features, meta["BLOCK_N"]), meta["SPLIT_K"])
+            return (cdiv(out_features, meta["BLOCK_N"]), meta["SPLIT_K"])
 
         kernel = _skinny_split if workspace is not None else _skinny_plain
         pdl = pdl_launch(x.device)

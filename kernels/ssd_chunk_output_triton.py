@@ -20,7 +20,7 @@ import triton.language as tl
 
 from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.ssd_chunk_state_triton import segment_start_term
-from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting
+from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting, next_pow2
 
 
 def _output_configs() -> list[triton.Config]:
@@ -37,7 +37,7 @@ def _output_configs() -> list[triton.Config]:
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs: Any) -> list[triton.Config]:
     """Fit the configs to the problem: BLOCK_M at most the chunk, BLOCK_P at most the padded head_dim."""
     chunk = int(kwargs.get("QBLOCK") or named_args.get("QBLOCK") or 16)
-    full = max(16, triton.next_power_of_2(int(named_args["P"])))
+    full = max(16, next_pow2(int(named_args["P"])))
     kept = [triton.Config({"BLOCK_M": min(c.kwargs["BLOCK_M"], chunk), "BLOCK_P": min(c.kwargs["BLOCK_P"], full)},
                           num_warps=c.num_warps, num_stages=c.num_stages) for c in configs]
     return list({str(c): c for c in kept}.values())

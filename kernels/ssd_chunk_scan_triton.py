@@ -17,7 +17,7 @@ import triton.language as tl
 
 from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.ssd_chunk_state_triton import segment_start_term
-from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting
+from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, interpreting, next_pow2
 
 
 def _scan_configs() -> list[triton.Config]:
@@ -37,7 +37,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: Any) -> lis
     capped at the chunk, BLOCK_P 0 becomes the whole (power-of-two padded) head_dim."""
     per_group = int(named_args["heads_per_group"])
     chunk = int(kwargs.get("QBLOCK") or named_args.get("QBLOCK") or 16)
-    full = max(16, triton.next_power_of_2(int(named_args["P"])))
+    full = max(16, next_pow2(int(named_args["P"])))
     kept = [triton.Config({**c.kwargs, "BLOCK_M": min(c.kwargs["BLOCK_M"], chunk),
                            "BLOCK_P": c.kwargs["BLOCK_P"] or full}, num_warps=c.num_warps, num_stages=c.num_stages)
             for c in configs if per_group % c.kwargs["HEADS"] == 0]

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.launch import lean_launch
-from hybridserve.kernels.triton_utils import interpreting
+from hybridserve.kernels.triton_utils import interpreting, next_pow2
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,9 @@ def walk_config(head_dim: int, state_size: int, chunk_size: int, heads_per_group
     # H100 sweeps (bench/ssd_sweep.py, bench/results/h100/): one head per program; a head_dim of up to 64 in one
     # tile with 8 warps (mamba2-2.7b 1x8192: 168 vs 198 us for 32-row tiles), else 32 x 128 tiles with 4 warps
     # (Nano-9B-v2, head_dim 80: 293 us, the best of the swept tiles)
-    block_n = min(128, max(16, triton.next_power_of_2(state_size)))
+    block_n = min(128, max(16, next_pow2(state_size)))
     if head_dim <= 64:
-        return WalkConfig(max(16, triton.next_power_of_2(head_dim)), block_n, 8, 2, hoist_b_addresses=True)
+        return WalkConfig(max(16, next_pow2(head_dim)), block_n, 8, 2, hoist_b_addresses=True)
     return WalkConfig(32, block_n, 4, 2)
 
 

@@ -28,7 +28,7 @@ from hybridserve.kernels.ssd_chunk_state_triton import (
 )
 from hybridserve.kernels.ssd_scan import NO_DT_LIMIT, DtLimit, SSDScanOutput, check_pool_args
 from hybridserve.kernels.ssd_scan_meta import WHOLE_SEQUENCE, ChunkMeta, chunk_metadata
-from hybridserve.kernels.triton_utils import check_same_device, finite_limits, next_pow2, process_dt_tl
+from hybridserve.kernels.triton_utils import cdiv, check_same_device, finite_limits, next_pow2, process_dt_tl
 
 
 @lean_launch
@@ -138,7 +138,7 @@ def ssd_scan_varlen_triton(
     cum = torch.empty_like(dtc)
     wscale = torch.empty_like(dtc)  # the walk's per-token weights: decay to the chunk end times dt
     if num_chunks:
-        _chunk_cumsum_kernel[(num_chunks, triton.cdiv(heads, 16))](
+        _chunk_cumsum_kernel[(num_chunks, cdiv(heads, 16))](
             dt, A, bias, dtc, cum, wscale, meta.chunk_start, meta.chunk_len, heads, num_chunks, lo, hi, *dt.stride(),
             QBLOCK=qblock, BLOCK_H=16, num_warps=4,
             HAS_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
@@ -155,7 +155,7 @@ def ssd_scan_varlen_triton(
     walk = walk or walk_config(head_dim, state_size, chunk_size, heads // groups)
     if (heads // groups) % walk.heads:
         raise ValueError(f"WalkConfig.heads ({walk.heads}) must divide the heads per group ({heads // groups})")
-    tiles = triton.cdiv(head_dim, walk.block_p) * triton.cdiv(state_size, walk.block_n)
+    tiles = cdiv(head_dim, walk.block_p) * cdiv(state_size, walk.block_n)
     has_init = pooled or initial_states is not None
     shape = dict(BLOCK_P=walk.block_p, BLOCK_N=walk.block_n, HEADS=walk.heads, QBLOCK=qblock, HAS_INIT=has_init,
                  HAS_KEPT=has_kept, num_warps=walk.num_warps)
@@ -179,8 +179,8 @@ def ssd_scan_varlen_triton(
 
         def grid(meta_: dict) -> tuple[int, int, int]:
             if blocked:  # (head_dim tile, chunk, head)
-                return (triton.cdiv(head_dim, meta_["BLOCK_P"]), num_chunks, heads)
-            return (triton.cdiv(qblock, meta_["BLOCK_M"]), num_chunks, heads // meta_["HEADS"])
+                return (cdiv(head_dim, meta_["BLOCK_P"]), num_chunks, heads)
+            return (cdiv(qblock, meta_["BLOCK_M"]), num_chunks, heads // meta_["HEADS"])
 
         (chunk_output_kernel if blocked else chunk_scan_kernel)[grid](
             x, dtc, cum, B, C, D if D is not None else A, states, corr, seg_decay, meta.chunk_seg, y,

@@ -15,6 +15,7 @@ import triton.language as tl
 from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.ssd_scan import NO_DT_LIMIT, DtLimit
 from hybridserve.kernels.triton_utils import (
+    cdiv,
     check_same_device,
     finite_limits,
     next_pow2,
@@ -153,7 +154,7 @@ def multi_token_state_update_triton(
     block_p = _block_p(head_dim, state_size, batch, heads) if block_p is None else block_p
     if tiles <= 0:
         raise ValueError(f"tiles must be >= 1, got {tiles}")
-    grid = (triton.cdiv(head_dim, block_p * tiles), heads, batch)  # batch last: see the kernel
+    grid = (cdiv(head_dim, block_p * tiles), heads, batch)  # batch last: see the kernel
     _state_update_kernel[grid](
         state_pool, slots, x, dt, A, B, C, D if D is not None else A, dt_bias if dt_bias is not None else A,
         zz, y, inter,

@@ -46,7 +46,24 @@ def test_mixed_steps_replay_the_decode_rows_and_match_eager():
     eager = LLM(model_dir, device="cuda", dtype="float32", cuda_graphs=False, prefill_chunk_size=8)
     expected = [o.token_ids for o in eager.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
     for caching in (False, True):
-        llm = LLM(model_dir, device="cuda", dtype="float32", prefill_chunk_size=8, enable_prefix_caching=caching)
+        llm = LLM(model_dir, device="cuda", dtype="float32", prefill_chunk_size=8, enable_prefix_caching=caching,
+                  fold_decode_rows=False)
         got = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
         assert llm.engine.graph_stats()["split_mixed_steps"] > 0
+        assert got == expected
+
+
+def test_mixed_steps_fold_the_decode_rows_and_match_eager():
+    """The CUDA default: decode rows beside a prefill chunk run as one-token chunks of the eager prefill."""
+    model_dir = nemotron_h("M*-M")[0]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    eager = LLM(model_dir, device="cuda", dtype="float32", cuda_graphs=False, prefill_chunk_size=8,
+                fold_decode_rows=False)
+    expected = [o.token_ids for o in eager.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+    for caching in (False, True):
+        llm = LLM(model_dir, device="cuda", dtype="float32", prefill_chunk_size=8, enable_prefix_caching=caching,
+                  state_block=16 if caching else None)
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+        stats = llm.engine.graph_stats()
+        assert stats["folded_mixed_steps"] > 0 and stats["split_mixed_steps"] == 0
         assert got == expected
