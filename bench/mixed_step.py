@@ -284,7 +284,7 @@ def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path)
                                 "wall_ms": [round(w, 2) for w in walls[split]]})
                 print({k: v for k, v in results[-1].items() if k != "wall_ms"})
     finally:
-        runner.fold_decode_rows = engine.config.folds_decode_rows
+        runner.fold_decode_rows = engine.config.fold_decode_rows
         if hasattr(graphed, "split_mixed"):
             graphed.split_mixed = engine.config.split_mixed_steps
         model_runner.sample = original  # type: ignore[assignment]

@@ -16,7 +16,7 @@
 #   colocated-1gpu-calls  colocated-1gpu with --no-worker-sessions (a gRPC call per request, not the session)
 #   colocated-1gpu-nosplit  colocated-1gpu with --no-split-mixed-steps (mixed steps run whole, eagerly)
 #   colocated-1gpu-nolean   colocated-1gpu with HYBRIDSERVE_LEAN_LAUNCH=0 (Triton's own launch path per kernel call)
-#   colocated-1gpu-nofold   colocated-1gpu with --no-fold-decode-rows (mixed steps split around the decode graph)
+#   colocated-1gpu-fold   colocated-1gpu with --fold-decode-rows (decode rows of mixed steps as one-token prefill chunks)
 #   colocated-2gpu-tp2  one worker at --tensor-parallel-size 2 on GPUs 0-1 (rank 0 serves, rank 1 follows)
 # MODEL_CONFIG (default bench/configs/nemotron-nano-9b-v2.json) picks the shapes, e.g. the Nemotron-H-56B ones:
 #   MODEL_CONFIG=bench/configs/nemotron-h-56b-base-8k.json WORKLOADS=512:128 RATES=1,4,inf \
@@ -75,7 +75,7 @@ deployment_args() {
     colocated-1gpu-nocache) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-prefix-caching ;;
     colocated-1gpu-calls) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-worker-sessions ;;
     colocated-1gpu-nosplit) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-split-mixed-steps ;;
-    colocated-1gpu-nofold) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-fold-decode-rows ;;
+    colocated-1gpu-fold) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --fold-decode-rows ;;
     colocated-1gpu-nolean) echo --prefill-workers 0 --decode-workers 1 --gpus 0 ;;  # its environment: see run()
     colocated-2gpu-dp) echo --prefill-workers 0 --decode-workers 2 --gpus 0,1 ;;
     colocated-2gpu-tp2) echo --prefill-workers 0 --decode-workers 1 --tensor-parallel-size 2 ;;

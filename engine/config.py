@@ -50,8 +50,9 @@ class EngineConfig:
     split_mixed_steps: bool = True
     # a step mixing one-token decode rows with prefill chunks computes the decode rows as one-token chunks of
     # the prefill forward (they ride along its GEMMs and launch nothing of their own; takes precedence over
-    # split_mixed_steps); None: on for CUDA without tensor parallelism, off on CPU
-    fold_decode_rows: bool | None = None
+    # split_mixed_steps). Off by default: served on the H200 it ties the split (TPOT p50 9.0 vs 8.9 ms,
+    # bench/results/h200/serve_speed/fold_session39/)
+    fold_decode_rows: bool = False
     # Tokens between cached Mamba checkpoints; a multiple of the model's SSD chunk_size (and of page_size
     # for models with attention). None: 4 x chunk_size (rounded up to a page multiple). Each checkpoint is a
     # whole state (137 MiB for Nemotron-Nano-9B-v2 in fp32, ~8.8K tokens of its KV), so every chunk would
@@ -113,13 +114,9 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
-        for name in ("cuda_graphs", "split_mixed_steps"):
+        for name in ("cuda_graphs", "split_mixed_steps", "fold_decode_rows"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.fold_decode_rows is not None and not isinstance(self.fold_decode_rows, bool):
-            raise ValueError(f"fold_decode_rows must be a bool or None, got {self.fold_decode_rows!r}")
-        if self.fold_decode_rows and tp > 1:
-            raise ValueError("fold_decode_rows is for one-rank engines; leave it unset with tensor_parallel_size > 1")
         standby = self.standby_state_slots
         if standby is not None and (isinstance(standby, bool) or not isinstance(standby, int) or standby < 0):
             raise ValueError(f"standby_state_slots must be an integer >= 0 or None, got {standby!r}")
@@ -167,14 +164,6 @@ class EngineConfig:
     def warmup_enabled(self) -> bool:
         """Whether the engine warms its kernels up at start (the `warmup` default: on CUDA only)."""
         return self.warmup if self.warmup is not None else self.torch_device.type == "cuda"
-
-    @property
-    def folds_decode_rows(self) -> bool:
-        """Whether mixed steps fold their decode rows into the prefill forward (the `fold_decode_rows` default:
-        on CUDA without tensor parallelism)."""
-        if self.fold_decode_rows is not None:
-            return self.fold_decode_rows
-        return self.torch_device.type == "cuda" and self.tensor_parallel_size == 1
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

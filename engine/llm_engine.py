@@ -91,7 +91,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, config.prefill_chunk_tokens, self.max_running, lookahead,
                                    config.max_num_batched_tokens, self.model_config.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(self.model, self.cache, config.page_size, device, self.state_block,
-                                  fold_decode_rows=config.folds_decode_rows)
+                                  fold_decode_rows=config.fold_decode_rows)
         self.spec: SpecDecoder | None = None
         if spec is not None:
             if spec.rollback == "replay":

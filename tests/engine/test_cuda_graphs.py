@@ -54,7 +54,7 @@ def test_mixed_steps_replay_the_decode_rows_and_match_eager():
 
 
 def test_mixed_steps_fold_the_decode_rows_and_match_eager():
-    """The CUDA default: decode rows beside a prefill chunk run as one-token chunks of the eager prefill."""
+    """fold_decode_rows: decode rows beside a prefill chunk run as one-token chunks of the eager prefill."""
     model_dir = nemotron_h("M*-M")[0]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     eager = LLM(model_dir, device="cuda", dtype="float32", cuda_graphs=False, prefill_chunk_size=8,
@@ -62,7 +62,7 @@ def test_mixed_steps_fold_the_decode_rows_and_match_eager():
     expected = [o.token_ids for o in eager.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
     for caching in (False, True):
         llm = LLM(model_dir, device="cuda", dtype="float32", prefill_chunk_size=8, enable_prefix_caching=caching,
-                  state_block=16 if caching else None)
+                  state_block=16 if caching else None, fold_decode_rows=True)
         got = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
         stats = llm.engine.graph_stats()
         assert stats["folded_mixed_steps"] > 0 and stats["split_mixed_steps"] == 0

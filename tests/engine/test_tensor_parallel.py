@@ -29,13 +29,13 @@ def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
 
 
-def _check_engine(model_dir, hf, prompt_lengths: list[int]) -> None:
+def _check_engine(model_dir, hf, prompt_lengths: list[int], **options: object) -> None:
     """TP=2 logits = transformers', TP=2 greedy = TP=1 greedy = transformers' argmax, with prefill chunks
-    of 8 tokens and a second round that hits the prefix cache."""
+    of 8 tokens and a second round that hits the prefix cache; `options` go to the TP=2 engine."""
     prompts = random_prompts(prompt_lengths, vocab=128, seed=3)
     shared = random_prompts([70], vocab=128, seed=4)[0]
     repeat = [shared + [5, 6], shared + [7]]  # 64-token prefix: two state_block checkpoints to hit
-    llm = LLM(model_dir, tensor_parallel_size=2, prefill_chunk_size=8)  # first: it gives the CPU ranks 1 core each
+    llm = LLM(model_dir, tensor_parallel_size=2, prefill_chunk_size=8, **options)  # first: it gives the CPU ranks 1 core each
     try:
         one = LLM(model_dir, prefill_chunk_size=8)
         expected = _tokens(one, prompts)
@@ -48,6 +48,8 @@ def _check_engine(model_dir, hf, prompt_lengths: list[int]) -> None:
         outs = llm.generate(prompt_token_ids=repeat, sampling_params=GREEDY)
         assert [o.token_ids for o in outs] == expected_repeat[1:]
         assert all(o.num_cached_tokens >= 32 for o in outs)  # prefix-cache hits, state copied on both ranks
+        if options.get("fold_decode_rows"):
+            assert llm.engine.graph_stats()["folded_mixed_steps"] > 0, "no mixed step was folded"
     finally:
         llm.engine.close()
 
@@ -59,8 +61,9 @@ def test_nemotron_h_tp2_matches_tp1_and_transformers() -> None:
 
 def test_nemotron_h_tp2_with_one_group_and_one_kv_head() -> None:
     """n_groups=1 < TP: the group is replicated and the gated norm's group spans both ranks (all-reduced
-    sums of squares); num_kv_heads=1 < TP: the KV head is replicated."""
-    _check_engine(*nemotron_h("M*-M", n_groups=1, num_key_value_heads=1), [11, 26])
+    sums of squares); num_kv_heads=1 < TP: the KV head is replicated. Mixed steps fold their decode rows into
+    the prefill forward on every rank (fold_decode_rows)."""
+    _check_engine(*nemotron_h("M*-M", n_groups=1, num_key_value_heads=1), [11, 26], fold_decode_rows=True)
 
 
 def test_mamba2_tp2_with_one_group() -> None:
