@@ -214,6 +214,24 @@ def timeline(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path) 
     return {"decode_rows": rows, "steps": result}
 
 
+class GcPauses:
+    """Sums the garbage collector's pause time (gc.callbacks) until closed: is a slow host step the collector?"""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._since = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._since = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._since
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     """The host's own cost of queueing a step: the GPU is first given a ~0.5 s spin, so the time from the step's
     start to the sampler (where the step first waits for the device) is pure host work, never the host waiting.
@@ -234,6 +252,7 @@ def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path)
         return original(*a, **k)
 
     model_runner.sample = timed_sample  # type: ignore[assignment]
+    gc_pauses = GcPauses()
     results = []
     runner = engine.runner
     graphed = runner.model
@@ -243,6 +262,8 @@ def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path)
     try:
         for length in [int(n) for n in args.timeline_lens.split(",")]:
             hosts: dict[str, list[float]] = {m: [] for m in modes}
+            cpus: dict[str, list[float]] = {m: [] for m in modes}  # the thread's CPU time in the host phase
+            gcs: dict[str, list[float]] = {m: [] for m in modes}  # garbage-collector pauses in the host phase
             walls: dict[str, list[float]] = {m: [] for m in modes}
             for i in range(args.repeats):
                 for split in modes:  # alternated step for step, so drift hits all alike
@@ -254,6 +275,8 @@ def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path)
                     if torch.cuda.is_available():
                         torch.cuda._sleep(1_000_000_000)  # ~0.5 s of device spin ahead of the step
                     reached.clear()
+                    gc_pauses.total = 0.0
+                    cpu_start = time.thread_time()
                     start = time.perf_counter()
                     if length == 1024 and i == args.repeats - 1 and split == modes[0]:
                         prof = cProfile.Profile()
@@ -267,6 +290,8 @@ def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path)
                     else:
                         engine.step()
                         hosts[split].append(1e3 * (reached[0] - start))
+                        cpus[split].append(1e3 * (time.thread_time() - cpu_start))  # up to the step's end
+                        gcs[split].append(1e3 * gc_pauses.total)
                     sync(engine)
                     retire(engine, rid)
                     # the same step without the spin: its wall time (host and device overlapping as served)
@@ -280,14 +305,18 @@ def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path)
             for split in modes:
                 results.append({"decode_rows": rows, "prefill_tokens": length, "mode": split,
                                 "host_ms_p50": statistics.median(hosts[split]), "host_ms_min": min(hosts[split]),
+                                "host_ms": [round(h, 2) for h in hosts[split]],
+                                "thread_cpu_ms": [round(c, 2) for c in cpus[split]],
+                                "gc_pause_ms": [round(g, 3) for g in gcs[split]],
                                 "wall_ms_p50": statistics.median(walls[split]), "wall_ms_min": min(walls[split]),
                                 "wall_ms": [round(w, 2) for w in walls[split]]})
-                print({k: v for k, v in results[-1].items() if k != "wall_ms"})
+                print({k: v for k, v in results[-1].items() if not isinstance(v, list)})
     finally:
         runner.fold_decode_rows = engine.config.fold_decode_rows
         if hasattr(graphed, "split_mixed"):
             graphed.split_mixed = engine.config.split_mixed_steps
         model_runner.sample = original  # type: ignore[assignment]
+        gc_pauses.close()
     for rid in decoders:
         engine.abort(rid)
     engine.step()

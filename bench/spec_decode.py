@@ -75,7 +75,7 @@ def run_config(model_dir: str, batch: int, spec: dict | None, rate: float, graph
     config = EngineConfig(
         device=device, dtype="bfloat16" if device == "cuda" else "float32", max_num_seqs=batch, max_model_len=MAX_LEN,
         prefill_chunk_size=8192,
-        enable_prefix_caching=False, cuda_graphs=graphs, gpu_memory_utilization=0.97,
+        enable_prefix_caching=False, cuda_graphs=graphs, gpu_memory_utilization=0.97, warmup=False,
         num_kv_pages=batch * (MAX_LEN // 16 + 8), speculative_config=spec,
     )
     engine = LLMEngine(model_dir, config)
@@ -88,7 +88,7 @@ def run_config(model_dir: str, batch: int, spec: dict | None, rate: float, graph
         engine.add_request(prompt, params, f"r{i}")
     while any(r.num_computed_tokens < PROMPT_LEN for r in engine._requests.values()):
         engine.step()
-    for _ in range(3):  # warm-up decode / verify steps (Triton compiles)
+    for _ in range(3):  # warm-up decode / verify steps (Triton compiles; the engine's own warm-up is off)
         engine.step()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
@@ -131,6 +131,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer configurations and steps")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,8,32,64)")
+    parser.add_argument("--ks", default=None, help="comma-separated draft counts K (default 1,2,3,4)")
+    parser.add_argument("--rates", default="0,0.5,1", help="comma-separated oracle acceptance rates")
+    parser.add_argument("--rollbacks", default="intermediate,replay")
+    parser.add_argument("--spec-graphs", default="eager,graph",
+                        help="verify steps eager, captured as CUDA graphs, or both (side by side per config)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/spec_decode.py needs a CUDA device")
@@ -140,6 +146,12 @@ def main() -> None:
     (Path(model_dir) / "config.json").write_text(CONFIG.read_text())
     batches = (1, 32) if args.quick else (1, 8, 32, 64)
     ks = (2,) if args.quick else (1, 2, 3, 4)
+    if args.batches:
+        batches = tuple(int(b) for b in args.batches.split(","))
+    if args.ks:
+        ks = tuple(int(k) for k in args.ks.split(","))
+    rates = [float(r) for r in args.rates.split(",")]
+    spec_graphs = [{"eager": False, "graph": True}[g] for g in args.spec_graphs.split(",")]
     steps = 8 if args.quick else 12
     rows: list[dict[str, Any]] = []
 
@@ -154,16 +166,17 @@ def main() -> None:
         for graphs in (False, True):
             record(run_config(model_dir, batch, None, 0.0, graphs, steps))
         for k in ks:
-            for rollback in ("intermediate", "replay"):
-                for rate in (0.0, 0.5, 1.0):
+            for rollback in args.rollbacks.split(","):
+                for rate in rates:
                     spec = {"method": "ngram", "num_speculative_tokens": k, "rollback": rollback}
-                    try:
-                        record(run_config(model_dir, batch, spec, rate, False, steps))
-                    except (torch.cuda.OutOfMemoryError, ValueError) as exc:  # pools that do not fit
-                        record({"batch": batch, "K": k, "rollback": rollback, "accept_rate": rate,
-                                "error": str(exc)[:300]})
-                        gc.collect()
-                        torch.cuda.empty_cache()
+                    for graphs in spec_graphs:
+                        try:
+                            record(run_config(model_dir, batch, spec, rate, graphs, steps))
+                        except (torch.cuda.OutOfMemoryError, ValueError) as exc:  # pools that do not fit
+                            record({"batch": batch, "K": k, "rollback": rollback, "accept_rate": rate,
+                                    "cuda_graphs": graphs, "error": str(exc)[:300]})
+                            gc.collect()
+                            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -100,8 +100,11 @@ class LLMEngine:
         self.lookahead = lookahead
         if config.cuda_graphs and device.type == "cuda":
             max_pages = -(-self.max_model_len // config.page_size)
-            if self.spec is not None:  # every decode step is a verify step, which runs eagerly for now
-                logger.info("speculative decoding: decode steps run without CUDA graphs")
+            if self.spec is not None and self.tp is not None:
+                logger.info("speculative decoding with tensor parallelism: verify steps run without CUDA graphs")
+            elif self.spec is not None:  # every decode step is a verify step of T tokens per row
+                enable_decode_graphs(self.runner, self.max_running, max_pages, tokens=self.spec.tokens,
+                                     rollback=self.spec.config.rollback)
             elif self.tp is not None:  # every rank captures, the all-reduces inside the graphs
                 self.tp.capture_graphs(cast(tp_worker.LeaderModel, self.model), self.cache, self.max_running, max_pages)
             else:

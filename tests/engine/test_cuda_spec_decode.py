@@ -41,4 +41,19 @@ def test_cuda_spec_greedy_equals_cpu_plain(method: str, rollback: str, oracle: b
     assert [o.token_ids for o in got] == expected
     if oracle:
         assert llm.engine.spec.metrics.acceptance_length > 1.5
+    assert llm.engine.graph_stats()["graph_decode_steps"] > 0  # verify steps replayed their CUDA graph
     llm.engine.pool.check()
+
+
+@pytest.mark.parametrize("rollback", ["intermediate", "replay"])
+def test_cuda_spec_eager_verify_equals_graphed(rollback: str) -> None:
+    """Verify steps without CUDA graphs (cuda_graphs=False) give the graphed engine's tokens, MTP drafts."""
+    model_dir, _ = nemotron_h_mtp()
+    prompts = random_prompts([5, 17, 30, 9], 128, seed=22)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "rollback": rollback}
+    outs = {}
+    for graphs in (False, True):
+        llm = LLM(model_dir, device="cuda", dtype="float32", speculative_config=spec, cuda_graphs=graphs, **OPTIONS)
+        outs[graphs] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+        assert (llm.engine.graph_stats()["graph_decode_steps"] > 0) == graphs
+    assert outs[True] == outs[False]
