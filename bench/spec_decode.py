@@ -52,7 +52,7 @@ def _oracle_accept(engine: LLMEngine, rate: float, seed: int) -> None:
     spec = engine.spec
     assert spec is not None
 
-    def accept(decodes, output):  # noqa: ANN001, ANN202 - replaces SpecDecoder.accept
+    def acceptances(decodes, output):  # noqa: ANN001, ANN202 - replaces SpecDecoder._acceptances
         if not decodes or output.verify_logits is None:
             return []
         argmax = output.verify_logits.argmax(dim=-1).tolist()
@@ -66,7 +66,7 @@ def _oracle_accept(engine: LLMEngine, rate: float, seed: int) -> None:
             results.append(Acceptance(drafts[:kept] + [argmax[row][kept]], kept))
         return results
 
-    spec.accept = accept  # type: ignore[method-assign]
+    spec._acceptances = acceptances  # type: ignore[method-assign]
     spec.set_drafter(lambda request: [request.all_token_ids[-1]] * spec.num_drafts)
 
 
@@ -119,7 +119,7 @@ def run_config(model_dir: str, batch: int, spec: dict | None, rate: float, graph
     }
     spec_decoder = engine.spec
     if spec_decoder is not None:  # break the oracle's reference cycle so the pools are freed now
-        spec_decoder.accept = None  # type: ignore[assignment]
+        spec_decoder._acceptances = None  # type: ignore[assignment]
     del engine, spec_decoder, cache
     gc.collect()
     if device == "cuda":

@@ -85,7 +85,7 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for size in reversed(self.buckets):  # warm-up: compiles / autotunes every kernel eagerly
-                self.model(self.input_ids[:size], self._batch(size), self.cache)
+                self.model(self.input_ids[: size * self.tokens], self._batch(size), self.cache)
         torch.cuda.current_stream().wait_stream(stream)
         for size in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
