@@ -147,9 +147,10 @@ class Frontend:
                 finish = "stop" if text.stopped else (event.finish_reason or None)
                 if finish and not text.stopped:
                     delta += text.finish()
+                # logprobs only when asked for: two list comprehensions per event otherwise build empty lists
                 yield Delta(index, delta, list(event.token_ids), finish, event.num_prompt_tokens, event.num_cached_tokens,
-                            [logprob_from_proto(e) for e in event.logprobs],
-                            [logprob_from_proto(e) for e in event.prompt_logprobs])
+                            [logprob_from_proto(e) for e in event.logprobs] if event.logprobs else [],
+                            [logprob_from_proto(e) for e in event.prompt_logprobs] if event.prompt_logprobs else [])
                 if finish:
                     return
         except WorkerError as exc:

@@ -52,7 +52,7 @@ class SessionStream:
     too (`watch()`, then `get()` as `StreamBuffer`'s): the session's reader already queues the events here, and
     a pump task per request on top would cost a task switch per event."""
 
-    __slots__ = ("request_id", "_session", "_items", "_waiter", "_timer", "done", "_max_events", "_stall_s",
+    __slots__ = ("request_id", "_session", "_loop", "_items", "_waiter", "_timer", "done", "_max_events", "_stall_s",
                  "_on_stall", "_stall_timer", "_stalled")
 
     def __init__(self, session: WorkerSession, request_id: str, timeout_s: float) -> None:
@@ -61,7 +61,9 @@ class SessionStream:
         self._items: collections.deque[Any] = collections.deque()
         self._waiter: asyncio.Future | None = None
         self.done = False  # finished, failed or cancelled: the session no longer routes events to it
-        loop = asyncio.get_running_loop()
+        # the loop, looked up once: asyncio.get_running_loop() per event is a thread-state lookup (and on Python
+        # 3.11 a getpid() system call) each time
+        self._loop = loop = asyncio.get_running_loop()
         self._timer = loop.call_later(timeout_s, self._expire, timeout_s)
         self._max_events = 0  # 0: unbounded (not watched)
         self._stall_s = 0.0
@@ -72,7 +74,7 @@ class SessionStream:
     async def read(self) -> common_pb2.TokenEvent | Any:
         """The next event, or grpc.aio.EOF after the finished one; raises the request's failure."""
         while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -137,7 +139,7 @@ class SessionStream:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
         elif self._max_events and not self.done and self._stall_timer is None and len(self._items) > self._max_events:
-            self._stall_timer = asyncio.get_running_loop().call_later(self._stall_s, self._stall)
+            self._stall_timer = self._loop.call_later(self._stall_s, self._stall)
 
     def _event(self, event: common_pb2.TokenEvent) -> None:
         self._push(event)
