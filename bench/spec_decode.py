@@ -71,8 +71,9 @@ def _oracle_accept(engine: LLMEngine, rate: float, seed: int) -> None:
 
 
 def run_config(model_dir: str, batch: int, spec: dict | None, rate: float, graphs: bool, steps: int,
-               device: str = "cuda") -> dict:
+               device: str = "cuda", load_format: str = "safetensors") -> dict:
     config = EngineConfig(
+        load_format=load_format,
         device=device, dtype="bfloat16" if device == "cuda" else "float32", max_num_seqs=batch, max_model_len=MAX_LEN,
         prefill_chunk_size=8192,
         enable_prefix_caching=False, cuda_graphs=graphs, gpu_memory_utilization=0.97, warmup=False,
@@ -135,15 +136,28 @@ def main() -> None:
     parser.add_argument("--ks", default=None, help="comma-separated draft counts K (default 1,2,3,4)")
     parser.add_argument("--rates", default="0,0.5,1", help="comma-separated oracle acceptance rates")
     parser.add_argument("--rollbacks", default="intermediate,replay")
+    parser.add_argument("--dummy-config", type=Path, default=None,
+                        help="config.json of a model to run with dummy weights instead of the 9B's random ones, e.g. "
+                             "bench/configs/nemotron-3-nano-30b-a3b-mtp.json")
+    parser.add_argument("--method", default="ngram", choices=("ngram", "mtp"),
+                        help="the drafter that runs (its drafts are replaced by the oracle's; mtp: its cost stays in "
+                             "the step)")
+    parser.add_argument("--plain-graphs", default="eager,graph", help="plain decoding baselines: eager, graph or both")
     parser.add_argument("--spec-graphs", default="eager,graph",
                         help="verify steps eager, captured as CUDA graphs, or both (side by side per config)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/spec_decode.py needs a CUDA device")
-    model_config = ModelConfig.from_hf_dict(json.loads(CONFIG.read_text()))
-    _patch_loader(random_model(model_config))
-    model_dir = tempfile.mkdtemp(prefix="spec-bench-")
-    (Path(model_dir) / "config.json").write_text(CONFIG.read_text())
+    load_format = "safetensors"
+    if args.dummy_config is not None:  # the engine's own dummy weights (a model too big to build twice)
+        model_dir = tempfile.mkdtemp(prefix="spec-bench-")
+        (Path(model_dir) / "config.json").write_text(args.dummy_config.read_text())
+        load_format = "dummy"
+    else:
+        model_config = ModelConfig.from_hf_dict(json.loads(CONFIG.read_text()))
+        _patch_loader(random_model(model_config))
+        model_dir = tempfile.mkdtemp(prefix="spec-bench-")
+        (Path(model_dir) / "config.json").write_text(CONFIG.read_text())
     batches = (1, 32) if args.quick else (1, 8, 32, 64)
     ks = (2,) if args.quick else (1, 2, 3, 4)
     if args.batches:
@@ -163,15 +177,15 @@ def main() -> None:
             Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 
     for batch in batches:
-        for graphs in (False, True):
-            record(run_config(model_dir, batch, None, 0.0, graphs, steps))
+        for graphs in [{"eager": False, "graph": True}[g] for g in args.plain_graphs.split(",") if g]:
+            record(run_config(model_dir, batch, None, 0.0, graphs, steps, load_format=load_format))
         for k in ks:
             for rollback in args.rollbacks.split(","):
                 for rate in rates:
-                    spec = {"method": "ngram", "num_speculative_tokens": k, "rollback": rollback}
+                    spec = {"method": args.method, "num_speculative_tokens": k, "rollback": rollback}
                     for graphs in spec_graphs:
                         try:
-                            record(run_config(model_dir, batch, spec, rate, graphs, steps))
+                            record(run_config(model_dir, batch, spec, rate, graphs, steps, load_format=load_format))
                         except (torch.cuda.OutOfMemoryError, ValueError) as exc:  # pools that do not fit
                             record({"batch": batch, "K": k, "rollback": rollback, "accept_rate": rate,
                                     "cuda_graphs": graphs, "error": str(exc)[:300]})

@@ -9,13 +9,16 @@ from checkpoints import nemotron_h_mtp
 
 
 @pytest.mark.parametrize("spec, rate", [(None, 0.0), ({"rollback": "replay"}, 1.0),
-                                        ({"rollback": "intermediate"}, 0.5)])
+                                        ({"rollback": "intermediate"}, 0.5),
+                                        ({"rollback": "replay", "method": "mtp", "load_format": "dummy"}, 1.0)])
 def test_spec_decode_configs_run_on_cpu(spec: dict | None, rate: float) -> None:
     model_dir, _ = nemotron_h_mtp()
-    full = None if spec is None else {"method": "ngram", "num_speculative_tokens": 2, **spec}
-    row = spec_decode.run_config(str(model_dir), 2, full, rate, False, 2, device="cpu")
+    spec = dict(spec or {})
+    load_format = spec.pop("load_format", "safetensors")
+    full = {"method": "ngram", "num_speculative_tokens": 2, **spec} if spec else None
+    row = spec_decode.run_config(str(model_dir), 2, full, rate, False, 2, device="cpu", load_format=load_format)
     assert row["batch"] == 2 and row["tokens_per_s"] > 0 and row["cuda_graphs"] is False
-    if spec is None:
+    if full is None:
         assert row["acceptance_length"] == 1.0
     elif rate == 1.0:
         assert row["acceptance_length"] == 3.0  # every draft accepted
