@@ -5,10 +5,13 @@ also gets the offline decode step at the batch nearest its served mean batch (ou
 over it (issue 20's line: <= 1.5x).
 
   python bench/serve_table.py bench/results/h200x2/serve     # prints it and writes table.md / table.json there
+
+Committed results keep their large per-request JSONs gzipped (`*.json.gz`, bench/README.md): both are read.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -17,17 +20,24 @@ BASELINE = "colocated-1gpu"
 KINDS = ("shared-prefix", "multi-turn")  # workloads other than random prompts (serve_gpu.sh KIND)
 
 
+def results(result_dir: Path, pattern: str) -> list[tuple[str, dict]]:
+    """(name without .json / .json.gz, parsed JSON) of the files matching `pattern` + .json or .json.gz."""
+    found = []
+    for path in sorted([*result_dir.glob(f"{pattern}.json"), *result_dir.glob(f"{pattern}.json.gz")]):
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        found.append((path.name.removesuffix(".gz").removesuffix(".json"), json.loads(text)))
+    return found
+
+
 def load(result_dir: Path) -> dict[tuple[str, str], dict[str, dict]]:
     """(deployment, workload) -> {rate tag: metrics}, from `<deployment>-<in>-<out>[-<pass>]-sweep.json` (several
     rates) and `...-rate<R>.json` (one rate) files; a pass (cold / warm) is kept in the deployment's label."""
     table: dict[tuple[str, str], dict[str, dict]] = {}
-    for path in sorted(result_dir.glob("*.json")):
-        stem = path.name.removesuffix(".json")
+    for stem, result in results(result_dir, "*"):
         if stem.endswith("-sweep"):
-            runs = json.loads(path.read_text())["runs"]
+            runs = result["runs"]
             name = stem.removesuffix("-sweep")
         elif "-rate" in stem:
-            result = json.loads(path.read_text())
             runs = [{"request_rate": result["config"]["request_rate"], "metrics": result["metrics"]}]
             name = stem.rsplit("-rate", 1)[0]
         else:
@@ -51,8 +61,7 @@ def load(result_dir: Path) -> dict[tuple[str, str], dict[str, dict]]:
 def offline_steps(result_dir: Path) -> dict[tuple[int, int], float]:
     """(input length, batch) -> the offline engine's decode step p50 in ms, from bench/one_batch.py's JSONs."""
     steps = {}
-    for path in sorted(result_dir.glob("one_batch-*.json")):
-        result = json.loads(path.read_text())
+    for _, result in results(result_dir, "one_batch-*"):
         steps[(int(result["input_len"]), int(result["batch"]))] = float(result["decode_step_ms_p50"])
     return steps
 

@@ -4,6 +4,7 @@ stream, the summary, Prometheus parsing, seeded arrivals and workloads, and CLI 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import math
 import random
@@ -255,6 +256,9 @@ def test_serve_table_keys_a_workload_kind_apart_from_random_prompts(tmp_path: Pa
     write("colocated-1gpu-128-64-rate2", 2)
     write("colocated-1gpu-multi-turn-128-64-rate2", 2)
     write("colocated-1gpu-nocache-shared-prefix-64-64-warm-rate8", 8)
+    plain = tmp_path / "colocated-1gpu-multi-turn-128-64-rate2.json"  # committed results keep large ones gzipped
+    (tmp_path / (plain.name + ".gz")).write_bytes(gzip.compress(plain.read_bytes()))
+    plain.unlink()
     table = serve_table.load(tmp_path)
     assert table[("colocated-1gpu", "128/64")]["2"]["m"] == "colocated-1gpu-128-64-rate2"
     assert table[("colocated-1gpu", "multi-turn 128/64")]["2"]["m"] == "colocated-1gpu-multi-turn-128-64-rate2"
