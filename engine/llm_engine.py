@@ -287,9 +287,9 @@ class LLMEngine:
         }
 
     def graph_stats(self) -> dict[str, int]:
-        """Decode steps replayed from a CUDA graph (the decode rows of split mixed steps included), decode-only
-        steps that ran eagerly, mixed steps split into a replay and an eager prefill (0 without graphs), and mixed
-        steps whose decode rows were folded into the prefill forward."""
+        """Decode steps (verify steps when speculating) replayed from a CUDA graph (the decode rows of split mixed
+        steps included), decode-only steps that ran eagerly, mixed steps split into a replay and an eager prefill
+        (0 without graphs), and mixed steps whose decode rows were folded into the prefill forward."""
         graphed = self.runner.model
         graphs = getattr(graphed, "graphs", None)
         return {"graph_decode_steps": getattr(graphs, "num_replays", 0),
