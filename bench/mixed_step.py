@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gc_pauses import GcPauses
 from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_prompts, sync
 
 from hybridserve.engine.llm_engine import LLMEngine
@@ -212,24 +213,6 @@ def timeline(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path) 
         engine.abort(rid)
     engine.step()
     return {"decode_rows": rows, "steps": result}
-
-
-class GcPauses:
-    """Sums the garbage collector's pause time (gc.callbacks) until closed: is a slow host step the collector?"""
-
-    def __init__(self) -> None:
-        self.total = 0.0
-        self._since = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._since = time.perf_counter()
-        else:
-            self.total += time.perf_counter() - self._since
-
-    def close(self) -> None:
-        gc.callbacks.remove(self._callback)
 
 
 def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
