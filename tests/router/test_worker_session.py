@@ -96,20 +96,44 @@ def test_a_session_cut_by_the_router_aborts_its_requests_and_the_next_request_op
     assert handle._session._call is not first
 
 
+def _hold_after(worker: DecodeWorker, steps: int) -> None:
+    """Let the worker's engine take `steps` steps, then no more (its loop still runs posted calls between the
+    empty steps, aborts included): a request on it can neither finish nor run ahead of a deadline or a stall,
+    however fast or loaded the machine is."""
+    step = worker.engine.step
+    taken = 0
+
+    def held() -> list:
+        nonlocal taken
+        if taken >= steps:
+            time.sleep(0.005)  # a stopped engine: an empty step, not a busy loop
+            return []
+        taken += 1
+        return step()
+
+    worker.engine.step = held  # type: ignore[method-assign]
+
+
 def test_a_stalled_client_and_a_deadline_are_aborted_over_the_session(model_dir) -> None:
+    # the request (10,000 tokens, capped at max_model_len 256) would finish in about a second on a fast machine,
+    # so the worker stops after 32 steps: only the stall or the deadline can end it, and only the router's abort
+    # over the session can free it on the worker
     for resilience, code in ((ResilienceConfig(stream_buffer_events=2, stream_stall_timeout_s=0.3),
                               grpc.StatusCode.RESOURCE_EXHAUSTED),
                              (ResilienceConfig(stream_timeout_s=1.0), grpc.StatusCode.DEADLINE_EXCEEDED)):
         cluster = Cluster(model_dir, num_prefill=0, num_decode=1, router=False,
                           config=OrchestratorConfig(resilience=resilience))
         cluster.wait_ready()
+        _hold_after(cluster.decode[0], 32)
         try:
             events = cluster.orchestrator.generate([20, 21, 22], LONG)
             with pytest.raises(WorkerError) as info:
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     next(events)
-                    time.sleep(1.5)  # not reading: the buffer stays full past the stall timeout
-                list(events)  # 10,000 tokens: the deadline comes first
+                    # not reading: up to 31 more events wait in the router, past the buffer's 2 for longer than the
+                    # stall timeout; the router aborts the request, and the worker drops it
+                    assert cluster.idle(timeout=30), "the stalled request was not aborted on the worker"
+                list(events)  # the deadline (1 s) ends the held request
             assert info.value.code == code, info.value
             _quiet(cluster)
         finally:
