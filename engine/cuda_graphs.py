@@ -7,8 +7,8 @@ which every kernel skips; kv_len T on page 0, whose output is discarded). Only d
 size fits a bucket, whose rows have the captured token count and rollback, and whose block tables fit the
 captured width take the graph; the rest run eagerly. A verify graph's per-token SSM states ("intermediate"
 rollback) live in the graph's pool: they are handed to the step's batch and read before the next forward.
-A mixed step (decode rows beside prefill chunks) replays the decode rows' graph and runs only the prefill
-eagerly: a prefill step is bound by the host's kernel launches (~40 ms for the 9B at any chunk size on the
+A mixed step (decode or verify rows beside prefill chunks) replays the decode rows' graph and runs only the
+prefill eagerly: a prefill step is bound by the host's kernel launches (~40 ms for the 9B at any chunk size on the
 H200, bench/results/h200/serve_speed/mixed_split/), and the decode rows' eager path added to them.
 """
 
@@ -163,18 +163,17 @@ class GraphedModel:
                 size = self.graphs.bucket_for(decodes)
                 if size is not None:
                     self.num_split_steps += 1
-                    nd = batch.num_decode
-                    decoded = self.graphs.replay(size, input_ids[:nd], decodes)
+                    rows = batch.num_decode * batch.decode_len
+                    decoded = self.graphs.replay(size, input_ids[:rows], decodes)
                     # [N, hidden]: the graph's output buffer is rewritten by its next replay, so it is copied now
-                    return torch.cat([decoded, self.model(input_ids[nd:], batch.prefill_half(), cache)])
+                    return torch.cat([decoded, self.model(input_ids[rows:], batch.prefill_half(), cache)])
         return self.model(input_ids, batch, cache)
 
     @staticmethod
     def splits(batch: ForwardBatch) -> bool:
-        """Whether a batch is mixed in a way its decode rows can replay a graph beside an eager prefill (not
-        speculative verify rows, not a prefill worker's layer-by-layer staging); `bucket_for` says the rest."""
-        return (0 < batch.num_decode < batch.num_seqs and batch.decode_len == 1 and batch.spec_rollback is None
-                and batch.layer_done is None)
+        """Whether a batch is mixed in a way its decode (or verify) rows can replay a graph beside an eager prefill
+        (not a prefill worker's layer-by-layer staging); `bucket_for` says the rest (token count, rollback)."""
+        return 0 < batch.num_decode < batch.num_seqs and batch.layer_done is None
 
     def __getattr__(self, name: str) -> Any:  # compute_logits, config, parameters, ...
         return getattr(self.model, name)

@@ -103,8 +103,8 @@ class LLMEngine:
             if self.spec is not None and self.tp is not None:
                 logger.info("speculative decoding with tensor parallelism: verify steps run without CUDA graphs")
             elif self.spec is not None:  # every decode step is a verify step of T tokens per row
-                enable_decode_graphs(self.runner, self.max_running, max_pages, tokens=self.spec.tokens,
-                                     rollback=self.spec.config.rollback)
+                enable_decode_graphs(self.runner, self.max_running, max_pages, config.split_mixed_steps,
+                                     tokens=self.spec.tokens, rollback=self.spec.config.rollback)
             elif self.tp is not None:  # every rank captures, the all-reduces inside the graphs
                 self.tp.capture_graphs(cast(tp_worker.LeaderModel, self.model), self.cache, self.max_running, max_pages)
             else:

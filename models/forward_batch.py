@@ -66,14 +66,18 @@ class ForwardBatch:
         return self._derived[key]  # type: ignore[return-value]
 
     def decode_half(self) -> ForwardBatch:
-        """The one-token decode rows of a mixed batch alone (views of this batch's tensors), so they can replay a
-        CUDA graph while only the prefill runs eagerly (`prefill_half`)."""
+        """The decode rows of a mixed batch alone (one token each, or T verify tokens with this batch's rollback;
+        views of this batch's tensors), so they can replay a CUDA graph while only the prefill runs eagerly
+        (`prefill_half`). Their per-token SSM states land in this batch's `intermediate_states` (the same dict)."""
         nd = self._check_splittable()
+        rows = nd * self.decode_len
         return ForwardBatch(
             num_decode=nd, query_lens=self.query_lens[:nd], cu_seqlens=self.cu_seqlens[: nd + 1],
             context_lens=self.context_lens[:nd], kv_lens=self.kv_lens[:nd], state_slots=self.state_slots[:nd],
-            block_tables=self.block_tables[:nd], slot_mapping=self.slot_mapping[:nd],
+            block_tables=self.block_tables[:nd], slot_mapping=self.slot_mapping[:rows],
             context_lens_host=None if self.context_lens_host is None else self.context_lens_host[:nd],
+            decode_len=self.decode_len, spec_rollback=self.spec_rollback, num_replay=self.num_replay,
+            intermediate_states=self.intermediate_states,
         )
 
     def prefill_half(self) -> ForwardBatch:
@@ -81,11 +85,12 @@ class ForwardBatch:
         specializes on pointer alignment, and a view at an odd row would launch kernel variants the warm-up never
         compiled."""
         nd = self._check_splittable()
+        rows = nd * self.decode_len
         return ForwardBatch(
-            num_decode=0, query_lens=self.query_lens[nd:], cu_seqlens=self.cu_seqlens[nd:] - nd,
+            num_decode=0, query_lens=self.query_lens[nd:], cu_seqlens=self.cu_seqlens[nd:] - rows,
             context_lens=self.context_lens[nd:].clone(), kv_lens=self.kv_lens[nd:].clone(),
             state_slots=self.state_slots[nd:].clone(), block_tables=self.block_tables[nd:].clone(),
-            slot_mapping=self.slot_mapping[nd:].clone(), state_block=self.state_block,
+            slot_mapping=self.slot_mapping[rows:].clone(), state_block=self.state_block,
             num_checkpoint_boundaries=self.num_checkpoint_boundaries, boundary_rows=self.boundary_rows,
             context_lens_host=None if self.context_lens_host is None else self.context_lens_host[nd:],
             layer_done=self.layer_done,
@@ -93,9 +98,9 @@ class ForwardBatch:
 
     def _check_splittable(self) -> int:
         nd = self.num_decode
-        if not 0 < nd < self.num_seqs or self.decode_len != 1 or self.spec_rollback is not None:
-            raise ValueError(f"a batch splits into one-token decode rows and prefill rows, got num_decode={nd} of "
-                             f"{self.num_seqs} sequences, decode_len={self.decode_len}")
+        if not 0 < nd < self.num_seqs:
+            raise ValueError(f"a batch splits into decode rows and prefill rows, got num_decode={nd} of "
+                             f"{self.num_seqs} sequences")
         return nd
 
     # ---- metadata every layer of one forward shares: built once, on the first layer that needs it ----------

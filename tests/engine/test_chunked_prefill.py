@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import mamba2, nemotron_h, random_prompts
+from checkpoints import mamba2, nemotron_h, nemotron_h_mtp, random_prompts
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.models import ModelConfig
@@ -59,23 +59,34 @@ class SplitCheck:
     def __init__(self, model) -> None:
         self.model = model
         self.checked = 0
+        self.verify_rows = 0
 
     def __call__(self, input_ids, batch, cache):
         if not 0 < batch.num_decode < batch.num_seqs:
             return self.model(input_ids, batch, cache)
         tensors = [cache.k_pages, cache.v_pages, cache.conv_states, cache.ssm_states]
+        if batch.spec_rollback == "replay":  # the verify rows' replay inputs too
+            tensors += [t for layer in cache._replay for t in (layer.prev_x, layer.prev_B, layer.prev_dt,
+                                                               layer.prev_cum, layer.buf)]
         before = [t.clone() for t in tensors]
         whole = self.model(input_ids, batch, cache)
         after = [t.clone() for t in tensors]
+        states = {layer: s.clone() for layer, s in batch.intermediate_states.items()}
+        batch.intermediate_states.clear()
         for t, saved in zip(tensors, before):
             t.copy_(saved)
         decodes, prefills = batch.decode_half(), batch.prefill_half()
-        nd = batch.num_decode
-        parts = torch.cat([self.model(input_ids[:nd], decodes, cache), self.model(input_ids[nd:], prefills, cache)])
+        rows = batch.num_decode * batch.decode_len
+        parts = torch.cat([self.model(input_ids[:rows], decodes, cache),
+                           self.model(input_ids[rows:], prefills, cache)])
         torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5)
         for t, expected in zip(tensors, after):
             torch.testing.assert_close(t, expected, rtol=1e-5, atol=1e-5)
+        assert batch.intermediate_states.keys() == states.keys()  # the decode half filled the whole batch's dict
+        for layer, expected in states.items():
+            torch.testing.assert_close(batch.intermediate_states[layer], expected, rtol=1e-5, atol=1e-5)
         self.checked += 1
+        self.verify_rows += batch.num_decode if batch.decode_len > 1 else 0
         return parts
 
     def __getattr__(self, name):
@@ -95,6 +106,22 @@ def test_mixed_step_split_into_decodes_and_prefill_matches_whole(caching) -> Non
     assert [o.token_ids for o in outs] == reference
 
 
+@pytest.mark.parametrize("rollback", ["intermediate", "replay"])
+def test_mixed_verify_step_split_into_verify_rows_and_prefill_matches_whole(rollback: str) -> None:
+    """Speculating, a step's verify rows (T tokens each) beside prefill chunks split as a CUDA-graph engine splits
+    them: hidden states, every cache tensor, the replay inputs and the per-token states equal the whole step's."""
+    model_dir, _ = nemotron_h_mtp()
+    prompts = random_prompts([3, 40, 9, 33], vocab=128, seed=8)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "rollback": rollback}
+    reference = _generate(model_dir, prompts, prefill_chunk_size=7)
+    llm = LLM(model_dir, prefill_chunk_size=7, speculative_config=spec, enable_prefix_caching=True, state_block=16)
+    check = SplitCheck(llm.engine.runner.model)
+    llm.engine.runner.model = check
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert check.verify_rows > 0, "no verify row was scheduled beside a prefill chunk"
+    assert [o.token_ids for o in outs] == reference
+
+
 def test_batch_halves_refuse_a_batch_that_does_not_split() -> None:
     from hybridserve.engine.model_runner import PlacedRow, place_rows
 
@@ -103,7 +130,7 @@ def test_batch_halves_refuse_a_batch_that_does_not_split() -> None:
     assert decodes.query_lens == (1,) and prefills.query_lens == (4,)
     assert prefills.cu_seqlens.tolist() == [0, 4] and prefills.slot_mapping.tolist() == [16, 17, 18, 19]
     only_decodes, _ = place_rows([PlacedRow([0], 3, 1, 0)], 1, 16, torch.device("cpu"))
-    with pytest.raises(ValueError, match="splits into one-token decode rows and prefill rows"):
+    with pytest.raises(ValueError, match="splits into decode rows and prefill rows"):
         only_decodes.prefill_half()
 
 

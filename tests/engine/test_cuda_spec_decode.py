@@ -57,3 +57,21 @@ def test_cuda_spec_eager_verify_equals_graphed(rollback: str) -> None:
         outs[graphs] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
         assert (llm.engine.graph_stats()["graph_decode_steps"] > 0) == graphs
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("rollback", ["intermediate", "replay"])
+def test_cuda_spec_mixed_steps_replay_the_verify_rows(rollback: str) -> None:
+    """Prefill chunks of 8 tokens keep prompts prefilling beside verify rows: those steps replay the verify rows'
+    graph and run only the prefill eagerly (split mixed steps); greedy tokens equal the CPU's plain greedy output."""
+    model_dir, _ = nemotron_h_mtp()
+    prompts = random_prompts([5, 17, 30, 9], 128, seed=23)
+    options = dict(OPTIONS, prefill_chunk_size=8)
+    expected = [o.token_ids for o in LLM(model_dir, **options).generate(prompt_token_ids=prompts,
+                                                                        sampling_params=GREEDY)]
+    spec = {"method": "mtp", "num_speculative_tokens": 3, "rollback": rollback}
+    llm = LLM(model_dir, device="cuda", dtype="float32", speculative_config=spec, **options)
+    got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+    assert llm.engine.graph_stats()["split_mixed_steps"] > 0
+    assert got == expected
+    llm.engine.pool.check()
+
