@@ -85,7 +85,7 @@ class MTPDrafter:
     def _draft(self, work: list[CatchUp], hidden: torch.Tensor) -> None:
         """hidden [R, hidden]: the drafter state of each request's last caught-up slot -> K drafts each."""
         requests = [item.request for item in work]
-        drafts: list[list[int]] = [[] for _ in requests]
+        chosen_steps: list[torch.Tensor] = []  # [R] per draft step, kept on the device: one host read at the end
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         for step in range(self.num_drafts):
             logits = self.model.compute_logits(hidden)  # [R, V]
@@ -97,14 +97,13 @@ class MTPDrafter:
                 chosen[sampled_rows] = draw(q, [requests[row].generator for row in sampled])
                 for i, row in enumerate(sampled):
                     probs[row].append(q[i])
-            tokens = chosen.tolist()
-            for row, token in enumerate(tokens):
-                drafts[row].append(token)
+            chosen_steps.append(chosen)
             if step == self.num_drafts - 1:
                 break
             rows = [(item.request, item.last + 1 + step, 1) for item in work]
             batch = _slot_batch(rows, self.page_size, self.device)
             hidden = self.model.mtp_forward(chosen, hidden, batch, self.cache)
+        drafts: list[list[int]] = torch.stack(chosen_steps, dim=1).tolist()  # [R, K]: the drafting's one sync
         for row, request in enumerate(requests):
             request.draft_tokens = drafts[row]
             request.draft_probs = torch.stack(probs[row]) if probs[row] else None
