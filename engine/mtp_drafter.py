@@ -17,6 +17,7 @@ import torch
 from hybridserve.engine.model_runner import PlacedRow, place_rows
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampler import draw, params_probs
+from hybridserve.kernels.host_index import pack_to_device
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.state_cache import StateCache
@@ -69,17 +70,18 @@ class MTPDrafter:
             prev_hidden.append(item.hidden_rows[: item.last - item.start].to(self.cache.hidden_states.dtype))
             rows.append((item.request, item.start, item.last - item.start + 1))
         batch = _slot_batch(rows, self.page_size, self.device)
-        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        drafting = [i for i, item in enumerate(work) if item.draft]
+        # one host->device copy that does not wait for the device (torch.tensor(..., device=) waits for the stream)
+        ids, drafting_rows = pack_to_device([token_ids, [i + 1 for i in drafting]], torch.int64, self.device)
         drafter_hidden = self.model.mtp_forward(ids, torch.cat(prev_hidden), batch, self.cache)
         for item in work:  # carry h_{computed - 1} to the next step (after reading the old carry above)
             if item.hidden_rows.shape[0]:
                 self.cache.hidden_states[item.request.state_slot] = item.hidden_rows[-1]
-        drafting = [i for i, item in enumerate(work) if item.draft]
         for item in work:
             if not item.draft:
                 item.request.draft_tokens, item.request.draft_probs = [], None
         if drafting:
-            last_rows = batch.cu_seqlens[torch.tensor(drafting, device=self.device) + 1] - 1
+            last_rows = batch.cu_seqlens[drafting_rows] - 1
             self._draft([work[i] for i in drafting], drafter_hidden[last_rows])
 
     def _draft(self, work: list[CatchUp], hidden: torch.Tensor) -> None:
@@ -92,7 +94,7 @@ class MTPDrafter:
             chosen = logits.argmax(dim=-1)
             sampled = [row for row, r in enumerate(requests) if not r.params.greedy]
             if sampled:  # drafts from q = the request's own processed distribution (rejection needs q)
-                sampled_rows = torch.tensor(sampled, device=logits.device)
+                sampled_rows = pack_to_device([sampled], torch.int64, logits.device)[0]
                 q = params_probs(logits[sampled_rows], [requests[row].params for row in sampled])
                 chosen[sampled_rows] = draw(q, [requests[row].generator for row in sampled])
                 for i, row in enumerate(sampled):
