@@ -30,6 +30,7 @@ from hybridserve.engine.rejection import Acceptance, accept_greedy, accept_sampl
 from hybridserve.engine.request import Request
 from hybridserve.engine.spec_config import SpeculativeConfig
 from hybridserve.engine.structured_output import GrammarBackend, fill_verify_masks
+from hybridserve.kernels.host_index import pack_to_device
 from hybridserve.kernels.replay_state import advance_states
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.models.mamba_mixer import Mamba2Mixer
@@ -92,8 +93,7 @@ def rollback_states(cache: StateCache, rollback: str, tokens: int, slots: list[i
     """Leave each slot's state after its `computed[i]` of T verify tokens (the replay rollback folds them in
     at the next verify: only the conv windows move now). Every tensor-parallel rank runs it on its shard."""
     device = cache.conv_states.device
-    index = torch.tensor(slots, device=device)
-    kept = torch.tensor(computed, device=device)
+    index, kept = pack_to_device([slots, computed], torch.int64, device)  # no stream sync (torch.tensor(device=))
     cache.conv_states[index] = shift_windows(cache.conv_states[index], tokens - kept)
     if rollback == "intermediate":
         rows = torch.arange(len(slots), device=device)
