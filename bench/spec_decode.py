@@ -128,6 +128,15 @@ def run_config(model_dir: str, batch: int, spec: dict | None, rate: float, graph
     return row
 
 
+def graph_modes(text: str) -> list[bool]:
+    """"eager,graph" -> [False, True]: whether each run captures CUDA graphs."""
+    modes = {"eager": False, "graph": True}
+    unknown = [m for m in text.split(",") if m not in modes]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"modes are 'eager' and 'graph' (comma-separated), got {unknown}")
+    return [modes[m] for m in text.split(",")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer configurations and steps")
@@ -142,22 +151,20 @@ def main() -> None:
     parser.add_argument("--method", default="ngram", choices=("ngram", "mtp"),
                         help="the drafter that runs (its drafts are replaced by the oracle's; mtp: its cost stays in "
                              "the step)")
-    parser.add_argument("--plain-graphs", default="eager,graph", help="plain decoding baselines: eager, graph or both")
-    parser.add_argument("--spec-graphs", default="eager,graph",
+    parser.add_argument("--plain-graphs", type=graph_modes, default="eager,graph",
+                        help="plain decoding baselines: eager, graph or both")
+    parser.add_argument("--spec-graphs", type=graph_modes, default="eager,graph",
                         help="verify steps eager, captured as CUDA graphs, or both (side by side per config)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/spec_decode.py needs a CUDA device")
-    load_format = "safetensors"
-    if args.dummy_config is not None:  # the engine's own dummy weights (a model too big to build twice)
-        model_dir = tempfile.mkdtemp(prefix="spec-bench-")
-        (Path(model_dir) / "config.json").write_text(args.dummy_config.read_text())
-        load_format = "dummy"
-    else:
-        model_config = ModelConfig.from_hf_dict(json.loads(CONFIG.read_text()))
-        _patch_loader(random_model(model_config))
-        model_dir = tempfile.mkdtemp(prefix="spec-bench-")
-        (Path(model_dir) / "config.json").write_text(CONFIG.read_text())
+    config_text = (args.dummy_config or CONFIG).read_text()
+    model_dir = tempfile.mkdtemp(prefix="spec-bench-")
+    (Path(model_dir) / "config.json").write_text(config_text)
+    # --dummy-config: the engine's own dummy weights (a model too big to build twice); else the 9B's random ones
+    load_format = "dummy" if args.dummy_config is not None else "safetensors"
+    if args.dummy_config is None:
+        _patch_loader(random_model(ModelConfig.from_hf_dict(json.loads(config_text))))
     batches = (1, 32) if args.quick else (1, 8, 32, 64)
     ks = (2,) if args.quick else (1, 2, 3, 4)
     if args.batches:
@@ -165,7 +172,6 @@ def main() -> None:
     if args.ks:
         ks = tuple(int(k) for k in args.ks.split(","))
     rates = [float(r) for r in args.rates.split(",")]
-    spec_graphs = [{"eager": False, "graph": True}[g] for g in args.spec_graphs.split(",")]
     steps = 8 if args.quick else 12
     rows: list[dict[str, Any]] = []
 
@@ -177,13 +183,13 @@ def main() -> None:
             Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
 
     for batch in batches:
-        for graphs in [{"eager": False, "graph": True}[g] for g in args.plain_graphs.split(",") if g]:
+        for graphs in args.plain_graphs:
             record(run_config(model_dir, batch, None, 0.0, graphs, steps, load_format=load_format))
         for k in ks:
             for rollback in args.rollbacks.split(","):
                 for rate in rates:
                     spec = {"method": args.method, "num_speculative_tokens": k, "rollback": rollback}
-                    for graphs in spec_graphs:
+                    for graphs in args.spec_graphs:
                         try:
                             record(run_config(model_dir, batch, spec, rate, graphs, steps, load_format=load_format))
                         except (torch.cuda.OutOfMemoryError, ValueError) as exc:  # pools that do not fit

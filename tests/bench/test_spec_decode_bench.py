@@ -22,3 +22,12 @@ def test_spec_decode_configs_run_on_cpu(spec: dict | None, rate: float) -> None:
         assert row["acceptance_length"] == 1.0
     elif rate == 1.0:
         assert row["acceptance_length"] == 3.0  # every draft accepted
+
+
+def test_graph_modes_parse_and_refuse_unknown_ones() -> None:
+    import argparse
+
+    assert spec_decode.graph_modes("eager,graph") == [False, True]
+    assert spec_decode.graph_modes("graph") == [True]
+    with pytest.raises(argparse.ArgumentTypeError, match="modes are 'eager' and 'graph'"):
+        spec_decode.graph_modes("eager,cuda")
