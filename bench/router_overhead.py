@@ -8,7 +8,8 @@
    server that answers in place, `router_floor.serve_direct_http`). Also the router process's CPU time per
    request, and the per-token cost of streaming: the added
    p50 of `--stream-tokens`-token requests minus that of 4-token ones, per extra token. The router sends local
-   requests on its session with the worker (one stream for all of them); "router_grpc_calls" is a second router
+   requests on its session with the worker (one stream for all of them: the stub's socket session, as a decode
+   worker's; "*_over_grpc" a router whose session is a gRPC stream); "router_grpc_calls" is a second router
    over a stub without sessions (a GenerateLocal call per request, as before sessions). The same runs also go
    through a bare proxy with the router's transport stack and none of its logic (`bench/router_floor.py`:
    "floor_grpc", "floor_http", with the proxy process's CPU per request): the floor no router change removes.
@@ -53,6 +54,7 @@ class StubDecode(worker_pb2_grpc.DecodeWorkerServicer):
 
     def __init__(self, sessions: bool = True) -> None:
         self.sessions = sessions
+        self.session_port = 0  # its socket session's port (worker_runtime/session_socket.py), once serving
 
     def GenerateLocal(self, request, context):  # noqa: N802
         yield from _events(request)
@@ -66,7 +68,7 @@ class StubDecode(worker_pb2_grpc.DecodeWorkerServicer):
     def Health(self, request, context):  # noqa: N802
         return common_pb2.HealthResponse(status="ok", role="decode", block_size=16, state_block=32,
                                          total_state_slots=1024, free_state_slots=1024, max_model_len=4096,
-                                         sessions=self.sessions)
+                                         sessions=self.sessions, session_port=self.session_port)
 
     def CacheEvents(self, request, context):  # noqa: N802
         yield common_pb2.CacheEventBatch(worker_id="stub", snapshot=True)
@@ -88,21 +90,28 @@ def _events(request: worker_pb2.GenerateLocalRequest):
 def _serve_stub(queue, sessions: bool = True) -> None:
     """Child process: the stub decode worker, until killed (a process of its own, like a real worker, so the
     router's CPU time is its own)."""
+    from hybridserve.worker_runtime.session_socket import SessionSocketServer
+
+    stub = StubDecode(sessions)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(StubDecode(sessions), server)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(stub, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
+    if sessions:  # the same Session handler on a socket, as a decode worker serves it
+        stub.session_port = SessionSocketServer("127.0.0.1", 0, stub.Session, None).start()
     queue.put(f"127.0.0.1:{port}")
     threading.Event().wait()
 
 
-def _serve_router(model_dir: str, stub_address: str, queue) -> None:
-    """Child process: the router over the stub worker, until killed."""
+def _serve_router(model_dir: str, stub_address: str, queue, socket_sessions: bool = True) -> None:
+    """Child process: the router over the stub worker, until killed; its sessions with the stub over the stub's
+    socket session, or with `socket_sessions=False` over gRPC streams."""
     from hybridserve.router.app import Router, RouterOptions
-    from hybridserve.router.config import AdmissionConfig
+    from hybridserve.router.config import AdmissionConfig, OrchestratorConfig
 
     options = RouterOptions(model_dir, model_name="bench", http_port=0, grpc_port=0, max_model_len=4096,
-                            admission=AdmissionConfig(max_running=1024, max_queued=4096))
+                            admission=AdmissionConfig(max_running=1024, max_queued=4096),
+                            orchestrator=OrchestratorConfig(worker_socket_sessions=socket_sessions))
     router = Router(options, [], [stub_address]).start()
     time.sleep(1.0)  # first health poll and event snapshot
     queue.put((router.grpc_address, router.http_address))
@@ -181,21 +190,28 @@ def _median_row(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int, stream_tokens: int,
-             stream_rate: float, floor: bool = True, calls: bool = True) -> tuple[list[dict], dict]:
+             stream_rate: float, floor: bool = True, calls: bool = True,
+             grpc_sessions: bool = True) -> tuple[list[dict], dict]:
     """Added latency per rate (median over `repeats` interleaved runs of each path) and the per-token cost of
     streaming (`stream_tokens` per request at `stream_rate` vs MAX_TOKENS at the same rate). With `calls`,
     also "router_grpc_calls": a second router over a stub that offers no sessions (a GenerateLocal call per
-    request, as before sessions)."""
+    request, as before sessions). With `grpc_sessions`, also "router_grpc_over_grpc" / "router_http_over_grpc": a
+    router over the same stub whose sessions go over gRPC streams instead of the stub's socket session."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     stub = ctx.Process(target=_serve_stub, args=(queue,), daemon=True)
     stub.start()
-    router = proxy = plain_stub = plain_router = direct_http = None
+    router = proxy = plain_stub = plain_router = direct_http = grpc_router = None
     try:
         stub_address = queue.get(timeout=120)
         router = ctx.Process(target=_serve_router, args=(model_dir, stub_address, queue), daemon=True)
         router.start()
         grpc_address, http_address = queue.get(timeout=120)
+        if grpc_sessions:
+            grpc_router = ctx.Process(target=_serve_router, args=(model_dir, stub_address, queue, False), daemon=True)
+            grpc_router.start()
+            over_grpc_address, over_grpc_http_address = queue.get(timeout=120)
+            routed_over_grpc = router_pb2_grpc.RouterStub(grpc.insecure_channel(over_grpc_address))
         if calls:
             plain_stub = ctx.Process(target=_serve_stub, args=(queue, False), daemon=True)
             plain_stub.start()
@@ -221,6 +237,8 @@ def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int
         pids = {"router_grpc": router.pid, "router_http": router.pid}
         if plain_router is not None:
             pids["router_grpc_calls"] = plain_router.pid
+        if grpc_router is not None:
+            pids.update(router_grpc_over_grpc=grpc_router.pid, router_http_over_grpc=grpc_router.pid)
         if proxy is not None:
             pids.update(floor_grpc=proxy.pid, floor_http=proxy.pid)
         def paths(max_tokens: int) -> dict:
@@ -241,13 +259,22 @@ def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int
                     "router_grpc": lambda rate: _open_loop(rate, duration_s, send_grpc),
                     "router_http": lambda rate: _open_loop_async(rate, duration_s, f"http://{http_address}", body),
                     "_warm": (send_direct, send_grpc)}
+            if grpc_router is not None:
+                def send_over_grpc() -> None:
+                    list(routed_over_grpc.Generate(router_pb2.GenerateRequest(
+                        token_ids=router_pb2.TokenIds(ids=PROMPT), sampling=sampling), timeout=30))
+
+                ways.update(router_grpc_over_grpc=lambda rate: _open_loop(rate, duration_s, send_over_grpc),
+                            router_http_over_grpc=lambda rate: _open_loop_async(
+                                rate, duration_s, f"http://{over_grpc_http_address}", body),
+                            _warm=(*ways["_warm"], send_over_grpc))
             if plain_router is not None:
                 def send_calls() -> None:
                     list(routed_calls.Generate(router_pb2.GenerateRequest(
                         token_ids=router_pb2.TokenIds(ids=PROMPT), sampling=sampling), timeout=30))
 
                 ways.update(router_grpc_calls=lambda rate: _open_loop(rate, duration_s, send_calls),
-                            _warm=(send_direct, send_grpc, send_calls))
+                            _warm=(*ways["_warm"], send_calls))
             if proxy is not None:
                 def send_floor() -> None:
                     list(floored.Generate(router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=PROMPT),
@@ -291,13 +318,14 @@ def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int
         long = measure(stream_rate, stream_tokens)
         per_token = {f"{path}_added_us_per_token": round(
             (long[f"{path}_added"]["p50_ms"] - short[f"{path}_added"]["p50_ms"]) / (stream_tokens - MAX_TOKENS) * 1e3, 1)
-            for path in ("router_grpc", "router_grpc_calls", "router_http", "floor_grpc", "floor_http")
+            for path in ("router_grpc", "router_grpc_calls", "router_http", "router_grpc_over_grpc",
+                         "router_http_over_grpc", "floor_grpc", "floor_http")
             if f"{path}_added" in long}
         streaming = {"rate_rps": stream_rate, "tokens": [MAX_TOKENS, stream_tokens], "long": long, **per_token}
         print(json.dumps(per_token), flush=True)
         return rows, streaming
     finally:
-        for child in (proxy, router, stub, plain_router, plain_stub, direct_http):
+        for child in (proxy, router, stub, plain_router, plain_stub, direct_http, grpc_router):
             if child is not None:
                 child.kill()
 
@@ -364,6 +392,8 @@ def main() -> None:
     parser.add_argument("--no-floor", action="store_true", help="skip the bare-proxy floor paths")
     parser.add_argument("--no-calls", action="store_true",
                         help="skip the router over a stub without sessions (a GenerateLocal call per request)")
+    parser.add_argument("--no-grpc-sessions", action="store_true",
+                        help="skip the router whose sessions with the stub go over gRPC streams (not its socket)")
     parser.add_argument("--systems", type=int, default=4, help="shared prefixes in the accuracy workload")
     parser.add_argument("--users", type=int, default=5, help="requests per shared prefix")
     parser.add_argument("--out", default=None, help="write the results JSON here")
@@ -376,7 +406,8 @@ def main() -> None:
 
     model_dir = tiny_model_dir()
     rows, streaming = overhead(str(model_dir), [float(r) for r in args.rates.split(",")], args.duration, args.repeats,
-                               args.stream_tokens, args.stream_rate, floor=not args.no_floor, calls=not args.no_calls)
+                               args.stream_tokens, args.stream_rate, floor=not args.no_floor, calls=not args.no_calls,
+                               grpc_sessions=not args.no_grpc_sessions)
     result = {
         "machine": {"platform": platform.platform(), "cpu": _cpu_model(), "python": platform.python_version(),
                     "cpus": mp.cpu_count(),

@@ -14,6 +14,7 @@
 #   pd-1gpu             1 prefill + 1 decode worker sharing GPU 0 (CUDA IPC on one device)
 #   colocated-1gpu-nocache  colocated-1gpu with prefix caching off (cache cost on unique prompts)
 #   colocated-1gpu-calls  colocated-1gpu with --no-worker-sessions (a gRPC call per request, not the session)
+#   colocated-1gpu-grpcsession  colocated-1gpu with --no-socket-sessions (the session as a gRPC stream, not a socket)
 #   colocated-1gpu-nosplit  colocated-1gpu with --no-split-mixed-steps (mixed steps run whole, eagerly)
 #   colocated-1gpu-nolean   colocated-1gpu with HYBRIDSERVE_LEAN_LAUNCH=0 (Triton's own launch path per kernel call)
 #   colocated-1gpu-fold   colocated-1gpu with --fold-decode-rows (decode rows of mixed steps as one-token prefill chunks)
@@ -74,6 +75,7 @@ deployment_args() {
     colocated-1gpu) echo --prefill-workers 0 --decode-workers 1 --gpus 0 ;;
     colocated-1gpu-nocache) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-prefix-caching ;;
     colocated-1gpu-calls) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-worker-sessions ;;
+    colocated-1gpu-grpcsession) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-socket-sessions ;;
     colocated-1gpu-nosplit) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-split-mixed-steps ;;
     colocated-1gpu-fold) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --fold-decode-rows ;;
     colocated-1gpu-nolean) echo --prefill-workers 0 --decode-workers 1 --gpus 0 ;;  # its environment: see run()

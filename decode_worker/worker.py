@@ -37,6 +37,7 @@ from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
 from hybridserve.worker_runtime.drain import DRAINING_STATUS, Drain
 from hybridserve.worker_runtime.engine_loop import EngineLoop, RedirectableStream
 from hybridserve.worker_runtime.health import health_response
+from hybridserve.worker_runtime.session_socket import SessionSocketServer
 from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class DecodeWorker:
     def __init__(self, model_dir: str | Path, config: EngineConfig, host: str = "127.0.0.1", port: int = 0,
                  worker_id: str | None = None, metrics_port: int | None = 0,
                  transfer: TransferConfig | None = None, internal_token: str | None = None,
-                 internal_tls: InternalTlsConfig | None = None) -> None:
+                 internal_tls: InternalTlsConfig | None = None, session_port: int | None = 0) -> None:
         self.worker_id = worker_id or f"decode-{uuid.uuid4().hex[:8]}"
         self.engine = LLMEngine(model_dir, config)
         self.fingerprint = model_fingerprint(
@@ -84,6 +85,13 @@ class DecodeWorker:
         self._lock = threading.Lock()
         self._host, self._port = host, port
         self._server: grpc.Server | None = None
+        # socket sessions (worker_runtime/session_socket.py) on this port of the host (0: a free one; None: none);
+        # not with internal TLS, where routers keep the gRPC session
+        self._session_sockets: SessionSocketServer | None = None
+        if session_port is not None and not (internal_tls is not None and internal_tls.enabled):
+            self._session_sockets = SessionSocketServer(
+                host, session_port, lambda requests, context: WorkerSession(self, context).run(requests),
+                internal_token, name=f"{self.worker_id}-session")
         self._reaper = threading.Thread(target=self._reap_expired, daemon=True)
         self._closed = threading.Event()
 
@@ -97,6 +105,8 @@ class DecodeWorker:
             max_workers=worker_threads(self.engine.config.max_num_seqs), token=self._internal_token,
             tls=self._internal_tls,
         )
+        if self._session_sockets is not None:
+            self._session_sockets.start()
         self._reaper.start()
         if self._metrics_port is not None:
             self.metrics.start(self._host, self._metrics_port)
@@ -120,6 +130,8 @@ class DecodeWorker:
 
     def stop(self, grace: float = 1.0) -> None:
         self._closed.set()
+        if self._session_sockets is not None:
+            self._session_sockets.stop(grace)
         if self._server is not None:
             self._server.stop(grace).wait()
         self.metrics.stop()
@@ -227,6 +239,8 @@ class DecodeWorker:
             timeout=10,
         )
         health.sessions = True
+        if self._session_sockets is not None:
+            health.session_port = self._session_sockets.port
         if self.drain_state.draining:
             health.status = DRAINING_STATUS
         return health

@@ -34,6 +34,8 @@ def add_front_door_flags(p: argparse.ArgumentParser, host: str) -> None:
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC front-door port (default 50051; 0: a free one)")
     p.add_argument("--no-worker-sessions", action="store_true", help="a gRPC call per request to its decode worker, "
                    "not the router's one Session stream per worker")
+    p.add_argument("--no-socket-sessions", action="store_true", help="the router's sessions with decode workers over "
+                   "gRPC streams, not the workers' socket sessions (length-prefixed frames on plain TCP)")
     p.add_argument("--served-model-name", dest="model_name", default=None,
                    help="model id served over the API (default: the checkpoint directory's name)")
     p.add_argument("--http-port", dest="http_port", type=int, action=DeprecatedAlias, replacement="--port",
@@ -91,9 +93,10 @@ def cluster_options(args: argparse.Namespace) -> dict:
         extra["admission"] = AdmissionConfig(max_running=args.max_running, max_queued=args.max_queued,
                                              max_per_client=args.max_per_client)
     local_max = getattr(args, "local_prefill_max_tokens", None)
-    if local_max is not None or args.no_worker_sessions:
+    if local_max is not None or args.no_worker_sessions or args.no_socket_sessions:
         extra["orchestrator"] = OrchestratorConfig(local_prefill_max_tokens=local_max,
-                                                   worker_sessions=not args.no_worker_sessions)
+                                                   worker_sessions=not args.no_worker_sessions,
+                                                   worker_socket_sessions=not args.no_socket_sessions)
     router = RouterOptions(model_dir=model_dir, model_name=args.model_name, host=args.host, http_port=args.http_port,
                            grpc_port=args.grpc_port, api_key=args.api_key, generation_config=args.generation_config,
                            internal_token=args.internal_token, drain_timeout_s=args.drain_timeout,

@@ -109,6 +109,9 @@ class OrchestratorConfig:
     # local requests go on one Session stream per decode worker that offers it (router/worker_session.py);
     # False: a GenerateLocal call each (the path before sessions; a switch for comparing and for operators)
     worker_sessions: bool = True
+    # a session goes over the worker's socket session when it offers one (router/session_socket.py: no gRPC
+    # machinery per message); False: always the gRPC Session stream
+    worker_socket_sessions: bool = True
 
     def __post_init__(self) -> None:
         if self.local_prefill_max_tokens is not None:

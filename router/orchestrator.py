@@ -272,7 +272,7 @@ class Orchestrator:
                             call: Callable[[], Any]) -> Any:
         """The request's token stream from its decode worker: one message on the worker's session, or `call()`
         (sessions off, or a worker without them)."""
-        session = d.decode.session() if self.config.worker_sessions else None
+        session = d.decode.session(self.config.worker_socket_sessions) if self.config.worker_sessions else None
         if session is None:
             return active.track(call())
         active.session = session  # set first: an abort while the open is under way goes behind it

@@ -1,5 +1,6 @@
-"""The router's side of a decode worker session: requests multiplexed over one long-lived gRPC stream (local
-ones, and the token streams of requests prefilled elsewhere).
+"""The router's side of a decode worker session: requests multiplexed over one long-lived stream (local ones,
+and the token streams of requests prefilled elsewhere): the worker's socket session where it offers one
+(router/session_socket.py), otherwise its gRPC `Session` stream.
 
 Each request is one `SessionRequest` written on the stream and a `SessionStream` the orchestrator reads like a
 grpc.aio call (`read()` gives TokenEvents, then `grpc.aio.EOF`; a failure raises a `grpc.RpcError` with its
@@ -43,7 +44,7 @@ class SessionError(grpc.RpcError):
         return self._details
 
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
+CODES = {code.value[0]: code for code in grpc.StatusCode}
 _CANCELLED = object()
 
 
@@ -164,10 +165,11 @@ class SessionStream:
 class WorkerSession:
     """One decode worker's session, made on the router's loop; `open()` starts a request on it."""
 
-    def __init__(self, address: str, stub: Any, metadata: tuple[tuple[str, str], ...] | None) -> None:
+    def __init__(self, address: str, open_call: Callable[[], Any]) -> None:
         self.address = address
-        self._stub = stub
-        self._metadata = metadata
+        # opens the session's stream: a grpc.aio DecodeWorker.Session call or a socket session
+        # (router/session_socket.py), which has the same write / read / cancel / done
+        self._open_call = open_call
         self._call: Any = None
         self._reader: asyncio.Task | None = None
         self._streams: dict[str, SessionStream] = {}
@@ -222,7 +224,7 @@ class WorkerSession:
     # ---- internals -------------------------------------------------------------------------------------
     def _ensure_call(self) -> Any:
         if self._call is None:
-            self._call = self._stub.Session(metadata=self._metadata)
+            self._call = self._open_call()
             self._reader = asyncio.get_running_loop().create_task(self._read(self._call))
         return self._call
 
@@ -247,7 +249,7 @@ class WorkerSession:
                 for refused in batch.refused:
                     stream = self._streams.get(refused.request_id)
                     if stream is not None:
-                        code = _CODES.get(refused.code, grpc.StatusCode.UNKNOWN)
+                        code = CODES.get(refused.code, grpc.StatusCode.UNKNOWN)
                         stream._end(SessionError(code, refused.message))
                 for event in batch.events:
                     stream = self._streams.get(event.request_id)

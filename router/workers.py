@@ -24,7 +24,8 @@ from hybridserve.router.circuit_breaker import CircuitBreaker
 from hybridserve.router.config import ResilienceConfig
 from hybridserve.router.prefix_index import PrefixIndex
 from hybridserve.router.seat_queue import SeatQueue
-from hybridserve.router.worker_session import WorkerSession
+from hybridserve.router.session_socket import SocketSessionCall
+from hybridserve.router.worker_session import SessionError, WorkerSession
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class WorkerHandle:
     _aio_stub: Any = field(default=None, repr=False)
     _aio_channel: grpc.aio.Channel | None = field(default=None, repr=False)
     _session: WorkerSession | None = field(default=None, repr=False)
+    _socket_unreachable: bool = field(default=False, repr=False)  # its socket session failed to open once
 
     def aio_stub(self) -> Any:
         """The role's stub on a grpc.aio channel; made on first use, which must be on the router's loop."""
@@ -74,14 +76,32 @@ class WorkerHandle:
             self._aio_stub = cls(self._aio_channel)
         return self._aio_stub
 
-    def session(self) -> WorkerSession | None:
+    def session(self, sockets: bool = True) -> WorkerSession | None:
         """The decode worker's request session (`router/worker_session.py`) if its Health says it serves
-        sessions (None: GenerateLocal calls); made on first use, on the loop."""
+        sessions (None: GenerateLocal calls); made on first use, on the loop. Each time it (re)opens it goes
+        over the worker's socket session when `sockets` and the worker offers one, else over gRPC."""
         if self.health is None or not self.health.sessions:
             return None
         if self._session is None:
-            self._session = WorkerSession(self.address, self.aio_stub(), self.metadata)
+            self._session = WorkerSession(self.address, lambda: self._open_session_call(sockets))
         return self._session
+
+    def _open_session_call(self, sockets: bool) -> Any:
+        port = self.health.session_port if self.health is not None else 0
+        if sockets and port and not self._socket_unreachable and not (self.tls is not None and self.tls.enabled):
+            token = dict(self.metadata).get(TOKEN_METADATA) if self.metadata else None
+            return SocketSessionCall(self.host, port, token, fallback=self._grpc_session_call,
+                                     on_unreachable=self._socket_failed)
+        return self._grpc_session_call()
+
+    def _grpc_session_call(self) -> Any:
+        return self.aio_stub().Session(metadata=self.metadata)
+
+    def _socket_failed(self, error: SessionError) -> None:
+        """The socket session could not be opened (a firewall between router and worker, a refused hello):
+        this handle's sessions go over gRPC from now on."""
+        logger.warning("decode worker %s: %s; its sessions fall back to gRPC", self.address, error.details())
+        self._socket_unreachable = True
 
     async def close_aio(self) -> None:
         """Close the session and the aio channel (on the router's loop), if they were made."""

@@ -52,6 +52,8 @@ def test_tls_cluster_gives_the_offline_engines_greedy_tokens(secured: Cluster, m
     assert secured.generate(PROMPT) == offline.token_ids  # routed over TLS, state pushed prefill -> decode over TLS
     assert secured.orchestrator.recent_decisions[-1][1].prefill is not None  # it did go through the prefill worker
     assert all(h.subscriber is not None and h.subscriber.ready.is_set() for h in secured.orchestrator.workers.all())
+    # no plaintext socket sessions beside TLS: the router's session with the worker is its gRPC stream
+    assert secured.decode[0].health().session_port == 0
 
 
 def test_wrong_clients_fail_the_handshake_and_change_nothing(secured: Cluster, tmp_path) -> None:

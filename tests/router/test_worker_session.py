@@ -243,7 +243,7 @@ def test_the_session_stream_forgives_a_slow_reader_and_stops_a_stalled_one() -> 
             stream._event(common_pb2.TokenEvent(request_id=stream.request_id, token_ids=[i]))
 
     async def run() -> None:
-        session = WorkerSession("w", stub=None, metadata=None)
+        session = WorkerSession("w", open_call=lambda: None)
         stalls: list[str] = []
         slow = SessionStream(session, "slow", 60).watch(2, 0.2, lambda: stalls.append("slow"))
         events(slow, 5)

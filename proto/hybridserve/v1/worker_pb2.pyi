@@ -193,6 +193,22 @@ class SessionEvents(_message.Message):
     refused: _containers.RepeatedCompositeFieldContainer[RequestRefused]
     def __init__(self, events: _Optional[_Iterable[_Union[_common_pb2.TokenEvent, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[RequestRefused, _Mapping]]] = ...) -> None: ...
 
+class SessionHello(_message.Message):
+    __slots__ = ("token", "version")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    token: str
+    version: int
+    def __init__(self, token: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class SessionHelloReply(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "ticket")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
