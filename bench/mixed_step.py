@@ -228,10 +228,12 @@ def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path)
 
     decoders = start_decoders(engine, rows, args.prompt_len, 999)
     reached: list[float] = []
+    reached_cpu: list[float] = []  # the thread's CPU clock there (after it, the step's sync spins the CPU)
     original = model_runner.sample
 
     def timed_sample(*a: Any, **k: Any) -> Any:
         reached.append(time.perf_counter())
+        reached_cpu.append(time.thread_time())
         return original(*a, **k)
 
     model_runner.sample = timed_sample  # type: ignore[assignment]
@@ -258,6 +260,7 @@ def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path)
                     if torch.cuda.is_available():
                         torch.cuda._sleep(1_000_000_000)  # ~0.5 s of device spin ahead of the step
                     reached.clear()
+                    reached_cpu.clear()
                     gc_pauses.total = 0.0
                     cpu_start = time.thread_time()
                     start = time.perf_counter()
@@ -273,7 +276,7 @@ def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path)
                     else:
                         engine.step()
                         hosts[split].append(1e3 * (reached[0] - start))
-                        cpus[split].append(1e3 * (time.thread_time() - cpu_start))  # up to the step's end
+                        cpus[split].append(1e3 * (reached_cpu[0] - cpu_start))  # the host phase only
                         gcs[split].append(1e3 * gc_pauses.total)
                     sync(engine)
                     retire(engine, rid)

@@ -44,7 +44,7 @@ def load(result_dir: Path) -> dict[tuple[str, str], dict[str, dict]]:
             continue
         parts = name.split("-")
         suffix = ""
-        if parts[-1] in ("cold", "warm"):
+        if len(parts) >= 3 and not parts[-1].isdigit() and parts[-2].isdigit():  # PASSES="cold warm", "p1 p2", ...
             suffix = f" ({parts.pop()})"
         deployment, input_len, output_len = "-".join(parts[:-2]), parts[-2], parts[-1]
         if not (input_len.isdigit() and output_len.isdigit()):
