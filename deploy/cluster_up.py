@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from hybridserve.deploy.options import UpOptions
+from hybridserve.deploy.process_heap import freeze_startup_heap
 
 __all__ = ["RouterActor", "UpOptions", "down", "up"]
 
@@ -37,6 +38,7 @@ class RouterActor:
         self._counts = (options.num_prefill, options.num_decode)
         self._node_ip = ray.util.get_node_ip_address()
         self.router = Router(options.router, prefill, decode).start()
+        freeze_startup_heap("router actor")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._refresh_loop, name="worker-refresh", daemon=True)
         self._thread.start()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from hybridserve.deploy.options import WorkerOptions, configs_from_json
+from hybridserve.deploy.process_heap import freeze_startup_heap
 
 __all__ = ["WorkerOptions", "WorkerProcess", "configs_from_json", "serve_worker", "start_worker_process"]
 
@@ -92,6 +93,7 @@ def serve_worker(role: str, worker_id: str, options: WorkerOptions, port: int, r
                  transfer=options.transfer, internal_token=options.internal_token,
                  internal_tls=options.internal_tls)
     address = worker.start()
+    freeze_startup_heap(f"{role} worker {worker_id}")  # after the warm-up and graph capture, before ready
     if ready_file:
         tmp = Path(ready_file).with_suffix(".tmp")
         tmp.write_text(json.dumps({"address": address, "role": role, "worker_id": worker_id, "pid": os.getpid()}))

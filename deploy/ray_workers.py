@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridserve.deploy.options import NODE_IP, ClusterOptions, WorkerOptions
+from hybridserve.deploy.process_heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class WorkerActor:
                           transfer=options.transfer, internal_token=options.internal_token,
                           internal_tls=options.internal_tls)
         bound = self.worker.start().rsplit(":", 1)[1]
+        freeze_startup_heap(f"{role} worker {worker_id}")  # an actor's process serves from here to its end
         self._address = f"{node_ip if host in ('0.0.0.0', '::') else host}:{bound}"  # where others reach it
         self.role = role
 

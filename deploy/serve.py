@@ -13,6 +13,7 @@ from pathlib import Path
 from hybridserve.deploy.gpu_placement import assign_gpu_groups, host_gpus, visible_devices
 from hybridserve.deploy.launch import WorkerProcess, start_worker_process
 from hybridserve.deploy.options import ServeOptions, new_internal_token
+from hybridserve.deploy.process_heap import freeze_startup_heap
 from hybridserve.router.app import Router
 
 __all__ = ["Deployment", "ServeOptions", "serve"]
@@ -113,6 +114,7 @@ def serve(options: ServeOptions, stop: threading.Event | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
+        freeze_startup_heap("router")  # this process serves the router from here to its end
     while not stop.wait(ADDRESS_REFRESH_S):
         try:
             router.update_workers(*deployment.addresses())
