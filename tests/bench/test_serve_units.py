@@ -256,6 +256,7 @@ def test_serve_table_keys_a_workload_kind_apart_from_random_prompts(tmp_path: Pa
     write("colocated-1gpu-128-64-rate2", 2)
     write("colocated-1gpu-multi-turn-128-64-rate2", 2)
     write("colocated-1gpu-nocache-shared-prefix-64-64-warm-rate8", 8)
+    write("colocated-1gpu-1024-64-p2-rate8", 8)  # PASSES="p1 p2": each pass a row of its own
     plain = tmp_path / "colocated-1gpu-multi-turn-128-64-rate2.json"  # committed results keep large ones gzipped
     (tmp_path / (plain.name + ".gz")).write_bytes(gzip.compress(plain.read_bytes()))
     plain.unlink()
@@ -263,6 +264,7 @@ def test_serve_table_keys_a_workload_kind_apart_from_random_prompts(tmp_path: Pa
     assert table[("colocated-1gpu", "128/64")]["2"]["m"] == "colocated-1gpu-128-64-rate2"
     assert table[("colocated-1gpu", "multi-turn 128/64")]["2"]["m"] == "colocated-1gpu-multi-turn-128-64-rate2"
     assert ("colocated-1gpu-nocache (warm)", "shared-prefix 64/64") in table
+    assert table[("colocated-1gpu (p2)", "1024/64")]["8"]["m"] == "colocated-1gpu-1024-64-p2-rate8"
 
 
 def test_serve_table_sets_tpot_beside_the_offline_step_at_the_nearest_batch(tmp_path: Path) -> None:
