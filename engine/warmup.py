@@ -50,7 +50,8 @@ def warmup_rounds(engine: LLMEngine) -> list[list[int]]:
        a packed multi-sequence prefill, then steps mixing prefill chunks with decode rows;
     2. the longest prompt again with a new tail (prefix caching: a resumed prefill from a checkpoint);
     3. one sequence of two whole prefill chunks (a chunk ending on a checkpoint, then a resumed chunk: the
-       shape of every long prompt served alone), then single sequences of an odd and of one token."""
+       shape of every long prompt served alone), one of half a chunk (a lone prompt prefilled in one step,
+       what an idle server's first request usually is), then single sequences of an odd and of one token."""
     config = engine.config
     limit = engine.max_model_len - MAX_WARMUP_TOKENS - engine.lookahead - 1
     chunk = engine.model_config.mamba.chunk_size if engine.model_config.mamba is not None else 16
@@ -60,6 +61,7 @@ def warmup_rounds(engine: LLMEngine) -> list[list[int]]:
     if config.enable_prefix_caching and many[-1] > engine.state_block:
         rounds.append([-many[-1]])  # negative: the longest prompt of round 1 with a different tail
     rounds.append([max(1, min(2 * config.prefill_chunk_tokens, limit))])
+    rounds.append([max(1, min(config.prefill_chunk_tokens // 2, limit))])
     rounds.append([min(33, limit)])
     rounds.append([1])
     return rounds
