@@ -19,6 +19,7 @@ from hybridserve.proto.channels import MAX_MESSAGE_BYTES
 VERSION = 1  # SessionHello.version the router sends; a worker refuses others with FAILED_PRECONDITION
 HEADER = struct.Struct(">I")
 MAX_FRAME_BYTES = MAX_MESSAGE_BYTES  # the same limit as a gRPC message
+MAX_HELLO_BYTES = 4096  # a hello is a token and a version: a peer not yet authenticated gets no more
 
 
 class FrameError(ValueError):
@@ -34,12 +35,12 @@ def encode(message: Message) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
-def payload_length(header: bytes) -> int:
-    """The payload length a frame header announces; FrameError past the limit (a peer that speaks another
+def payload_length(header: bytes, limit: int = MAX_FRAME_BYTES) -> int:
+    """The payload length a frame header announces; FrameError past `limit` (a peer that speaks another
     protocol, or a corrupt stream)."""
     (length,) = HEADER.unpack(header)
-    if length > MAX_FRAME_BYTES:
-        raise FrameError(f"a frame announces {length} bytes, over the {MAX_FRAME_BYTES}-byte limit (is the peer a "
+    if length > limit:
+        raise FrameError(f"a frame announces {length} bytes, over the {limit}-byte limit (is the peer a "
                          "hybridserve socket session?)")
     return length
 
@@ -100,12 +101,13 @@ def recv_exactly(sock: socket.socket, count: int) -> bytes | None:
     return bytes(view)
 
 
-def recv_frame(sock: socket.socket) -> bytes | None:
-    """The next frame's payload from a blocking socket; None when the peer closed between frames."""
+def recv_frame(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> bytes | None:
+    """The next frame's payload from a blocking socket; None when the peer closed between frames; FrameError
+    for a frame over `limit` bytes (nothing of it is read or allocated)."""
     header = recv_exactly(sock, HEADER.size)
     if header is None:
         return None
-    length = payload_length(header)
+    length = payload_length(header, limit)
     if length == 0:
         return b""
     payload = recv_exactly(sock, length)

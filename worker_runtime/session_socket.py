@@ -25,11 +25,12 @@ from typing import Any
 import grpc
 
 from hybridserve.proto import worker_pb2
-from hybridserve.proto.session_frames import VERSION, FrameError, encode, parse, recv_frame
+from hybridserve.proto.session_frames import MAX_HELLO_BYTES, VERSION, FrameError, encode, parse, recv_frame
 
 logger = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 10.0  # a connection that sends no hello in this long is closed
+MAX_CONNECTIONS = 256  # connections at once (one per router is the norm); more are closed at once
 Handler = Callable[[Iterator[worker_pb2.SessionRequest], Any], Iterator[worker_pb2.SessionEvents]]
 
 
@@ -138,6 +139,10 @@ class SessionSocketServer:
                 if self._closed:
                     _close(conn)
                     return
+                if len(self._connections) >= MAX_CONNECTIONS:  # no thread for it: the router falls back to gRPC
+                    logger.warning("socket sessions: %d open, refusing %s", MAX_CONNECTIONS, peer)
+                    _close(conn)
+                    continue
                 thread = self._connections[conn] = threading.Thread(
                     target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), name=f"{self._name}-conn", daemon=True)
             thread.start()
@@ -165,7 +170,7 @@ class SessionSocketServer:
         """Read and check the router's hello, answer it; False (answered and logged) if refused."""
         conn.settimeout(HELLO_TIMEOUT_S)
         try:
-            payload = recv_frame(conn)
+            payload = recv_frame(conn, MAX_HELLO_BYTES)
         except TimeoutError:
             logger.warning("socket session %s: no hello within %g s; closed", peer, HELLO_TIMEOUT_S)
             return False

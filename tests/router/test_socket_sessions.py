@@ -18,7 +18,7 @@ from router_cluster import GREEDY, Cluster
 from hybridserve.engine.llm import LLM
 from hybridserve.proto import worker_pb2
 from hybridserve.proto.convert import sampling_to_proto
-from hybridserve.proto.session_frames import VERSION, encode, parse, recv_frame
+from hybridserve.proto.session_frames import MAX_HELLO_BYTES, VERSION, encode, parse, recv_frame
 from hybridserve.router.config import OrchestratorConfig
 from hybridserve.router.session_socket import SocketSessionCall
 
@@ -89,10 +89,11 @@ def test_the_hello_checks_token_and_version_and_a_raw_client_gets_the_calls_toke
 
 def test_garbage_and_a_vanished_router_change_nothing_on_the_worker(cluster) -> None:
     port = cluster.decode[0].health().session_port
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    sock.sendall(struct.pack(">I", 0xFFFFFFFF) + b"GET / HTTP/1.1\r\n\r\n")  # not a hello: too large a frame
-    assert sock.recv(1) == b""
-    sock.close()
+    for header in (0xFFFFFFFF, MAX_HELLO_BYTES + 1):  # not a hello: larger than a hello may be, before any auth
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        sock.sendall(struct.pack(">I", header) + b"GET / HTTP/1.1\r\n\r\n")
+        assert sock.recv(1) == b""
+        sock.close()
     sock, reply = _connect(port)
     sock.sendall(encode(worker_pb2.SessionRequest(generate=worker_pb2.GenerateLocalRequest(
         request_id="orphan", prompt_token_ids=[1, 2, 3],
@@ -158,3 +159,31 @@ def test_a_drained_worker_sends_its_last_events_before_its_sockets_close(model_d
         assert len(tokens) == 40
     finally:
         c.stop()
+
+
+def test_connections_past_the_cap_are_closed_before_any_thread_or_hello(monkeypatch) -> None:
+    from hybridserve.worker_runtime import session_socket
+
+    def handler(requests, context):  # echoes nothing; holds the session until the peer leaves
+        for _ in requests:
+            pass
+        return iter(())
+
+    monkeypatch.setattr(session_socket, "MAX_CONNECTIONS", 1)
+    server = session_socket.SessionSocketServer("127.0.0.1", 0, handler, TOKEN)
+    port = server.start()
+    try:
+        first, reply = _connect(port)
+        assert reply.code == 0
+        second = socket.create_connection(("127.0.0.1", port), timeout=30)
+        assert second.recv(1) == b""  # closed at accept: no hello read, no thread
+        second.close()
+        first.close()
+        deadline = time.monotonic() + 10
+        while server._connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        third, reply = _connect(port)  # the first one's place is free again
+        assert reply.code == 0
+        third.close()
+    finally:
+        server.stop(grace_s=0)
