@@ -12,14 +12,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import socket
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 
 from hybridserve.proto import worker_pb2
-from hybridserve.proto.session_frames import VERSION, FrameError, FrameSplitter, encode, parse
+from hybridserve.proto.session_frames import VERSION, FrameError, FrameSplitter, encode, keep_alive, parse
 from hybridserve.router.worker_session import CODES, SessionError
 
 logger = logging.getLogger(__name__)
@@ -107,6 +106,10 @@ class SocketSessionCall:
             self._unreachable(exc)
         except asyncio.CancelledError:
             return
+        except Exception as exc:  # never leave writers waiting on _ready
+            logger.exception("socket session to %s: opening failed", self.address)
+            self._end(SessionError(grpc.StatusCode.UNAVAILABLE, f"opening the socket session to {self.address} "
+                                                                f"failed: {exc!r}"))
         else:
             if not self._ready.done():
                 self._ready.set_result(None)
@@ -138,7 +141,7 @@ class SocketSessionCall:
         self._transport = transport
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keep_alive(sock)
         transport.write(encode(worker_pb2.SessionHello(token=self._token, version=VERSION)))
 
     def _data(self, data: bytes) -> None:
@@ -151,7 +154,13 @@ class SocketSessionCall:
                     self._hello_reply(parse(worker_pb2.SessionHelloReply, payload))
         except FrameError as exc:
             logger.warning("socket session to %s: %s", self.address, exc)
-            self._end(SessionError(grpc.StatusCode.INTERNAL, f"the socket session to {self.address} broke: {exc}"))
+            if not self._greeted:  # not a worker's session port (another service, a wrong mapping): fall back
+                if not self._handshake.done():
+                    self._handshake.set_exception(SessionError(
+                        grpc.StatusCode.UNAVAILABLE, f"{self.address} does not answer as a socket session: {exc}"))
+                return
+            # a broken stream, as a broken gRPC session: UNAVAILABLE (retried before a request's first token)
+            self._end(SessionError(grpc.StatusCode.UNAVAILABLE, f"the socket session to {self.address} broke: {exc}"))
 
     def _hello_reply(self, reply: worker_pb2.SessionHelloReply) -> None:
         code = CODES.get(reply.code, grpc.StatusCode.UNKNOWN)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,8 @@ from hybridserve.router.session_socket import SocketSessionCall
 from hybridserve.router.worker_session import SessionError, WorkerSession
 
 logger = logging.getLogger(__name__)
+
+SOCKET_RETRY_S = 60.0  # after a socket session failed to open, the worker's sessions go over gRPC this long
 
 def channel(address: str, internal_token: str | None = None, internal_tls: InternalTlsConfig | None = None) -> grpc.Channel:
     """The router's channel to a worker (sending the internal token on every call when there is one; mutual
@@ -66,7 +69,7 @@ class WorkerHandle:
     _aio_stub: Any = field(default=None, repr=False)
     _aio_channel: grpc.aio.Channel | None = field(default=None, repr=False)
     _session: WorkerSession | None = field(default=None, repr=False)
-    _socket_unreachable: bool = field(default=False, repr=False)  # its socket session failed to open once
+    _socket_retry_at: float = field(default=0.0, repr=False)  # monotonic time before which sessions use gRPC
 
     def aio_stub(self) -> Any:
         """The role's stub on a grpc.aio channel; made on first use, which must be on the router's loop."""
@@ -88,7 +91,7 @@ class WorkerHandle:
 
     def _open_session_call(self, sockets: bool) -> Any:
         port = self.health.session_port if self.health is not None else 0
-        if sockets and port and not self._socket_unreachable and not (self.tls is not None and self.tls.enabled):
+        if sockets and port and time.monotonic() >= self._socket_retry_at and not (self.tls is not None and self.tls.enabled):
             token = dict(self.metadata).get(TOKEN_METADATA) if self.metadata else None
             return SocketSessionCall(self.host, port, token, fallback=self._grpc_session_call,
                                      on_unreachable=self._socket_failed)
@@ -98,10 +101,12 @@ class WorkerHandle:
         return self.aio_stub().Session(metadata=self.metadata)
 
     def _socket_failed(self, error: SessionError) -> None:
-        """The socket session could not be opened (a firewall between router and worker, a refused hello):
-        this handle's sessions go over gRPC from now on."""
-        logger.warning("decode worker %s: %s; its sessions fall back to gRPC", self.address, error.details())
-        self._socket_unreachable = True
+        """The socket session could not be opened (a firewall between router and worker, a refused hello, a
+        worker restarting): this handle's sessions go over gRPC for SOCKET_RETRY_S, then the socket is tried
+        again."""
+        logger.warning("decode worker %s: %s; its sessions go over gRPC for %g s", self.address, error.details(),
+                       SOCKET_RETRY_S)
+        self._socket_retry_at = time.monotonic() + SOCKET_RETRY_S
 
     async def close_aio(self) -> None:
         """Close the session and the aio channel (on the router's loop), if they were made."""

@@ -25,11 +25,20 @@ from typing import Any
 import grpc
 
 from hybridserve.proto import worker_pb2
-from hybridserve.proto.session_frames import MAX_HELLO_BYTES, VERSION, FrameError, encode, parse, recv_frame
+from hybridserve.proto.session_frames import (
+    MAX_HELLO_BYTES,
+    VERSION,
+    FrameError,
+    encode,
+    keep_alive,
+    parse,
+    recv_frame,
+)
 
 logger = logging.getLogger(__name__)
 
 HELLO_TIMEOUT_S = 10.0  # a connection that sends no hello in this long is closed
+LINGER_S = 0.1  # a stopping server's connections: between ending the sends and closing
 MAX_CONNECTIONS = 256  # connections at once (one per router is the norm); more are closed at once
 Handler = Callable[[Iterator[worker_pb2.SessionRequest], Any], Iterator[worker_pb2.SessionEvents]]
 
@@ -80,7 +89,7 @@ class SessionSocketServer:
         self._name = name
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()
-        self._connections: dict[socket.socket, threading.Thread] = {}
+        self._connections: dict[socket.socket, tuple[threading.Thread, SocketSessionContext]] = {}
         self._closed = False
         self._stopping = threading.Event()  # stop(): sessions flush what they hold and end
 
@@ -123,9 +132,10 @@ class SessionSocketServer:
             except OSError:
                 pass
         deadline = time.monotonic() + grace_s
-        for thread in connections.values():
+        for thread, _ in connections.values():
             thread.join(max(0.0, deadline - time.monotonic()))
-        for conn in connections:
+        for conn, (_, context) in connections.items():
+            context.end()  # past the grace: what a session still runs is aborted now, not when a send fails
             _close(conn)
 
     # ---- internals -------------------------------------------------------------------------------------
@@ -133,8 +143,12 @@ class SessionSocketServer:
         while True:
             try:
                 conn, peer = listener.accept()
-            except OSError:
-                return  # stop() closed the listener
+            except OSError as exc:
+                if self._closed:
+                    return  # stop() closed the listener
+                logger.warning("socket sessions: accept failed (%s); retrying", exc)  # out of files, say
+                time.sleep(0.1)
+                continue
             with self._lock:
                 if self._closed:
                     _close(conn)
@@ -143,14 +157,21 @@ class SessionSocketServer:
                     logger.warning("socket sessions: %d open, refusing %s", MAX_CONNECTIONS, peer)
                     _close(conn)
                     continue
-                thread = self._connections[conn] = threading.Thread(
-                    target=self._serve, args=(conn, f"{peer[0]}:{peer[1]}"), name=f"{self._name}-conn", daemon=True)
-            thread.start()
+                context = SocketSessionContext(f"{peer[0]}:{peer[1]}")
+                thread = threading.Thread(target=self._serve, args=(conn, context), name=f"{self._name}-conn",
+                                          daemon=True)
+                try:
+                    thread.start()  # under the lock: stop() never sees a thread it cannot join
+                except RuntimeError as exc:
+                    logger.warning("socket sessions: no thread for %s (%s)", peer, exc)
+                    _close(conn)
+                    continue
+                self._connections[conn] = (thread, context)
 
-    def _serve(self, conn: socket.socket, peer: str) -> None:
-        context = SocketSessionContext(peer)
+    def _serve(self, conn: socket.socket, context: SocketSessionContext) -> None:
+        peer = context.peer()
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            keep_alive(conn)
             if not self._hello(conn, peer):
                 return
             conn.settimeout(None)
@@ -164,13 +185,12 @@ class SessionSocketServer:
             context.end()
             with self._lock:
                 self._connections.pop(conn, None)
-            _close(conn)
+            _close(conn, linger=self._stopping.is_set())
 
     def _hello(self, conn: socket.socket, peer: str) -> bool:
         """Read and check the router's hello, answer it; False (answered and logged) if refused."""
-        conn.settimeout(HELLO_TIMEOUT_S)
-        try:
-            payload = recv_frame(conn, MAX_HELLO_BYTES)
+        try:  # one deadline for the whole hello: a byte every few seconds does not hold a connection
+            payload = recv_frame(conn, MAX_HELLO_BYTES, time.monotonic() + HELLO_TIMEOUT_S)
         except TimeoutError:
             logger.warning("socket session %s: no hello within %g s; closed", peer, HELLO_TIMEOUT_S)
             return False
@@ -210,7 +230,16 @@ class SessionSocketServer:
             pass
 
 
-def _close(sock: socket.socket) -> None:
+def _close(sock: socket.socket, linger: bool = False) -> None:
+    """Close a connection; with `linger` (a stopping server's last sends) end the sending side first and give
+    the peer a moment to take the tail, since closing with unread input resets the connection, which can drop
+    output still in flight."""
+    if linger:
+        try:
+            sock.shutdown(socket.SHUT_WR)
+            time.sleep(LINGER_S)
+        except OSError:
+            pass
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:

@@ -118,7 +118,7 @@ def test_an_unreachable_socket_falls_back_to_the_grpc_session(model_dir) -> None
         # no request fails for it: the first session's call hands what was written to it to a gRPC session
         assert [c.generate(p) for p in prompts] == _offline(model_dir, prompts)
         handle = c.orchestrator.workers.all()[0]
-        assert handle._socket_unreachable and handle._session._call._delegate is not None
+        assert handle._socket_retry_at > time.monotonic() and handle._session._call._delegate is not None
         c.orchestrator.loop.run(handle._session.close())  # the next session opens over gRPC straight away
         assert len(c.generate([7, 8])) == GREEDY.max_tokens
         assert not isinstance(handle._session._call, SocketSessionCall)
@@ -187,3 +187,78 @@ def test_connections_past_the_cap_are_closed_before_any_thread_or_hello(monkeypa
         third.close()
     finally:
         server.stop(grace_s=0)
+
+
+def test_the_router_end_falls_back_on_junk_reports_a_broken_session_and_cancels_like_grpc() -> None:
+    """SocketSessionCall against raw asyncio servers: a port that answers junk before any hello reply falls
+    back (not INTERNAL for good); a session whose worker goes away ends UNAVAILABLE after the events that came;
+    cancel() makes reads raise CancelledError, as a cancelled grpc.aio call's."""
+    import asyncio
+
+    from hybridserve.proto import common_pb2
+    from hybridserve.router.worker_session import SessionError
+
+    class _Fallback:
+        def __init__(self) -> None:
+            self.written: list = []
+
+        async def write(self, request) -> None:
+            self.written.append(request)
+
+        async def read(self):
+            return grpc.aio.EOF
+
+        def cancel(self) -> bool:
+            return True
+
+        def done(self) -> bool:
+            return True
+
+    async def run() -> None:
+        async def junk(reader, writer) -> None:
+            writer.write(b"SSH-2.0-OpenSSH_9.6\r\n" * 4)
+            await writer.drain()
+            await reader.read(1 << 16)
+
+        async def worker(reader, writer) -> None:  # accepts, takes a request, sends one event, then goes away
+            await reader.read(1 << 10)
+            writer.write(encode(worker_pb2.SessionHelloReply(code=0)))
+            await writer.drain()
+            await reader.read(1 << 10)
+            writer.write(encode(worker_pb2.SessionEvents(events=[common_pb2.TokenEvent(request_id="a", token_ids=[7])])))
+            await writer.drain()
+            writer.close()
+
+        async def holding(reader, writer) -> None:  # accepts and keeps the session open
+            await reader.read(1 << 10)
+            writer.write(encode(worker_pb2.SessionHelloReply(code=0)))
+            await writer.drain()
+            await reader.read(1 << 16)
+
+        junk_server = await asyncio.start_server(junk, "127.0.0.1", 0)
+        fallback, unreachable = _Fallback(), []
+        call = SocketSessionCall("127.0.0.1", junk_server.sockets[0].getsockname()[1], None,
+                                 fallback=lambda: fallback, on_unreachable=unreachable.append)
+        request = worker_pb2.SessionRequest(abort=common_pb2.AbortRequest(request_id="x"))
+        await call.write(request)
+        assert fallback.written == [request] and unreachable[0].code() == grpc.StatusCode.UNAVAILABLE
+        assert await call.read() is grpc.aio.EOF  # reads go to the fallback's call too
+        junk_server.close()
+
+        worker_server = await asyncio.start_server(worker, "127.0.0.1", 0)
+        call = SocketSessionCall("127.0.0.1", worker_server.sockets[0].getsockname()[1], None)
+        await call.write(request)
+        assert [e.token_ids[0] for e in (await call.read()).events] == [7]
+        with pytest.raises(SessionError) as info:
+            await call.read()
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and call.done()
+        worker_server.close()
+        holding_server = await asyncio.start_server(holding, "127.0.0.1", 0)
+        call = SocketSessionCall("127.0.0.1", holding_server.sockets[0].getsockname()[1], None)
+        await call.write(request)
+        assert call.cancel() and call.done()
+        with pytest.raises(asyncio.CancelledError):
+            await call.read()
+        holding_server.close()
+
+    asyncio.run(run())
