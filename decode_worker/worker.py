@@ -91,7 +91,7 @@ class DecodeWorker:
         if session_port is not None and not (internal_tls is not None and internal_tls.enabled):
             self._session_sockets = SessionSocketServer(
                 host, session_port, lambda requests, context: WorkerSession(self, context).run(requests),
-                internal_token, name=f"{self.worker_id}-session")
+                internal_token, name=f"{self.worker_id}-session", worker_id=self.worker_id)
         self._reaper = threading.Thread(target=self._reap_expired, daemon=True)
         self._closed = threading.Event()
 

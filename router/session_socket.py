@@ -34,8 +34,9 @@ class SocketSessionCall:
     (its requests fail with UNAVAILABLE, as a broken gRPC session's)."""
 
     def __init__(self, host: str, port: int, token: str | None, fallback: Callable[[], Any] | None = None,
-                 on_unreachable: Callable[[SessionError], None] | None = None) -> None:
+                 on_unreachable: Callable[[SessionError], None] | None = None, worker_id: str = "") -> None:
         self.address = f"{host}:{port}"
+        self._worker_id = worker_id  # the worker meant (its Health's); a hello reply naming another is refused
         self._loop = loop = asyncio.get_running_loop()
         self._token = token or ""
         self._fallback = fallback
@@ -169,6 +170,13 @@ class SocketSessionCall:
                                        f"{reply.message}")
             if not self._handshake.done():
                 self._handshake.set_exception(error)
+            return
+        if self._worker_id and reply.worker_id and reply.worker_id != self._worker_id:
+            # a remapped port or a reused address: another worker (maybe sharing the token) answered
+            if not self._handshake.done():
+                self._handshake.set_exception(SessionError(
+                    grpc.StatusCode.UNAVAILABLE, f"the socket session at {self.address} is worker "
+                                                 f"{reply.worker_id!r}, not {self._worker_id!r}"))
             return
         self._greeted = True
         if not self._handshake.done():

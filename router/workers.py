@@ -94,7 +94,8 @@ class WorkerHandle:
         if sockets and port and time.monotonic() >= self._socket_retry_at and not (self.tls is not None and self.tls.enabled):
             token = dict(self.metadata).get(TOKEN_METADATA) if self.metadata else None
             return SocketSessionCall(self.host, port, token, fallback=self._grpc_session_call,
-                                     on_unreachable=self._socket_failed)
+                                     on_unreachable=self._socket_failed,
+                                     worker_id=self.health.worker_id if self.health is not None else "")
         return self._grpc_session_call()
 
     def _grpc_session_call(self) -> Any:

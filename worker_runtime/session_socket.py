@@ -82,8 +82,10 @@ class SocketSessionContext:
 class SessionSocketServer:
     """Listens on `host:port` (0: a free port) and serves each connection as one session with `handler`."""
 
-    def __init__(self, host: str, port: int, handler: Handler, token: str | None, name: str = "session-socket") -> None:
+    def __init__(self, host: str, port: int, handler: Handler, token: str | None, name: str = "session-socket",
+                 worker_id: str = "") -> None:
         self._host, self._port = host, port
+        self._worker_id = worker_id  # named in every hello reply
         self._handler = handler
         self._token = (token or "").encode()
         self._name = name
@@ -203,7 +205,8 @@ class SessionSocketServer:
                 f"socket session version {hello.version} is not served here (this worker speaks {VERSION})")
         elif not hmac.compare_digest(hello.token.encode(), self._token):
             code, message = grpc.StatusCode.UNAUTHENTICATED, "missing or wrong internal token"
-        conn.sendall(encode(worker_pb2.SessionHelloReply(code=code.value[0], message=message)))
+        conn.sendall(encode(worker_pb2.SessionHelloReply(code=code.value[0], message=message,
+                                                         worker_id=self._worker_id)))
         if code is not grpc.StatusCode.OK:
             logger.warning("socket session %s refused: %s", peer, message)
             return False

@@ -262,3 +262,43 @@ def test_the_router_end_falls_back_on_junk_reports_a_broken_session_and_cancels_
         holding_server.close()
 
     asyncio.run(run())
+
+
+def test_a_hello_reply_from_another_worker_is_refused_and_the_session_falls_back() -> None:
+    """A remapped port (or a reused address) where another worker sharing the token answers: the router's
+    end checks the worker id of the hello reply against the one it meant and falls back to gRPC."""
+    import asyncio
+
+    from hybridserve.proto import common_pb2
+    from hybridserve.worker_runtime.session_socket import SessionSocketServer
+
+    def handler(requests, context):
+        for _ in requests:
+            pass
+        return iter(())
+
+    server = SessionSocketServer("127.0.0.1", 0, handler, TOKEN, worker_id="decode-other")
+    port = server.start()
+
+    async def run() -> None:
+        written: list = []
+
+        class _Fallback:
+            async def write(self, request) -> None:
+                written.append(request)
+
+        unreachable: list = []
+        call = SocketSessionCall("127.0.0.1", port, TOKEN, fallback=_Fallback, on_unreachable=unreachable.append,
+                                 worker_id="decode-meant")
+        request = worker_pb2.SessionRequest(abort=common_pb2.AbortRequest(request_id="x"))
+        await call.write(request)
+        assert written == [request] and "decode-other" in unreachable[0].details()
+        same = SocketSessionCall("127.0.0.1", port, TOKEN, worker_id="decode-other")  # the right one is served
+        await same.write(request)
+        assert same._delegate is None and not same.done()
+        same.cancel()
+
+    try:
+        asyncio.run(run())
+    finally:
+        server.stop(grace_s=0)

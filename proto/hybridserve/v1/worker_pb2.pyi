@@ -202,12 +202,14 @@ class SessionHello(_message.Message):
     def __init__(self, token: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class SessionHelloReply(_message.Message):
-    __slots__ = ("code", "message")
+    __slots__ = ("code", "message", "worker_id")
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     code: int
     message: str
-    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    worker_id: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "decode_address", "ticket")
