@@ -32,11 +32,11 @@ def _serve(floor: bool) -> None:
     {"grpc", "http", "pid"} as one JSON line."""
     here = Path(__file__).resolve().parent
     sys.path[:0] = [str(here), str(here.parent / "tests" / "router"), str(here.parent / "tests")]
-    import router_overhead as ro
+    import router_stub
     from router_cluster import tiny_model_dir
 
     queue = mp.get_context("spawn").Queue()
-    mp.get_context("spawn").Process(target=ro._serve_stub, args=(queue,), daemon=True).start()
+    mp.get_context("spawn").Process(target=router_stub.serve_stub, args=(queue,), daemon=True).start()
     stub_address = queue.get(timeout=120)
 
     class Announce:
@@ -72,7 +72,7 @@ def main() -> None:
 
     import grpc
     import httpx
-    from router_overhead import _cpu_seconds
+    from router_stub import cpu_seconds as _cpu_seconds
 
     from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc
 

@@ -40,88 +40,9 @@ from pathlib import Path
 
 import grpc
 import httpx
+from router_stub import MAX_TOKENS, PROMPT, cpu_seconds, serve_router, serve_stub
 
 from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-
-PROMPT = list(range(10, 74))  # 64 tokens
-MAX_TOKENS = 4
-
-
-class StubDecode(worker_pb2_grpc.DecodeWorkerServicer):
-    """Answers like a decode worker that generates instantly; caches nothing. With `sessions` its Health offers
-    the Session stream (the router sends local requests there), where it sends each token in a message of its
-    own, as a worker stepping one request would: the router relays as many events either way."""
-
-    def __init__(self, sessions: bool = True) -> None:
-        self.sessions = sessions
-        self.session_port = 0  # its socket session's port (worker_runtime/session_socket.py), once serving
-
-    def GenerateLocal(self, request, context):  # noqa: N802
-        yield from _events(request)
-
-    def Session(self, request_iterator, context):  # noqa: N802
-        for request in request_iterator:
-            if request.WhichOneof("kind") == "generate":
-                for event in _events(request.generate):
-                    yield worker_pb2.SessionEvents(events=[event])
-
-    def Health(self, request, context):  # noqa: N802
-        return common_pb2.HealthResponse(status="ok", role="decode", block_size=16, state_block=32,
-                                         total_state_slots=1024, free_state_slots=1024, max_model_len=4096,
-                                         sessions=self.sessions, session_port=self.session_port)
-
-    def CacheEvents(self, request, context):  # noqa: N802
-        yield common_pb2.CacheEventBatch(worker_id="stub", snapshot=True)
-        while context.is_active():
-            time.sleep(0.2)
-
-    def Abort(self, request, context):  # noqa: N802
-        return common_pb2.AbortResponse(found=False)
-
-
-def _events(request: worker_pb2.GenerateLocalRequest):
-    n = request.sampling.max_tokens or 16
-    for i in range(n):
-        yield common_pb2.TokenEvent(request_id=request.request_id, token_ids=[65 + i % 26],
-                                    finish_reason="length" if i == n - 1 else "",
-                                    num_prompt_tokens=len(request.prompt_token_ids))
-
-
-def _serve_stub(queue, sessions: bool = True) -> None:
-    """Child process: the stub decode worker, until killed (a process of its own, like a real worker, so the
-    router's CPU time is its own)."""
-    from hybridserve.worker_runtime.session_socket import SessionSocketServer
-
-    stub = StubDecode(sessions)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(stub, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    if sessions:  # the same Session handler on a socket, as a decode worker serves it
-        stub.session_port = SessionSocketServer("127.0.0.1", 0, stub.Session, None).start()
-    queue.put(f"127.0.0.1:{port}")
-    threading.Event().wait()
-
-
-def _serve_router(model_dir: str, stub_address: str, queue, socket_sessions: bool = True) -> None:
-    """Child process: the router over the stub worker, until killed; its sessions with the stub over the stub's
-    socket session, or with `socket_sessions=False` over gRPC streams."""
-    from hybridserve.router.app import Router, RouterOptions
-    from hybridserve.router.config import AdmissionConfig, OrchestratorConfig
-
-    options = RouterOptions(model_dir, model_name="bench", http_port=0, grpc_port=0, max_model_len=4096,
-                            admission=AdmissionConfig(max_running=1024, max_queued=4096),
-                            orchestrator=OrchestratorConfig(worker_socket_sessions=socket_sessions))
-    router = Router(options, [], [stub_address]).start()
-    time.sleep(1.0)  # first health poll and event snapshot
-    queue.put((router.grpc_address, router.http_address))
-    threading.Event().wait()
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _open_loop(rate: float, duration_s: float, send) -> list[float]:
@@ -199,24 +120,24 @@ def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int
     router over the same stub whose sessions go over gRPC streams instead of the stub's socket session."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    stub = ctx.Process(target=_serve_stub, args=(queue,), daemon=True)
+    stub = ctx.Process(target=serve_stub, args=(queue,), daemon=True)
     stub.start()
     router = proxy = plain_stub = plain_router = direct_http = grpc_router = None
     try:
         stub_address = queue.get(timeout=120)
-        router = ctx.Process(target=_serve_router, args=(model_dir, stub_address, queue), daemon=True)
+        router = ctx.Process(target=serve_router, args=(model_dir, stub_address, queue), daemon=True)
         router.start()
         grpc_address, http_address = queue.get(timeout=120)
         if grpc_sessions:
-            grpc_router = ctx.Process(target=_serve_router, args=(model_dir, stub_address, queue, False), daemon=True)
+            grpc_router = ctx.Process(target=serve_router, args=(model_dir, stub_address, queue, False), daemon=True)
             grpc_router.start()
             over_grpc_address, over_grpc_http_address = queue.get(timeout=120)
             routed_over_grpc = router_pb2_grpc.RouterStub(grpc.insecure_channel(over_grpc_address))
         if calls:
-            plain_stub = ctx.Process(target=_serve_stub, args=(queue, False), daemon=True)
+            plain_stub = ctx.Process(target=serve_stub, args=(queue, False), daemon=True)
             plain_stub.start()
             plain_stub_address = queue.get(timeout=120)
-            plain_router = ctx.Process(target=_serve_router, args=(model_dir, plain_stub_address, queue), daemon=True)
+            plain_router = ctx.Process(target=serve_router, args=(model_dir, plain_stub_address, queue), daemon=True)
             plain_router.start()
             plain_grpc_address, _ = queue.get(timeout=120)
             routed_calls = router_pb2_grpc.RouterStub(grpc.insecure_channel(plain_grpc_address))
@@ -295,12 +216,12 @@ def overhead(model_dir: str, rates: list[float], duration_s: float, repeats: int
             for _ in range(repeats):
                 for name, run in ways.items():
                     pid = pids.get(name)  # the router's (or the floor proxy's) own CPU time; the stub has its own
-                    cpu = _cpu_seconds(pid) if pid else 0.0
+                    cpu = cpu_seconds(pid) if pid else 0.0
                     latencies = run(rate)
                     row = _percentiles(latencies)
                     if pid:
                         key = "router_cpu_ms_per_request" if name.startswith("router") else "floor_cpu_ms_per_request"
-                        row[key] = round((_cpu_seconds(pid) - cpu) / len(latencies) * 1e3, 3)
+                        row[key] = round((cpu_seconds(pid) - cpu) / len(latencies) * 1e3, 3)
                     runs.setdefault(name, []).append(row)
             row = {"rate_rps": rate, "max_tokens": max_tokens, "repeats": repeats}
             row.update({name: _median_row(r) for name, r in runs.items()})

@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 import router_floor
-import router_overhead
+import router_stub
 
 from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from hybridserve.proto.channels import message_options
@@ -35,7 +35,7 @@ from hybridserve.proto.channels import message_options
 def _serve_stub(socket_path: str, queue: Any) -> None:
     """Child process: the stub worker on a TCP port and a unix socket."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=64))
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(router_overhead.StubDecode(), server)
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(router_stub.StubDecode(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.add_insecure_port(f"unix:{socket_path}")
     server.start()
@@ -78,8 +78,8 @@ def measure(rounds: int, block: int) -> dict[str, Any]:
         procs[-1].start()
         relays[name] = router_pb2_grpc.RouterStub(grpc.insecure_channel(queue.get(timeout=60)[0]))
     direct = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(stub_tcp))
-    sampling = common_pb2.SamplingOptions(max_tokens=router_overhead.MAX_TOKENS)
-    prompt = router_overhead.PROMPT
+    sampling = common_pb2.SamplingOptions(max_tokens=router_stub.MAX_TOKENS)
+    prompt = router_stub.PROMPT
 
     def one(name: str) -> float:
         t = time.perf_counter()

@@ -127,9 +127,7 @@ class SocketSessionCall:
         if self._fallback is None:
             self._end(error)
             return
-        transport, self._transport = self._transport, None
-        if transport is not None:
-            transport.abort()
+        self._drop_transport()
         self._delegate = self._fallback()
         self._ready.set_result(None)  # writers go to the delegate
         if self._waiter is not None and not self._waiter.done():
@@ -206,12 +204,16 @@ class SocketSessionCall:
                 future.exception()  # retrieved: no "never retrieved" warning when nothing waits on it
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)
-        transport, self._transport = self._transport, None
-        if transport is not None:
-            transport.abort()
+        self._drop_transport()
         if not self._connect_task.done():
             self._connect_task.cancel()
         self._push(last)
+
+    def _drop_transport(self) -> None:
+        """Abort the connection (if any); what it still delivers is ignored."""
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            transport.abort()
 
     def _pause(self, paused: bool) -> None:
         if paused and self._writable is None:
