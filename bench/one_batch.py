@@ -42,7 +42,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         device="cuda" if cuda else "cpu", dtype="bfloat16" if cuda else "float32",
         load_format="dummy" if args.model is None else "safetensors", max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, gpu_memory_gb=args.gpu_memory_gb if cuda else None,
-        prefill_chunk_size=args.prefill_chunk_size,
+        prefill_chunk_size=args.prefill_chunk_size, prefill_cuda_graphs=not args.no_prefill_cuda_graphs,
     )
     fields.update(overrides)
     return EngineConfig(**fields)
@@ -57,6 +57,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--gpu-memory-gb", type=float, default=24.0)
     parser.add_argument("--prefill-chunk-size", type=int, default=None, help="default: the engine's for the device")
+    parser.add_argument("--no-prefill-cuda-graphs", action="store_true", help="prefill steps eagerly (A/B)")
 
 
 def random_prompts(count: int, length: int, seed: int, vocab: int) -> list[list[int]]:

@@ -79,6 +79,7 @@ deployment_args() {
     colocated-1gpu-grpcsession) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-socket-sessions ;;
     colocated-1gpu-nosplit) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-split-mixed-steps ;;
     colocated-1gpu-fold) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --fold-decode-rows ;;
+    colocated-1gpu-noprefillgraphs) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-prefill-cuda-graphs ;;
     colocated-1gpu-nolean) echo --prefill-workers 0 --decode-workers 1 --gpus 0 ;;  # its environment: see run()
     colocated-1gpu-nofreeze) echo --prefill-workers 0 --decode-workers 1 --gpus 0 ;;  # its environment: see run()
     colocated-2gpu-dp) echo --prefill-workers 0 --decode-workers 2 --gpus 0,1 ;;

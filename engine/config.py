@@ -53,6 +53,9 @@ class EngineConfig:
     # split_mixed_steps). Off by default: served on the H200 it ties the split (TPOT p50 9.0 vs 8.9 ms,
     # bench/results/h200/serve_speed/fold_session39/)
     fold_decode_rows: bool = False
+    # with cuda_graphs: a step's prefill chunks (up to 7 sequences, up to 2048 tokens) replay a CUDA graph captured
+    # per token bucket, padded to it, instead of ~400 eager kernel launches (engine/prefill_graphs.py)
+    prefill_cuda_graphs: bool = True
     # Tokens between cached Mamba checkpoints; a multiple of the model's SSD chunk_size (and of page_size
     # for models with attention). None: 4 x chunk_size (rounded up to a page multiple). Each checkpoint is a
     # whole state (137 MiB for Nemotron-Nano-9B-v2 in fp32, ~8.8K tokens of its KV), so every chunk would
@@ -114,7 +117,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
-        for name in ("cuda_graphs", "split_mixed_steps", "fold_decode_rows"):
+        for name in ("cuda_graphs", "split_mixed_steps", "fold_decode_rows", "prefill_cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         standby = self.standby_state_slots

@@ -15,13 +15,16 @@ H200, bench/results/h200/serve_speed/mixed_split/), and the decode rows' eager p
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.state_cache import StateCache
+
+if TYPE_CHECKING:
+    from hybridserve.engine.prefill_graphs import PrefillGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -151,11 +154,14 @@ class GraphedModel:
         self.model = model
         self.graphs = graphs
         self.split_mixed = split_mixed
+        self.prefill: PrefillGraphs | None = None  # set by engine/prefill_graphs.py's enable_prefill_graphs
         self.num_split_steps = 0  # mixed steps whose decode rows replayed a graph
 
     def __call__(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: StateCache) -> torch.Tensor:
         if cache is self.graphs.cache:
             hidden = self.graphs.run(input_ids, batch)
+            if hidden is None and batch.num_decode == 0:
+                hidden = self._prefill(input_ids, batch, cache, eager=False)
             if hidden is not None:
                 return hidden
             if self.split_mixed and self.splits(batch):
@@ -165,9 +171,18 @@ class GraphedModel:
                     self.num_split_steps += 1
                     rows = batch.num_decode * batch.decode_len
                     decoded = self.graphs.replay(size, input_ids[:rows], decodes)
-                    # [N, hidden]: the graph's output buffer is rewritten by its next replay, so it is copied now
-                    return torch.cat([decoded, self.model(input_ids[rows:], batch.prefill_half(), cache)])
+                    # [N, hidden]: the graphs' output buffers are rewritten by their next replays, so they are
+                    # copied now (decode and prefill graphs keep separate memory pools)
+                    prefilled = self._prefill(input_ids[rows:], batch.prefill_half(), cache, eager=True)
+                    return torch.cat([decoded, prefilled])
         return self.model(input_ids, batch, cache)
+
+    def _prefill(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: StateCache, eager: bool) -> Any:
+        """A prefill-only batch by prefill-graph replay; else eagerly (`eager`) or None."""
+        hidden = self.prefill.run(input_ids, batch) if self.prefill is not None else None
+        if hidden is None and eager:
+            return self.model(input_ids, batch, cache)
+        return hidden
 
     @staticmethod
     def splits(batch: ForwardBatch) -> bool:

@@ -28,13 +28,20 @@ class QueryBlocks:
     row: torch.Tensor  # [num_blocks] int32
 
 
-def query_blocks(query_lens: Sequence[int], device: torch.device) -> QueryBlocks:
-    """`QueryBlocks` for these per-sequence query lengths (one host -> device copy, no sync)."""
-    seqs, rows = [], []
+def query_block_lists(query_lens: Sequence[int]) -> tuple[list[int], list[int]]:
+    """(sequence, first query row) of each block of PREFILL_BLOCK_M queries, on the host."""
+    seqs: list[int] = []
+    rows: list[int] = []
     for seq, length in enumerate(query_lens):
         for row in range(0, length, PREFILL_BLOCK_M):
             seqs.append(seq)
             rows.append(row)
+    return seqs, rows
+
+
+def query_blocks(query_lens: Sequence[int], device: torch.device) -> QueryBlocks:
+    """`QueryBlocks` for these per-sequence query lengths (one host -> device copy, no sync)."""
+    seqs, rows = query_block_lists(query_lens)
     seq_t, row_t = pack_to_device([seqs, rows], torch.int32, device)
     return QueryBlocks(tuple(query_lens), seq_t, row_t)
 

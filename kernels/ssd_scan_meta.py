@@ -56,17 +56,32 @@ def chunk_metadata(
     return chunk_metadata_from_lists(bounds, starts, chunk_size, state_block, device, segment_chunks)
 
 
-def chunk_metadata_from_lists(
+@dataclass(frozen=True)
+class ChunkLists:
+    """`ChunkMeta`'s index arrays on the host (what `chunk_metadata_from_lists` sends to the device)."""
+
+    chunk_start: list[int]
+    chunk_len: list[int]
+    seq_chunk_ptr: list[int]
+    keep_idx: list[int]
+    kept_seq: list[int]
+    kept_pos: list[int]
+    seg_chunk_ptr: list[int]
+    seg_seq: list[int]
+    seg_first: list[int]
+    seq_seg_ptr: list[int]
+    chunk_seg: list[int]
+
+
+def chunk_lists(
     bounds: list[int],  # [S + 1] cu_seqlens on the host
     starts: list[int],  # [S] absolute position of each sequence's first token
     chunk_size: int,
     state_block: int | None,
-    device: torch.device,
     segment_chunks: int = 0,
-) -> ChunkMeta:
+) -> ChunkLists:
     """Split every sequence at absolute multiples of chunk_size; keep ends at multiples of state_block; group
-    each sequence's chunks into segments of segment_chunks. No host sync: the index arrays travel to the device
-    in one copy (a forward builds this once and hands it to every Mamba layer)."""
+    each sequence's chunks into segments of segment_chunks (0: one segment per sequence)."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     segment_chunks = segment_chunks or WHOLE_SEQUENCE
@@ -114,24 +129,39 @@ def chunk_metadata_from_lists(
             seg_seq.append(seq)
             seg_first.append(int(is_first))
         seq_seg_ptr.append(len(seg_seq))
+    return ChunkLists(chunk_start, chunk_len, seq_ptr, keep_idx, kept_seq, kept_pos, seg_ptr, seg_seq, seg_first,
+                      seq_seg_ptr, chunk_seg)
 
-    int32_fields = {
-        "chunk_start": chunk_start, "chunk_len": chunk_len, "seq_chunk_ptr": seq_ptr, "keep_idx": keep_idx,
-        "seg_chunk_ptr": seg_ptr, "seg_seq": seg_seq, "seg_first": seg_first, "seq_seg_ptr": seq_seg_ptr,
-        "chunk_seg": chunk_seg,
-    }
+
+# ChunkLists' int32 arrays, in the order `chunk_metadata_from_lists` packs them
+INT32_FIELDS = ("chunk_start", "chunk_len", "seq_chunk_ptr", "keep_idx", "seg_chunk_ptr", "seg_seq", "seg_first",
+                "seq_seg_ptr", "chunk_seg")
+
+
+def chunk_metadata_from_lists(
+    bounds: list[int],  # [S + 1] cu_seqlens on the host
+    starts: list[int],  # [S] absolute position of each sequence's first token
+    chunk_size: int,
+    state_block: int | None,
+    device: torch.device,
+    segment_chunks: int = 0,
+) -> ChunkMeta:
+    """`chunk_lists` on the device. No host sync: the index arrays travel to the device in one copy (a forward
+    builds this once and hands it to every Mamba layer)."""
+    lists = chunk_lists(bounds, starts, chunk_size, state_block, segment_chunks)
+    int32_fields = {name: getattr(lists, name) for name in INT32_FIELDS}
     # one host -> device copy for all of them, each view 16-byte aligned (an empty list still gets one element:
     # kernels take a pointer)
     on_device = pack_to_device([v if v else [0] for v in int32_fields.values()], torch.int32, device)
-    kept_seq_t, kept_pos_t = pack_to_device([kept_seq, kept_pos], torch.int64, device)
+    kept_seq_t, kept_pos_t = pack_to_device([lists.kept_seq, lists.kept_pos], torch.int64, device)
     tensors = dict(zip(int32_fields, on_device))
     return ChunkMeta(
-        num_seqs=num_seqs,
-        num_chunks=len(chunk_start),
-        num_kept=len(kept_seq),
+        num_seqs=len(bounds) - 1,
+        num_chunks=len(lists.chunk_start),
+        num_kept=len(lists.kept_seq),
         kept_seq=kept_seq_t,
         kept_pos=kept_pos_t,
-        num_segments=len(seg_seq),
-        segment_chunks=segment_chunks,
+        num_segments=len(lists.seg_seq),
+        segment_chunks=segment_chunks or WHOLE_SEQUENCE,
         **tensors,
     )

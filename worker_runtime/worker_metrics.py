@@ -51,6 +51,8 @@ class _EngineGauges(Collector):
                 "hit_tokens": pool.num_hit_tokens,
                 "graph_steps": graphs["graph_decode_steps"],
                 "eager_decodes": graphs["eager_decode_steps"],
+                "graph_prefills": graphs["graph_prefill_forwards"],
+                "eager_prefills": graphs["eager_prefill_forwards"],
             }, dataclasses.replace(engine.spec.metrics, accepted_per_position=list(
                 engine.spec.metrics.accepted_per_position)) if engine.spec is not None else None
 
@@ -87,6 +89,10 @@ class _EngineGauges(Collector):
             ("hybridserve_worker_engine_graph_decode_steps", "Decode steps replayed from a CUDA graph", v["graph_steps"]),
             ("hybridserve_worker_engine_eager_decode_steps", "Decode-only steps that ran without a CUDA graph",
              v["eager_decodes"]),
+            ("hybridserve_worker_engine_graph_prefill_forwards", "Prefill forwards replayed from a CUDA graph",
+             v["graph_prefills"]),
+            ("hybridserve_worker_engine_eager_prefill_forwards",
+             "Prefill forwards that ran without a CUDA graph while prefill graphs were on", v["eager_prefills"]),
             *counters,
         ]
         yield from _role_families(CounterMetricFamily, counters, self._role)
