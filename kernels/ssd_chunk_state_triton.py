@@ -140,7 +140,11 @@ def chunk_state_walk_kernel(
     if HOIST_B:
         B_tile = B_ptr + offs_q[:, None].to(tl.int64) * B_t + g * B_g + offs_n[None, :] * B_n
     mask_xp, mask_bn = (offs_p < P)[:, None], (offs_n < N)[None, :]
-    for i in range(0, c1 - c0):
+    # chunks past the segment's last token (the empty chunks that pad a CUDA-graph prefill to its captured chunk
+    # count, engine/prefill_graphs.py) are not walked: nothing reads their entry state, and walking them would
+    # lengthen this program's serial chain
+    num_walked = tl.where(seg_len > 0, 1 + (tl.maximum(seg_len - first, 0) + CHUNK - 1) // CHUNK, 0)
+    for i in range(0, num_walked):
         offset = tl.where(i == 0, 0, first + (i - 1) * CHUNK).to(tl.int64)
         length = tl.minimum(tl.where(i == 0, first, CHUNK), seg_len - offset).to(tl.int32)  # 32-bit mask compares
         start = begin + offset
