@@ -1,0 +1,97 @@
+"""Prefill graphs on vs off, same process, same GPU: TTFT of a lone fresh prompt per length, and the wall time of a
+step that prefills one fresh prompt beside running decodes.
+
+    python bench/prefill_graph_ab.py --lens 128,512,1000,1024,1100,1280,2048 --decode-rows 4 --repeats 7 --out ab.json
+
+Two engines (the serving benchmark's settings, prefix cache off so every prompt is computed whole) are built side by
+side; each measurement alternates between them so drift hits both alike. A prompt pads to the next token bucket
+(engine/prefill_graphs.py): lengths between buckets show what the padding costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_prompts, sync
+
+from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.engine.sampling_params import SamplingParams
+
+
+def lone_ttft_ms(engine: LLMEngine, prompt: list[int]) -> float:
+    """Milliseconds from adding `prompt` to its first token, nothing else running."""
+    sync(engine)
+    start = time.perf_counter()
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    sync(engine)
+    if rid in engine._requests:
+        raise RuntimeError(f"request {rid} did not finish")
+    return 1e3 * (time.perf_counter() - start)
+
+
+def mixed_step_ms(engine: LLMEngine, prompt: list[int]) -> float:
+    """Wall milliseconds of the step that prefills `prompt` beside the engine's running decodes."""
+    sync(engine)
+    engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    start = time.perf_counter()
+    engine.step()
+    sync(engine)
+    took = 1e3 * (time.perf_counter() - start)
+    while engine.scheduler.waiting or any(not r.is_decoding for r in engine.scheduler.running):
+        engine.step()  # a prompt longer than one step's budget
+    return took
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_engine_flags(parser)
+    parser.add_argument("--lens", default="128,512,1024,1100,2048")
+    parser.add_argument("--decode-rows", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    model_dir = Path(args.model) if args.model else dummy_model_dir(args.dummy_config)
+    engines = {mode: LLMEngine(model_dir, engine_config(args, enable_prefix_caching=False,
+                                                        prefill_cuda_graphs=mode == "graphs"))
+               for mode in ("graphs", "eager")}
+    vocab = engines["graphs"].model_config.vocab_size
+    lens = [int(n) for n in args.lens.split(",")]
+    seed = iter(range(10**6))
+    lone: dict[str, dict[int, list[float]]] = {m: {n: [] for n in lens} for m in engines}
+    for _ in range(args.repeats):
+        for n in lens:
+            for mode, engine in engines.items():
+                lone[mode][n].append(lone_ttft_ms(engine, random_prompts(1, n, next(seed), vocab)[0]))
+    long_params = SamplingParams(max_tokens=10**6, ignore_eos=True)
+    for engine in engines.values():  # decodes that run for the rest of the benchmark
+        for prompt in random_prompts(args.decode_rows, 64, 999, vocab):
+            engine.add_request(prompt, long_params)
+        while any(not r.is_decoding for r in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+    mixed: dict[str, dict[int, list[float]]] = {m: {n: [] for n in lens} for m in engines}
+    for _ in range(args.repeats):
+        for n in lens:
+            for mode, engine in engines.items():
+                mixed[mode][n].append(mixed_step_ms(engine, random_prompts(1, n, next(seed), vocab)[0]))
+    rows = [{"prompt_tokens": n, **{f"{kind}_{mode}_ms": round(statistics.median(table[mode][n]), 2)
+                                    for kind, table in (("lone_ttft", lone), ("mixed_step", mixed))
+                                    for mode in engines}} for n in lens]
+    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "decode_rows": args.decode_rows, "repeats": args.repeats, "rows": rows,
+              "graph_stats": {mode: e.graph_stats() for mode, e in engines.items()},
+              "buckets": list(getattr(getattr(engines["graphs"].runner.model, "prefill", None), "buckets", ()))}
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
