@@ -102,7 +102,7 @@ run() {
   HYBRIDSERVE_LEAN_LAUNCH=$lean HYBRIDSERVE_GC_FREEZE=$freeze hybridserve -v serve "${COMMON[@]}" "${args[@]}" > "$OUT/$name.server.log" 2>&1 &
   local pid=$! up=0
   for _ in $(seq 1 300); do
-    if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)" 2>/dev/null; then
+    if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=2)" 2>/dev/null; then
       up=1; break
     fi
     kill -0 "$pid" 2>/dev/null || break

@@ -37,8 +37,8 @@ class RouterActor:
 
         self._counts = (options.num_prefill, options.num_decode)
         self._node_ip = ray.util.get_node_ip_address()
+        freeze_startup_heap("router actor")  # before the doors open (a full collection must not meet a request)
         self.router = Router(options.router, prefill, decode).start()
-        freeze_startup_heap("router actor")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._refresh_loop, name="worker-refresh", daemon=True)
         self._thread.start()

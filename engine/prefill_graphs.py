@@ -31,10 +31,12 @@ from hybridserve.statepool.state_cache import StateCache
 
 logger = logging.getLogger(__name__)
 
-# token buckets: finer below 512 (prefix-cache tails, short turns), 256 apart above (a 1024-token prompt pads to
-# itself, a 1025-token one to 1280)
-DEFAULT_TOKEN_BUCKETS = (64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048)
-SEQS = 8  # sequences per captured prefill: up to 7 real ones, then the padding sequence (and empty ones)
+# Token buckets, up to 1024: past that a prefill step is bound by the GPU, not by its launches (on the H200 a lone
+# 1100-token prompt took 39.0 ms padded to 1280 in a graph vs 35.2 ms eagerly, 2048 tokens 60.0 vs 59.3 ms; 128
+# tokens 10.9 vs 29.2 ms: bench/results/h200/prefill_graphs_session41/). The engine adds one bucket of the top
+# one plus its running batch, for a full prefill chunk with decode rows folded in (fold_decode_rows).
+DEFAULT_TOKEN_BUCKETS = (64, 128, 256, 384, 512, 640, 768, 896, 1024)
+SEQS = 8  # sequences per captured prefill by default: up to 7 real ones, then the padding sequence (and empty ones)
 ALIGN = 16  # bytes: every static index array starts 16-byte aligned (Triton specializes on pointer alignment)
 
 
@@ -252,17 +254,19 @@ class PrefillGraphs:
     """Captured prefill forwards of `model` over `cache`, one per token bucket up to `max_tokens`."""
 
     def __init__(self, model: HybridLM, cache: StateCache, max_pages: int, chunk_size: int, state_block: int,
-                 max_tokens: int, buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS, seqs: int = SEQS) -> None:
+                 max_tokens: int, buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS, seqs: int = SEQS,
+                 extra_rows: int = 0) -> None:
         if state_block % chunk_size:
             raise ValueError(f"state_block ({state_block}) must be a multiple of chunk_size ({chunk_size})")
         self.model = model
         self.cache = cache
         if max_tokens <= 0 or not buckets:
             raise ValueError(f"prefill graphs need token buckets and max_tokens > 0, got {buckets}, {max_tokens}")
-        # up to the step's prefill budget (itself a bucket); past the largest bucket a prefill runs eagerly (a
-        # step that large is bound by the GPU, not by its launches)
+        # up to the step's prefill budget (itself a bucket), plus `extra_rows` one-token rows on top of the largest
+        # (decode rows folded into a prefill forward); past the largest bucket a prefill runs eagerly (a step that
+        # large is bound by the GPU, not by its launches)
         top = min(max_tokens, max(buckets))
-        self.buckets = tuple(sorted({b for b in buckets if b < top} | {top}))
+        self.buckets = tuple(sorted({b for b in buckets if b < top} | {top, top + extra_rows}))
         device = next(model.parameters()).device
         self.buffers = {b: PrefillBuffers(PrefillShape.for_bucket(b, seqs, chunk_size, state_block), max_pages,
                                           chunk_size, state_block, device) for b in self.buckets}
@@ -313,11 +317,13 @@ class PrefillGraphs:
         return hidden[: batch.num_tokens]
 
 
-def enable_prefill_graphs(graphed: Any, max_pages: int, chunk_size: int, state_block: int,
-                          max_tokens: int) -> PrefillGraphs | None:
+def enable_prefill_graphs(graphed: Any, max_pages: int, chunk_size: int, state_block: int, max_tokens: int,
+                          max_running: int) -> PrefillGraphs | None:
     """Capture prefill graphs for a GraphedModel (engine/cuda_graphs.py) and route its prefill forwards through
-    them; a model whose prefill cannot be captured keeps running it eagerly: returns None."""
-    graphs = PrefillGraphs(graphed.model, graphed.graphs.cache, max_pages, chunk_size, state_block, max_tokens)
+    them; a model whose prefill cannot be captured keeps running it eagerly: returns None. Each graph holds the
+    running batch's rows as one-token sequences besides 7 prefill chunks (fold_decode_rows)."""
+    graphs = PrefillGraphs(graphed.model, graphed.graphs.cache, max_pages, chunk_size, state_block, max_tokens,
+                           seqs=max_running + SEQS, extra_rows=max_running)
     try:
         graphs.capture()
     except RuntimeError as exc:

@@ -107,6 +107,7 @@ def warm_up(engine: LLMEngine, show_progress: bool = True) -> WarmupReport:
                         bar.update(1)
                 steps += 1
     engine.reset_prefix_cache()
+    engine.pool.reset_counters()
     engine.drain_cache_events()
     if engine.config.torch_device.type == "cuda":
         torch.cuda.synchronize()

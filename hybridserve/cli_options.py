@@ -36,6 +36,8 @@ def add_front_door_flags(p: argparse.ArgumentParser, host: str) -> None:
                    "not the router's one Session stream per worker")
     p.add_argument("--no-socket-sessions", action="store_true", help="the router's sessions with decode workers over "
                    "gRPC streams, not the workers' socket sessions (length-prefixed frames on plain TCP)")
+    p.add_argument("--no-warm-up-path", action="store_true", help="report ready without first sending one one-token "
+                   "request through each door (the first user request then pays the path's first-time work)")
     p.add_argument("--served-model-name", dest="model_name", default=None,
                    help="model id served over the API (default: the checkpoint directory's name)")
     p.add_argument("--http-port", dest="http_port", type=int, action=DeprecatedAlias, replacement="--port",
@@ -100,7 +102,7 @@ def cluster_options(args: argparse.Namespace) -> dict:
     router = RouterOptions(model_dir=model_dir, model_name=args.model_name, host=args.host, http_port=args.http_port,
                            grpc_port=args.grpc_port, api_key=args.api_key, generation_config=args.generation_config,
                            internal_token=args.internal_token, drain_timeout_s=args.drain_timeout,
-                           internal_tls=tls, **extra)
+                           internal_tls=tls, warm_up_path=not args.no_warm_up_path, **extra)
     on_ray_cluster = getattr(args, "address", None) and not getattr(args, "no_ray", False)
     worker_host = args.worker_host or ("node-ip" if on_ray_cluster else "127.0.0.1")
     worker = WorkerOptions(model_dir=model_dir, engine=engine, host=worker_host, transfer=transfer_config(args),

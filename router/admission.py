@@ -40,8 +40,8 @@ class AdmissionController:
         self._draining = False
         self._per_client: dict[str, int] = {}
         if metrics is not None:  # read at scrape time: no gauge update on every acquire and release
-            metrics.running.set_function(lambda: self._running)
-            metrics.queued.set_function(lambda: self._queued)
+            metrics.scrape_function("running", lambda: self._running)
+            metrics.scrape_function("queued", lambda: self._queued)
 
     @property
     def draining(self) -> bool:
@@ -52,6 +52,11 @@ class AdmissionController:
         Returns whether they did."""
         with self._cond:
             self._draining = True
+            return self._cond.wait_for(lambda: self._running == 0 and self._queued == 0, timeout_s)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until no request runs or queues (admitting as usual); returns whether none does."""
+        with self._cond:
             return self._cond.wait_for(lambda: self._running == 0 and self._queued == 0, timeout_s)
 
     @property

@@ -19,6 +19,7 @@ from hybridserve.router.grpc_server import start_router_server
 from hybridserve.router.http_server import HttpServer, create_app
 from hybridserve.router.metrics import RouterMetrics
 from hybridserve.router.orchestrator import Orchestrator
+from hybridserve.router.path_warmup import WARMUP_SETTLE_S, warm_serving_path
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,10 @@ class Router:
         self.grpc_address: str | None = None
 
     def start(self) -> Router:
+        """Open the doors, warm the serving path through them (`warm_up_path`), then report ready on /ready."""
         o = self.options
         loop = self.orchestrator.loop  # both doors run on the orchestrator's loop: a request never crosses threads
+        self.frontend.path_warm = not o.warm_up_path
         if o.http_port is not None:
             self.http = HttpServer(create_app(self.frontend, self.targets, o.api_key, o.max_body_bytes), o.host,
                                    o.http_port, loop)
@@ -56,6 +59,12 @@ class Router:
         if o.grpc_port is not None:
             self.grpc_server, self.grpc_address = loop.run(start_router_server(self.frontend, o.host, o.grpc_port,
                                                                                api_key=o.api_key))
+        if o.warm_up_path:
+            self.orchestrator.workers.poll_once()  # the workers' Health first: the warm-up then takes their sessions
+            warm_serving_path(self.http_address, self.grpc_address, o.served_name, o.api_key)
+            self.frontend.admission.wait_idle(WARMUP_SETTLE_S)  # their last bookkeeping, after the client's last byte
+            self.metrics.restart()  # the warm-up requests are not traffic: every series starts at 0
+            self.frontend.path_warm = True
         return self
 
     def update_workers(self, prefill_addresses: list[str], decode_addresses: list[str]) -> None:

@@ -145,6 +145,9 @@ class RouterOptions:
     drain_timeout_s: float = 30.0
     # mutual TLS on the router's channels to workers (WorkerOptions.internal_tls); empty: plaintext
     internal_tls: InternalTlsConfig = field(default_factory=InternalTlsConfig)
+    # before /ready reports ready: one one-token request through each door, end to end, so the first user
+    # request does not pay for the path's first-time work (router/path_warmup.py)
+    warm_up_path: bool = True
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):

@@ -79,6 +79,7 @@ class Frontend:
         self.metrics = metrics
         # SamplingParams field -> the checkpoint's default, for what an HTTP request leaves unset
         self.generation_defaults = dict(generation_defaults or {})
+        self.path_warm = True  # False while Router.start warms the serving path: /ready answers 503 meanwhile
 
     # ---- inputs ----------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], param: str = "prompt", add_special_tokens: bool = True) -> list[int]:

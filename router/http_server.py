@@ -261,8 +261,9 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
         healthy = {role: sum(1 for h in handles if h.health is not None and not h.draining and h.breaker.available())
                    for role, handles in (("prefill", prefill), ("decode", decode))}
         ok = healthy["decode"] > 0 and not frontend.admission.draining  # draining: SIGTERM, shutting down
-        return JSONResponse({"status": "ready" if ok else "not_ready", "healthy_workers": healthy},
-                            status_code=200 if ok else 503)
+        status = "ready" if ok and frontend.path_warm else "warming_up" if ok else "not_ready"
+        return JSONResponse({"status": status, "healthy_workers": healthy},
+                            status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

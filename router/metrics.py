@@ -7,6 +7,7 @@ or the worker list (a handful of addresses), so cardinality never grows with tra
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -28,7 +29,22 @@ class RouterMetrics:
     """Every router metric in its own registry (several routers can live in one process, e.g. in tests)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+        self._scrape_functions: dict[str, Callable[[], float]] = {}  # gauge attribute -> its scrape-time function
+        self._build(registry or CollectorRegistry())
+
+    def restart(self) -> None:
+        """Every series back to its start value, in a fresh registry: the router's own warm-up requests
+        (router/path_warmup.py) are not traffic. Holders of this object see the new series; call it while no
+        request is in flight."""
+        self._build(CollectorRegistry())
+
+    def scrape_function(self, gauge: str, function: Callable[[], float]) -> None:
+        """Gauge attribute `gauge` reads `function()` at scrape time (kept across `restart`)."""
+        self._scrape_functions[gauge] = function
+        getattr(self, gauge).set_function(function)
+
+    def _build(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         r = self.registry
         self.requests = Counter("hybridserve_router_requests", "Requests answered, by endpoint and status",
                                 ["endpoint", "status"], registry=r)
@@ -80,6 +96,8 @@ class RouterMetrics:
         self._prompt_total = 0
         self._predicted_total = 0
         self.index_hit_ratio.set_function(self._hit_ratio)  # computed at scrape time, not per request
+        for gauge, function in self._scrape_functions.items():
+            getattr(self, gauge).set_function(function)
 
     def child(self, family: Counter | Gauge | Histogram, *values: str) -> Any:
         """`family.labels(*values)`, looked up once: `labels()` builds and checks its key under a lock on every

@@ -78,8 +78,8 @@ class Orchestrator:
         # into worker requests, never changed)
         self._sampling_proto = functools.lru_cache(maxsize=256)(sampling_to_proto)
         self.update_workers(prefill_addresses, decode_addresses)
-        self.metrics.seat_waiters.set_function(  # read at scrape time
-            lambda: sum(len(w.seats) for w in self.workers.all() if w.role == "decode"))
+        self.metrics.scrape_function(
+            "seat_waiters", lambda: sum(len(w.seats) for w in self.workers.all() if w.role == "decode"))
 
     def update_workers(self, prefill_addresses: list[str], decode_addresses: list[str]) -> None:
         """Point at a new set of workers (after a restart moved one); in-flight requests keep their stubs."""

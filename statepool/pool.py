@@ -90,7 +90,7 @@ class StatePool:
             self.radix = RadixCache(self.block_size, state_block, self.pages, self.checkpoints, self.events)
         self._holders: dict[int, PooledSequence] = {}
         self._planned: list[PlannedCheckpoint] = []
-        self.num_queries = 0  # admissions that looked up the cache (prefix-cache metrics)
+        self.num_queries = 0  # admissions whose prompt could hit (over one block) looked up (prefix-cache metrics)
         self.num_hits = 0
         self.num_hit_tokens = 0
 
@@ -140,11 +140,15 @@ class StatePool:
                     raise RuntimeError("a matched checkpoint was evicted before it was copied")
                 self.cache.copy_state(source, seq.state_slot)
         seq.num_computed_tokens = hit.num_tokens
-        if self.radix is not None:
+        if self.radix is not None and seq.num_tokens > self.block_size:  # shorter prompts can never hit
             self.num_queries += 1
             self.num_hits += bool(hit.nodes)
             self.num_hit_tokens += hit.num_tokens
         return True
+
+    def reset_counters(self) -> None:
+        """Prefix-cache query / hit counters back to 0 (after a warm-up: its requests are not traffic)."""
+        self.num_queries = self.num_hits = self.num_hit_tokens = 0
 
     def reserve(self, seq: PooledSequence, num_tokens: int) -> bool:
         """Make sure the sequence holds pages for `num_tokens` tokens, evicting cold cached blocks if needed."""

@@ -72,7 +72,9 @@ class _EngineGauges(Collector):
         ]
         yield from _role_families(GaugeMetricFamily, rows, self._role)
         counters: list[tuple[str, str, float]] = [
-            ("hybridserve_worker_prefix_cache_queries", "Admissions that looked up the prefix cache", v["queries"]),
+            ("hybridserve_worker_prefix_cache_queries",
+             "Admissions that looked up the prefix cache (prompts over one cache block: shorter ones never hit)",
+             v["queries"]),
             ("hybridserve_worker_prefix_cache_hits", "Admissions that found a checkpointed prefix", v["hits"]),
             ("hybridserve_worker_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", v["hit_tokens"]),
         ]

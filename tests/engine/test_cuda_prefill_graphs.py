@@ -50,10 +50,14 @@ def test_prefill_graphs_off_and_oversized_prefills_run_eagerly() -> None:
     assert off.engine.runner.model.prefill is None
     assert _tokens(off, prompts) == expected
     assert off.engine.graph_stats()["graph_prefill_forwards"] == 0
-    # more prompts in one step than a graph holds sequences: those steps run eagerly, tokens unchanged
-    many = LLM(model_dir, device="cuda", dtype="float32", max_num_seqs=16)
-    assert _tokens(many, prompts * 2) == expected * 2
-    assert many.engine.graph_stats()["eager_prefill_forwards"] > 0
+    # a prefill chunk past the largest bucket (1024 + the running batch) runs eagerly, tokens unchanged
+    long_prompt = random_prompts([1500], vocab=128, seed=3)[0]
+    options = dict(device="cuda", dtype="float32", max_model_len=2048, prefill_chunk_size=2048)
+    long_expected = _tokens(LLM(model_dir, cuda_graphs=False, **options), [long_prompt] + prompts)
+    mixed = LLM(model_dir, **options)
+    assert _tokens(mixed, [long_prompt] + prompts) == long_expected
+    stats = mixed.engine.graph_stats()
+    assert stats["eager_prefill_forwards"] > 0 and stats["graph_prefill_forwards"] > 0
 
 
 def test_bf16_prefill_graph_tokens_match_eager() -> None:
