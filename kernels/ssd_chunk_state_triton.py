@@ -175,7 +175,9 @@ def chunk_state_walk_kernel(
                                  + offs_n[None, :] * k_n, state.to(kept_ptr.dtype.element_ty), mask=mask_pn)
                     else:
                         tl.store(kept_local_ptr + k.to(tl.int64) * H * P * N + rows_out, state, mask=mask_pn)
-    tl.store(seg_end_ptr + tl.cast(seg, tl.int64) * H * P * N + rows_out, state, mask=mask_pn)
+    # an empty segment (a padding sequence of a CUDA-graph prefill, whose final row is -1) leaves its end unread
+    walked = (tl.zeros([ROWS, BLOCK_N], dtype=tl.int32) + num_walked) > 0  # a tensor mask (the interpreter's need)
+    tl.store(seg_end_ptr + tl.cast(seg, tl.int64) * H * P * N + rows_out, state, mask=mask_pn & walked)
 
 
 @lean_launch
@@ -202,6 +204,11 @@ def chunk_state_join_kernel(
     # its walk already started from the initial state); an empty sequence keeps its initial state
     if HAS_INIT:
         state = _load_init(init_ptr, init_rows_ptr, s, k1 == k0, head_r, offs_p, offs_n, mask_pn, i_r, i_h, i_p, i_n)
+    final_row = tl.load(final_rows_ptr + s).to(tl.int64)
+    # a one-segment sequence whose final state is not kept (padding of a CUDA-graph prefill: its segment's end was
+    # not even stored) reads nothing: 4 bytes x H x P x N saved per padding sequence and layer
+    zeros = tl.zeros([ROWS, BLOCK_N], dtype=tl.int32)  # tensor masks: the interpreter rejects scalar booleans
+    needed = ((zeros + final_row) >= 0) | ((zeros + (k1 - k0)) > 1)
     for seg in range(k0, k1):
         seg64 = tl.cast(seg, tl.int64)
         decay = tl.full([ROWS], 1.0, dtype=tl.float32)  # from the segment start to the current chunk start
@@ -219,9 +226,8 @@ def chunk_state_join_kernel(
                         tl.store(kept_ptr + kept_row * k_r + head_r[:, None] * k_h + offs_p[:, None] * k_p
                                  + offs_n[None, :] * k_n, (local + decay[:, None] * state).to(
                                      kept_ptr.dtype.element_ty), mask=mask_pn)
-        end = tl.load(seg_end_ptr + seg64 * H * P * N + rows_out, mask=mask_pn, other=0.0)
+        end = tl.load(seg_end_ptr + seg64 * H * P * N + rows_out, mask=mask_pn & needed, other=0.0)
         state = end + decay[:, None] * state
-    final_row = tl.load(final_rows_ptr + s).to(tl.int64)
     tl.store(final_ptr + tl.maximum(final_row, 0) * f_r + head_r[:, None] * f_h + offs_p[:, None] * f_p
              + offs_n[None, :] * f_n, state.to(final_ptr.dtype.element_ty),
              mask=mask_pn & (offs_p * 0 + final_row >= 0)[:, None])
