@@ -7,9 +7,10 @@ which every kernel skips; kv_len T on page 0, whose output is discarded). Only d
 size fits a bucket, whose rows have the captured token count and rollback, and whose block tables fit the
 captured width take the graph; the rest run eagerly. A verify graph's per-token SSM states ("intermediate"
 rollback) live in the graph's pool: they are handed to the step's batch and read before the next forward.
-A mixed step (decode or verify rows beside prefill chunks) replays the decode rows' graph and runs only the
-prefill eagerly: a prefill step is bound by the host's kernel launches (~40 ms for the 9B at any chunk size on the
-H200, bench/results/h200/serve_speed/mixed_split/), and the decode rows' eager path added to them.
+A mixed step (decode or verify rows beside prefill chunks) replays the decode rows' graph and hands the prefill
+chunks to the prefill graphs (engine/prefill_graphs.py) or, where none takes them, runs them eagerly: a prefill step
+is bound by the host's kernel launches (~40 ms for the 9B at any chunk size on the H200,
+bench/results/h200/serve_speed/mixed_split/), and the decode rows' eager path added to them.
 """
 
 from __future__ import annotations
