@@ -37,8 +37,9 @@ class RouterActor:
 
         self._counts = (options.num_prefill, options.num_decode)
         self._node_ip = ray.util.get_node_ip_address()
+        self.router = Router(options.router, prefill, decode)
         freeze_startup_heap("router actor")  # before the doors open (a full collection must not meet a request)
-        self.router = Router(options.router, prefill, decode).start()
+        self.router.start()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._refresh_loop, name="worker-refresh", daemon=True)
         self._thread.start()

@@ -103,11 +103,12 @@ def serve(options: ServeOptions, stop: threading.Event | None = None) -> int:
     router_options = options.router
     deployment = Deployment(options)
     prefill, decode = deployment.addresses()
+    router = Router(router_options, prefill, decode)
     if threading.current_thread() is threading.main_thread():
-        # before the doors open: a full collection of the start-up heap (80-250 ms with the GIL held) must not
-        # meet the first request
+        # after the router is built, before its doors open: a full collection of the start-up heap (80-250 ms
+        # with the GIL held) must not meet the first request
         freeze_startup_heap("router")  # this process serves the router from here to its end
-    router = Router(router_options, prefill, decode).start()
+    router.start()
     print(f"hybridserve: {len(prefill)} prefill and {len(decode)} decode workers ready", flush=True)
     print(f"hybridserve: serving model {router_options.served_name!r}", flush=True)
     for line in router.endpoints():

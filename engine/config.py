@@ -53,9 +53,9 @@ class EngineConfig:
     # split_mixed_steps). Off by default: served on the H200 it ties the split (TPOT p50 9.0 vs 8.9 ms,
     # bench/results/h200/serve_speed/fold_session39/)
     fold_decode_rows: bool = False
-    # with cuda_graphs: a step's prefill chunks (up to 7 sequences and 1024 tokens, plus the decode rows when they
-    # are folded in) replay a CUDA graph captured per token bucket, padded to it, instead of ~400 eager kernel
-    # launches (engine/prefill_graphs.py)
+    # with cuda_graphs: a step's prefill chunks (up to 7 sequences and 1024 tokens; with fold_decode_rows one more
+    # bucket of a full chunk beside the running batch) replay a CUDA graph captured per token bucket, padded to it,
+    # instead of ~400 eager kernel launches (engine/prefill_graphs.py)
     prefill_cuda_graphs: bool = True
     # Tokens between cached Mamba checkpoints; a multiple of the model's SSD chunk_size (and of page_size
     # for models with attention). None: 4 x chunk_size (rounded up to a page multiple). Each checkpoint is a

@@ -162,7 +162,7 @@ class GraphedModel:
         if cache is self.graphs.cache:
             hidden = self.graphs.run(input_ids, batch)
             if hidden is None and batch.num_decode == 0:
-                hidden = self._prefill(input_ids, batch, cache, eager=False)
+                hidden = self._prefill(input_ids, batch, cache)
             if hidden is not None:
                 return hidden
             if self.split_mixed and self.splits(batch):
@@ -174,16 +174,18 @@ class GraphedModel:
                     decoded = self.graphs.replay(size, input_ids[:rows], decodes)
                     # [N, hidden]: the graphs' output buffers are rewritten by their next replays, so they are
                     # copied now (decode and prefill graphs keep separate memory pools)
-                    prefilled = self._prefill(input_ids[rows:], batch.prefill_half(), cache, eager=True)
+                    prefill = batch.prefill_half()
+                    prefilled = self._prefill(input_ids[rows:], prefill, cache)
+                    if prefilled is None:
+                        prefilled = self.model(input_ids[rows:], prefill, cache)
                     return torch.cat([decoded, prefilled])
         return self.model(input_ids, batch, cache)
 
-    def _prefill(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: StateCache, eager: bool) -> Any:
-        """A prefill-only batch by prefill-graph replay; else eagerly (`eager`) or None."""
-        hidden = self.prefill.run(input_ids, batch) if self.prefill is not None else None
-        if hidden is None and eager:
-            return self.model(input_ids, batch, cache)
-        return hidden
+    def _prefill(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: StateCache) -> torch.Tensor | None:
+        """A prefill-only batch by prefill-graph replay, or None (no graph takes it: the caller runs it eagerly)."""
+        if self.prefill is None or cache is not self.prefill.cache:
+            return None
+        return self.prefill.run(input_ids, batch)
 
     @staticmethod
     def splits(batch: ForwardBatch) -> bool:

@@ -113,7 +113,8 @@ class LLMEngine:
             if config.prefill_cuda_graphs and isinstance(self.runner.model, GraphedModel):
                 mamba = self.model_config.mamba
                 enable_prefill_graphs(self.runner.model, max_pages, mamba.chunk_size if mamba else self.state_block,
-                                      self.state_block, config.prefill_chunk_tokens, self.max_running)
+                                      self.state_block, config.prefill_chunk_tokens,
+                                      self.max_running if config.fold_decode_rows else 0)
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}  # finished, state kept for export
         self._hooks: dict[str, handoff.HandoffHooks] = {}  # held requests' callbacks, until they finish

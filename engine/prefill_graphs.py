@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from hybridserve.kernels.ssd_scan_meta import INT32_FIELDS, WHOLE_SEQUENCE, Chun
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.state_cache import StateCache
+
+if TYPE_CHECKING:
+    from hybridserve.engine.cuda_graphs import GraphedModel
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +55,21 @@ class PrefillShape:
 
     @classmethod
     def for_bucket(cls, tokens: int, seqs: int, chunk_size: int, state_block: int) -> PrefillShape:
-        return cls(tokens, seqs, tokens // chunk_size + 3 * seqs + 2, tokens // state_block + seqs + 1,
+        """The bounds for `tokens` tokens in `seqs` sequences: a real sequence of n tokens spans fewer than
+        n / chunk_size + 2 chunks (partial ones at both ends), the padding one fewer than its tokens / chunk_size + 1,
+        an empty one 1; n / state_block + 1 boundaries; n / PREFILL_BLOCK_M + 1 attention blocks."""
+        return cls(tokens, seqs, tokens // chunk_size + 2 * seqs, tokens // state_block + seqs + 1,
                    tokens // PREFILL_BLOCK_M + seqs + 1)
 
 
 def _int64_fields(shape: PrefillShape) -> dict[str, int]:
+    """Sizes of the int64 index arrays of a shape (cu_seqlens, positions, conv token owners, boundaries)."""
     s, n, k = shape.seqs, shape.tokens, shape.kept
     return {"cu": s + 1, "context": s, "kv": s, "token_seq": n, "boundary_seq": k, "boundary_pos": k}
 
 
 def _int32_fields(shape: PrefillShape) -> dict[str, int]:
+    """Sizes of the int32 index arrays of a shape (SSD chunks, conv windows, attention blocks)."""
     s, c, k, b = shape.seqs, shape.chunks, shape.kept, shape.blocks
     chunk = {"chunk_start": c, "chunk_len": c, "seq_chunk_ptr": s + 1, "keep_idx": c, "seg_chunk_ptr": s + 1,
              "seg_seq": s, "seg_first": s, "seq_seg_ptr": s + 1, "chunk_seg": c}
@@ -107,6 +115,13 @@ def padded_lists(
         return None
     if len(b_seq) != kept:
         raise RuntimeError(f"the conv found {len(b_seq)} state_block boundaries, the SSD scan {kept}")
+    # the padding sequence's queries get real work items: with no keys (kv_len 0) they store zeros, so no row of
+    # the attention output is left uninitialized (garbage there could reach an MoE router's top-k)
+    pad_blocks = list(range(0, pad, PREFILL_BLOCK_M))
+    block_seq += [real] * len(pad_blocks)
+    block_row += pad_blocks
+    if len(block_seq) > shape.blocks:
+        return None
     more_kept, more_blocks = shape.kept - kept, shape.blocks - len(block_seq)
     b_seq += [real] * more_kept  # the padding sequence's, with no row to write (boundary rows -1)
     b_pos += [0] * more_kept
@@ -123,7 +138,7 @@ def padded_lists(
         "seq_seg_ptr": list(range(seqs + 1)), "chunk_seg": [-1] * shape.chunks,
         "final_seq": list(range(seqs)), "final_len": lens, "boundary_seq32": b_seq, "boundary_len": b_len,
         "gather_seq": list(range(seqs)) + b_seq, "gather_len": lens + b_len,
-        # the padding sequence has no keys (kv_len 0) and row `tokens` is past its queries: nothing runs
+        # past the real work items: the padding sequence at row `tokens`, past its queries: nothing runs
         "block_seq": block_seq + [real] * more_blocks, "block_row": block_row + [tokens] * more_blocks,
     }
     return int64, int32, kept
@@ -256,6 +271,8 @@ class PrefillGraphs:
     def __init__(self, model: HybridLM, cache: StateCache, max_pages: int, chunk_size: int, state_block: int,
                  max_tokens: int, buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS, seqs: int = SEQS,
                  extra_rows: int = 0) -> None:
+        """`extra_rows` > 0 adds a bucket of the largest one plus that many one-token sequences (decode rows folded
+        into the prefill forward), which holds `extra_rows` more sequences than the others."""
         if state_block % chunk_size:
             raise ValueError(f"state_block ({state_block}) must be a multiple of chunk_size ({chunk_size})")
         self.model = model
@@ -268,8 +285,11 @@ class PrefillGraphs:
         top = min(max_tokens, max(buckets))
         self.buckets = tuple(sorted({b for b in buckets if b < top} | {top, top + extra_rows}))
         device = next(model.parameters()).device
-        self.buffers = {b: PrefillBuffers(PrefillShape.for_bucket(b, seqs, chunk_size, state_block), max_pages,
-                                          chunk_size, state_block, device) for b in self.buckets}
+        # every sequence costs a little memory in the captured scan ([H, P, N] states per chunk and sequence): only
+        # the fold bucket holds the running batch's rows
+        self.buffers = {b: PrefillBuffers(PrefillShape.for_bucket(b, seqs + (extra_rows if b > top else 0),
+                                                                  chunk_size, state_block),
+                                          max_pages, chunk_size, state_block, device) for b in self.buckets}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None
         self.num_replays = 0  # prefill forwards served by a graph
@@ -317,16 +337,16 @@ class PrefillGraphs:
         return hidden[: batch.num_tokens]
 
 
-def enable_prefill_graphs(graphed: Any, max_pages: int, chunk_size: int, state_block: int, max_tokens: int,
-                          max_running: int) -> PrefillGraphs | None:
-    """Capture prefill graphs for a GraphedModel (engine/cuda_graphs.py) and route its prefill forwards through
-    them; a model whose prefill cannot be captured keeps running it eagerly: returns None. Each graph holds the
-    running batch's rows as one-token sequences besides 7 prefill chunks (fold_decode_rows)."""
+def enable_prefill_graphs(graphed: GraphedModel, max_pages: int, chunk_size: int, state_block: int, max_tokens: int,
+                          fold_rows: int) -> PrefillGraphs | None:
+    """Capture prefill graphs for a GraphedModel and route its prefill forwards through them; a model whose prefill
+    cannot be captured keeps running it eagerly: returns None. `fold_rows` (fold_decode_rows: the running batch
+    size, else 0) adds the bucket that takes a full prefill chunk beside that many folded decode rows."""
     graphs = PrefillGraphs(graphed.model, graphed.graphs.cache, max_pages, chunk_size, state_block, max_tokens,
-                           seqs=max_running + SEQS, extra_rows=max_running)
+                           extra_rows=fold_rows)
     try:
         graphs.capture()
-    except RuntimeError as exc:
+    except Exception as exc:  # noqa: BLE001 - a capture failure of any kind leaves the eager prefill, which works
         logger.warning("prefill step not capturable as a CUDA graph, running it eagerly: %s", exc)
         torch.cuda.synchronize()
         return None

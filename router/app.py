@@ -62,7 +62,9 @@ class Router:
         if o.warm_up_path:
             self.orchestrator.workers.poll_once()  # the workers' Health first: the warm-up then takes their sessions
             warm_serving_path(self.http_address, self.grpc_address, o.served_name, o.api_key)
-            self.frontend.admission.wait_idle(WARMUP_SETTLE_S)  # their last bookkeeping, after the client's last byte
+            if not self.frontend.admission.wait_idle(WARMUP_SETTLE_S):  # their bookkeeping after the last byte
+                logger.warning("requests still in flight %.0f s after the path warm-up: the metrics restart under them",
+                               WARMUP_SETTLE_S)
             self.metrics.restart()  # the warm-up requests are not traffic: every series starts at 0
             self.frontend.path_warm = True
         return self

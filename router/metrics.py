@@ -36,7 +36,10 @@ class RouterMetrics:
         """Every series back to its start value, in a fresh registry: the router's own warm-up requests
         (router/path_warmup.py) are not traffic. Holders of this object see the new series; call it while no
         request is in flight."""
-        self._build(CollectorRegistry())
+        fresh = RouterMetrics.__new__(RouterMetrics)
+        fresh._scrape_functions = self._scrape_functions
+        fresh._build(CollectorRegistry())
+        self.__dict__ = fresh.__dict__  # one assignment: a scrape or a request sees the old series or the new
 
     def scrape_function(self, gauge: str, function: Callable[[], float]) -> None:
         """Gauge attribute `gauge` reads `function()` at scrape time (kept across `restart`)."""

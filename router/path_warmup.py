@@ -52,7 +52,8 @@ def warm_grpc(address: str, api_key: str | None, timeout_s: float = WARMUP_TIMEO
     """A one-token Generate through the gRPC door at `address`; returns its milliseconds."""
     host, port = _local(address)
     start = time.perf_counter()
-    with grpc.insecure_channel(f"{host}:{port}") as channel:
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # an IPv6 literal needs its brackets
+    with grpc.insecure_channel(target) as channel:
         request = router_pb2.GenerateRequest(token_ids=router_pb2.TokenIds(ids=[WARMUP_TOKEN]))
         request.sampling.max_tokens = 1
         metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None

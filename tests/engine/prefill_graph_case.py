@@ -1,7 +1,8 @@
 """Run by test_prefill_graphs.py in a subprocess under the Triton interpreter (the kernel mode is read at import):
 every prefill forward of a chunked, prefix-cached run is computed eagerly and, from the same cache contents, padded
 into a prefill graph's static buffers (what a CUDA-graph replay runs); hidden states of the real tokens and every
-cache tensor must agree. Prints one JSON line: the greedy tokens and how many forwards were checked."""
+cache tensor must agree (the padded result is what the engine then uses). Prints one JSON line: the greedy tokens
+and how many forwards of each kind were checked."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ class PaddedCheck:
     """Stands in for the runner's model: prefill-only batches, and the prefill half of mixed ones, run eagerly and
     padded into a bucket's buffers from the same cache contents; the padded result is what the engine gets."""
 
-    def __init__(self, model, chunk_size: int, state_block: int, max_pages: int) -> None:
+    def __init__(self, model, chunk_size: int, state_block: int, max_pages: int, seqs: int = SEQS) -> None:
         self.model = model
-        self.buffers = {b: PrefillBuffers(PrefillShape.for_bucket(b, SEQS, chunk_size, state_block), max_pages,
+        self.buffers = {b: PrefillBuffers(PrefillShape.for_bucket(b, seqs, chunk_size, state_block), max_pages,
                                           chunk_size, state_block, torch.device("cpu")) for b in BUCKETS}
         self.checked = 0
         self.resumed = 0
@@ -71,21 +72,26 @@ class PaddedCheck:
 
 
 def main(kind: str) -> None:
-    model_dir = nemotron_h("M*-M*")[0] if kind == "nemotron_h" else mamba2()[0]
-    system, *tails = random_prompts([40, 3, 21, 57, 9, 30], vocab=128, seed=12)
+    """kind: "nemotron_h", "mamba2", or "fold" (nemotron_h with decode rows folded into the prefill forwards, in
+    buffers that hold the running batch's rows as well, as the engine's fold bucket)."""
+    model_dir = mamba2()[0] if kind == "mamba2" else nemotron_h("M*-M*")[0]
+    system, *tails = random_prompts([40, 3, 21, 57, 9], vocab=128, seed=12)
     prompts = [system + t for t in tails] + [tails[2]]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    options = dict(prefill_chunk_size=50, state_block=16, page_size=8, max_model_len=256, max_num_seqs=8)
-    reference = LLM(model_dir, **options).generate(prompt_token_ids=prompts, sampling_params=params)
-    llm = LLM(model_dir, **options)
+    options = dict(prefill_chunk_size=50, state_block=16, page_size=8, max_model_len=256, max_num_seqs=4,
+                   fold_decode_rows=kind == "fold")
+    llm = LLM(model_dir, **options)  # every forward is checked against the eager one as it runs (no second run:
+    # the interpreter is slow, and the eager forwards are checked against transformers elsewhere)
     engine = llm.engine
     mamba = engine.model_config.mamba
-    check = PaddedCheck(engine.runner.model, mamba.chunk_size, engine.state_block, -(-256 // 8))
+    check = PaddedCheck(engine.runner.model, mamba.chunk_size, engine.state_block, -(-256 // 8),
+                        SEQS + (engine.max_running if kind == "fold" else 0))
     engine.runner.model = check
     llm.generate(prompt_token_ids=[system + tails[0]], sampling_params=params)  # caches the system prompt
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    print(json.dumps({"tokens": [o.token_ids for o in outs], "reference": [o.token_ids for o in reference],
-                      "checked": check.checked, "resumed": check.resumed, "multi": check.multi, "kept": check.kept}))
+    print(json.dumps({"tokens": [o.token_ids for o in outs],
+                      "checked": check.checked, "resumed": check.resumed, "multi": check.multi, "kept": check.kept,
+                      "folded": engine.runner.num_folded_steps}))
 
 
 if __name__ == "__main__":
