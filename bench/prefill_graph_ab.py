@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_prompts, sync
+from sections import write_json
 
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.sampling_params import SamplingParams
@@ -87,10 +88,8 @@ def main() -> None:
               "decode_rows": args.decode_rows, "repeats": args.repeats, "rows": rows,
               "graph_stats": {mode: e.graph_stats() for mode, e in engines.items()},
               "buckets": list(getattr(getattr(engines["graphs"].runner.model, "prefill", None), "buckets", ()))}
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    print(json.dumps(result, indent=1))
+    write_json(result, Path(args.out) if args.out else None)
 
 
 if __name__ == "__main__":

@@ -183,9 +183,7 @@ class GraphedModel:
 
     def _prefill(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: StateCache) -> torch.Tensor | None:
         """A prefill-only batch by prefill-graph replay, or None (no graph takes it: the caller runs it eagerly)."""
-        if self.prefill is None or cache is not self.prefill.cache:
-            return None
-        return self.prefill.run(input_ids, batch)
+        return self.prefill.run(input_ids, batch) if self.prefill is not None else None  # the decode graphs' cache
 
     @staticmethod
     def splits(batch: ForwardBatch) -> bool:
@@ -216,3 +214,16 @@ def enable_decode_graphs(
         return None
     runner.model = GraphedModel(runner.model, graphs, split_mixed)
     return graphs
+
+
+def graph_stats(runner: Any) -> dict[str, int]:
+    """A ModelRunner's CUDA-graph counters (`LLMEngine.graph_stats`); 0 where no graph was captured."""
+    graphed = runner.model
+    graphs = getattr(graphed, "graphs", None)
+    prefill = getattr(graphed, "prefill", None)
+    return {"graph_decode_steps": getattr(graphs, "num_replays", 0),
+            "eager_decode_steps": getattr(graphs, "num_eager_decodes", 0),
+            "split_mixed_steps": getattr(graphed, "num_split_steps", 0),
+            "folded_mixed_steps": runner.num_folded_steps,
+            "graph_prefill_forwards": getattr(prefill, "num_replays", 0),
+            "eager_prefill_forwards": getattr(prefill, "num_eager", 0)}

@@ -15,7 +15,7 @@ import torch
 from hybridserve.engine import handoff, tp_handoff, tp_worker
 from hybridserve.engine.cache_plan import plan_engine_cache
 from hybridserve.engine.config import DTYPES, EngineConfig
-from hybridserve.engine.cuda_graphs import GraphedModel, enable_decode_graphs
+from hybridserve.engine.cuda_graphs import enable_decode_graphs, graph_stats
 from hybridserve.engine.model_runner import ModelRunner, StepOutput
 from hybridserve.engine.mtp_drafter import CatchUp
 from hybridserve.engine.outputs import RequestOutput
@@ -110,10 +110,8 @@ class LLMEngine:
                 self.tp.capture_graphs(cast(tp_worker.LeaderModel, self.model), self.cache, self.max_running, max_pages)
             else:
                 enable_decode_graphs(self.runner, self.max_running, max_pages, config.split_mixed_steps)
-            if config.prefill_cuda_graphs and isinstance(self.runner.model, GraphedModel):
-                mamba = self.model_config.mamba
-                enable_prefill_graphs(self.runner.model, max_pages, mamba.chunk_size if mamba else self.state_block,
-                                      self.state_block, config.prefill_chunk_tokens,
+            if config.prefill_cuda_graphs:  # beside decode graphs (not under tensor parallelism)
+                enable_prefill_graphs(self.runner.model, max_pages, self.state_block, config.prefill_chunk_tokens,
                                       self.max_running if config.fold_decode_rows else 0)
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}  # finished, state kept for export
@@ -297,15 +295,7 @@ class LLMEngine:
         steps included), decode-only steps that ran eagerly, mixed steps split into a replay and an eager prefill
         (0 without graphs), mixed steps whose decode rows were folded into the prefill forward, and prefill forwards
         (a step's prefill chunks) replayed from a prefill graph or run eagerly beside them."""
-        graphed = self.runner.model
-        graphs = getattr(graphed, "graphs", None)
-        prefill = getattr(graphed, "prefill", None)
-        return {"graph_decode_steps": getattr(graphs, "num_replays", 0),
-                "eager_decode_steps": getattr(graphs, "num_eager_decodes", 0),
-                "split_mixed_steps": getattr(graphed, "num_split_steps", 0),
-                "folded_mixed_steps": self.runner.num_folded_steps,
-                "graph_prefill_forwards": getattr(prefill, "num_replays", 0),
-                "eager_prefill_forwards": getattr(prefill, "num_eager", 0)}
+        return graph_stats(self.runner)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

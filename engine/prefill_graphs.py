@@ -18,19 +18,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from hybridserve.kernels.causal_conv1d import ConvVarlenMeta, conv_boundaries
+from hybridserve.kernels.causal_conv1d import ConvVarlenMeta
 from hybridserve.kernels.paged_attention import PREFILL_BLOCK_M, QueryBlocks, query_block_lists
 from hybridserve.kernels.ssd_scan_meta import INT32_FIELDS, WHOLE_SEQUENCE, ChunkMeta, chunk_lists
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.state_cache import StateCache
-
-if TYPE_CHECKING:
-    from hybridserve.engine.cuda_graphs import GraphedModel
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +91,7 @@ def padded_lists(
     for length in lens:
         cu.append(cu[-1] + length)
     lists = chunk_lists(cu[: real + 1], list(starts), chunk_size, state_block)
-    chunk_start, chunk_len, seq_ptr = list(lists.chunk_start), list(lists.chunk_len), list(lists.seq_chunk_ptr)
+    chunk_start, chunk_len, seq_ptr = lists.chunk_start, lists.chunk_len, lists.seq_chunk_ptr  # extended below
     for seq in range(real, seqs):
         if seq == real and pad:  # the padding sequence, fresh: chunks at multiples of chunk_size from its start
             for token in range(n, tokens, chunk_size):
@@ -109,12 +106,12 @@ def padded_lists(
             chunk_len.extend([0] * max(fill, 0))
         seq_ptr.append(len(chunk_start))
     kept = len(lists.kept_seq)
-    b_seq, b_pos, b_len = conv_boundaries(list(query_lens), list(starts), state_block)
+    # the conv's windows are kept at the same boundaries as the scan's states, in the same order
+    b_seq, b_pos = list(lists.kept_seq), list(lists.kept_pos)
+    b_len = [pos - starts[seq] for seq, pos in zip(b_seq, b_pos)]
     block_seq, block_row = query_block_lists(query_lens)
     if len(chunk_start) > shape.chunks or kept > shape.kept or len(block_seq) > shape.blocks:
         return None
-    if len(b_seq) != kept:
-        raise RuntimeError(f"the conv found {len(b_seq)} state_block boundaries, the SSD scan {kept}")
     # the padding sequence's queries get real work items: with no keys (kv_len 0) they store zeros, so no row of
     # the attention output is left uninitialized (garbage there could reach an MoE router's top-k)
     pad_blocks = list(range(0, pad, PREFILL_BLOCK_M))
@@ -337,13 +334,19 @@ class PrefillGraphs:
         return hidden[: batch.num_tokens]
 
 
-def enable_prefill_graphs(graphed: GraphedModel, max_pages: int, chunk_size: int, state_block: int, max_tokens: int,
+def enable_prefill_graphs(graphed: object, max_pages: int, state_block: int, max_tokens: int,
                           fold_rows: int) -> PrefillGraphs | None:
-    """Capture prefill graphs for a GraphedModel and route its prefill forwards through them; a model whose prefill
-    cannot be captured keeps running it eagerly: returns None. `fold_rows` (fold_decode_rows: the running batch
-    size, else 0) adds the bucket that takes a full prefill chunk beside that many folded decode rows."""
-    graphs = PrefillGraphs(graphed.model, graphed.graphs.cache, max_pages, chunk_size, state_block, max_tokens,
-                           extra_rows=fold_rows)
+    """Capture prefill graphs for a runner's model when it is a GraphedModel (decode graphs captured: else None) and
+    route its prefill forwards through them; a model whose prefill cannot be captured keeps running it eagerly:
+    returns None. `fold_rows` (fold_decode_rows: the running batch size, else 0) adds the bucket that takes a full
+    prefill chunk beside that many folded decode rows."""
+    from hybridserve.engine.cuda_graphs import GraphedModel
+
+    if not isinstance(graphed, GraphedModel):
+        return None
+    mamba = graphed.model.config.mamba
+    graphs = PrefillGraphs(graphed.model, graphed.graphs.cache, max_pages, mamba.chunk_size if mamba else state_block,
+                           state_block, max_tokens, extra_rows=fold_rows)
     try:
         graphs.capture()
     except Exception as exc:  # noqa: BLE001 - a capture failure of any kind leaves the eager prefill, which works

@@ -108,24 +108,6 @@ class ConvVarlenMeta:
     boundary_pos_t: torch.Tensor  # [K] int64
 
 
-def conv_boundaries(
-    seq_lens: list[int], starts: list[int], state_block: int | None
-) -> tuple[list[int], list[int], list[int]]:
-    """(sequence, absolute position, tokens of the sequence's chunk before it) of every multiple of state_block in
-    (start, start + new tokens] of each sequence, in sequence then position order."""
-    b_seq: list[int] = []
-    b_pos: list[int] = []
-    b_len: list[int] = []
-    if state_block is not None:
-        for seq, (start, length) in enumerate(zip(starts, seq_lens)):
-            first = -(-(start + 1) // state_block) * state_block
-            for pos in range(first, start + length + 1, state_block):
-                b_seq.append(seq)
-                b_pos.append(pos)
-                b_len.append(pos - start)
-    return b_seq, b_pos, b_len
-
-
 def conv_varlen_metadata(
     seq_lens: list[int], starts: list[int] | None, state_block: int | None, device: torch.device
 ) -> ConvVarlenMeta:
@@ -136,7 +118,16 @@ def conv_varlen_metadata(
     starts = [0] * num_seqs if starts is None else starts
     if len(starts) != num_seqs:
         raise ValueError(f"start_positions has {len(starts)} entries for {num_seqs} sequences")
-    b_seq, b_pos, b_len = conv_boundaries(seq_lens, starts, state_block)
+    b_seq: list[int] = []
+    b_pos: list[int] = []
+    b_len: list[int] = []
+    if state_block is not None:
+        for seq in range(num_seqs):
+            first = -(-(starts[seq] + 1) // state_block) * state_block
+            for pos in range(first, starts[seq] + seq_lens[seq] + 1, state_block):
+                b_seq.append(seq)
+                b_pos.append(pos)
+                b_len.append(pos - starts[seq])
     token_seq = [seq for seq, n in enumerate(seq_lens) for _ in range(n)]
     token_seq_t, b_seq_t, b_pos_t = pack_to_device([token_seq, b_seq, b_pos], torch.int64, device)
     final_seq, final_len, gather_seq, gather_len, boundary_seq, boundary_len = pack_to_device(

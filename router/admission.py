@@ -52,7 +52,7 @@ class AdmissionController:
         Returns whether they did."""
         with self._cond:
             self._draining = True
-            return self._cond.wait_for(lambda: self._running == 0 and self._queued == 0, timeout_s)
+        return self.wait_idle(timeout_s)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` until no request runs or queues (admitting as usual); returns whether none does."""
