@@ -1,10 +1,12 @@
-"""Prefill graphs on vs off, same process, same GPU: TTFT of a lone fresh prompt per length, and the wall time of a
-step that prefills one fresh prompt beside running decodes.
+"""Engine variants side by side, same process, same GPU: TTFT of a lone fresh prompt per length, and the wall time
+of a step that prefills one fresh prompt beside running decodes.
 
     python bench/prefill_graph_ab.py --lens 128,512,1000,1024,1100,1280,2048 --decode-rows 4 --repeats 7 --out ab.json
+    python bench/prefill_graph_ab.py --modes graphs,fold,cache,eager --lens 128,512,1024 --gpu-memory-gb 8
 
-Two engines (the serving benchmark's settings, prefix cache off so every prompt is computed whole) are built side by
-side; each measurement alternates between them so drift hits both alike. A prompt pads to the next token bucket
+One engine per mode (`MODES`: prefill graphs, eager prefill, decode rows folded into the prefill graph, prefix cache
+on; the serving benchmark's settings otherwise, every prompt fresh so it is computed whole) is built side by side;
+each measurement alternates between them so drift hits all alike. A prompt pads to the next token bucket
 (engine/prefill_graphs.py): lengths between buckets show what the padding costs.
 """
 
@@ -22,6 +24,15 @@ from sections import write_json
 
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.sampling_params import SamplingParams
+
+# mode -> engine settings that differ from the baseline (prefill graphs, split mixed steps, prefix cache off)
+MODES: dict[str, dict[str, bool]] = {
+    "graphs": {},
+    "eager": {"prefill_cuda_graphs": False},
+    "fold": {"fold_decode_rows": True},
+    "cache": {"enable_prefix_caching": True},
+    "fold-cache": {"fold_decode_rows": True, "enable_prefix_caching": True},
+}
 
 
 def lone_ttft_ms(engine: LLMEngine, prompt: list[int]) -> float:
@@ -53,16 +64,20 @@ def mixed_step_ms(engine: LLMEngine, prompt: list[int]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_engine_flags(parser)
+    parser.add_argument("--modes", default="graphs,eager", help=f"comma-separated, of {sorted(MODES)}")
     parser.add_argument("--lens", default="128,512,1024,1100,2048")
     parser.add_argument("--decode-rows", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model_dir = Path(args.model) if args.model else dummy_model_dir(args.dummy_config)
-    engines = {mode: LLMEngine(model_dir, engine_config(args, enable_prefix_caching=False,
-                                                        prefill_cuda_graphs=mode == "graphs"))
-               for mode in ("graphs", "eager")}
-    vocab = engines["graphs"].model_config.vocab_size
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown modes {unknown}; choose from {sorted(MODES)}")
+    engines = {mode: LLMEngine(model_dir, engine_config(args, **{"enable_prefix_caching": False, **MODES[mode]}))
+               for mode in modes}
+    vocab = engines[modes[0]].model_config.vocab_size
     lens = [int(n) for n in args.lens.split(",")]
     seed = iter(range(10**6))
     lone: dict[str, dict[int, list[float]]] = {m: {n: [] for n in lens} for m in engines}
@@ -87,7 +102,8 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "decode_rows": args.decode_rows, "repeats": args.repeats, "rows": rows,
               "graph_stats": {mode: e.graph_stats() for mode, e in engines.items()},
-              "buckets": list(getattr(getattr(engines["graphs"].runner.model, "prefill", None), "buckets", ()))}
+              "buckets": {mode: list(getattr(getattr(e.runner.model, "prefill", None), "buckets", ()))
+                          for mode, e in engines.items()}}
     print(json.dumps(result, indent=1))
     write_json(result, Path(args.out) if args.out else None)
 

@@ -307,10 +307,17 @@ class LLMEngine:
         if work.is_empty:
             return []
         verify = self.spec.verify_inputs(work.decodes) if self.spec is not None else None
-        checkpoint_slots = self.pool.plan_checkpoints([(c.request, c.num_tokens) for c in work.prefills])
+        prefills = [(c.request, c.num_tokens) for c in work.prefills]
+        checkpoint_slots = self.pool.plan_checkpoints(prefills)
+
+        def while_running() -> None:  # the prefix cache's host work, hidden behind the forward's GPU time
+            self.pool.commit_prefills(prefills)
+            self.scheduler.prepare_waiting()
+
         try:
             output = self.runner.execute(work, checkpoint_slots, verify,
-                                         handoff.layer_hook(self._hooks, work.prefills) if self._hooks else None)
+                                         handoff.layer_hook(self._hooks, work.prefills) if self._hooks else None,
+                                         while_running=while_running)
         except BaseException:
             self.pool.cancel_plan()
             raise

@@ -166,11 +166,12 @@ class ModelRunner:
 
     def execute(
         self, work: SchedulerOutput, checkpoint_slots: list[int] | None = None, verify: VerifyInputs | None = None,
-        layer_done: Callable[[int], None] | None = None,
+        layer_done: Callable[[int], None] | None = None, while_running: Callable[[], None] | None = None,
     ) -> StepOutput:
         """Run the step and sample every request whose pending tokens are now computed (verify rows are
         left to the acceptance step: their logits come back instead). `checkpoint_slots`: from
-        `StatePool.plan_checkpoints` for this step's prefill chunks; `layer_done`: `ForwardBatch.layer_done`."""
+        `StatePool.plan_checkpoints` for this step's prefill chunks; `layer_done`: `ForwardBatch.layer_done`;
+        `while_running`: host work to do once the forward is queued, before the host waits for its tokens."""
         nd = len(work.decodes)
         tokens = len(verify.tokens[0]) if verify is not None and nd else 1
         chunks = [(r, tokens) for r in work.decodes] + [(c.request, c.num_tokens) for c in work.prefills]
@@ -183,6 +184,8 @@ class ModelRunner:
             chunks, model_nd, self.page_size, self.device, self.state_block, checkpoint_slots, verify, layer_done
         )
         hidden = self.model(input_ids, batch, self.cache)
+        if while_running is not None:
+            while_running()
         verify_logits = None
         if verify is not None and nd:
             verify_logits = self.model.compute_logits(hidden[: nd * tokens]).view(nd, tokens, -1)

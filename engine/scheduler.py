@@ -11,6 +11,7 @@ can never fit is refused when it is added.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ from hybridserve.statepool.pool import NO_HIT, StatePool, StateSnapshot
 
 if TYPE_CHECKING:
     from hybridserve.engine.model_runner import StepOutput
+
+
+PREPARE_WAITING = 4  # waiting requests whose prompt hashes are computed ahead, while a forward runs
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,11 @@ class Scheduler:
             prefills.append(ScheduledChunk(request, count))
             budget -= count
         return SchedulerOutput(decodes=decodes, prefills=prefills)
+
+    def prepare_waiting(self) -> None:
+        """Hash the prompts of the next requests to admit (while a forward runs), so admitting them is a lookup."""
+        for request in itertools.islice(self.waiting, PREPARE_WAITING):
+            self.pool.prepare(request)
 
     def prefill_budget(self, num_decodes: int) -> int:
         """Prefill tokens a step may add beside `num_decodes` decode rows (each computes 1 + lookahead tokens)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from hybridserve.statepool.block_hash import BlockHash
 
@@ -20,8 +20,7 @@ class EventKind(enum.Enum):
     CHECKPOINT_REMOVED = "checkpoint_removed"
 
 
-@dataclass(frozen=True)
-class CacheEvent:
+class CacheEvent(NamedTuple):  # a tuple: built ~130 times per 1K-token prompt on the engine loop, 3x cheaper
     sequence: int  # monotonic per pool, starts at 0
     kind: EventKind
     block_hash: str  # hex of the chained block hash

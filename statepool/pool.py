@@ -7,9 +7,12 @@ copy-on-write is needed for KV. A cached Mamba state is never written in place: 
 sequence's own slot.
 
 Per step: `plan_checkpoints` assigns checkpoint slots to the state_block boundaries that prefill chunks
-cross (the mixer writes them from the scan's chunk-end states), `commit` files the newly computed full
-blocks and those checkpoints into the cache, and copies a decoding sequence's slot into a checkpoint when
-it lands on a boundary, so a follow-up turn hits the whole previous turn.
+cross (the mixer writes them from the scan's chunk-end states); `commit_prefills`, called while the forward
+runs on the device, files the full blocks those chunks complete and their checkpoints into the cache (host
+work of ~1 ms per 1K-token prompt that would otherwise leave the GPU idle; nothing reads them before the
+step's kernels finish, as later steps queue behind them on the same stream); `commit`, after the forward,
+files the rest and copies a decoding sequence's slot into a checkpoint when it lands on a boundary, so a
+follow-up turn hits the whole previous turn. `cancel_plan` takes a failed step's early commits back.
 """
 
 from __future__ import annotations
@@ -61,6 +64,15 @@ NO_HIT = CacheHit([], 0)
 
 
 @dataclass(frozen=True)
+class _EarlyCommit:
+    """What `commit_prefills` did to one sequence, so that a failed forward can take it back."""
+
+    sequence: PooledSequence
+    num_nodes_before: int  # len(cache_nodes) before the step
+    attached: list[Node]  # nodes that received one of this step's checkpoints
+
+
+@dataclass(frozen=True)
 class PlannedCheckpoint:
     sequence: PooledSequence
     num_tokens: int  # boundary position
@@ -90,6 +102,7 @@ class StatePool:
             self.radix = RadixCache(self.block_size, state_block, self.pages, self.checkpoints, self.events)
         self._holders: dict[int, PooledSequence] = {}
         self._planned: list[PlannedCheckpoint] = []
+        self._early: list[_EarlyCommit] = []  # this step's `commit_prefills`, until the forward completed
         self.num_queries = 0  # admissions whose prompt could hit (over one block) looked up (prefix-cache metrics)
         self.num_hits = 0
         self.num_hit_tokens = 0
@@ -114,6 +127,11 @@ class StatePool:
             return NO_HIT
         nodes = self.radix.match(self._hashes(seq, seq.num_tokens // self.block_size), seq.num_tokens - 1)
         return CacheHit(nodes, len(nodes) * self.block_size)
+
+    def prepare(self, seq: PooledSequence) -> None:
+        """Compute the block hashes `match` will need (ahead of admission, off the critical path)."""
+        if self.radix is not None:
+            self._hashes(seq, seq.num_tokens // self.block_size)
 
     def can_admit(self) -> bool:
         """Whether a state slot is free (pages may still be short)."""
@@ -204,17 +222,12 @@ class StatePool:
         planned prefill checkpoints, and checkpoint decodes at every boundary in (before, computed].
         `decodes` pairs each decoding sequence with its computed count before the step; a boundary short of
         the sequence's end (speculative steps move by several tokens) needs `snapshot` to produce that state."""
-        planned, self._planned = self._planned, []
+        planned, self._planned, self._early = self._planned, [], []
         if self.radix is None:
             return
         for seq in scheduled:
-            self._insert_blocks(seq)
-        for p in planned:
-            if p.slot < 0:
-                continue
-            node = p.sequence.cache_nodes[p.num_tokens // self.block_size - 1]
-            if not self.radix.attach_checkpoint(node, p.slot):
-                self.checkpoints.free([p.slot])
+            self._insert_blocks(seq, seq.num_computed_tokens)
+        self._attach_planned(planned)
         for seq, before in decodes:
             if seq.state_slot is None:
                 continue
@@ -236,12 +249,40 @@ class StatePool:
                 if not self.radix.attach_checkpoint(node, slot):
                     self.checkpoints.free([slot])
 
+    def commit_prefills(self, prefills: Sequence[tuple[PooledSequence, int]]) -> None:
+        """While the step's forward runs: file the full blocks each prefill chunk (sequence, tokens) completes
+        and attach the planned checkpoints (`commit` would do the same after the forward, with the GPU idle)."""
+        if self.radix is None:
+            return
+        for seq, count in prefills:
+            record = _EarlyCommit(seq, len(seq.cache_nodes), [])
+            self._insert_blocks(seq, seq.num_computed_tokens + count)
+            self._early.append(record)
+        planned, self._planned = self._planned, []
+        attached = self._attach_planned(planned)
+        by_sequence = {id(r.sequence): r for r in self._early}
+        for p, node in attached:
+            by_sequence[id(p.sequence)].attached.append(node)
+
     def cancel_plan(self) -> None:
-        """Return planned checkpoint slots after a forward that did not complete."""
+        """After a forward that did not complete: return planned checkpoint slots, and take back what
+        `commit_prefills` filed (blocks and checkpoints whose contents were never written)."""
         slots = [p.slot for p in self._planned if p.slot >= 0]
         self._planned = []
         if slots:
             self.checkpoints.free(slots)
+        early, self._early = self._early, []
+        if self.radix is None:
+            return
+        for record in reversed(early):
+            for node in record.attached:
+                self.radix.drop_checkpoint(node)
+            seq, first = record.sequence, record.num_nodes_before
+            added, seq.cache_nodes = seq.cache_nodes[first:], seq.cache_nodes[:first]
+            for index, node in enumerate(added, start=first):
+                if self.has_kv and node.page == seq.page_ids[index]:
+                    node.page = None  # a block this step created: its page goes back to being the sequence's
+            self.radix.unlock(added)
 
     def drain_events(self) -> list[CacheEvent]:
         return self.events.drain()
@@ -305,9 +346,24 @@ class StatePool:
         nodes = seq.cache_nodes
         return [p for i, p in enumerate(seq.page_ids) if i >= len(nodes) or nodes[i].page != p]
 
-    def _insert_blocks(self, seq: PooledSequence) -> None:
+    def _attach_planned(self, planned: list[PlannedCheckpoint]) -> list[tuple[PlannedCheckpoint, Node]]:
+        """Give each kept planned checkpoint to its block's node (slots a node does not take go back)."""
         assert self.radix is not None
-        full = seq.num_computed_tokens // self.block_size
+        attached = []
+        for p in planned:
+            if p.slot < 0:
+                continue
+            node = p.sequence.cache_nodes[p.num_tokens // self.block_size - 1]
+            if self.radix.attach_checkpoint(node, p.slot):
+                attached.append((p, node))
+            else:
+                self.checkpoints.free([p.slot])
+        return attached
+
+    def _insert_blocks(self, seq: PooledSequence, num_tokens: int) -> None:
+        """File the sequence's full blocks up to `num_tokens` tokens as (locked) nodes of its cached chain."""
+        assert self.radix is not None
+        full = num_tokens // self.block_size
         hashes = self._hashes(seq, full)
         while len(seq.cache_nodes) < full:
             i = len(seq.cache_nodes)

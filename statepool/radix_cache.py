@@ -148,6 +148,13 @@ class RadixCache:
         self._settle(node)
         return True
 
+    def drop_checkpoint(self, node: Node) -> None:
+        """Free the node's checkpoint slot (a step that wrote it failed) and re-file the node."""
+        if node.checkpoint is None:
+            raise RuntimeError(f"radix node at depth {node.depth} holds no checkpoint to drop")
+        self._drop_checkpoint(node)
+        self._settle(node)
+
     def allocate_checkpoint(self) -> int | None:
         """A free checkpoint slot, evicting the coldest cached one if needed; None when there is none."""
         if self.checkpoints.capacity == 0:

@@ -1,0 +1,97 @@
+"""The prefix cache's host work runs while the forward is on the device (`StatePool.commit_prefills`): what it
+files is exactly what a commit after the forward files, and a forward that fails takes all of it back."""
+
+from __future__ import annotations
+
+import pytest
+from checkpoints import random_prompts
+from prefix_cases import cold_tokens, greedy, warm_llm
+
+from hybridserve.statepool.events import EventKind
+
+
+class _ForwardFailed(RuntimeError):
+    pass
+
+
+def _fail_next_forward(engine) -> None:
+    """The next `execute` runs its `while_running` work, then raises (a device error after the launch)."""
+    execute = engine.runner.execute
+
+    def failing(*args, **kwargs):
+        kwargs["while_running"]()
+        engine.runner.execute = execute
+        raise _ForwardFailed("injected")
+
+    engine.runner.execute = failing
+
+
+def _cache_view(engine) -> tuple[set[bytes], set[bytes]]:
+    nodes = engine.pool.radix.nodes()
+    return {n.block_hash for n in nodes}, {n.block_hash for n in nodes if n.checkpoint is not None}
+
+
+def test_prefill_blocks_and_checkpoints_are_filed_during_the_forward() -> None:
+    engine = warm_llm("nemotron_h").engine
+    prompt = random_prompts([70], vocab=128, seed=5)[0]
+    engine.add_request(prompt, greedy(3))
+    seen = {}
+    execute = engine.runner.execute
+
+    def spy(*args, **kwargs):
+        hook = kwargs["while_running"]
+
+        def run_and_look() -> None:
+            hook()
+            seen.setdefault("during", _cache_view(engine))
+
+        kwargs["while_running"] = run_and_look
+        return execute(*args, **kwargs)
+
+    engine.runner.execute = spy
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+        engine.pool.check()
+    blocks, states = seen["during"]
+    assert len(blocks) == 70 // 8 and len(states) == 70 // 16  # the first step's chunk: the whole prompt
+    assert outputs[-1].token_ids == cold_tokens("nemotron_h", tuple(prompt), 3)
+    again = engine.add_request(prompt, greedy(3))
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == again and out.finished:
+                assert out.num_cached_tokens == 64 and out.token_ids == cold_tokens("nemotron_h", tuple(prompt), 3)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_failed_forward_takes_its_early_commit_back(shared: bool) -> None:
+    engine = warm_llm("nemotron_h").engine
+    base = random_prompts([48], vocab=128, seed=6)[0]
+    if shared:  # part of the failing prompt is cached already: those nodes stay, only the new ones go
+        engine.add_request(base[:32] + [1, 2, 3], greedy(1))
+        while engine.has_unfinished():
+            engine.step()
+    before = _cache_view(engine)
+    engine.drain_cache_events()
+    request_id = engine.add_request(base + [4, 5, 6], greedy(2))
+    _fail_next_forward(engine)
+    with pytest.raises(_ForwardFailed):
+        engine.step()
+    engine.pool.check()
+    assert _cache_view(engine) == before
+    events = engine.drain_cache_events()
+    stored = {e.block_hash for e in events if e.kind is EventKind.BLOCK_STORED}
+    removed = {e.block_hash for e in events if e.kind is EventKind.BLOCK_REMOVED}
+    assert stored and stored == removed  # the router heard of the blocks, and of their removal
+    assert engine.abort(request_id)
+    engine.pool.check()
+    assert _cache_view(engine) == before
+    rerun = engine.add_request(base + [4, 5, 6], greedy(2))
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == rerun
+            if not out.finished:
+                continue
+            assert out.num_cached_tokens == (32 if shared else 0)
+            assert out.token_ids == cold_tokens("nemotron_h", tuple(base + [4, 5, 6]), 2)
+    engine.pool.check()
