@@ -111,9 +111,10 @@ class WorkerSession:
             self._refuse(rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc), opened=True)
             return
         prompt = list(request.prompt_token_ids)
+        hashes = worker.engine.pool.prompt_hashes(prompt)  # here, not on the engine loop
 
         def add() -> None:
-            worker.engine.add_request(prompt, params, rid, bounded=True)
+            worker.engine.add_request(prompt, params, rid, bounded=True, block_hashes=hashes)
 
         def refused(exc: BaseException) -> None:
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, CapacityError) else (

@@ -319,10 +319,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.worker.drain_state.refuse_new(context)
         try:
             params = sampling_from_proto(request.sampling)
+            prompt = list(request.prompt_token_ids)
+            hashes = self.worker.engine.pool.prompt_hashes(prompt)  # on this thread, not the engine loop
             stream = self.worker.loop.submit(
                 request.request_id,
-                lambda: self.worker.engine.add_request(list(request.prompt_token_ids), params, request.request_id,
-                                                       bounded=True),
+                lambda: self.worker.engine.add_request(prompt, params, request.request_id, bounded=True,
+                                                       block_hashes=hashes),
             )
         except ValueError as exc:
             _abort(context, "INVALID_ARGUMENT", str(exc))

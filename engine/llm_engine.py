@@ -32,6 +32,7 @@ from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.models.text_stream import TextStream
 from hybridserve.models.tokenizer import load_tokenizer
 from hybridserve.models.weights import dummy_model, load_model
+from hybridserve.statepool.block_hash import BlockHash
 from hybridserve.statepool.events import CacheEvent
 from hybridserve.statepool.pool import NO_HIT, StatePool
 from hybridserve.statepool.state_cache import StateCache
@@ -86,6 +87,7 @@ class LLMEngine:
         else:
             self.cache = StateCache(self.model_config, layout, config.torch_dtype, ssm_dtype, device)
         self.pool = StatePool(self.cache, self.state_block, config.enable_prefix_caching, config.max_cache_events)
+        self.pool.keep_free_for(config.prefill_chunk_tokens)
         # the running batch: max_num_seqs, or fewer when the budget lowered the slot count; standby slots hold
         # states outside it
         self.max_running = min(config.max_num_seqs, layout.num_slots)
@@ -155,6 +157,7 @@ class LLMEngine:
         bounded: bool = False,
         on_progress: Callable[[Request], None] | None = None,
         on_layer: Callable[[Request, int], None] | None = None,
+        block_hashes: list[BlockHash] | None = None,
     ) -> str:
         """Queue a request; with `hold_state` it keeps its state after finishing until `export_state`.
         `on_held(request_id)` then runs at the end of the step it finished in (e.g. to export the state right
@@ -164,12 +167,15 @@ class LLMEngine:
         the forward that computes the prompt's last chunk, right after each layer was queued (that layer's state
         of the prompt is then final: a prefill worker stages it while later layers compute; `request` still
         counts the chunk as pending). `bounded` (workers): CapacityError
-        when `max_num_waiting` requests already wait."""
+        when `max_num_waiting` requests already wait. `block_hashes`: `pool.prompt_hashes(prompt_token_ids)`,
+        computed by the caller's thread (a worker's request reader) so that the loop does not hash."""
         if bounded and len(self.scheduler.waiting) >= self.config.max_num_waiting:
             raise handoff.CapacityError(f"{len(self.scheduler.waiting)} requests already wait for a slot on this worker "
                                 f"(max_num_waiting={self.config.max_num_waiting}); try later or another worker")
         request = self._new_request(prompt_token_ids, params, request_id)
         request.hold_state = hold_state
+        if block_hashes is not None and len(block_hashes) == request.num_tokens // self.pool.block_size:
+            request.block_hashes = block_hashes
         self._requests[request.request_id] = request
         if hold_state and (on_held or on_progress or on_layer):
             self._hooks[request.request_id] = handoff.HandoffHooks(on_held, on_progress, on_layer)
@@ -312,6 +318,7 @@ class LLMEngine:
 
         def while_running() -> None:  # the prefix cache's host work, hidden behind the forward's GPU time
             self.pool.commit_prefills(prefills)
+            self.pool.evict_ahead()
             self.scheduler.prepare_waiting()
 
         try:

@@ -103,6 +103,7 @@ class StatePool:
         self._holders: dict[int, PooledSequence] = {}
         self._planned: list[PlannedCheckpoint] = []
         self._early: list[_EarlyCommit] = []  # this step's `commit_prefills`, until the forward completed
+        self._free_ahead = (0, 0)  # (pages, checkpoint slots) `evict_ahead` keeps free: see `keep_free_for`
         self.num_queries = 0  # admissions whose prompt could hit (over one block) looked up (prefix-cache metrics)
         self.num_hits = 0
         self.num_hit_tokens = 0
@@ -127,6 +128,29 @@ class StatePool:
             return NO_HIT
         nodes = self.radix.match(self._hashes(seq, seq.num_tokens // self.block_size), seq.num_tokens - 1)
         return CacheHit(nodes, len(nodes) * self.block_size)
+
+    def prompt_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """The block hashes `match` needs for a prompt ([] without a cache). Reads nothing mutable, so a
+        worker's request thread computes them before the request reaches the engine loop."""
+        return block_hashes(token_ids, self.block_size) if self.radix is not None else []
+
+    def keep_free_for(self, chunk_tokens: int) -> None:
+        """Size `evict_ahead`'s reserve for prefill chunks of `chunk_tokens`: their pages and checkpoints, at most
+        an eighth of the pages and a quarter of the checkpoint slots (the cache itself stays almost whole)."""
+        pages = min(self.pages_for(chunk_tokens), self.num_pages // 8)
+        self._free_ahead = (pages, min(chunk_tokens // self.state_block + 1, self.checkpoints.capacity // 4))
+
+    def evict_ahead(self) -> None:
+        """Keep the `keep_free_for` reserve of KV pages and checkpoint slots free by evicting the coldest cached
+        blocks now (while a forward runs), so the next admissions and checkpoint plans find room without
+        evicting on the critical path (~0.1 ms per 32-block chain with its events)."""
+        if self.radix is None:
+            return
+        pages, checkpoints = self._free_ahead
+        if self.pages is not None and self.pages.num_free < pages:
+            self.radix.evict_pages(pages - self.pages.num_free)
+        while self.checkpoints.num_free < checkpoints and self.radix.evict_checkpoint():
+            pass
 
     def prepare(self, seq: PooledSequence) -> None:
         """Compute the block hashes `match` will need (ahead of admission, off the critical path)."""

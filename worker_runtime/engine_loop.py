@@ -157,10 +157,11 @@ class EngineLoop:
     ) -> Iterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes (`on_held`, `on_progress`, `on_layer`: see
         `LLMEngine.add_request`); CapacityError when the engine's waiting queue is full."""
+        hashes = self.engine.pool.prompt_hashes(prompt_token_ids)  # on the caller's thread, not the loop
         stream = self.submit(request_id, lambda: self.engine.add_request(prompt_token_ids, params, request_id,
                                                                           hold_state, on_held, bounded=True,
                                                                           on_progress=on_progress,
-                                                                          on_layer=on_layer))
+                                                                          on_layer=on_layer, block_hashes=hashes))
         yield from self.iterate(request_id, stream)
 
     def iterate(self, request_id: str, stream: queue.Queue[RequestOutput | BaseException]) -> Iterator[RequestOutput]:

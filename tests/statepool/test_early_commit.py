@@ -95,3 +95,58 @@ def test_a_failed_forward_takes_its_early_commit_back(shared: bool) -> None:
             assert out.num_cached_tokens == (32 if shared else 0)
             assert out.token_ids == cold_tokens("nemotron_h", tuple(base + [4, 5, 6]), 2)
     engine.pool.check()
+
+
+def test_eviction_and_hashing_happen_off_the_critical_path() -> None:
+    """Once the cache is full, a stream of unique prompts evicts only inside `while_running` (the reserve of
+    `keep_free_for` covers each admission and checkpoint plan), and prompts hashed by the caller are not rehashed."""
+    engine = warm_llm("nemotron_h", num_kv_pages=40, num_checkpoint_slots=8, prefill_chunk_size=32).engine
+    pool, radix = engine.pool, engine.pool.radix
+    in_window = [False]
+    outside: list[str] = []
+    for name in ("evict_pages", "evict_checkpoint"):
+        original = getattr(radix, name)
+
+        def spy(*args, _original=original, _name=name):
+            if not in_window[0]:
+                outside.append(_name)
+            return _original(*args)
+
+        setattr(radix, name, spy)
+    execute = engine.runner.execute
+
+    def windowed(*args, **kwargs):
+        hook = kwargs["while_running"]
+
+        def run() -> None:
+            in_window[0] = True
+            try:
+                hook()
+            finally:
+                in_window[0] = False
+
+        kwargs["while_running"] = run
+        return execute(*args, **kwargs)
+
+    engine.runner.execute = windowed
+    hashed = []
+    original_hashes = pool._hashes
+
+    def counting_hashes(seq, num_blocks):
+        if len(seq.block_hashes) < num_blocks:
+            hashed.append(num_blocks)
+        return original_hashes(seq, num_blocks)
+
+    pool._hashes = counting_hashes
+    prompts = random_prompts([40] * 12, vocab=128, seed=9)
+    for index, prompt in enumerate(prompts):
+        engine.add_request(prompt, greedy(2), block_hashes=pool.prompt_hashes(prompt))
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    assert out.token_ids == cold_tokens("nemotron_h", tuple(prompt), 2)
+            pool.check()
+        if index >= 4:  # the cache has filled by now
+            assert pool.pages.num_free >= 4 and pool.checkpoints.num_free >= 2
+    assert outside == []
+    assert all(n > 40 // 8 for n in hashed)  # only the generated tokens' blocks were hashed on the loop
