@@ -3,9 +3,9 @@
     python bench/decode_buckets.py --batches 1 2 3 4 5 6 7 8 --context 1024 --steps 40 --out FILE
 
 One engine (the serving benchmark's settings) holds B decoding requests; each round times `--steps` decode steps
-with the graph bucket the engine picks now (one per size up to 8, engine/cuda_graphs.py), then the same with the
-buckets restricted to the old powers of two (a batch of 5 replays the 8-row graph), alternating, so the padding's
-cost is measured on one GPU in one process. Medians of the per-step wall times over all rounds.
+replayed from a second set of graphs captured for every batch size up to 8 ("exact"), then the same with the
+engine's own buckets (powers of two: a batch of 5 replays the 8-row graph, "padded"), alternating, so the
+padding's cost is measured on one GPU in one process. Medians of the per-step wall times over all rounds.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ import torch
 from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_prompts, sync
 from sections import write_json
 
+from hybridserve.engine.cuda_graphs import DecodeGraphs
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.sampling_params import SamplingParams
-
-POWERS_OF_TWO = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def step_ms(engine: LLMEngine, steps: int) -> list[float]:
@@ -47,11 +46,13 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = Path(args.model) if args.model else dummy_model_dir(args.dummy_config)
     engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=False))
-    graphs = getattr(engine.runner.model, "graphs", None)
-    if graphs is None:
+    graphed = engine.runner.model
+    padded = getattr(graphed, "graphs", None)
+    if padded is None:
         raise SystemExit("decode graphs are off (CPU?): nothing to compare")
-    exact = graphs.buckets
-    padded = tuple(b for b in exact if b in POWERS_OF_TWO or b == exact[-1])
+    exact = DecodeGraphs(graphed.model, engine.cache, engine.max_running, -(-engine.max_model_len // engine.config.page_size),
+                         buckets=tuple(range(1, 9)))
+    exact.capture()
     vocab = engine.model_config.vocab_size
     rows = []
     for batch in args.batches:
@@ -61,18 +62,19 @@ def main() -> None:
             engine.step()
         times: dict[str, list[float]] = {"exact": [], "padded": []}
         for _ in range(args.rounds):
-            for name, buckets in (("exact", exact), ("padded", padded)):
-                graphs.buckets = buckets
+            for name, graphs in (("exact", exact), ("padded", padded)):
+                graphed.graphs = graphs
                 times[name] += step_ms(engine, args.steps)
-        graphs.buckets = exact
+        graphed.graphs = padded
         for rid in ids:
             engine.abort(rid)
         engine.step()
-        row = {"batch": batch, "bucket_padded": next(b for b in padded if b >= batch),
+        row = {"batch": batch, "bucket_padded": next(b for b in padded.buckets if b >= batch),
                **{f"step_ms_{k}": round(statistics.median(v), 3) for k, v in times.items()}}
         rows.append(row)
         print(row, flush=True)
-    write_json({"device": torch.cuda.get_device_name(), "context": args.context, "buckets": list(exact), "rows": rows},
+    write_json({"device": torch.cuda.get_device_name(), "context": args.context, "buckets": list(padded.buckets),
+                "rows": rows},
                Path(args.out) if args.out else None)
 
 

@@ -29,9 +29,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# One bucket per batch size up to 8: a served decode batch moves between ~2 and ~10 rows, and padding a batch of 5
-# to 8 cost ~0.5 ms of a ~6 ms 9B step (bench/decode_buckets.py); coarser above, where a row is a smaller share.
-DEFAULT_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# powers of two up to 8: a padded row costs ~nothing (a batch of 5 or 6 on the 8-row graph: +0.6 / +1.8 % of a
+# 9B step, bench/results/h200/session42/), so per-size buckets were not kept
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 class DecodeGraphs:
