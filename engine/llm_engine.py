@@ -283,7 +283,7 @@ class LLMEngine:
             if self.pool.reserve(request, request.num_tokens + self.lookahead):
                 n = request.num_computed_tokens
                 self.spec.catch_up([CatchUp(request, n, n, empty, True)])
-        return self._output(request)
+        return request.output(self.tokenizer)
 
     def stats(self) -> dict[str, int]:
         """Load figures for health checks and routing."""
@@ -339,7 +339,7 @@ class LLMEngine:
                 self._requests.pop(request.request_id, None)
                 if request.hold_state:
                     self._held[request.request_id] = request
-            updated.append(self._output(request))
+            updated.append(request.output(self.tokenizer))
         if self.spec is not None and self.spec.mtp is not None:
             self.spec.catch_up(self._catch_up_work(update.rows, update.before, output))
         for out in updated:
@@ -363,29 +363,6 @@ class LLMEngine:
             draft = draft and self.pool.reserve(request, request.num_tokens + self.lookahead)
             work.append(CatchUp(request, start, done if draft else done - 1, rows, draft))
         return work
-
-    def _output(self, request: Request) -> RequestOutput:
-        """The request's state after a step. Text only once it finished (one decode, for `LLM.generate`): streams
-        take the ids and detokenize incrementally where the text is needed (the router), not on this loop."""
-        finished = request.status is RequestStatus.FINISHED
-        text = None
-        if finished and request.stop_text is not None:  # cut at the stop string (the token ids end with it)
-            text = request.stop_text.text + request.stop_text.finish()
-        elif finished and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids)
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
-            text=text,
-            finish_reason=request.finish_reason,
-            num_cached_tokens=request.num_cached_tokens,
-            finished=finished,
-            num_draft_tokens=request.num_draft_tokens,
-            num_accepted_tokens=request.num_accepted_tokens,
-            logprobs=list(request.output_logprobs) if request.params.logprobs is not None else None,
-            prompt_logprobs=list(request.prompt_logprobs) if request.params.prompt_logprobs is not None else None,
-        )
 
     def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
         """Logits at every prompt position [L, vocab] in one pass (scoring; no generation)."""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hybridserve.engine.ngram_drafter import NgramIndex
-from hybridserve.engine.outputs import TokenLogprob
+from hybridserve.engine.outputs import RequestOutput, TokenLogprob
 from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.models.text_stream import TextStream
 from hybridserve.statepool.block_hash import BlockHash
@@ -81,3 +81,25 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def output(self, tokenizer: Any | None) -> RequestOutput:
+        """The request's state after a step. Text only once it finished (one decode, for `LLM.generate`): streams
+        take the ids and detokenize incrementally where the text is needed (the router), not on the engine loop."""
+        text = None
+        if self.finished and self.stop_text is not None:  # cut at the stop string (the token ids end with it)
+            text = self.stop_text.text + self.stop_text.finish()
+        elif self.finished and tokenizer is not None:
+            text = tokenizer.decode(self.output_token_ids)
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=list(self.output_token_ids),
+            text=text,
+            finish_reason=self.finish_reason,
+            num_cached_tokens=self.num_cached_tokens,
+            finished=self.finished,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            logprobs=list(self.output_logprobs) if self.params.logprobs is not None else None,
+            prompt_logprobs=list(self.prompt_logprobs) if self.params.prompt_logprobs is not None else None,
+        )

@@ -24,8 +24,11 @@ from typing import Protocol
 from hybridserve.statepool.allocators import CheckpointAllocator, PageAllocator, SlotAllocator
 from hybridserve.statepool.block_hash import BlockHash, block_hashes
 from hybridserve.statepool.events import CacheEvent, EventLog
+from hybridserve.statepool.pool_check import PoolIntegrityError, check_pool
 from hybridserve.statepool.radix_cache import Node, RadixCache
 from hybridserve.statepool.state_cache import StateCache
+
+__all__ = ["NO_HIT", "CacheHit", "PlannedCheckpoint", "PoolIntegrityError", "PooledSequence", "StatePool", "StateSnapshot"]
 
 
 class PooledSequence(Protocol):
@@ -50,10 +53,6 @@ class StateSnapshot(Protocol):
     def __call__(self, seq: PooledSequence, num_tokens: int, row: int) -> None: ...
 
 
-class PoolIntegrityError(RuntimeError):
-    """`StatePool.check()` found a page or slot that is not exactly one of free, cached or owned once."""
-
-
 @dataclass(frozen=True)
 class CacheHit:
     nodes: list[Node]  # root-first path to the deepest usable checkpoint
@@ -65,11 +64,10 @@ NO_HIT = CacheHit([], 0)
 
 @dataclass(frozen=True)
 class _EarlyCommit:
-    """What `commit_prefills` did to one sequence, so that a failed forward can take it back."""
+    """What `commit_prefills` did, so that a failed forward can take it back."""
 
-    sequence: PooledSequence
-    num_nodes_before: int  # len(cache_nodes) before the step
-    attached: list[Node]  # nodes that received one of this step's checkpoints
+    nodes_before: list[tuple[PooledSequence, int]]  # each prefilling sequence with its len(cache_nodes) before
+    checkpoints: list[Node]  # nodes that received one of this step's checkpoints
 
 
 @dataclass(frozen=True)
@@ -102,7 +100,7 @@ class StatePool:
             self.radix = RadixCache(self.block_size, state_block, self.pages, self.checkpoints, self.events)
         self._holders: dict[int, PooledSequence] = {}
         self._planned: list[PlannedCheckpoint] = []
-        self._early: list[_EarlyCommit] = []  # this step's `commit_prefills`, until the forward completed
+        self._early: _EarlyCommit | None = None  # this step's `commit_prefills`, until the forward completed
         self._free_ahead = (0, 0)  # (pages, checkpoint slots) `evict_ahead` keeps free: see `keep_free_for`
         self.num_queries = 0  # admissions whose prompt could hit (over one block) looked up (prefix-cache metrics)
         self.num_hits = 0
@@ -246,7 +244,7 @@ class StatePool:
         planned prefill checkpoints, and checkpoint decodes at every boundary in (before, computed].
         `decodes` pairs each decoding sequence with its computed count before the step; a boundary short of
         the sequence's end (speculative steps move by several tokens) needs `snapshot` to produce that state."""
-        planned, self._planned, self._early = self._planned, [], []
+        planned, self._planned, self._early = self._planned, [], None
         if self.radix is None:
             return
         for seq in scheduled:
@@ -278,15 +276,11 @@ class StatePool:
         and attach the planned checkpoints (`commit` would do the same after the forward, with the GPU idle)."""
         if self.radix is None:
             return
+        before = [(seq, len(seq.cache_nodes)) for seq, _ in prefills]
         for seq, count in prefills:
-            record = _EarlyCommit(seq, len(seq.cache_nodes), [])
             self._insert_blocks(seq, seq.num_computed_tokens + count)
-            self._early.append(record)
         planned, self._planned = self._planned, []
-        attached = self._attach_planned(planned)
-        by_sequence = {id(r.sequence): r for r in self._early}
-        for p, node in attached:
-            by_sequence[id(p.sequence)].attached.append(node)
+        self._early = _EarlyCommit(before, self._attach_planned(planned))
 
     def cancel_plan(self) -> None:
         """After a forward that did not complete: return planned checkpoint slots, and take back what
@@ -295,13 +289,12 @@ class StatePool:
         self._planned = []
         if slots:
             self.checkpoints.free(slots)
-        early, self._early = self._early, []
-        if self.radix is None:
+        early, self._early = self._early, None
+        if self.radix is None or early is None:
             return
-        for record in reversed(early):
-            for node in record.attached:
-                self.radix.drop_checkpoint(node)
-            seq, first = record.sequence, record.num_nodes_before
+        for node in early.checkpoints:
+            self.radix.drop_checkpoint(node)
+        for seq, first in reversed(early.nodes_before):
             added, seq.cache_nodes = seq.cache_nodes[first:], seq.cache_nodes[:first]
             for index, node in enumerate(added, start=first):
                 if self.has_kv and node.page == seq.page_ids[index]:
@@ -318,46 +311,9 @@ class StatePool:
 
     # ---- integrity -----------------------------------------------------------------------------
     def check(self) -> None:
-        """Every page and slot is free, cached, or owned by exactly one sequence; refs match holders."""
-        nodes = self.radix.nodes() if self.radix is not None else []
-        owner: dict[int, str] = {}
-
-        def claim(page: int, who: str) -> None:
-            if page in owner:
-                raise PoolIntegrityError(f"KV page {page} is held by both {owner[page]} and {who}")
-            owner[page] = who
-
-        refs: dict[int, int] = {}
-        for seq in self._holders.values():
-            for i, node in enumerate(seq.cache_nodes):
-                if node.depth != i + 1 or (i and node.parent is not seq.cache_nodes[i - 1]):
-                    raise PoolIntegrityError(f"a sequence's cached blocks are not a chain from the root at {i}")
-                refs[id(node)] = refs.get(id(node), 0) + 1
-            for page in self._private_pages(seq):
-                claim(page, f"sequence {id(seq):#x}")
-        for node in nodes:
-            if node.page is not None:
-                claim(node.page, f"cached block at depth {node.depth}")
-            if node.ref != refs.get(id(node), 0):
-                holders = refs.get(id(node), 0)
-                raise PoolIntegrityError(f"node at depth {node.depth} has ref {node.ref}, {holders} holders")
-            if node.ref == 0 and not node.children and node.checkpoint is None:
-                raise PoolIntegrityError(f"dead leaf at depth {node.depth} was not pruned")
-        if self.pages is not None and set(owner) != self.pages.used_ids():
-            raise PoolIntegrityError(
-                f"pages in use {sorted(self.pages.used_ids() ^ set(owner))[:8]} are neither cached nor owned"
-            )
-        if self.slots is not None:
-            held = [s.state_slot for s in self._holders.values() if s.state_slot is not None]
-            if len(held) != len(set(held)) or set(held) != self.slots.used_ids():
-                raise PoolIntegrityError(f"state slots {sorted(held)} vs in use {sorted(self.slots.used_ids())}")
-        if self.radix is not None and (problems := self.radix.lru_problems()):
-            raise PoolIntegrityError("; ".join(problems[:4]))
-        cached = [n.checkpoint for n in nodes if n.checkpoint is not None]
-        if len(cached) != len(set(cached)) or set(cached) != self.checkpoints.used_ids():
-            raise PoolIntegrityError(
-                f"checkpoint slots {sorted(cached)} vs in use {sorted(self.checkpoints.used_ids())}"
-            )
+        """Every page and slot is free, cached, or owned by exactly one sequence; refs match holders
+        (`statepool/pool_check.py`)."""
+        check_pool(self, list(self._holders.values()), self._private_pages)
 
     # ---- internals -----------------------------------------------------------------------------
     def _hashes(self, seq: PooledSequence, num_blocks: int) -> list[BlockHash]:
@@ -370,8 +326,9 @@ class StatePool:
         nodes = seq.cache_nodes
         return [p for i, p in enumerate(seq.page_ids) if i >= len(nodes) or nodes[i].page != p]
 
-    def _attach_planned(self, planned: list[PlannedCheckpoint]) -> list[tuple[PlannedCheckpoint, Node]]:
-        """Give each kept planned checkpoint to its block's node (slots a node does not take go back)."""
+    def _attach_planned(self, planned: list[PlannedCheckpoint]) -> list[Node]:
+        """Give each kept planned checkpoint to its block's node (slots a node does not take go back); returns
+        the nodes that took one."""
         assert self.radix is not None
         attached = []
         for p in planned:
@@ -379,7 +336,7 @@ class StatePool:
                 continue
             node = p.sequence.cache_nodes[p.num_tokens // self.block_size - 1]
             if self.radix.attach_checkpoint(node, p.slot):
-                attached.append((p, node))
+                attached.append(node)
             else:
                 self.checkpoints.free([p.slot])
         return attached
