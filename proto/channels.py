@@ -14,6 +14,7 @@ from hybridserve.proto.internal_tls import InternalTlsConfig
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20  # state chunks are 1 MiB by default; room for larger ones where faster
+MAX_RECONNECT_BACKOFF_MS = 2000  # a restarted peer is reached within ~2 s (gRPC's default cap is 120 s)
 
 
 def message_options(*extra: tuple[str, int | str]) -> list[tuple[str, int | str]]:
@@ -25,8 +26,17 @@ def message_options(*extra: tuple[str, int | str]) -> list[tuple[str, int | str]
     ]
 
 
+def channel_options(*extra: tuple[str, int | str]) -> list[tuple[str, int | str]]:
+    """Options of every channel to another component: the message limits, connections of the channel's own
+    (gRPC otherwise shares subchannels process-wide by address and arguments, so a channel left to a peer that
+    died keeps one in reconnect backoff, and a fresh channel to a new peer bound to the same host:port fails at
+    once with "Connection refused" until that backoff ends), and a short reconnect backoff cap."""
+    return message_options(("grpc.use_local_subchannel_pool", 1),
+                           ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS), *extra)
+
+
 def insecure_channel(address: str, *extra: tuple[str, int | str]) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=message_options(*extra))
+    return grpc.insecure_channel(address, options=channel_options(*extra))
 
 
 def internal_channel(address: str, token: str | None, *extra: tuple[str, int | str],
@@ -35,7 +45,7 @@ def internal_channel(address: str, token: str | None, *extra: tuple[str, int | s
     mutual TLS when `tls` is enabled (plaintext otherwise)."""
     if tls is not None and tls.enabled:
         channel = grpc.secure_channel(address, tls.channel_credentials(),
-                                      options=message_options(*extra, *tls.channel_options()))
+                                      options=channel_options(*extra, *tls.channel_options()))
     else:
         channel = insecure_channel(address, *extra)
     return token_channel(channel, token)

@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 
 from hybridserve.proto import common_pb2, worker_pb2_grpc
-from hybridserve.proto.channels import internal_channel, message_options
+from hybridserve.proto.channels import channel_options, internal_channel
 from hybridserve.proto.internal_auth import TOKEN_METADATA
 from hybridserve.proto.internal_tls import InternalTlsConfig
 from hybridserve.router.cache_subscriber import CacheSubscriber
@@ -44,8 +44,8 @@ def aio_channel(address: str, internal_tls: InternalTlsConfig | None = None) -> 
     (`WorkerHandle.metadata`): cheaper than an aio interceptor."""
     if internal_tls is not None and internal_tls.enabled:
         return grpc.aio.secure_channel(address, internal_tls.channel_credentials(),
-                                       options=message_options(*internal_tls.channel_options()))
-    return grpc.aio.insecure_channel(address, options=message_options())
+                                       options=channel_options(*internal_tls.channel_options()))
+    return grpc.aio.insecure_channel(address, options=channel_options())
 
 
 def call_metadata(internal_token: str | None) -> tuple[tuple[str, str], ...] | None:

@@ -35,9 +35,7 @@ def test_a_call_past_the_handler_pool_is_resource_exhausted() -> None:
             return grpc.unary_unary_rpc_method_handler(handler) if details.method == "/t/Echo" else None
 
     server, port = start_server("127.0.0.1", 0, lambda s: s.add_generic_rpc_handlers((Generic(),)), max_workers=2)
-    # a subchannel of its own: gRPC shares subchannels by address across a process, and one left in
-    # reconnect backoff by an earlier test's channel to the same (reused) port fails these calls at once
-    call = insecure_channel(f"127.0.0.1:{port}", ("grpc.use_local_subchannel_pool", 1)).unary_unary("/t/Echo")
+    call = insecure_channel(f"127.0.0.1:{port}").unary_unary("/t/Echo")  # own subchannel (channel_options)
     try:
         with ThreadPoolExecutor(2) as pool:
             held = [pool.submit(call, b"x", timeout=30) for _ in range(2)]
