@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gc_pauses import GcPauses
 from one_batch import CompileCounter, add_engine_flags, dummy_model_dir, engine_config, random_prompts
 
+from hybridserve.deploy.process_heap import freeze_startup_heap
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.sampling_params import SamplingParams
 
@@ -73,6 +75,7 @@ def replay(engine: LLMEngine, prompts: list[list[int]], output_len: int, rate: f
     done: dict[str, tuple[float, int]] = {}
     steps: list[dict[str, Any]] = []
     profiler: contextlib.AbstractContextManager[Any] | None = None
+    gc_pauses = GcPauses()
     start = time.perf_counter()
     nxt = 0
     while nxt < len(prompts) or engine.has_unfinished():
@@ -91,6 +94,7 @@ def replay(engine: LLMEngine, prompts: list[list[int]], output_len: int, rate: f
             profiler.__enter__()
         work_before = compiles.count
         num_decode = sum(1 for r in engine.scheduler.running if r.is_decoding)
+        gc_pauses.total = 0.0
         t0 = time.perf_counter()
         outs = engine.step()
         t1 = time.perf_counter()
@@ -105,11 +109,14 @@ def replay(engine: LLMEngine, prompts: list[list[int]], output_len: int, rate: f
                 done[out.request_id] = (t1, len(out.token_ids))
         steps.append({"ms": round((t1 - t0) * 1e3, 3), "decode_rows": num_decode,
                       "prefill_tokens": getattr(engine, "_last_prefill_tokens", None),
-                      "compiles": compiles.count - work_before, **timers.take()})
+                      "compiles": compiles.count - work_before, "gc": round(1e3 * gc_pauses.total, 3),
+                      **timers.take()})
     end = time.perf_counter()
+    gc_pauses.close()
     ttft = [1e3 * (first[r] - arrived[r]) for r in arrived]
     tpot = [1e3 * (done[r][0] - first[r]) / (done[r][1] - 1) for r in arrived if done[r][1] > 1]
-    decode_only = [s["ms"] for s in steps if s["prefill_tokens"] == 0]
+    decode_steps = [s for s in steps if s["prefill_tokens"] == 0]
+    decode_only = [s["ms"] for s in decode_steps]
     mixed = [s["ms"] for s in steps if s["prefill_tokens"]]
     return {
         "requests_per_s": len(prompts) / (end - start),
@@ -120,7 +127,11 @@ def replay(engine: LLMEngine, prompts: list[list[int]], output_len: int, rate: f
         "mixed_step_ms_p50": statistics.median(mixed) if mixed else None,
         "mean_decode_rows": statistics.mean(s["decode_rows"] for s in steps),
         "split_ms_mean": {k: round(statistics.mean(s.get(k, 0.0) for s in steps), 3)
-                          for k in ("schedule", "plan", "execute", "commit", "output", "sample", "forward")},
+                          for k in ("schedule", "plan", "execute", "update", "commit", "gc")},
+        # decode-only steps: where a cache-on decode step's extra time goes (host phases vs execute)
+        "decode_split_ms_p50": {k: round(statistics.median(s.get(k, 0.0) for s in decode_steps), 3)
+                                for k in ("ms", "schedule", "execute", "update", "commit", "gc")} if decode_steps else None,
+        "gc_ms_total": round(sum(s["gc"] for s in steps), 1),
         "step_log": steps,
     }
 
@@ -140,7 +151,7 @@ def instrument(engine: LLMEngine, timers: Timers) -> None:
     timers.wrap(engine.pool, "plan_checkpoints", "plan")
     timers.wrap(engine.runner, "execute", "execute")
     timers.wrap(engine.pool, "commit", "commit")
-    timers.wrap(engine, "_output", "output")
+    timers.wrap(engine.scheduler, "update_from_output", "update")
     inner = engine.scheduler.schedule
 
     def schedule() -> Any:
@@ -171,6 +182,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--caching", default="off,on", help="prefix caching settings to run, in order")
     parser.add_argument("--out", default="engine_trace", help="output directory")
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="freeze the heap after each engine's start-up, as a serving worker does")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -187,6 +200,8 @@ def main() -> None:
                 "warmup_s": round(report.seconds, 2) if report is not None else None,
                 "warmup_steps": report.num_steps if report is not None else None,
             }
+            if args.gc_freeze:
+                freeze_startup_heap(f"engine_trace cache {caching}")
             timers = Timers()
             instrument(engine, timers)
             vocab = engine.model_config.vocab_size
@@ -203,7 +218,7 @@ def main() -> None:
                 summary = {k: v for k, v in run.items() if k != "step_log"}
                 print(f"cache {caching} {phase}: {json.dumps(summary)}", flush=True)
     result["compiled_kernels"] = dict(compiles.names)
-    (out / "engine_trace.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "engine_trace.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":
