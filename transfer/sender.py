@@ -93,8 +93,10 @@ class StateSender:
             self.sources[TCP] = TcpSource(self.arena, host)
         self.info = PeerInfo(tuple(self.planes), host_id(), device_id(device))
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # address -> (what the peer offers, its PushState calls, its stub)
+        # address -> (what the peer offers, its PushState calls, its stub); the channels under them, to close
         self._peers: dict[str, tuple[PeerInfo, list, worker_pb2_grpc.DecodeWorkerStub]] = {}
+        self._channels: dict[str, list[grpc.Channel]] = {}
+        self._closed = False
         self._lock = threading.Lock()
 
     # ---- staging (the engine loop calls stage_fn) ----------------------------------------------
@@ -144,23 +146,55 @@ class StateSender:
 
     # ---- moving ---------------------------------------------------------------------------------
     def peer(self, address: str) -> tuple[PeerInfo, list, worker_pb2_grpc.DecodeWorkerStub]:
-        """TransferInfo of a decode worker (asked once), its PushState calls and its stub."""
+        """TransferInfo of a decode worker (asked once per incarnation: see `forget`), its PushState calls and its
+        stub."""
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the state sender is closed (the prefill worker stopped)")
             if address not in self._peers:
-                stub = worker_pb2_grpc.DecodeWorkerStub(internal_channel(address, self._internal_token, tls=self._internal_tls))
-                reply = stub.TransferInfo(worker_pb2.TransferInfoRequest(device=self.info.device), timeout=30)
+                tls, token = self._internal_tls, self._internal_token
+                channels = [internal_channel(address, token, tls=tls)]  # TransferInfo and OfferState
+                channels += [internal_channel(address, token, ("grpc.channel_id", i), tls=tls)  # own conns
+                             for i in range(self.config.grpc_streams)]
+                try:
+                    stub = worker_pb2_grpc.DecodeWorkerStub(channels[0])
+                    reply = stub.TransferInfo(worker_pb2.TransferInfoRequest(device=self.info.device), timeout=30)
+                except BaseException:
+                    for channel in channels:
+                        channel.close()
+                    raise
                 info = PeerInfo(tuple(reply.planes), reply.host_id, reply.device)
-                calls = [push_state_stub(internal_channel(address, self._internal_token, ("grpc.channel_id", i),
-                                                                tls=self._internal_tls))  # own conns
-                         for i in range(self.config.grpc_streams)]
-                self._peers[address] = (info, calls, stub)
+                self._peers[address] = (info, [push_state_stub(c) for c in channels[1:]], stub)
+                self._channels[address] = channels
                 logger.info("state transfers to %s use %s (peer offers %s)", address,
                             choose_plane(self.info, info), list(info.planes))
             return self._peers[address]
 
+    def forget(self, address: str, error: BaseException) -> None:
+        """After a transfer to `address` failed: when the peer was unreachable, drop what was learned of it, so the
+        next transfer asks again (a decode worker restarted on the same address may offer other planes or sit on
+        another device). Its channels are not closed here: another request's transfer may still be on them; they
+        close when the last one lets go."""
+        if isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.UNAVAILABLE:
+            with self._lock:
+                if self._peers.pop(address, None) is not None:
+                    self._channels.pop(address, None)
+                    logger.info("decode worker %s unreachable: its transfer info is asked again next time", address)
+
     def send(self, address: str, header: StateHeader, staged: StagedState) -> tuple[str, int]:
         """Move a staged state to the decode worker at `address`; returns (plane, bytes). Frees the block."""
-        info, calls, stub = self.peer(address)
+        try:
+            return self._send(address, header, staged)
+        except BaseException as exc:
+            self.forget(address, exc)
+            raise
+
+    def _send(self, address: str, header: StateHeader, staged: StagedState) -> tuple[str, int]:
+        try:
+            info, calls, stub = self.peer(address)
+        except BaseException:
+            self._free(staged)
+            raise
         plane = choose_plane(self.info, info) if staged.block is not None else GRPC
         stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         try:
@@ -186,12 +220,16 @@ class StateSender:
                     raise RuntimeError("the decode worker did not commit the state")
                 return plane, reply.bytes_received
         finally:
-            if staged.block is not None:
-                after = None
-                if self._stream is not None:
-                    after = torch.cuda.Event()
-                    after.record(self._stream)
-                self.arena.free(staged.block, after=after)
+            self._free(staged)
+
+    def _free(self, staged: StagedState) -> None:
+        """Give the staged state's arena block back once the sender's stream is past its reads."""
+        if staged.block is not None:
+            after = None
+            if self._stream is not None:
+                after = torch.cuda.Event()
+                after.record(self._stream)
+            self.arena.free(staged.block, after=after)
 
     # ---- early send (gRPC plane): the stream opens while the prompt still prefills -------------------
     def sends_early(self, address: str, specs: list[StateTensorSpec]) -> bool:
@@ -218,6 +256,7 @@ class StateSender:
                 result.set_result(self._push(calls, header, early.specs, early.parts(), tail=early.tail,
                                              watch=early.watch))
             except BaseException as exc:
+                self.forget(address, exc)
                 result.set_exception(exc)
 
         threading.Thread(target=run, name=f"early-push-{header.request_id}", daemon=True).start()
@@ -251,6 +290,15 @@ class StateSender:
         return sum(r.bytes_received for r in replies)
 
     def close(self) -> None:
+        """Close the device-plane sources and every channel to decode workers (a channel left open keeps
+        reconnecting to a peer that may be gone)."""
+        with self._lock:
+            self._closed = True
+            channels = [c for chans in self._channels.values() for c in chans]
+            self._peers.clear()
+            self._channels.clear()
+        for channel in channels:
+            channel.close()
         for source in self.sources.values():
             source.close()
 

@@ -17,13 +17,16 @@ from hybridserve.proto.convert import sampling_to_proto
 from hybridserve.router.config import AdmissionConfig
 from hybridserve.router.orchestrator import WorkerError
 
-STEP_DELAY_S = 0.02  # slows decoding so that a long request is still running when the client leaves
+STEP_DELAY_S = 0.05  # slows decoding: a long request (200 tokens, ~10 s) still runs when the client leaves
+# a queued request waits this long for the slot before its 503; long enough that the test's next request, sent once
+# it sees one queued, still finds the queue full on a loaded 2-core CI machine (0.5 s was not: it got a 503)
+QUEUE_TIMEOUT_S = 2.0
 
 
 @pytest.fixture(scope="module")
 def slow(model_dir):
     c = Cluster(model_dir, num_prefill=0, num_decode=1,
-                admission=AdmissionConfig(max_running=1, max_queued=1, queue_timeout_s=0.5))
+                admission=AdmissionConfig(max_running=1, max_queued=1, queue_timeout_s=QUEUE_TIMEOUT_S))
     engine = c.decode[0].engine
     step = engine.step
 
