@@ -1,6 +1,8 @@
-"""Token sampling: greedy, or temperature + top-k + top-p, batched on the logits' device. Each sampled row
-draws its uniform from its request's own CPU generator and picks the token by inverse CDF, so a request's
-samples do not depend on what else is in the batch and nothing but one float per row crosses to the device."""
+"""Token sampling: greedy, or temperature + top-k + top-p, batched on the logits' device. A request's samples
+never depend on what else is in the batch: rows with plain temperature take a token by Gumbel-max from a seed
+drawn from the request's own CPU generator (`kernels.ops.gumbel_sample`: one pass over the vocabulary, two
+launches on CUDA); rows with top-k / top-p draw a uniform from it and pick by inverse CDF over the filtered
+distribution. Per row only a few bytes cross to the device."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import torch
 
 from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.kernels.host_index import pack_to_device
+from hybridserve.kernels.ops import gumbel_sample
+from hybridserve.kernels.sampling import SEED_BITS, pack_rows
 
 
 def processed_probs(
@@ -35,13 +39,18 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
     return pack_to_device([values], dtype, device)[0]
 
 
+def _filters(param: SamplingParams, vocab: int) -> bool:
+    """Whether a (non-greedy) row narrows its distribution by top-k or top-p."""
+    return 0 < param.top_k < vocab or param.top_p < 1.0
+
+
 def params_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """processed_probs with one SamplingParams per row (all non-greedy). Rows without top-k and top-p (the
     default) skip the sort over the vocabulary: their distribution is the tempered softmax itself."""
     device = logits.device
     temperature = _to_device([p.temperature for p in params], torch.float32, device)
     vocab = logits.shape[-1]
-    if all((p.top_k <= 0 or p.top_k >= vocab) and p.top_p >= 1.0 for p in params):
+    if not any(_filters(p, vocab) for p in params):
         return torch.softmax(logits.float() / temperature[:, None], dim=-1)
     top_k = _to_device([p.top_k for p in params], torch.int64, device)
     top_p = _to_device([p.top_p for p in params], torch.float32, device)
@@ -64,11 +73,20 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
-    """logits: [B, V] fp32, one row per request -> one token id per row."""
-    tokens = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        index = _to_device(rows, torch.int64, logits.device)
-        probs = params_probs(logits[index], [params[i] for i in rows])
-        tokens[index] = draw(probs, [generators[i] for i in rows])
+    """logits: [B, V], one row per request -> one token id per row."""
+    if all(p.greedy for p in params):
+        return logits.argmax(dim=-1).tolist()
+    vocab = logits.shape[-1]
+    filtered = [i for i, p in enumerate(params) if not p.greedy and _filters(p, vocab)]
+    # plain-temperature rows: Gumbel-max with a fresh seed from the request's generator; greedy and filtered rows
+    # ride along as argmax rows (the filtered ones are drawn below)
+    plain = [not p.greedy and i not in filtered for i, p in enumerate(params)]
+    inverse_temperatures = [1.0 / p.temperature if keep else 0.0 for p, keep in zip(params, plain)]
+    seeds = [int(torch.randint(1 << SEED_BITS, (), generator=g)) if keep else 0 for g, keep in zip(generators, plain)]
+    rows = _to_device(pack_rows(inverse_temperatures, seeds), torch.int32, logits.device).view(-1, 2)
+    tokens = gumbel_sample(logits, rows)
+    if filtered:
+        index = _to_device(filtered, torch.int64, logits.device)
+        probs = params_probs(logits[index], [params[i] for i in filtered])
+        tokens[index] = draw(probs, [generators[i] for i in filtered])
     return tokens.tolist()

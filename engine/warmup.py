@@ -91,9 +91,10 @@ def warm_up(engine: LLMEngine, show_progress: bool = True) -> WarmupReport:
                 tokens = longest[:-3] + prompt(3) if length < 0 else prompt(length)
                 if length > 0 and length == max(lengths):
                     longest = tokens
-                # greedy and random sampling both run (the sampler's two paths)
+                # the sampler's three paths run: greedy, plain temperature (Gumbel-max), top-p (inverse CDF)
                 params = SamplingParams(max_tokens=MAX_WARMUP_TOKENS, ignore_eos=True, seed=index,
-                                        temperature=0.0 if index % 2 else 0.8, top_p=1.0 if index % 2 else 0.9)
+                                        temperature=0.0 if index % 3 == 0 else 0.8,
+                                        top_p=0.9 if index % 3 == 2 else 1.0)
                 try:
                     ids.append(engine.add_request(tokens, params, request_id=f"warmup-{round_index}-{index}"))
                     lens.append(len(tokens))

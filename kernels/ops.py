@@ -20,6 +20,7 @@ from hybridserve.kernels.gated_rmsnorm import add_rmsnorm_ref, gated_rmsnorm_ref
 from hybridserve.kernels.moe import moe_experts_ref, moe_layer_ref, route_topk
 from hybridserve.kernels.paged_attention import paged_attention_ref, write_kv_pages
 from hybridserve.kernels.replay_state import replay_state_update_ref
+from hybridserve.kernels.sampling import gumbel_sample_ref
 from hybridserve.kernels.ssd_scan import ssd_scan_varlen_ref
 from hybridserve.kernels.state_update import multi_token_state_update_ref, selective_state_update_ref
 
@@ -115,12 +116,15 @@ moe_experts = _dispatch(moe_experts_ref, "moe_triton", "moe_experts_triton")
 moe_route = _dispatch(route_topk, "moe_router_triton", "route_topk_triton")
 # router + experts (+ shared) of one MoE layer: three launches at decode sizes, the grouped GEMMs above
 moe_layer = _dispatch(moe_layer_ref, "moe_small_triton", "moe_layer_triton")
+# a token per row by Gumbel-max (greedy rows: argmax): two launches for the step's sampling tail
+gumbel_sample = _dispatch(gumbel_sample_ref, "sampling_triton", "gumbel_sample_triton")
 
 __all__ = [
     "add_rmsnorm",
     "causal_conv1d_update",
     "causal_conv1d_varlen",
     "gated_rmsnorm",
+    "gumbel_sample",
     "linear",
     "moe_experts",
     "moe_layer",

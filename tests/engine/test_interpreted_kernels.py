@@ -1,6 +1,7 @@
 """The whole engine with the Triton kernels (run on CPU tensors by Triton's interpreter) against the engine with
 the torch references, on the tiny parity checkpoints: the same greedy tokens, cold and on a prefix-cache hit
-(where the scan reads its state from a slot and writes the checkpoints into the pool itself)."""
+(where the scan reads its state from a slot and writes the checkpoints into the pool itself); seeded sampling
+through the sampler's kernel repeats its tokens."""
 
 from __future__ import annotations
 
@@ -32,4 +33,7 @@ def test_triton_kernels_give_reference_tokens(kind: str) -> None:
     reference = _run(kind, "reference")
     triton_run = _run(kind, "interpret")
     assert triton_run["cached"] >= 16, "the second prompt should hit the cached system prompt"
+    for run in (reference, triton_run):  # seeded sampling repeats (Philox and CPU noise differ: not compared)
+        sampled, again = run.pop("sampled"), run.pop("sampled_again")
+        assert sampled == again and all(len(tokens) == 4 for tokens in sampled)
     assert triton_run == reference

@@ -70,8 +70,9 @@ def test_greedy_acceptance_edges() -> None:
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.9), SamplingParams(temperature=1.3, top_k=5, top_p=0.8)])
 def test_batched_sampler_follows_the_processed_distribution(params: SamplingParams) -> None:
-    """`sample` (batched inverse-CDF draws, one uniform per row from the request's generator) against the
-    processed distribution; tokens filtered out by top-k / top-p never come out."""
+    """`sample` (Gumbel-max rows for plain temperature, inverse-CDF draws for top-k / top-p; each row's randomness
+    from its request's generator) against the processed distribution; tokens filtered out by top-k / top-p never
+    come out."""
     from hybridserve.engine.sampler import sample
 
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(5)) * 2
