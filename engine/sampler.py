@@ -80,7 +80,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     filtered = [i for i, p in enumerate(params) if not p.greedy and _filters(p, vocab)]
     # plain-temperature rows: Gumbel-max with a fresh seed from the request's generator; greedy and filtered rows
     # ride along as argmax rows (the filtered ones are drawn below)
-    plain = [not p.greedy and i not in filtered for i, p in enumerate(params)]
+    plain = [not p.greedy and not _filters(p, vocab) for p in params]
     inverse_temperatures = [1.0 / p.temperature if keep else 0.0 for p, keep in zip(params, plain)]
     seeds = [int(torch.randint(1 << SEED_BITS, (), generator=g)) if keep else 0 for g, keep in zip(generators, plain)]
     rows = _to_device(pack_rows(inverse_temperatures, seeds), torch.int32, logits.device).view(-1, 2)
