@@ -62,6 +62,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/sampling.py times GPU kernels: it needs a CUDA device")
     props = torch.cuda.get_device_properties(0)
     x = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)

@@ -26,6 +26,18 @@ def message_options(*extra: tuple[str, int | str]) -> list[tuple[str, int | str]
     ]
 
 
+# No SO_REUSEPORT on our servers (gRPC sets it by default on Linux). With it two servers can hold one port and the
+# kernel splits connections between them: a server bound to port 0 can be handed a port another of ours already
+# listens on (grpc/grpc#10755: a router's Prefill call then lands on a decode worker, "Method not found"), and a
+# worker started on a taken port shares it silently instead of failing to bind.
+OWN_PORT: tuple[str, int] = ("grpc.so_reuseport", 0)
+
+
+def server_options() -> list[tuple[str, int | str]]:
+    """Options of a worker's gRPC server: the message limits, its port its own."""
+    return message_options(OWN_PORT)
+
+
 def channel_options(*extra: tuple[str, int | str]) -> list[tuple[str, int | str]]:
     """Options of every channel to another component: the message limits, connections of the channel's own
     (gRPC otherwise shares subchannels process-wide by address and arguments, so a channel left to a peer that
@@ -69,16 +81,19 @@ def start_server(host: str, port: int, register: Callable[[grpc.Server], None], 
     interceptors = [InternalTokenInterceptor(token)] if token else []
     # maximum_concurrent_rpcs: a call past the handler pool is refused at once (RESOURCE_EXHAUSTED) instead of
     # queueing in the executor without bound
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=message_options(),
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=server_options(),
                          interceptors=interceptors, maximum_concurrent_rpcs=max_workers)
     register(server)
     secure = tls is not None and tls.enabled
-    if tls is not None and tls.enabled:
-        bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
-    else:
-        bound = server.add_insecure_port(f"{host}:{port}")
+    try:  # grpcio returns 0 or raises on a failed bind, by version
+        if tls is not None and tls.enabled:
+            bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
+        else:
+            bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:
+        raise RuntimeError(f"could not bind a gRPC server to {host}:{port} (is the port taken?): {exc}") from exc
     if bound == 0:
-        raise RuntimeError(f"could not bind a gRPC server to {host}:{port}")
+        raise RuntimeError(f"could not bind a gRPC server to {host}:{port} (is the port taken?)")
     server.start()
     if not token:
         logger.warning("gRPC server on %s:%d is INSECURE (no internal token): any process that reaches it can call it",

@@ -46,3 +46,17 @@ def test_channel_options_keep_the_message_limits_and_add_extras() -> None:
     assert options["grpc.max_receive_message_length"] == options["grpc.max_send_message_length"] >= 64 << 20
     assert options["grpc.use_local_subchannel_pool"] == 1 and options["grpc.channel_id"] == 3
     assert 0 < options["grpc.max_reconnect_backoff_ms"] <= 5000
+
+
+def test_a_taken_port_is_refused_not_shared() -> None:
+    """Without SO_REUSEPORT a second server on a port ours already holds fails to bind (a clear error) instead of
+    splitting the first one's connections with it."""
+    first, port = _echo_server(0)
+    try:
+        with pytest.raises(RuntimeError, match="could not bind"):
+            _echo_server(port)
+        channel = internal_channel(f"127.0.0.1:{port}", None)
+        assert all(_call(channel, bytes([i])) == bytes([i]) for i in range(20))  # every call reaches the first
+        channel.close()
+    finally:
+        first.stop(0)

@@ -123,7 +123,7 @@ def test_a_half_open_worker_gets_exactly_one_probe_through_the_policy() -> None:
 
 
 def test_admission_refuses_when_full_and_times_out() -> None:
-    admission = AdmissionController(AdmissionConfig(max_running=1, max_queued=1, queue_timeout_s=0.2))
+    admission = AdmissionController(AdmissionConfig(max_running=1, max_queued=1, queue_timeout_s=1.0))  # room on a loaded box
     admission.acquire()
     waiter_error = []
     waiter = threading.Thread(target=lambda: _catch(admission.acquire, waiter_error))
