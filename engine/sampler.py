@@ -77,10 +77,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     if all(p.greedy for p in params):
         return logits.argmax(dim=-1).tolist()
     vocab = logits.shape[-1]
-    filtered = [i for i, p in enumerate(params) if not p.greedy and _filters(p, vocab)]
     # plain-temperature rows: Gumbel-max with a fresh seed from the request's generator; greedy and filtered rows
     # ride along as argmax rows (the filtered ones are drawn below)
     plain = [not p.greedy and not _filters(p, vocab) for p in params]
+    filtered = [i for i, (p, keep) in enumerate(zip(params, plain)) if not p.greedy and not keep]
     inverse_temperatures = [1.0 / p.temperature if keep else 0.0 for p, keep in zip(params, plain)]
     seeds = [int(torch.randint(1 << SEED_BITS, (), generator=g)) if keep else 0 for g, keep in zip(generators, plain)]
     rows = _to_device(pack_rows(inverse_temperatures, seeds), torch.int32, logits.device).view(-1, 2)

@@ -73,6 +73,20 @@ def worker_threads(max_num_seqs: int) -> int:
     return max(512, 8 * max_num_seqs)
 
 
+def bind_port(server: grpc.Server | grpc.aio.Server, host: str, port: int,
+              credentials: grpc.ServerCredentials | None = None) -> int:
+    """Add the listening port (TLS when `credentials` are given); returns the bound port, or raises a clear error
+    when it cannot be bound (grpcio returns 0 or raises, by version)."""
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise RuntimeError(f"could not bind a gRPC server to {address} (is the port taken?): {exc}") from exc
+    if bound == 0:
+        raise RuntimeError(f"could not bind a gRPC server to {address} (is the port taken?)")
+    return bound
+
+
 def start_server(host: str, port: int, register: Callable[[grpc.Server], None], max_workers: int = 32,
                  token: str | None = None, tls: InternalTlsConfig | None = None) -> tuple[grpc.Server, int]:
     """Start a gRPC server with the shared limits; `register` adds the servicers; every call must carry
@@ -85,15 +99,7 @@ def start_server(host: str, port: int, register: Callable[[grpc.Server], None], 
                          interceptors=interceptors, maximum_concurrent_rpcs=max_workers)
     register(server)
     secure = tls is not None and tls.enabled
-    try:  # grpcio returns 0 or raises on a failed bind, by version
-        if tls is not None and tls.enabled:
-            bound = server.add_secure_port(f"{host}:{port}", tls.server_credentials())
-        else:
-            bound = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError as exc:
-        raise RuntimeError(f"could not bind a gRPC server to {host}:{port} (is the port taken?): {exc}") from exc
-    if bound == 0:
-        raise RuntimeError(f"could not bind a gRPC server to {host}:{port} (is the port taken?)")
+    bound = bind_port(server, host, port, tls.server_credentials() if tls is not None and secure else None)
     server.start()
     if not token:
         logger.warning("gRPC server on %s:%d is INSECURE (no internal token): any process that reaches it can call it",

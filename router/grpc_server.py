@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.models.text_stream import TextStream
 from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc
-from hybridserve.proto.channels import OWN_PORT
+from hybridserve.proto.channels import OWN_PORT, bind_port
 from hybridserve.proto.convert import sampling_from_proto
 from hybridserve.router.admission import Overloaded, client_key
 from hybridserve.router.auth import ApiKeyInterceptor
@@ -176,11 +176,6 @@ async def start_router_server(frontend: Frontend, host: str = "127.0.0.1", port:
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(frontend), server)
     names = (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    try:  # grpcio returns 0 or raises on a failed bind, by version
-        bound = server.add_insecure_port(f"{host}:{port}")
-    except RuntimeError as exc:
-        raise RuntimeError(f"could not bind the router's gRPC server to {host}:{port} (is the port taken?): {exc}") from exc
-    if bound == 0:
-        raise RuntimeError(f"could not bind the router's gRPC server to {host}:{port} (is the port taken?)")
+    bound = bind_port(server, host, port)
     await server.start()
     return server, f"{host}:{bound}"

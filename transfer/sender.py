@@ -188,39 +188,34 @@ class StateSender:
         except BaseException as exc:
             self.forget(address, exc)
             raise
-
-    def _send(self, address: str, header: StateHeader, staged: StagedState) -> tuple[str, int]:
-        try:
-            info, calls, stub = self.peer(address)
-        except BaseException:
-            self._free(staged)
-            raise
-        plane = choose_plane(self.info, info) if staged.block is not None else GRPC
-        stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
-        try:
-            with stream_ctx:
-                if staged.ready is not None:
-                    torch.cuda.current_stream(self.device).wait_event(staged.ready)
-                # host bytes over gRPC are covered end to end by the chunks' crc32c: the device digest is
-                # for bytes that live on a GPU or skip the stream (a host-side reduction costs ~0.6 s / 141 MiB)
-                needs_digest = plane != GRPC or self.device.type == "cuda"
-                digest = device_digest(staged.block.data) if staged.block is not None and needs_digest else 0
-                header = StateHeader(**{**header.__dict__, "device_digest": digest})
-                if plane == GRPC or staged.block is None:
-                    return GRPC, self._push(calls, header, staged.specs, staged.parts)
-                source = self.sources[plane]
-                offer = worker_pb2.StateOffer(
-                    manifest=build_manifest(header, staged.specs), plane=plane, source_id=source.source_id,
-                    source_descriptor=source.descriptor(), offset=staged.block.offset,
-                )
-                exposed = getattr(source, "exposed", None)  # a plane that serves reads only of offered ranges
-                with exposed(staged.block.offset, staged.block.nbytes) if exposed else nullcontext():
-                    reply = stub.OfferState(offer, timeout=PUSH_TIMEOUT_S)
-                if not reply.committed:
-                    raise RuntimeError("the decode worker did not commit the state")
-                return plane, reply.bytes_received
         finally:
             self._free(staged)
+
+    def _send(self, address: str, header: StateHeader, staged: StagedState) -> tuple[str, int]:
+        info, calls, stub = self.peer(address)
+        plane = choose_plane(self.info, info) if staged.block is not None else GRPC
+        stream_ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+        with stream_ctx:
+            if staged.ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(staged.ready)
+            # host bytes over gRPC are covered end to end by the chunks' crc32c: the device digest is
+            # for bytes that live on a GPU or skip the stream (a host-side reduction costs ~0.6 s / 141 MiB)
+            needs_digest = plane != GRPC or self.device.type == "cuda"
+            digest = device_digest(staged.block.data) if staged.block is not None and needs_digest else 0
+            header = StateHeader(**{**header.__dict__, "device_digest": digest})
+            if plane == GRPC or staged.block is None:
+                return GRPC, self._push(calls, header, staged.specs, staged.parts)
+            source = self.sources[plane]
+            offer = worker_pb2.StateOffer(
+                manifest=build_manifest(header, staged.specs), plane=plane, source_id=source.source_id,
+                source_descriptor=source.descriptor(), offset=staged.block.offset,
+            )
+            exposed = getattr(source, "exposed", None)  # a plane that serves reads only of offered ranges
+            with exposed(staged.block.offset, staged.block.nbytes) if exposed else nullcontext():
+                reply = stub.OfferState(offer, timeout=PUSH_TIMEOUT_S)
+            if not reply.committed:
+                raise RuntimeError("the decode worker did not commit the state")
+            return plane, reply.bytes_received
 
     def _free(self, staged: StagedState) -> None:
         """Give the staged state's arena block back once the sender's stream is past its reads."""
