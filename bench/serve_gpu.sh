@@ -13,6 +13,8 @@
 #   pd-2gpu-grpc        the pair, state over gRPC (through host memory)
 #   pd-1gpu             1 prefill + 1 decode worker sharing GPU 0 (CUDA IPC on one device)
 #   colocated-1gpu-nocache  colocated-1gpu with prefix caching off (cache cost on unique prompts)
+#   colocated-1gpu-fewckpt  colocated-1gpu with 8 checkpoint slots and the cache-off KV pool (8192 pages): the
+#                       cache's work with the cache-off memory layout
 #   colocated-1gpu-calls  colocated-1gpu with --no-worker-sessions (a gRPC call per request, not the session)
 #   colocated-1gpu-grpcsession  colocated-1gpu with --no-socket-sessions (the session as a gRPC stream, not a socket)
 #   colocated-1gpu-nosplit  colocated-1gpu with --no-split-mixed-steps (mixed steps run whole, eagerly)
@@ -75,6 +77,7 @@ deployment_args() {
   case $1 in
     colocated-1gpu) echo --prefill-workers 0 --decode-workers 1 --gpus 0 ;;
     colocated-1gpu-nocache) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-prefix-caching ;;
+    colocated-1gpu-fewckpt) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --num-checkpoint-slots 8 --num-kv-pages 8192 ;;
     colocated-1gpu-calls) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-worker-sessions ;;
     colocated-1gpu-grpcsession) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-socket-sessions ;;
     colocated-1gpu-nosplit) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-split-mixed-steps ;;

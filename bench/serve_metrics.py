@@ -26,8 +26,12 @@ ENGINE_OUTPUTS = "hybridserve_worker_engine_step_outputs_total"
 ENGINE_GAPS = "hybridserve_worker_engine_gaps_total"
 GRAPH_STEPS = "hybridserve_worker_engine_graph_decode_steps_total"
 EAGER_DECODES = "hybridserve_worker_engine_eager_decode_steps_total"
+DECODE_ONLY_STEPS = "hybridserve_worker_engine_decode_only_steps_total"
+DECODE_ONLY_SECONDS = "hybridserve_worker_engine_decode_only_step_seconds_total"
+DECODE_ONLY_ROWS = "hybridserve_worker_engine_decode_only_rows_total"
 SCRAPED = (SPEC_ACCEPTED, SPEC_STEPS, PREFIX_HIT_TOKENS, PREFIX_QUERIES, PREFIX_HITS, ENGINE_STEPS,
-           ENGINE_STEP_SECONDS, ENGINE_GAP_SECONDS, ENGINE_OUTPUTS, GRAPH_STEPS, EAGER_DECODES, ENGINE_GAPS)
+           ENGINE_STEP_SECONDS, ENGINE_GAP_SECONDS, ENGINE_OUTPUTS, GRAPH_STEPS, EAGER_DECODES, ENGINE_GAPS,
+           DECODE_ONLY_STEPS, DECODE_ONLY_SECONDS, DECODE_ONLY_ROWS)
 
 
 @dataclass
@@ -122,7 +126,9 @@ def engine_loop(counters_delta: dict[str, float] | None) -> dict:
     steps = (counters_delta or {}).get(ENGINE_STEPS, 0.0)
     if not counters_delta or steps <= 0:
         return {"engine_step_ms_mean": None, "engine_gap_ms_mean": None, "engine_outputs_per_step": None,
-                "engine_graph_steps": None, "engine_eager_decode_steps": None}
+                "engine_graph_steps": None, "engine_eager_decode_steps": None, "engine_decode_step_ms_mean": None,
+                "engine_decode_rows_mean": None}
+    decode_steps = counters_delta.get(DECODE_ONLY_STEPS, 0.0)
     return {
         "engine_step_ms_mean": 1e3 * counters_delta.get(ENGINE_STEP_SECONDS, 0.0) / steps,
         # per gap (a gap lies between two back-to-back busy steps); per step where the gap count is not exported
@@ -131,6 +137,10 @@ def engine_loop(counters_delta: dict[str, float] | None) -> dict:
         "engine_outputs_per_step": counters_delta.get(ENGINE_OUTPUTS, 0.0) / steps,
         "engine_graph_steps": counters_delta.get(GRAPH_STEPS),
         "engine_eager_decode_steps": counters_delta.get(EAGER_DECODES),
+        # steps without prompt tokens alone: set beside the offline engine's decode step at the same mean batch
+        "engine_decode_step_ms_mean": 1e3 * counters_delta.get(DECODE_ONLY_SECONDS, 0.0) / decode_steps
+        if decode_steps else None,
+        "engine_decode_rows_mean": counters_delta.get(DECODE_ONLY_ROWS, 0.0) / decode_steps if decode_steps else None,
     }
 
 

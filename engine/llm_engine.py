@@ -117,6 +117,8 @@ class LLMEngine:
                                       self.max_running if config.fold_decode_rows else 0)
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}  # finished, state kept for export
+        # (decode rows, prefill tokens) of the last step that ran: lets a worker loop time decode-only steps apart
+        self.last_step_shape: tuple[int, int] = (0, 0)
         self._hooks: dict[str, handoff.HandoffHooks] = {}  # held requests' callbacks, until they finish
         self._reserved: dict[str, Request] = {}  # pages and slot waiting for a remote prefill's state
         self._counter = itertools.count()
@@ -312,6 +314,7 @@ class LLMEngine:
         work = self.scheduler.schedule()
         if work.is_empty:
             return []
+        self.last_step_shape = (len(work.decodes), sum(c.num_tokens for c in work.prefills))
         verify = self.spec.verify_inputs(work.decodes) if self.spec is not None else None
         prefills = [(c.request, c.num_tokens) for c in work.prefills]
         checkpoint_slots = self.pool.plan_checkpoints(prefills)

@@ -40,6 +40,10 @@ class LoopStats:
         self.gap_seconds = 0.0  # between the end of one busy step's hand-off and the next step's start
         self.gaps = 0  # back-to-back pairs of steps (gap_seconds / gaps is the mean gap)
         self.outputs = 0
+        # steps without prefill tokens, apart: their time is what a served inter-token latency is made of
+        self.decode_only_steps = 0
+        self.decode_only_seconds = 0.0
+        self.decode_only_rows = 0
         self._last_end: float | None = None
         self._window_start = clock()
         self._window_steps: list[float] = []
@@ -50,15 +54,21 @@ class LoopStats:
         """The loop ran out of work: the next step's wait is idleness, not overhead."""
         self._last_end = None
 
-    def record(self, start: float, stepped: float, num_outputs: int) -> None:
-        """One step ran from `start` to `stepped` (clock values) and produced `num_outputs` outputs; called after
-        they were handed to their streams, so the hand-off counts as gap before the next step."""
+    def record(self, start: float, stepped: float, num_outputs: int, decode_rows: int = 0,
+               prefill_tokens: int = 0) -> None:
+        """One step ran from `start` to `stepped` (clock values) with `decode_rows` decoding requests and
+        `prefill_tokens` prompt tokens, and produced `num_outputs` outputs; called after they were handed to their
+        streams, so the hand-off counts as gap before the next step."""
         step = stepped - start
         gap = start - self._last_end if self._last_end is not None else None
         with self._lock:
             self.steps += 1
             self.step_seconds += step
             self.outputs += num_outputs
+            if decode_rows and not prefill_tokens:
+                self.decode_only_steps += 1
+                self.decode_only_seconds += step
+                self.decode_only_rows += decode_rows
             self._window_steps.append(step)
             self._window_outputs += num_outputs
             if gap is not None:

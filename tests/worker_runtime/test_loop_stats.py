@@ -39,6 +39,16 @@ def test_gaps_count_only_between_back_to_back_steps(caplog: pytest.LogCaptureFix
     assert "4 steps" in caplog.text and "outputs/step" in caplog.text
 
 
+def test_decode_only_steps_are_counted_apart() -> None:
+    stats = LoopStats("loop", log_every_s=100.0, clock=FakeClock())
+    stats.record(0.0, 0.030, 1, 3, 1024)  # mixed: 3 decodes beside a prefill chunk
+    stats.record(0.031, 0.037, 4, 4, 0)  # decode-only, 4 rows
+    stats.record(0.038, 0.045, 4, 4, 0)
+    stats.record(0.050, 0.080, 1, 0, 512)  # prefill only
+    assert stats.steps == 4 and stats.decode_only_steps == 2 and stats.decode_only_rows == 8
+    assert stats.decode_only_seconds == pytest.approx(0.006 + 0.007)
+
+
 def test_a_bad_log_interval_is_refused() -> None:
     with pytest.raises(ValueError, match="log_every_s"):
         LoopStats("loop", log_every_s=0)
@@ -54,5 +64,8 @@ def test_the_loop_counts_its_steps() -> None:
         stats = loop.call(lambda: loop.stats)
         assert stats.steps >= 5 and stats.outputs >= 5 and stats.step_seconds > 0
         assert stats.gap_seconds >= 0
+        # one prompt of 9 tokens (prefill chunks), then decode-only steps of one row each
+        assert stats.decode_only_steps >= 4 and stats.decode_only_rows == stats.decode_only_steps
+        assert 0 < stats.decode_only_seconds < stats.step_seconds
     finally:
         loop.stop()
