@@ -5,6 +5,6 @@
 set -uo pipefail
 R=$1; mkdir -p "$R"
 git rev-parse --short HEAD > "$R/commit.txt"; git status --short >> "$R/commit.txt"
-VARIANTS="colocated-1gpu-nocache colocated-1gpu colocated-1gpu-fewckpt" ABBA=1 ROUNDS=2 NUM_PROMPTS=120 \
+RAW_DIR="$R/raw" VARIANTS="colocated-1gpu-nocache colocated-1gpu colocated-1gpu-fewckpt" ABBA=1 ROUNDS=2 NUM_PROMPTS=120 \
   timeout 585 bash bench/serve_cache_ab.sh "$R/ab" > "$R/ab.log" 2>&1
 echo "ab rc=$?"; tail -60 "$R/ab.log"
