@@ -21,6 +21,7 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
   --format=csv -l 1 > "$OUT/gpu_clocks.csv" 2>/dev/null &
 clock_pid=$!
 raw=${RAW_DIR:-$(mktemp -d)}  # RAW_DIR keeps the per-run files where a cut-off run leaves them
+mkdir -p "$raw"
 for round in $(seq 1 "$ROUNDS"); do
   order=("${variants[@]}")
   if [ "${ABBA:-0}" = 1 ] && [ $((round % 2)) = 0 ]; then
