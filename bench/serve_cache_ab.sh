@@ -38,6 +38,7 @@ from pathlib import Path
 
 raw, out, variants = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
 setting_of = {"colocated-1gpu-nocache": "off", "colocated-1gpu": "on"}
+PHASES = ("schedule", "launch", "while_running", "wait", "update")  # hybridserve.engine.step_timing.PHASES
 rows = []
 for path in sorted(raw.glob("r*/*-rate*.json")):
     metrics = json.loads(path.read_text())["metrics"]
@@ -53,6 +54,7 @@ for path in sorted(raw.glob("r*/*-rate*.json")):
         "decode_step_ms": metrics.get("engine_decode_step_ms_mean"),
         "decode_rows": metrics.get("engine_decode_rows_mean"),
         "eager_decode_steps": metrics.get("engine_eager_decode_steps"),
+        **{f"decode_{phase}_ms": ms for phase, ms in (metrics.get("engine_decode_phase_ms_mean") or {}).items()},
     })
 summary = {}
 for setting in dict.fromkeys(r["setting"] for r in rows):
@@ -60,8 +62,8 @@ for setting in dict.fromkeys(r["setting"] for r in rows):
     if mine:
         summary[setting] = {k: round(statistics.median(r[k] for r in mine), 3)
                             for k in ("ttft_p50", "tpot_p50", "itl_p50", "ttft_p99", "tpot_p99", "step_ms", "gap_ms",
-                                      "decode_step_ms", "decode_rows")
-                            if all(r[k] is not None for r in mine)}
+                                      "decode_step_ms", "decode_rows", *(f"decode_{p}_ms" for p in PHASES))
+                            if all(r.get(k) is not None for r in mine)}
 for setting in [s for s in summary if s != "off"]:
     if "off" in summary:
         summary[f"{setting}_over_off"] = {k: round(summary[setting][k] / summary["off"][k], 4) for k in summary[setting]

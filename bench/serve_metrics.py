@@ -29,9 +29,10 @@ EAGER_DECODES = "hybridserve_worker_engine_eager_decode_steps_total"
 DECODE_ONLY_STEPS = "hybridserve_worker_engine_decode_only_steps_total"
 DECODE_ONLY_SECONDS = "hybridserve_worker_engine_decode_only_step_seconds_total"
 DECODE_ONLY_ROWS = "hybridserve_worker_engine_decode_only_rows_total"
+DECODE_ONLY_PHASES = "hybridserve_worker_engine_decode_only_phase_seconds_total"  # kept per phase: NAME:phase
 SCRAPED = (SPEC_ACCEPTED, SPEC_STEPS, PREFIX_HIT_TOKENS, PREFIX_QUERIES, PREFIX_HITS, ENGINE_STEPS,
            ENGINE_STEP_SECONDS, ENGINE_GAP_SECONDS, ENGINE_OUTPUTS, GRAPH_STEPS, EAGER_DECODES, ENGINE_GAPS,
-           DECODE_ONLY_STEPS, DECODE_ONLY_SECONDS, DECODE_ONLY_ROWS)
+           DECODE_ONLY_STEPS, DECODE_ONLY_SECONDS, DECODE_ONLY_ROWS, DECODE_ONLY_PHASES)
 
 
 @dataclass
@@ -127,7 +128,7 @@ def engine_loop(counters_delta: dict[str, float] | None) -> dict:
     if not counters_delta or steps <= 0:
         return {"engine_step_ms_mean": None, "engine_gap_ms_mean": None, "engine_outputs_per_step": None,
                 "engine_graph_steps": None, "engine_eager_decode_steps": None, "engine_decode_step_ms_mean": None,
-                "engine_decode_rows_mean": None}
+                "engine_decode_rows_mean": None, "engine_decode_phase_ms_mean": None}
     decode_steps = counters_delta.get(DECODE_ONLY_STEPS, 0.0)
     return {
         "engine_step_ms_mean": 1e3 * counters_delta.get(ENGINE_STEP_SECONDS, 0.0) / steps,
@@ -141,6 +142,11 @@ def engine_loop(counters_delta: dict[str, float] | None) -> dict:
         "engine_decode_step_ms_mean": 1e3 * counters_delta.get(DECODE_ONLY_SECONDS, 0.0) / decode_steps
         if decode_steps else None,
         "engine_decode_rows_mean": counters_delta.get(DECODE_ONLY_ROWS, 0.0) / decode_steps if decode_steps else None,
+        # where a decode-only step's time went (schedule, launch, while_running, wait, update), ms per step
+        "engine_decode_phase_ms_mean": {
+            key.split(":", 1)[1]: 1e3 * value / decode_steps for key, value in counters_delta.items()
+            if key.startswith(DECODE_ONLY_PHASES + ":")
+        } if decode_steps else None,
     }
 
 
@@ -170,7 +176,8 @@ def acceptance_length(counters_delta: dict[str, float] | None) -> float | None:
 def parse_counters(text: str, names: Iterable[str] = SCRAPED) -> dict[str, float]:
     """Sum over label sets of each named sample in a Prometheus text exposition (absent names are left out).
 
-    A counter family `x` exposes its sample as `x_total`; either spelling in `names` matches it."""
+    A counter family `x` exposes its sample as `x_total`; either spelling in `names` matches it. A sample with a
+    `phase` label is summed under `name:phase` instead."""
     from prometheus_client.parser import text_string_to_metric_families
 
     wanted = set(names)
@@ -179,7 +186,8 @@ def parse_counters(text: str, names: Iterable[str] = SCRAPED) -> dict[str, float
         for sample in family.samples:
             for name in (sample.name, sample.name + "_total"):
                 if name in wanted:
-                    sums[name] = sums.get(name, 0.0) + float(sample.value)
+                    key = f"{name}:{sample.labels['phase']}" if "phase" in sample.labels else name
+                    sums[key] = sums.get(key, 0.0) + float(sample.value)
                     break
     return sums
 

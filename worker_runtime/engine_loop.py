@@ -238,7 +238,7 @@ class EngineLoop:
                 target = self._streams.get(out.request_id)
                 if target is not None:
                     target.put(out)
-            self.stats.record(start, stepped, len(outputs), *self.engine.last_step_shape)
+            self.stats.record(start, stepped, len(outputs), self.engine.last_step)
 
 
 def _latest(

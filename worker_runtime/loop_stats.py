@@ -13,6 +13,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from hybridserve.engine.step_timing import PHASES, StepTiming
+
 logger = logging.getLogger(__name__)
 
 LOG_EVERY_S = 10.0
@@ -44,6 +46,7 @@ class LoopStats:
         self.decode_only_steps = 0
         self.decode_only_seconds = 0.0
         self.decode_only_rows = 0
+        self.decode_only_phase_seconds = dict.fromkeys(PHASES, 0.0)  # where those steps' time went
         self._last_end: float | None = None
         self._window_start = clock()
         self._window_steps: list[float] = []
@@ -54,21 +57,22 @@ class LoopStats:
         """The loop ran out of work: the next step's wait is idleness, not overhead."""
         self._last_end = None
 
-    def record(self, start: float, stepped: float, num_outputs: int, decode_rows: int = 0,
-               prefill_tokens: int = 0) -> None:
-        """One step ran from `start` to `stepped` (clock values) with `decode_rows` decoding requests and
-        `prefill_tokens` prompt tokens, and produced `num_outputs` outputs; called after they were handed to their
-        streams, so the hand-off counts as gap before the next step."""
+    def record(self, start: float, stepped: float, num_outputs: int, timing: StepTiming | None = None) -> None:
+        """One step ran from `start` to `stepped` (clock values) and produced `num_outputs` outputs (`timing`: the
+        engine's shape and phases of it); called after they were handed to their streams, so the hand-off counts
+        as gap before the next step."""
         step = stepped - start
         gap = start - self._last_end if self._last_end is not None else None
         with self._lock:
             self.steps += 1
             self.step_seconds += step
             self.outputs += num_outputs
-            if decode_rows and not prefill_tokens:
+            if timing is not None and timing.decode_only:
                 self.decode_only_steps += 1
                 self.decode_only_seconds += step
-                self.decode_only_rows += decode_rows
+                self.decode_only_rows += timing.decode_rows
+                for name, seconds in zip(PHASES, timing.phases()):
+                    self.decode_only_phase_seconds[name] += seconds
             self._window_steps.append(step)
             self._window_outputs += num_outputs
             if gap is not None:

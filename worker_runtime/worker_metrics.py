@@ -105,6 +105,14 @@ class _EngineGauges(Collector):
             *counters,
         ]
         yield from _role_families(CounterMetricFamily, counters, self._role)
+        phases = CounterMetricFamily(
+            "hybridserve_worker_engine_decode_only_phase_seconds",
+            "Time of the steps without prompt tokens by phase: schedule, launch, while_running (overlapping the "
+            "GPU), wait (for the sampled tokens), update", labels=["role", "phase"],
+        )
+        for phase, seconds in dict(loop_stats.decode_only_phase_seconds).items():
+            phases.add_metric([self._role, phase], seconds)
+        yield phases
         # without speculative decoding the families still exist, at 0 (dashboards show 0, not "No data")
         yield from _spec_families(spec if spec is not None else SpecMetrics(accepted_per_position=[0]), self._role)
 

@@ -24,6 +24,7 @@ from serve_metrics import (
     RequestRecord,
     acceptance_length,
     distribution_ms,
+    engine_loop,
     parse_counters,
     percentile,
     summarize,
@@ -179,6 +180,21 @@ def test_parse_counters_sums_label_sets() -> None:
         "# TYPE other gauge\nother 5\n"
     )
     assert parse_counters(text) == {SPEC_ACCEPTED: 15.0}
+
+
+def test_decode_only_phases_are_kept_per_phase() -> None:
+    name = "hybridserve_worker_engine_decode_only_phase_seconds"
+    text = (
+        f"# TYPE {name} counter\n"
+        f'{name}_total{{role="decode",phase="wait"}} 3.0\n{name}_total{{role="decode",phase="update"}} 0.5\n'
+        "# TYPE hybridserve_worker_engine_decode_only_steps counter\n"
+        'hybridserve_worker_engine_decode_only_steps_total{role="decode"} 1000.0\n'
+    )
+    counters = parse_counters(text)
+    assert counters == {f"{name}_total:wait": 3.0, f"{name}_total:update": 0.5,
+                        "hybridserve_worker_engine_decode_only_steps_total": 1000.0}
+    loop = engine_loop({**counters, "hybridserve_worker_engine_steps_total": 1200.0})
+    assert loop["engine_decode_phase_ms_mean"] == pytest.approx({"wait": 3.0, "update": 0.5})
 
 
 def test_arrivals_are_seeded_poisson_fixed_or_at_once() -> None:

@@ -8,6 +8,7 @@ import pytest
 from checkpoints import nemotron_h, random_prompts
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.engine.step_timing import StepTiming
 from hybridserve.worker_runtime.engine_loop import EngineLoop
 from hybridserve.worker_runtime.loop_stats import LoopStats
 
@@ -41,12 +42,15 @@ def test_gaps_count_only_between_back_to_back_steps(caplog: pytest.LogCaptureFix
 
 def test_decode_only_steps_are_counted_apart() -> None:
     stats = LoopStats("loop", log_every_s=100.0, clock=FakeClock())
-    stats.record(0.0, 0.030, 1, 3, 1024)  # mixed: 3 decodes beside a prefill chunk
-    stats.record(0.031, 0.037, 4, 4, 0)  # decode-only, 4 rows
-    stats.record(0.038, 0.045, 4, 4, 0)
-    stats.record(0.050, 0.080, 1, 0, 512)  # prefill only
-    assert stats.steps == 4 and stats.decode_only_steps == 2 and stats.decode_only_rows == 8
+    stats.record(0.0, 0.030, 1, StepTiming(3, 1024, wait=0.029))  # mixed: 3 decodes beside a prefill chunk
+    stats.record(0.031, 0.037, 4, StepTiming(4, 0, schedule=0.001, wait=0.005))  # decode-only, 4 rows
+    stats.record(0.038, 0.045, 4, StepTiming(4, 0, launch=0.001, wait=0.006))
+    stats.record(0.050, 0.080, 1, StepTiming(0, 512, wait=0.03))  # prefill only
+    stats.record(0.081, 0.082, 1)  # no timing: counted as a step only
+    assert stats.steps == 5 and stats.decode_only_steps == 2 and stats.decode_only_rows == 8
     assert stats.decode_only_seconds == pytest.approx(0.006 + 0.007)
+    phases = stats.decode_only_phase_seconds
+    assert phases["wait"] == pytest.approx(0.011) and phases["schedule"] == phases["launch"] == pytest.approx(0.001)
 
 
 def test_a_bad_log_interval_is_refused() -> None:
@@ -67,5 +71,8 @@ def test_the_loop_counts_its_steps() -> None:
         # one prompt of 9 tokens (prefill chunks), then decode-only steps of one row each
         assert stats.decode_only_steps >= 4 and stats.decode_only_rows == stats.decode_only_steps
         assert 0 < stats.decode_only_seconds < stats.step_seconds
+        # the phases are parts of the step: together at most its time, the GPU wait among them
+        assert 0 < sum(stats.decode_only_phase_seconds.values()) <= stats.decode_only_seconds
+        assert stats.decode_only_phase_seconds["wait"] > 0
     finally:
         loop.stop()
