@@ -1,24 +1,8 @@
-"""The garbage collector's pause time while a benchmark runs (gc.callbacks): is a slow host step the collector?"""
+"""The garbage collector's pause time while a benchmark runs: the library's counter (is a slow host step the
+collector?), re-exported for the benchmarks that import it from here."""
 
 from __future__ import annotations
 
-import gc
-import time
+from hybridserve.worker_runtime.gc_pauses import GcPauses
 
-
-class GcPauses:
-    """Sums the garbage collector's pause time (gc.callbacks) until closed: is a slow host step the collector?"""
-
-    def __init__(self) -> None:
-        self.total = 0.0
-        self._since = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._since = time.perf_counter()
-        else:
-            self.total += time.perf_counter() - self._since
-
-    def close(self) -> None:
-        gc.callbacks.remove(self._callback)
+__all__ = ["GcPauses"]

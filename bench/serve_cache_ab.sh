@@ -55,6 +55,8 @@ for path in sorted(raw.glob("r*/*-rate*.json")):
         "decode_rows": metrics.get("engine_decode_rows_mean"),
         "eager_decode_steps": metrics.get("engine_eager_decode_steps"),
         **{f"decode_{phase}_ms": ms for phase, ms in (metrics.get("engine_decode_phase_ms_mean") or {}).items()},
+        "gc_ms_per_s": sum((metrics.get("gc_pause_ms_per_s") or {}).values()) if metrics.get("gc_pause_ms_per_s") else None,
+        "gc2_ms_per_s": (metrics.get("gc_pause_ms_per_s") or {}).get("2"),
     })
 summary = {}
 for setting in dict.fromkeys(r["setting"] for r in rows):
@@ -62,7 +64,8 @@ for setting in dict.fromkeys(r["setting"] for r in rows):
     if mine:
         summary[setting] = {k: round(statistics.median(r[k] for r in mine), 3)
                             for k in ("ttft_p50", "tpot_p50", "itl_p50", "ttft_p99", "tpot_p99", "step_ms", "gap_ms",
-                                      "decode_step_ms", "decode_rows", *(f"decode_{p}_ms" for p in PHASES))
+                                      "decode_step_ms", "decode_rows", *(f"decode_{p}_ms" for p in PHASES),
+                                      "gc_ms_per_s", "gc2_ms_per_s")
                             if all(r.get(k) is not None for r in mine)}
 for setting in [s for s in summary if s != "off"]:
     if "off" in summary:

@@ -30,9 +30,11 @@ DECODE_ONLY_STEPS = "hybridserve_worker_engine_decode_only_steps_total"
 DECODE_ONLY_SECONDS = "hybridserve_worker_engine_decode_only_step_seconds_total"
 DECODE_ONLY_ROWS = "hybridserve_worker_engine_decode_only_rows_total"
 DECODE_ONLY_PHASES = "hybridserve_worker_engine_decode_only_phase_seconds_total"  # kept per phase: NAME:phase
+GC_PAUSE_SECONDS = "hybridserve_worker_gc_pause_seconds_total"  # kept per generation: NAME:generation
+KEPT_LABELS = ("phase", "generation")  # samples with one of these labels are summed per its value
 SCRAPED = (SPEC_ACCEPTED, SPEC_STEPS, PREFIX_HIT_TOKENS, PREFIX_QUERIES, PREFIX_HITS, ENGINE_STEPS,
            ENGINE_STEP_SECONDS, ENGINE_GAP_SECONDS, ENGINE_OUTPUTS, GRAPH_STEPS, EAGER_DECODES, ENGINE_GAPS,
-           DECODE_ONLY_STEPS, DECODE_ONLY_SECONDS, DECODE_ONLY_ROWS, DECODE_ONLY_PHASES)
+           DECODE_ONLY_STEPS, DECODE_ONLY_SECONDS, DECODE_ONLY_ROWS, DECODE_ONLY_PHASES, GC_PAUSE_SECONDS)
 
 
 @dataclass
@@ -118,7 +120,17 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, counters_delt
     metrics.update(prefix_hit(ok, counters_delta))
     metrics["spec_acceptance_length"] = acceptance_length(counters_delta)
     metrics.update(engine_loop(counters_delta))
+    metrics["gc_pause_ms_per_s"] = gc_pauses(counters_delta, dur)
     return metrics
+
+
+def gc_pauses(counters_delta: dict[str, float] | None, duration_s: float) -> dict[str, float] | None:
+    """The workers' garbage-collection pause time per second of the run, by generation (None: not scraped)."""
+    if not counters_delta:
+        return None
+    found = {key.split(":", 1)[1]: 1e3 * value / duration_s for key, value in counters_delta.items()
+             if key.startswith(GC_PAUSE_SECONDS + ":")}
+    return found or None
 
 
 def engine_loop(counters_delta: dict[str, float] | None) -> dict:
@@ -177,7 +189,7 @@ def parse_counters(text: str, names: Iterable[str] = SCRAPED) -> dict[str, float
     """Sum over label sets of each named sample in a Prometheus text exposition (absent names are left out).
 
     A counter family `x` exposes its sample as `x_total`; either spelling in `names` matches it. A sample with a
-    `phase` label is summed under `name:phase` instead."""
+    `phase` or `generation` label is summed under `name:value` instead."""
     from prometheus_client.parser import text_string_to_metric_families
 
     wanted = set(names)
@@ -186,7 +198,8 @@ def parse_counters(text: str, names: Iterable[str] = SCRAPED) -> dict[str, float
         for sample in family.samples:
             for name in (sample.name, sample.name + "_total"):
                 if name in wanted:
-                    key = f"{name}:{sample.labels['phase']}" if "phase" in sample.labels else name
+                    kept = next((sample.labels[k] for k in KEPT_LABELS if k in sample.labels), None)
+                    key = name if kept is None else f"{name}:{kept}"
                     sums[key] = sums.get(key, 0.0) + float(sample.value)
                     break
     return sums

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from hybridserve.engine.spec_decode import SpecMetrics
 from hybridserve.worker_runtime.engine_loop import EngineLoop
+from hybridserve.worker_runtime.gc_pauses import GENERATIONS, GcPauses
 
 logger = logging.getLogger(__name__)
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -144,6 +145,26 @@ def _spec_families(spec: SpecMetrics, role: str) -> Iterator[GaugeMetricFamily |
     yield family
 
 
+class _GcPauseCounters(Collector):
+    """The process's garbage-collector pauses and collections by generation."""
+
+    def __init__(self, pauses: GcPauses, role: str) -> None:
+        self._pauses = pauses
+        self._role = role
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        seconds = CounterMetricFamily("hybridserve_worker_gc_pause_seconds",
+                                      "Time the worker process spent in garbage collections (GIL held), by generation",
+                                      labels=["role", "generation"])
+        count = CounterMetricFamily("hybridserve_worker_gc_collections", "Garbage collections, by generation",
+                                    labels=["role", "generation"])
+        for generation in GENERATIONS:
+            seconds.add_metric([self._role, str(generation)], self._pauses.seconds.get(generation, 0.0))
+            count.add_metric([self._role, str(generation)], self._pauses.collections.get(generation, 0))
+        yield seconds
+        yield count
+
+
 class WorkerMetrics:
     """The registry of one worker and the counters its handlers bump."""
 
@@ -151,6 +172,8 @@ class WorkerMetrics:
         self.role = role
         self.registry = CollectorRegistry()
         self.registry.register(_EngineGauges(loop, role))
+        self.gc_pauses = GcPauses()
+        self.registry.register(_GcPauseCounters(self.gc_pauses, role))
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(name, doc, ["role", *labels], registry=self.registry)
@@ -190,6 +213,7 @@ class WorkerMetrics:
         return self.port
 
     def stop(self) -> None:
+        self.gc_pauses.close()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()

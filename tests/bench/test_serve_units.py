@@ -25,6 +25,7 @@ from serve_metrics import (
     acceptance_length,
     distribution_ms,
     engine_loop,
+    gc_pauses,
     parse_counters,
     percentile,
     summarize,
@@ -195,6 +196,15 @@ def test_decode_only_phases_are_kept_per_phase() -> None:
                         "hybridserve_worker_engine_decode_only_steps_total": 1000.0}
     loop = engine_loop({**counters, "hybridserve_worker_engine_steps_total": 1200.0})
     assert loop["engine_decode_phase_ms_mean"] == pytest.approx({"wait": 3.0, "update": 0.5})
+
+
+def test_gc_pauses_are_kept_per_generation_per_second() -> None:
+    name = "hybridserve_worker_gc_pause_seconds"
+    text = (f"# TYPE {name} counter\n{name}_total{{role=\"decode\",generation=\"0\"}} 0.2\n"
+            f"{name}_total{{role=\"decode\",generation=\"2\"}} 0.4\n")
+    counters = parse_counters(text)
+    assert gc_pauses(counters, 20.0) == pytest.approx({"0": 10.0, "2": 20.0})
+    assert gc_pauses(None, 20.0) is None and gc_pauses({}, 20.0) is None
 
 
 def test_arrivals_are_seeded_poisson_fixed_or_at_once() -> None:

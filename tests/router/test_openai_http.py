@@ -160,6 +160,11 @@ def test_metrics_parse_and_move_and_targets_list_everything(cluster, client) -> 
         assert any(k.startswith("hybridserve_worker_generation_tokens_total") and v > 0 for k, v in worker.items())
         assert any(k.startswith("hybridserve_worker_kv_cache_usage_ratio") for k in worker)
         assert any(k.startswith("hybridserve_worker_prefix_cache_queries_total") for k in worker)
+        # where a worker's time goes: decode-only step phases, the collector's pauses by generation
+        assert any(k.startswith("hybridserve_worker_engine_decode_only_phase_seconds_total") and "'wait'" in k
+                   for k in worker)
+        assert any(k.startswith("hybridserve_worker_gc_pause_seconds_total") and "'generation', '2'" in k
+                   for k in worker)
     prefill = _scrape(f"http://{targets[1]['targets'][0]}/metrics")
     assert any(k.startswith("hybridserve_worker_transfer_bytes_total") and v > 0 for k, v in prefill.items())
     assert any(k.startswith("hybridserve_worker_prefix_cache_hit_tokens_total") and v > 0 for k, v in prefill.items())
