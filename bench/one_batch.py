@@ -24,6 +24,7 @@ import torch
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.engine.step_timing import PHASES
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "nemotron-nano-9b-v2.json"
 
@@ -102,6 +103,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> d
     first: set[str] = set()
     prefill_s = 0.0
     step_times: list[float] = []
+    phases: list[tuple[float, ...]] = []  # engine.last_step's phases of the decode steps
     steps_with_prefill = 0
     while engine.has_unfinished():
         t0 = time.perf_counter()
@@ -109,6 +111,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> d
         t1 = time.perf_counter()
         if len(first) == len(ids):
             step_times.append(t1 - t0)
+            phases.append(engine.last_step.phases())
         else:
             steps_with_prefill += 1
         for out in outs:
@@ -123,6 +126,9 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> d
         "prefill_steps": steps_with_prefill,
         "decode_step_ms_p50": 1e3 * statistics.median(step_times) if step_times else 0.0,
         "decode_steps": len(step_times),
+        # where a decode step's time goes (schedule, launch, while_running, wait, update): medians, ms
+        "decode_phase_ms_p50": {name: 1e3 * statistics.median(p[i] for p in phases) for i, name in enumerate(PHASES)}
+        if phases else {},
         "total_s": time.perf_counter() - start,
     }
 
@@ -159,6 +165,8 @@ def main() -> None:
         "prefill_s_p50": statistics.median(r["prefill_s"] for r in runs),
         "prefill_tok_per_s_p50": statistics.median(r["prefill_tok_per_s"] for r in runs),
         "decode_step_ms_p50": statistics.median(r["decode_step_ms_p50"] for r in runs),
+        "decode_phase_ms_p50": {name: statistics.median(r["decode_phase_ms_p50"][name] for r in runs)
+                                for name in PHASES} if all(r["decode_phase_ms_p50"] for r in runs) else {},
         "runs": runs,
     }
     if args.profile:

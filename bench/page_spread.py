@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_prompts, run_batch
+from sections import write_json
 
 from hybridserve.engine.llm_engine import LLMEngine
 
@@ -101,10 +102,8 @@ def main() -> None:
         "input_len": args.input_len, "output_len": args.output_len, "rounds": args.rounds,
         "decode_step_ms_p50": summary, "runs": steps, "profile_batch": max(batches), "profiles": profiles,
     }
-    text = json.dumps(result, indent=2)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    print(text)
+    print(json.dumps(result["decode_step_ms_p50"], indent=2))
+    write_json(result, Path(args.json) if args.json else None)
 
 
 if __name__ == "__main__":

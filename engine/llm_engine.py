@@ -310,8 +310,10 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- the loop -------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, accept / sample, apply stop rules, draft; returns updated requests."""
+    def step(self, on_launched: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """Schedule, run one forward, accept / sample, apply stop rules, draft; returns updated requests.
+        `on_launched` runs once the forward is queued, while the GPU computes it (a worker loop hands the previous
+        step's outputs to their streams there); not called when the step queues no forward."""
         start = time.perf_counter()
         work = self.scheduler.schedule()
         if work.is_empty:
@@ -323,6 +325,8 @@ class LLMEngine:
 
         def while_running() -> None:  # the prefix cache's host work, hidden behind the forward's GPU time
             overlap[0] = time.perf_counter()
+            if on_launched is not None:
+                on_launched()
             self.pool.commit_prefills(prefills)
             self.pool.evict_ahead()
             self.scheduler.prepare_waiting()

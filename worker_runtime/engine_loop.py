@@ -7,6 +7,7 @@ The engine is single-threaded by design; every touch of it happens on the loop t
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -66,8 +67,14 @@ class RedirectableStream(queue.Queue):
 class EngineLoop:
     """`step()`s the engine while it has work; runs submitted calls between steps."""
 
-    def __init__(self, engine: LLMEngine, name: str = "engine-loop") -> None:
+    def __init__(self, engine: LLMEngine, name: str = "engine-loop", late_handoff: bool | None = None) -> None:
         self.engine = engine
+        # late hand-off: a step's outputs reach their streams once the next step's forward is queued, so the threads
+        # that send them run while the GPU computes instead of contending with the loop while it builds and
+        # launches the step (each token then leaves one launch later); HYBRIDSERVE_LATE_HANDOFF=1 until measured
+        self.late_handoff = (os.environ.get("HYBRIDSERVE_LATE_HANDOFF", "0") == "1" if late_handoff is None
+                             else late_handoff)
+        self._pending: list[RequestOutput] = []  # outputs of the last step, not yet handed off (late hand-off)
         self._calls: queue.Queue[tuple[Callable[[], Any], Future | None]] = queue.Queue()  # None: posted
         self._streams: dict[str, OutputSink] = {}
         self._stop = threading.Event()
@@ -217,27 +224,44 @@ class EngineLoop:
             except queue.Empty:
                 return
 
+    def _hand_off(self) -> None:
+        """Put the held outputs into their requests' streams (a stream closed meanwhile drops its output)."""
+        outputs, self._pending = self._pending, []
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is not None:
+                target.put(out)
+
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._hand_off()
+
+    def _loop(self) -> None:
+        on_launched = self._hand_off if self.late_handoff else None
         while not self._stop.is_set():
             self._run_calls(block=not self.engine.has_unfinished())
             if not self.engine.has_unfinished():
+                self._hand_off()
                 self.stats.idle()
                 continue
             start = time.perf_counter()
             try:
-                outputs = self.engine.step()
+                outputs = self.engine.step(on_launched=on_launched) if on_launched else self.engine.step()
             except Exception as exc:  # a failed step fails the requests in it, not the worker
                 logger.exception("engine step failed")
+                self._hand_off()  # the step before it completed: its outputs go out before the error
                 for request_id, stream in list(self._streams.items()):
                     stream.put(RuntimeError(f"engine step failed: {exc}"))
                     self.engine.abort(request_id)
                 self.stats.idle()
                 continue
             stepped = time.perf_counter()
-            for out in outputs:
-                target = self._streams.get(out.request_id)
-                if target is not None:
-                    target.put(out)
+            self._hand_off()  # the previous step's outputs, where this step queued no forward
+            self._pending = list(outputs)
+            if not (self.late_handoff and self.engine.has_unfinished()):
+                self._hand_off()  # no next step to overlap with: now
             self.stats.record(start, stepped, len(outputs), self.engine.last_step)
 
 

@@ -1,0 +1,69 @@
+"""Late hand-off (HYBRIDSERVE_LATE_HANDOFF): a step's outputs reach their streams once the next step's forward is
+queued, never lost, in order, and the last ones at once when no step follows."""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+from checkpoints import nemotron_h, random_prompts
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.engine.outputs import RequestOutput
+from hybridserve.worker_runtime.engine_loop import EngineLoop
+
+
+class _Recorder(queue.Queue):
+    """A stream that notes, per output, how many engine steps had started when it arrived."""
+
+    def __init__(self, steps: list[int]) -> None:
+        super().__init__()
+        self.steps = steps
+        self.log: list[tuple[int, int, bool]] = []  # (steps started, tokens so far, finished)
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        if isinstance(item, RequestOutput):
+            self.log.append((len(self.steps), len(item.token_ids), item.finished))
+        super().put(item, block, timeout)
+
+
+def _run(late: bool, model_dir) -> tuple[dict[str, list[tuple[int, int, bool]]], dict[str, list[int]]]:
+    loop = EngineLoop(LLM(model_dir).engine, late_handoff=late)
+    steps: list[int] = []
+    real_step = loop.engine.step
+
+    def counted_step(on_launched=None):  # type: ignore[no-untyped-def]
+        steps.append(1)
+        return real_step(on_launched=on_launched)
+
+    loop.engine.step = counted_step  # type: ignore[method-assign]
+    prompts = random_prompts([9, 5, 12], vocab=128, seed=4)
+    sinks = {f"r{i}": _Recorder(steps) for i in range(len(prompts))}
+    try:
+        def add_all() -> None:  # one trip to the loop: the three requests start together
+            for (name, sink), prompt in zip(sinks.items(), prompts):
+                loop._streams[name] = sink
+                loop.engine.add_request(prompt, SamplingParams(max_tokens=4 + len(prompt) % 3, temperature=0.0,
+                                                               ignore_eos=True), name)
+
+        loop.call(add_all)
+        tokens = {name: list(loop.iterate(name, sink))[-1].token_ids for name, sink in sinks.items()}
+    finally:
+        loop.stop()
+    return {name: sink.log for name, sink in sinks.items()}, tokens
+
+
+def test_late_hand_off_delivers_every_output_one_launch_later() -> None:
+    model_dir, _ = nemotron_h("M*")
+    early_log, early_tokens = _run(False, model_dir)
+    late_log, late_tokens = _run(True, model_dir)
+    assert late_tokens == early_tokens  # the same tokens, nothing lost
+    last_step = max(entry[0] for log in early_log.values() for entry in log)
+    for name, early in early_log.items():
+        late = late_log[name]
+        assert [entry[1:] for entry in late] == [entry[1:] for entry in early]  # same outputs, same order
+        assert late[-1][2]  # the finished output arrived
+        for (early_steps, *_), (late_steps, *_) in zip(early, late):
+            # early: handed off before the next step starts; late: once the next step runs, or at once after the
+            # last step (no step follows it)
+            assert late_steps == early_steps + (early_steps != last_step)
