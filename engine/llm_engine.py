@@ -315,6 +315,7 @@ class LLMEngine:
         `on_launched` runs once the forward is queued, while the GPU computes it (a worker loop hands the previous
         step's outputs to their streams there); not called when the step queues no forward."""
         start = time.perf_counter()
+        self.last_step = StepTiming()  # a step that runs nothing has no shape (not a decode-only step)
         work = self.scheduler.schedule()
         if work.is_empty:
             return []

@@ -74,5 +74,7 @@ def test_the_loop_counts_its_steps() -> None:
         # the phases are parts of the step: together at most its time, the GPU wait among them
         assert 0 < sum(stats.decode_only_phase_seconds.values()) <= stats.decode_only_seconds
         assert stats.decode_only_phase_seconds["wait"] > 0
+        # a step with nothing to run leaves no shape behind (the loop must not count it as a decode step)
+        assert loop.call(lambda: (loop.engine.step(), loop.engine.last_step)) == ([], StepTiming())
     finally:
         loop.stop()
