@@ -6,6 +6,7 @@ The engine is single-threaded by design; every touch of it happens on the loop t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -20,6 +21,7 @@ from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.worker_runtime.loop_stats import LoopStats
+from hybridserve.worker_runtime.step_profiler import StepProfileConfig, StepProfiler
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,6 +81,8 @@ class EngineLoop:
         self._streams: dict[str, OutputSink] = {}
         self._stop = threading.Event()
         self.stats = LoopStats(name)
+        profile = StepProfileConfig.from_env()  # HYBRIDSERVE_PROFILE_DIR: a trace of a window of busy steps
+        self.profiler = StepProfiler(profile, name) if profile is not None else None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -237,6 +241,8 @@ class EngineLoop:
             self._loop()
         finally:
             self._hand_off()
+            if self.profiler is not None:
+                self.profiler.finish()
 
     def _loop(self) -> None:
         on_launched = self._hand_off if self.late_handoff else None
@@ -248,7 +254,8 @@ class EngineLoop:
                 continue
             start = time.perf_counter()
             try:
-                outputs = self.engine.step(on_launched=on_launched) if on_launched else self.engine.step()
+                with self.profiler.step() if self.profiler is not None else contextlib.nullcontext():
+                    outputs = self.engine.step(on_launched=on_launched) if on_launched else self.engine.step()
             except Exception as exc:  # a failed step fails the requests in it, not the worker
                 logger.exception("engine step failed")
                 self._hand_off()  # the step before it completed: its outputs go out before the error
