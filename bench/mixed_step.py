@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gc_pauses import GcPauses
 from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_prompts, sync
 
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.worker_runtime.gc_pauses import GcPauses
 
 
 class StepTimer:

@@ -36,9 +36,11 @@ python3 - "$raw" "$OUT/ab_summary.json" "${variants[@]}" <<'PY'
 import json, statistics, sys
 from pathlib import Path
 
+from hybridserve.engine.step_timing import PHASES
+
 raw, out, variants = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
 setting_of = {"colocated-1gpu-nocache": "off", "colocated-1gpu": "on"}
-PHASES = ("schedule", "launch", "while_running", "wait", "update")  # hybridserve.engine.step_timing.PHASES
+
 rows = []
 for path in sorted(raw.glob("r*/*-rate*.json")):
     metrics = json.loads(path.read_text())["metrics"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -26,7 +25,7 @@ from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.engine.spec_memory import write_checkpoint_hidden
-from hybridserve.engine.step_timing import StepTiming
+from hybridserve.engine.step_timing import NO_STEP, StepClock
 from hybridserve.engine.structured_output import GrammarBackend
 from hybridserve.engine.warmup import WarmupReport, warm_up
 from hybridserve.models.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
@@ -119,7 +118,7 @@ class LLMEngine:
                                       self.max_running if config.fold_decode_rows else 0)
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}  # finished, state kept for export
-        self.last_step = StepTiming()  # the last step's shape and phase times (a worker loop's metrics read it)
+        self.last_step = NO_STEP  # the last step's shape and phase times (a worker loop's metrics read it)
         self._hooks: dict[str, handoff.HandoffHooks] = {}  # held requests' callbacks, until they finish
         self._reserved: dict[str, Request] = {}  # pages and slot waiting for a remote prefill's state
         self._counter = itertools.count()
@@ -314,26 +313,25 @@ class LLMEngine:
         """Schedule, run one forward, accept / sample, apply stop rules, draft; returns updated requests.
         `on_launched` runs once the forward is queued, while the GPU computes it (a worker loop hands the previous
         step's outputs to their streams there); not called when the step queues no forward."""
-        start = time.perf_counter()
-        self.last_step = StepTiming()  # a step that runs nothing has no shape (not a decode-only step)
+        clock = StepClock()
+        self.last_step = NO_STEP
         work = self.scheduler.schedule()
         if work.is_empty:
             return []
         verify = self.spec.verify_inputs(work.decodes) if self.spec is not None else None
         prefills = [(c.request, c.num_tokens) for c in work.prefills]
         checkpoint_slots = self.pool.plan_checkpoints(prefills)
-        overlap = [0.0, 0.0]  # while_running's start and end
 
         def while_running() -> None:  # the prefix cache's host work, hidden behind the forward's GPU time
-            overlap[0] = time.perf_counter()
+            clock.overlap_started()
             if on_launched is not None:
                 on_launched()
             self.pool.commit_prefills(prefills)
             self.pool.evict_ahead()
             self.scheduler.prepare_waiting()
-            overlap[1] = time.perf_counter()
+            clock.overlap_ended()
 
-        scheduled = time.perf_counter()
+        clock.schedule_done()
         try:
             output = self.runner.execute(work, checkpoint_slots, verify,
                                          handoff.layer_hook(self._hooks, work.prefills) if self._hooks else None,
@@ -345,7 +343,7 @@ class LLMEngine:
             write_checkpoint_hidden(self.cache, work.prefills, checkpoint_slots, output, len(work.decodes),
                                     self.state_block)
             output = self.spec.accept(work.decodes, output)
-        executed = time.perf_counter()
+        clock.execute_done()
         update = self.scheduler.update_from_output(work, output, self.spec)
         updated: list[RequestOutput] = []
         for request in update.updated:
@@ -362,12 +360,7 @@ class LLMEngine:
                 hooks.on_held(out.request_id)
         if self._hooks:
             handoff.progress(self._hooks, work.prefills)
-        queued, overlapped = overlap if overlap[1] else (executed, executed)
-        self.last_step = StepTiming(
-            len(work.decodes), sum(c.num_tokens for c in work.prefills), schedule=scheduled - start,
-            launch=queued - scheduled, while_running=overlapped - queued, wait=executed - overlapped,
-            update=time.perf_counter() - executed,
-        )
+        self.last_step = clock.timing(len(work.decodes), sum(c.num_tokens for c in work.prefills))
         return updated
 
     def _catch_up_work(self, chunks: list[tuple[Request, int]], before: list[int], output: StepOutput) -> list[CatchUp]:

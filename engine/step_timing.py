@@ -4,6 +4,7 @@ the GPU, or the update after it)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 PHASES = ("schedule", "launch", "while_running", "wait", "update")
@@ -28,3 +29,36 @@ class StepTiming:
 
     def phases(self) -> tuple[float, ...]:
         return tuple(getattr(self, name) for name in PHASES)
+
+
+NO_STEP = StepTiming()  # a step that ran nothing: no shape, not a decode-only step
+
+
+class StepClock:
+    """Marks one step's phase boundaries as it runs (perf_counter); `timing` turns them into a StepTiming. A step
+    whose forward never calls `overlap_started` / `overlap_ended` counts no overlapped work."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.scheduled = self.queued = self.overlapped = self.executed = 0.0
+
+    def schedule_done(self) -> None:
+        self.scheduled = time.perf_counter()
+
+    def overlap_started(self) -> None:
+        self.queued = time.perf_counter()
+
+    def overlap_ended(self) -> None:
+        self.overlapped = time.perf_counter()
+
+    def execute_done(self) -> None:
+        self.executed = time.perf_counter()
+        if not self.overlapped:
+            self.queued = self.overlapped = self.executed
+
+    def timing(self, decode_rows: int, prefill_tokens: int) -> StepTiming:
+        return StepTiming(
+            decode_rows, prefill_tokens, schedule=self.scheduled - self.start, launch=self.queued - self.scheduled,
+            while_running=self.overlapped - self.queued, wait=self.executed - self.overlapped,
+            update=time.perf_counter() - self.executed,
+        )

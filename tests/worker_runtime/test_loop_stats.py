@@ -8,7 +8,7 @@ import pytest
 from checkpoints import nemotron_h, random_prompts
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.engine.step_timing import StepTiming
+from hybridserve.engine.step_timing import StepClock, StepTiming
 from hybridserve.worker_runtime.engine_loop import EngineLoop
 from hybridserve.worker_runtime.loop_stats import LoopStats
 
@@ -78,3 +78,12 @@ def test_the_loop_counts_its_steps() -> None:
         assert loop.call(lambda: (loop.engine.step(), loop.engine.last_step)) == ([], StepTiming())
     finally:
         loop.stop()
+
+
+def test_a_step_without_overlapped_work_counts_it_as_launch() -> None:
+    """A forward that never ran the overlapped window: its whole execution is launch, nothing overlapped or waited."""
+    clock = StepClock()
+    clock.schedule_done()
+    clock.execute_done()
+    timing = clock.timing(2, 0)
+    assert timing.decode_only and timing.while_running == 0.0 and timing.wait == 0.0 and timing.launch >= 0.0
