@@ -60,7 +60,9 @@ class PrefillWorker:
         self._internal_token = internal_token  # required on every call to this worker, sent on calls to decode workers
         self._internal_tls = internal_tls  # mutual TLS on its port and on its channels to decode workers
         self.sender = StateSender(self.transfer, self.engine.config.torch_device, internal_token, host, internal_tls)
-        self.loop = EngineLoop(self.engine, name=f"{self.worker_id}-loop")
+        # outputs at once, not late: a prefill's one output releases its state push, which must not wait for the next
+        # (often long, eagerly launched) chunk's launch; there are no per-token streams here to keep off the GIL
+        self.loop = EngineLoop(self.engine, name=f"{self.worker_id}-loop", late_handoff=False)
         self.events = CacheEventFeed(self.worker_id, self.loop)
         self.metrics = WorkerMetrics(self.loop, "prefill")
         self._metrics_port = metrics_port  # None: no /metrics server

@@ -84,9 +84,9 @@ def test_at_the_drain_timeout_the_clients_left_get_an_error() -> None:
     decode = cluster.decode[0]
     step = decode.engine.step
 
-    def slow_step():  # a long request is still running when the drain gives up
+    def slow_step(**kw):  # type: ignore[no-untyped-def]  # a long request is still running when the drain gives up
         time.sleep(0.02)
-        return step()
+        return step(**kw)
 
     decode.engine.step = slow_step
     try:

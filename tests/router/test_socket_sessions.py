@@ -149,7 +149,7 @@ def test_a_drained_worker_sends_its_last_events_before_its_sockets_close(model_d
     try:
         c.wait_ready()
         step = worker.engine.step
-        worker.engine.step = lambda: (time.sleep(0.01), step())[1]  # type: ignore[method-assign]
+        worker.engine.step = lambda **kw: (time.sleep(0.01), step(**kw))[1]  # type: ignore[method-assign]
         params = GREEDY.__class__(max_tokens=40, temperature=0.0, ignore_eos=True)
         events = c.orchestrator.generate([4, 5, 6], params)
         tokens = list(next(events).token_ids)

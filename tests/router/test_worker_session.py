@@ -103,13 +103,13 @@ def _hold_after(worker: DecodeWorker, steps: int) -> None:
     step = worker.engine.step
     taken = 0
 
-    def held() -> list:
+    def held(**kw) -> list:  # type: ignore[no-untyped-def]
         nonlocal taken
         if taken >= steps:
             time.sleep(0.005)  # a stopped engine: an empty step, not a busy loop
             return []
         taken += 1
-        return step()
+        return step(**kw)
 
     worker.engine.step = held  # type: ignore[method-assign]
 

@@ -54,7 +54,7 @@ def test_a_request_past_the_waiting_queue_is_resource_exhausted() -> None:
     model_dir, _ = nemotron_h("M*")
     worker = DecodeWorker(model_dir, EngineConfig(max_num_seqs=1, max_num_waiting=1, max_model_len=256), metrics_port=None)
     step = worker.engine.step
-    worker.engine.step = lambda: (time.sleep(0.02), step())[1]  # type: ignore[method-assign]
+    worker.engine.step = lambda **kw: (time.sleep(0.02), step(**kw))[1]  # type: ignore[method-assign]
     stub = worker_pb2_grpc.DecodeWorkerStub(insecure_channel(worker.start()))
 
     def generate(i: int, max_tokens: int = 24):  # noqa: ANN202 - a gRPC response iterator
