@@ -15,7 +15,9 @@ bench/results/h200/serve_speed/mixed_split/), and the decode rows' eager path ad
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,13 +36,33 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+def launch_stages(num_layers: int) -> tuple[int, ...]:
+    """The layers after which a captured step starts a new graph: 0, 3, 15, 63, ... (pieces of 1, 3, 12, 48 layers).
+
+    The GPU starts a graph only once its whole cudaGraphLaunch call has returned (~0.85 us of host time per kernel
+    node, ~255 us for the 9B's ~300-node step, all of it GPU idle time per step: bench/results/h200/session45/).
+    In pieces, the GPU runs the first (1 layer, a few nodes) while the host launches the next, and each piece's GPU
+    time (~50-100 us a layer) covers the launch of the next, 4x longer (~4 us a layer): only the first piece's launch
+    stays exposed. HYBRIDSERVE_STAGED_GRAPHS=0 captures the step as one graph (as HYBRIDSERVE_PDL, for comparing)."""
+    value = os.environ.get("HYBRIDSERVE_STAGED_GRAPHS", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"HYBRIDSERVE_STAGED_GRAPHS must be 0 or 1, got {value!r}")
+    stages, end = [], 1
+    while value == "1" and end < num_layers:
+        stages.append(end - 1)
+        end *= 4
+    return tuple(stages)
+
+
 class DecodeGraphs:
-    """Captured decode forwards of `model` over `cache`, one per bucket up to `max_batch`; `tokens` > 1: verify
-    forwards of that many tokens per row with `rollback` ("intermediate" or "replay", as the engine speculates)."""
+    """Captured decode forwards of `model` over `cache`, one per bucket up to `max_batch`, each in pieces cut after
+    `stages`' layers; `tokens` > 1: verify forwards of that many tokens per row with `rollback` ("intermediate" or
+    "replay", as the engine speculates)."""
 
     def __init__(
         self, model: HybridLM, cache: StateCache, max_batch: int, max_pages_per_seq: int,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS, tokens: int = 1, rollback: str | None = None,
+        stages: tuple[int, ...] | None = None,
     ) -> None:
         if max_batch <= 0 or max_pages_per_seq <= 0:
             raise ValueError(f"max_batch ({max_batch}) and max_pages_per_seq ({max_pages_per_seq}) must be positive")
@@ -62,8 +84,11 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_pages_per_seq, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n * tokens,), -1, dtype=torch.int64, device=device)
         self.num_replay = torch.zeros(n, dtype=torch.int32, device=device) if rollback == "replay" else None
-        # bucket -> (graph, hidden [size * tokens, hidden], per-token SSM states of the "intermediate" rollback)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, dict[int, torch.Tensor]]] = {}
+        # bucket -> (graph pieces, replayed in order, hidden [size * tokens, hidden], per-token SSM states of the
+        # "intermediate" rollback)
+        self.graphs: dict[int, tuple[list[torch.cuda.CUDAGraph], torch.Tensor, dict[int, torch.Tensor]]] = {}
+        # a new graph piece after each of these layers (None: launch_stages; (): one graph per step)
+        self.stages = launch_stages(len(model.layers)) if stages is None else stages
         self.pool: Any = None
         self.num_replays = 0  # decode steps served by a graph
         self.num_eager_decodes = 0  # decode-only steps that had to run eagerly (a boundary row, a wide table)
@@ -93,14 +118,37 @@ class DecodeGraphs:
             for size in reversed(self.buckets):  # warm-up: compiles / autotunes every kernel eagerly
                 self.model(self.input_ids[: size * self.tokens], self._batch(size), self.cache)
         torch.cuda.current_stream().wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.buckets):
-            graph = torch.cuda.CUDAGraph()
-            batch = self._batch(size)
-            with torch.cuda.graph(graph, pool=self.pool):
+            pieces, hidden, states = self._capture_pieces(size)
+            self.graphs[size] = (pieces, hidden, states)
+
+    def _capture_pieces(self, size: int) -> tuple[list[torch.cuda.CUDAGraph], torch.Tensor, dict[int, torch.Tensor]]:
+        """One bucket's forward captured as consecutive graphs in the shared pool, cut after `self.stages`' layers;
+        a piece's outputs stay alive (Python holds them) while the next is captured, so it reads them in replay."""
+        pieces: list[torch.cuda.CUDAGraph] = []
+
+        def begin() -> None:
+            pieces.append(torch.cuda.CUDAGraph())
+            pieces[-1].capture_begin(pool=self.pool)
+
+        def cut(index: int) -> None:  # ForwardBatch.layer_done: called after layer `index`, mid-capture
+            if index in self.stages:
+                pieces[-1].capture_end()
+                begin()
+
+        batch = dataclasses.replace(self._batch(size), layer_done=cut if self.stages else None)
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()  # capture needs a stream other than the legacy default one
+        with torch.cuda.stream(stream):
+            begin()
+            try:
                 hidden = self.model(self.input_ids[: size * self.tokens], batch, self.cache)
-            if self.pool is None:
-                self.pool = graph.pool()
-            self.graphs[size] = (graph, hidden, batch.intermediate_states)
+            finally:
+                pieces[-1].capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        return pieces, hidden, batch.intermediate_states
 
     def bucket_for(self, batch: ForwardBatch) -> int | None:
         """The bucket that replays this batch, or None when it must run eagerly."""
@@ -143,8 +191,9 @@ class DecodeGraphs:
                 raise ValueError("a replay verify batch needs num_replay")
             self.num_replay[:n].copy_(batch.num_replay)
             self.num_replay[n:size].fill_(0)
-        graph, hidden, states = self.graphs[size]
-        graph.replay()
+        pieces, hidden, states = self.graphs[size]
+        for piece in pieces:  # the GPU runs each piece while the host launches the next
+            piece.replay()
         batch.intermediate_states.update({layer: s[:n] for layer, s in states.items()})
         return hidden[: n * t]
 

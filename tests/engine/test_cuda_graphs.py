@@ -36,6 +36,7 @@ def test_graph_decode_equals_eager(family):
     graphs.run = counting_run  # type: ignore[method-assign]
     graphed = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     assert any(replays), "no decode step went through a graph"
+    assert all(len(pieces) == 2 for pieces, _, _ in graphs.graphs.values())  # staged: layer 0, then layers 1-3
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
 
 
@@ -67,3 +68,14 @@ def test_mixed_steps_fold_the_decode_rows_and_match_eager():
         stats = llm.engine.graph_stats()
         assert stats["folded_mixed_steps"] > 0 and stats["split_mixed_steps"] == 0
         assert got == expected
+
+
+def test_one_graph_per_step_when_staging_is_off(monkeypatch):
+    monkeypatch.setenv("HYBRIDSERVE_STAGED_GRAPHS", "0")
+    model_dir = nemotron_h("M*-M")[0]
+    eager = LLM(model_dir, device="cuda", dtype="float32", cuda_graphs=False).generate(
+        prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    llm = LLM(model_dir, device="cuda", dtype="float32")
+    assert all(len(pieces) == 1 for pieces, _, _ in llm.engine.runner.model.graphs.graphs.values())
+    graphed = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+    assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
