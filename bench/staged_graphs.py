@@ -1,11 +1,11 @@
-"""Decode steps replayed from graphs launched in pieces (the engine's default) vs one graph per step.
+"""Decode steps replayed from graphs launched in pieces (HYBRIDSERVE_STAGED_GRAPHS=1) vs one graph per step.
 
     python bench/staged_graphs.py --batches 1 4 8 --context 1024 --steps 40 --rounds 3 --out FILE
 
 One engine (the serving benchmark's settings) holds B decoding requests; each round times `--steps` engine steps
-(host work, launch, GPU, sampling: what a served step costs) with the engine's staged graphs (engine/cuda_graphs.py
-launch_stages: the GPU starts the first piece while the host launches the rest) and with a second set captured as
-one graph per step, alternating, on one GPU in one process. Medians of the per-step wall times over all rounds,
+(host work, launch, GPU, sampling: what a served step costs) with decode graphs launched in pieces
+(engine/cuda_graphs.py stage_cuts: the GPU starts the first piece while the host launches the rest) and with graphs
+captured as one per step, alternating, on one GPU in one process. Medians of the per-step wall times over all rounds,
 and the launch phase of each (`LLMEngine.last_step`).
 """
 
@@ -20,7 +20,7 @@ import torch
 from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_prompts, sync
 from sections import write_json
 
-from hybridserve.engine.cuda_graphs import DecodeGraphs
+from hybridserve.engine.cuda_graphs import DecodeGraphs, stage_cuts
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.sampling_params import SamplingParams
 
@@ -50,13 +50,14 @@ def main() -> None:
     model_dir = Path(args.model) if args.model else dummy_model_dir(args.dummy_config)
     engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=False))
     graphed = engine.runner.model
-    staged = getattr(graphed, "graphs", None)
-    if staged is None or not staged.stages:
-        raise SystemExit("no staged decode graphs (CPU, or HYBRIDSERVE_STAGED_GRAPHS=0): nothing to compare")
-    whole = DecodeGraphs(graphed.model, engine.cache, engine.max_running,
-                         -(-engine.max_model_len // engine.config.page_size),
-                         buckets=tuple(b for b in staged.buckets if b <= max(args.batches)), stages=())
-    whole.capture()
+    if getattr(graphed, "graphs", None) is None:
+        raise SystemExit("decode graphs are off (CPU?): nothing to compare")
+    buckets = tuple(b for b in graphed.graphs.buckets if b <= max(args.batches))
+    sets = {name: DecodeGraphs(graphed.model, engine.cache, engine.max_running,
+                               -(-engine.max_model_len // engine.config.page_size), buckets=buckets, stages=stages)
+            for name, stages in (("staged", stage_cuts(len(graphed.model.layers))), ("whole", ()))}
+    for graphs in sets.values():
+        graphs.capture()
     vocab = engine.model_config.vocab_size
     rows = []
     for batch in args.batches:
@@ -67,12 +68,11 @@ def main() -> None:
         times: dict[str, list[float]] = {"staged": [], "whole": []}
         launch: dict[str, list[float]] = {"staged": [], "whole": []}
         for _ in range(args.rounds):
-            for name, graphs in (("staged", staged), ("whole", whole)):
+            for name, graphs in sets.items():
                 graphed.graphs = graphs
                 walls, launches = timed_steps(engine, args.steps)
                 times[name] += walls
                 launch[name] += launches
-        graphed.graphs = staged
         for rid in ids:
             engine.abort(rid)
         engine.step()
@@ -81,7 +81,7 @@ def main() -> None:
         row["staged_over_whole"] = round(row["step_ms_staged"] / row["step_ms_whole"], 4)
         rows.append(row)
         print(row, flush=True)
-    write_json({"device": torch.cuda.get_device_name(), "context": args.context, "stages": list(staged.stages),
+    write_json({"device": torch.cuda.get_device_name(), "context": args.context, "stages": list(sets["staged"].stages),
                 "layers": len(graphed.model.layers), "rows": rows}, Path(args.out) if args.out else None)
 
 

@@ -36,22 +36,28 @@ logger = logging.getLogger(__name__)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
-def launch_stages(num_layers: int) -> tuple[int, ...]:
+def stage_cuts(num_layers: int) -> tuple[int, ...]:
     """The layers after which a captured step starts a new graph: 0, 3, 15, 63, ... (pieces of 1, 3, 12, 48 layers).
 
     The GPU starts a graph only once its whole cudaGraphLaunch call has returned (~0.85 us of host time per kernel
     node, ~255 us for the 9B's ~300-node step, all of it GPU idle time per step: bench/results/h200/session45/).
     In pieces, the GPU runs the first (1 layer, a few nodes) while the host launches the next, and each piece's GPU
     time (~50-100 us a layer) covers the launch of the next, 4x longer (~4 us a layer): only the first piece's launch
-    stays exposed. HYBRIDSERVE_STAGED_GRAPHS=0 captures the step as one graph (as HYBRIDSERVE_PDL, for comparing)."""
-    value = os.environ.get("HYBRIDSERVE_STAGED_GRAPHS", "1")
+    stays exposed."""
+    cuts, end = [], 1
+    while end < num_layers:
+        cuts.append(end - 1)
+        end *= 4
+    return tuple(cuts)
+
+
+def launch_stages(num_layers: int) -> tuple[int, ...]:
+    """The engine's cuts: `stage_cuts` with HYBRIDSERVE_STAGED_GRAPHS=1, none (one graph per step) by default until
+    bench/staged_graphs.py has measured the pieces on the GPU (bench/results/h200/session45/run_j.sh)."""
+    value = os.environ.get("HYBRIDSERVE_STAGED_GRAPHS", "0")
     if value not in ("0", "1"):
         raise ValueError(f"HYBRIDSERVE_STAGED_GRAPHS must be 0 or 1, got {value!r}")
-    stages, end = [], 1
-    while value == "1" and end < num_layers:
-        stages.append(end - 1)
-        end *= 4
-    return tuple(stages)
+    return stage_cuts(num_layers) if value == "1" else ()
 
 
 class DecodeGraphs:

@@ -30,9 +30,6 @@ from hybridserve.kernels.state_update import multi_token_state_update_ref, selec
 _KERNEL_MODE = os.environ.get("HYBRIDSERVE_KERNELS", "")
 _FORCE_REFERENCE = _KERNEL_MODE == "reference"
 _INTERPRET_ON_CPU = _KERNEL_MODE == "interpret" and os.environ.get("TRITON_INTERPRET", "") == "1"
-# HYBRIDSERVE_FUSED_NORM_LINEAR=1: a decode step's Mamba out_proj applies the gated RMSNorm inside the skinny kernel
-# (one launch per layer fewer); off until measured against the two launches on the GPU (bench/step_profile.py)
-_FUSED_NORM_LINEAR = os.environ.get("HYBRIDSERVE_FUSED_NORM_LINEAR", "0") == "1"
 
 
 @functools.cache
@@ -97,18 +94,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def gated_norm_linear(x: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor, group_size: int, eps: float,
-                      weight: torch.Tensor, bias: torch.Tensor | None = None, workspace: Any = None) -> torch.Tensor:
-    """linear(gated_rmsnorm(x, z), weight, bias), the Mamba mixer's norm and out_proj: one skinny-kernel launch
-    that normalises its input on the fly where the skinny kernel applies and HYBRIDSERVE_FUSED_NORM_LINEAR=1,
-    else the norm's kernel, then `linear`."""
-    if (_FUSED_NORM_LINEAR and skinny_linear_applies(x, weight)
-            and _triton_fn("skinny_linear_triton", "norm_fits")(x.shape[-1], group_size)):
-        return _triton_fn("skinny_linear_triton", "gated_norm_linear_triton")(
-            x, z, norm_weight, group_size, eps, weight, bias, workspace)
-    return linear(gated_rmsnorm(x, z, norm_weight, group_size=group_size, eps=eps), weight, bias, workspace)
-
-
 ssd_scan_varlen = _dispatch(ssd_scan_varlen_ref, "ssd_scan_triton", "ssd_scan_varlen_triton")
 causal_conv1d_varlen = _dispatch(causal_conv1d_varlen_ref, "causal_conv1d_triton", "causal_conv1d_varlen_triton")
 causal_conv1d_update = _dispatch(causal_conv1d_update_ref, "causal_conv1d_triton", "causal_conv1d_update_triton")
@@ -138,7 +123,6 @@ __all__ = [
     "add_rmsnorm",
     "causal_conv1d_update",
     "causal_conv1d_varlen",
-    "gated_norm_linear",
     "gated_rmsnorm",
     "gumbel_sample",
     "linear",

@@ -4,7 +4,6 @@ experts is `models/moe.py`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
@@ -22,16 +21,12 @@ class Linear(nn.Linear):
     split-K scratch (made at its first call, i.e. in warm-up, before any CUDA-graph capture)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias, self.workspace())
-
-    def workspace(self) -> Any:
-        """The skinny kernel's split-K scratch for this weight (None off CUDA and for many output columns)."""
         key = (self.weight.device, self.weight.shape[0])
         cached = self.__dict__.get("_split_k")
-        if cached is None or cached[0] != key:
+        if cached is None or cached[0] != key:  # None off CUDA and for projections with many output columns
             cached = (key, ops.split_k_workspace(self.weight))
             self.__dict__["_split_k"] = cached
-        return cached[1]
+        return ops.linear(x, self.weight, self.bias, cached[1])
 
 
 class RMSNorm(nn.Module):

@@ -88,7 +88,7 @@ class Mamba2Mixer(nn.Module):
         nd = batch.num_decode
         if nd and nd == batch.num_seqs:  # decode rows only: the recurrent path's output is y (no copy into a buffer)
             y_decode = self._decode(xBC, dt, A, batch, conv_pool, ssm_pool, replay)
-            return self._norm_out_proj(y_decode.reshape(-1, cfg.intermediate_size), gate)
+            return self.out_proj(self.norm(y_decode.reshape(-1, cfg.intermediate_size), gate))
         y: torch.Tensor | None = None  # [N, H, P]; prefill rows only: the scan's output itself (no copy)
         if nd:
             y = torch.empty(hidden.shape[0], heads, head_dim, dtype=hidden.dtype, device=hidden.device)
@@ -132,15 +132,6 @@ class Mamba2Mixer(nn.Module):
         if y is None:  # a batch without rows
             y = torch.empty(0, heads, head_dim, dtype=hidden.dtype, device=hidden.device)
         return self.out_proj(self.norm(y.reshape(-1, cfg.intermediate_size), gate))
-
-    def _norm_out_proj(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # [N, I] x2 -> [N, hidden]
-        """The gated norm and out_proj of a decode-only step, fused into one launch where `ops` can (a tensor-
-        parallel shard's norm and row-parallel out_proj, models/parallel.py, keep their own calls)."""
-        norm, out_proj = self.norm, self.out_proj
-        if type(norm) is _GatedNormWeights and type(out_proj) is Linear:
-            return ops.gated_norm_linear(y, gate, norm.weight, norm.group_size, norm.eps, out_proj.weight,
-                                         out_proj.bias, out_proj.workspace())
-        return out_proj(norm(y, gate))
 
     def _decode(
         self,

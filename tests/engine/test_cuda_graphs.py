@@ -36,7 +36,7 @@ def test_graph_decode_equals_eager(family):
     graphs.run = counting_run  # type: ignore[method-assign]
     graphed = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     assert any(replays), "no decode step went through a graph"
-    assert all(len(pieces) == 2 for pieces, _, _ in graphs.graphs.values())  # staged: layer 0, then layers 1-3
+    assert all(len(pieces) == 1 for pieces, _, _ in graphs.graphs.values())  # one graph per step by default
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
 
 
@@ -70,12 +70,14 @@ def test_mixed_steps_fold_the_decode_rows_and_match_eager():
         assert got == expected
 
 
-def test_one_graph_per_step_when_staging_is_off(monkeypatch):
-    monkeypatch.setenv("HYBRIDSERVE_STAGED_GRAPHS", "0")
-    model_dir = nemotron_h("M*-M")[0]
+@pytest.mark.parametrize("family", ["nemotron_h", "mamba2"])
+def test_graphs_launched_in_pieces_equal_eager(monkeypatch, family):
+    """HYBRIDSERVE_STAGED_GRAPHS=1: each step's graph cut after layer 0, its pieces replayed in order."""
+    monkeypatch.setenv("HYBRIDSERVE_STAGED_GRAPHS", "1")
+    model_dir = nemotron_h("M*-M")[0] if family == "nemotron_h" else mamba2()[0]
     eager = LLM(model_dir, device="cuda", dtype="float32", cuda_graphs=False).generate(
         prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     llm = LLM(model_dir, device="cuda", dtype="float32")
-    assert all(len(pieces) == 1 for pieces, _, _ in llm.engine.runner.model.graphs.graphs.values())
+    assert all(len(pieces) == 2 for pieces, _, _ in llm.engine.runner.model.graphs.graphs.values())
     graphed = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
     assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]

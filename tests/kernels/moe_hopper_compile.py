@@ -87,17 +87,11 @@ def main() -> None:
             "BLOCK_K": 256, "USE_PDL": fp8},
             aligned=("h_ptr", "w_ptr", "ws_ptr", "out_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "out_m"))
     skinny = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
-              "arrive_ptr": "*i32", "z_ptr": "*bf16", "nw_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
-              "x_m": "i32", "w_n": "i32", "y_m": "i32", "z_m": "i32", "group_size": "i32", "eps": "fp32"}
+              "arrive_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "x_m": "i32", "w_n": "i32", "y_m": "i32"}
     for split in (1, 4):  # the decode projections, with programmatic dependent launch and L2 prefetch
         found[f"skinny split={split}"] = compile_for_hopper(_skinny_linear_kernel, skinny, {
-            "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split, "HAS_BIAS": split == 1, "NORM": False, "GROUPS": 1,
-            "DOT_PRECISION": "tf32", "USE_PDL": True}, aligned=("x_ptr", "w_ptr", "y_ptr", "K", "w_n", "x_m", "y_m"))
-    # the Mamba out_proj with its gated norm fused (HYBRIDSERVE_FUSED_NORM_LINEAR=1): 30B-A3B's 8 groups
-    found["skinny norm split=4"] = compile_for_hopper(_skinny_linear_kernel, skinny, {
-        "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": 4, "HAS_BIAS": False, "NORM": True, "GROUPS": 8,
-        "DOT_PRECISION": "tf32", "USE_PDL": True},
-        aligned=("x_ptr", "w_ptr", "y_ptr", "z_ptr", "nw_ptr", "K", "w_n", "x_m", "y_m", "z_m", "group_size"))
+            "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split, "HAS_BIAS": split == 1, "DOT_PRECISION": "tf32",
+            "USE_PDL": True}, aligned=("x_ptr", "w_ptr", "y_ptr", "K", "w_n", "x_m", "y_m"))
     print(json.dumps(found))
 
 

@@ -12,9 +12,6 @@ from hybridserve.kernels import ops  # noqa: E402
 from hybridserve.kernels.skinny_linear_triton import (  # noqa: E402
     MAX_ROWS,
     SplitKWorkspace,
-    gated_norm_linear_ref,
-    gated_norm_linear_triton,
-    norm_fits,
     skinny_linear_ref,
     skinny_linear_triton,
 )
@@ -120,69 +117,3 @@ def test_skinny_linear_split_k_gpu(out_features, in_features, rows):
         torch.cuda.synchronize()
         assert torch.equal(out, first)
     assert int(workspace.arrivals.abs().sum()) == 0
-
-
-def _gated_case(rows, channels, out_features, bias, gen):
-    """x and its gate as column slices of one in_proj-like output (row stride > channels), as the mixer has them."""
-    projected = torch.randn(rows, 2 * channels + 5, generator=gen)
-    z, x = projected[:, :channels], projected[:, channels + 5:]
-    norm_weight = 1.0 + 0.1 * torch.randn(channels, generator=gen)
-    w = torch.randn(out_features, channels, generator=gen) * 0.05
-    b = torch.randn(out_features, generator=gen) if bias else None
-    return x, z, norm_weight, w, b
-
-
-@ku.interp_only
-@pytest.mark.parametrize("rows,channels,group_size,out_features,bias,split", [
-    (1, 128, 32, 40, True, False),  # 4 groups, one K block each, an N tail
-    (3, 192, 96, 33, False, True),  # 8 splits of one K block: each split's group reaches over its neighbours'
-    (MAX_ROWS, 64, 64, 20, True, True),  # one group over the row, every split a part of it
-    (2, 96, 32, 16, False, True),  # 3 groups (GROUPS rounds up to 4), splits past the last block
-])
-def test_gated_norm_linear_matches_the_norm_then_linear(rows, channels, group_size, out_features, bias, split):
-    """The fused kernel's output equals the gated norm followed by the linear, with and without a K-split."""
-    gen = torch.Generator().manual_seed(rows + channels + group_size)
-    x, z, norm_weight, w, b = _gated_case(rows, channels, out_features, bias, gen)
-    workspace = SplitKWorkspace.create(out_features, torch.device("cpu")) if split else None
-    expected = gated_norm_linear_ref(x, z, norm_weight, group_size, 1e-5, w, b)
-    for _ in range(2):  # a second call finds the split-K scratch reset
-        got = gated_norm_linear_triton(x, z, norm_weight, group_size, 1e-5, w, b, workspace)
-        assert got.shape == (rows, out_features)
-        ku.assert_close(got, expected, 1e-5, "y")
-    # the same weight without the norm still goes through the plain path of the shared kernel
-    ku.assert_close(skinny_linear_triton(x.contiguous(), w, b, workspace), skinny_linear_ref(x, w, b), 1e-5, "plain")
-
-
-def test_gated_norm_linear_errors_and_fit():
-    x, z, nw, w = torch.zeros(2, 64), torch.zeros(2, 64), torch.ones(64), torch.zeros(8, 64)
-    with pytest.raises(ValueError, match="gate shape"):
-        gated_norm_linear_triton(x, torch.zeros(2, 32), nw, 32, 1e-5, w)
-    with pytest.raises(ValueError, match="norm weight must be"):
-        gated_norm_linear_triton(x, z, torch.ones(32), 32, 1e-5, w)
-    with pytest.raises(ValueError, match="use gated_rmsnorm, then linear"):
-        gated_norm_linear_triton(x, z, nw, 48, 1e-5, w)  # 48 does not divide 64
-    assert not norm_fits(64, 0) and not norm_fits(96, 48)
-
-
-def test_ops_gated_norm_linear_on_cpu_is_the_norm_then_linear():
-    gen = torch.Generator().manual_seed(3)
-    x, z, norm_weight, w, b = _gated_case(2, 64, 12, True, gen)
-    expected = torch.nn.functional.linear(ops.gated_rmsnorm(x, z, norm_weight, group_size=32, eps=1e-5), w, b)
-    assert torch.equal(ops.gated_norm_linear(x, z, norm_weight, 32, 1e-5, w, b), expected)
-
-
-@ku.gpu
-@ku.cuda_only
-@pytest.mark.parametrize("hidden,channels,group_size", [(2688, 4096, 512), (4480, 10240, 1280)])
-@pytest.mark.parametrize("rows", [1, 4])
-def test_gated_norm_linear_gpu(hidden, channels, group_size, rows):
-    """Nemotron-3-Nano-30B-A3B's and Nano-9B-v2's Mamba norm + out_proj, bf16: the fused launch against the norm's
-    kernel then the skinny linear (the same rounding of the normed input to bf16; sums in another order)."""
-    gen = torch.Generator().manual_seed(rows)
-    x, z, norm_weight, w, _ = (t.to("cuda", torch.bfloat16) if t is not None else None
-                               for t in _gated_case(rows, channels, hidden, False, gen))
-    workspace = SplitKWorkspace.create(hidden, x.device)
-    unfused = ops.linear(ops.gated_rmsnorm(x, z, norm_weight, group_size=group_size, eps=1e-5), w, None, workspace)
-    fused = gated_norm_linear_triton(x, z, norm_weight, group_size, 1e-5, w, None, workspace)
-    ku.assert_close(fused, unfused, ku.TOL[torch.bfloat16], "fused")
-    assert torch.equal(gated_norm_linear_triton(x, z, norm_weight, group_size, 1e-5, w, None, workspace), fused)
