@@ -1,13 +1,16 @@
 """Fan-out of a worker's prefix-cache events to any number of gRPC subscribers.
 
-One poller drains the engine's event log (on the engine loop) into a bounded replay buffer; each
-subscriber streams from the sequence number it asks for. A subscriber that asks for events already
-dropped from the buffer gets `gap=True` and resynchronises.
+Once a subscriber has come, the engine loop drains the engine's event log into a bounded replay buffer every
+`poll_s`, as protobufs, while a forward computes on the GPU (or when it idles): an `EngineLoop` overlap task, so
+neither the conversion nor a poller thread's trip to the loop contends for the GIL with a step's launch. Each
+subscriber streams from the sequence number it asks for. A subscriber that asks for events already dropped from the
+buffer gets `gap=True` and resynchronises.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import grpc
@@ -38,13 +41,27 @@ class CacheEventFeed:
         self._next_sequence: int = loop.call(lambda: loop.engine.pool.events.next_sequence, timeout=30)
         self._changed = threading.Condition()
         self._poll_s = poll_s
-        self._poller: threading.Thread | None = None
+        self._draining = False  # the drain task is on the loop (from the first subscriber on)
+        self._last_drain = 0.0  # time.monotonic() of the loop's last drain (loop thread only)
 
-    def _ensure_poller(self) -> None:
+    def _ensure_draining(self) -> None:
         with self._changed:
-            if self._poller is None:
-                self._poller = threading.Thread(target=self._poll, name=f"{self.worker_id}-events", daemon=True)
-                self._poller.start()
+            if self._draining:
+                return
+            self._draining = True
+        self._loop.add_overlap_task(self._drain_due)
+
+    def _drain_due(self, idle: bool) -> None:
+        """On the loop thread: file the engine's new events when `poll_s` has passed since the last drain, or
+        at once when the loop idles (nothing else would come to drain them soon)."""
+        now = time.monotonic()
+        if not idle and now - self._last_drain < self._poll_s:
+            return
+        self._last_drain = now
+        events = self._loop.engine.drain_cache_events()
+        if events:
+            with self._changed:
+                self._append(events)
 
     def _append(self, events) -> None:
         """File drained engine events into the replay buffer (caller holds `_changed`)."""
@@ -61,17 +78,6 @@ class CacheEventFeed:
             self._next_sequence = event.sequence + 1
         if events:
             self._changed.notify_all()
-
-    def _poll(self) -> None:
-        while True:
-            try:
-                events = self._loop.call(self._loop.engine.drain_cache_events, timeout=30)
-            except Exception:  # the loop is stopping
-                return
-            if events:
-                with self._changed:
-                    self._append(events)
-            threading.Event().wait(self._poll_s)
 
     def _since(self, position: int) -> list[common_pb2.CacheEvent]:
         """Buffered events with sequence >= position, oldest first (caller holds `_changed`). Walked from the
@@ -112,7 +118,7 @@ class CacheEventFeed:
 
     def stream(self, since: int, context: grpc.ServicerContext, snapshot: bool = False):
         """Batches of events with sequence >= since (after a snapshot when asked), until the client goes away."""
-        self._ensure_poller()
+        self._ensure_draining()
         position = since
         if snapshot:
             batch = self.snapshot()

@@ -77,6 +77,9 @@ class EngineLoop:
         # step's launch phase -36 % on the H200 (bench/results/h200/session45/); HYBRIDSERVE_LATE_HANDOFF=0 is off
         self.late_handoff = _late_handoff_from_env() if late_handoff is None else late_handoff
         self._pending: list[RequestOutput] = []  # outputs of the last step, not yet handed off (late hand-off)
+        # host work that must not land on a step's launch: run on the loop thread once each forward is queued, while
+        # the GPU computes (task(False)), and each time the loop finds itself idle (task(True)); owned by the loop
+        self._overlap_tasks: list[Callable[[bool], None]] = []
         self._calls: queue.Queue[tuple[Callable[[], Any], Future | None]] = queue.Queue()  # None: posted
         self._streams: dict[str, OutputSink] = {}
         self._stop = threading.Event()
@@ -101,6 +104,13 @@ class EngineLoop:
             fn()
             return
         self._calls.put((fn, None))
+
+    def add_overlap_task(self, task: Callable[[bool], None]) -> None:
+        """Run `task(idle)` on the loop thread while every later forward computes (idle False) and whenever the loop
+        idles (idle True): for Python work of other components (the cache event feed's protobufs) that would
+        otherwise contend for the GIL with the loop while it builds and launches a step. A task's exception is
+        logged; keep tasks short (they run before the step's tokens are waited for)."""
+        self.post(lambda: self._overlap_tasks.append(task))
 
     def submit(self, request_id: str, add: Callable[[], Any]) -> RedirectableStream:
         """Open the request's output stream and run `add` (which puts the request into the engine) in ONE trip
@@ -236,6 +246,19 @@ class EngineLoop:
             if target is not None:
                 target.put(out)
 
+    def _run_overlap_tasks(self, idle: bool) -> None:
+        for task in self._overlap_tasks:
+            try:
+                task(idle)
+            except Exception:
+                logger.exception("overlap task %r failed", task)
+
+    def _while_forward_runs(self) -> None:
+        """The engine's on_launched: the GPU computes the step just queued."""
+        if self.late_handoff:
+            self._hand_off()
+        self._run_overlap_tasks(False)
+
     def _run(self) -> None:
         try:
             self._loop()
@@ -245,17 +268,17 @@ class EngineLoop:
                 self.profiler.finish()
 
     def _loop(self) -> None:
-        on_launched = self._hand_off if self.late_handoff else None
         while not self._stop.is_set():
             self._run_calls(block=not self.engine.has_unfinished())
             if not self.engine.has_unfinished():
                 self._hand_off()
+                self._run_overlap_tasks(True)
                 self.stats.idle()
                 continue
             start = time.perf_counter()
             try:
                 with self.profiler.step() if self.profiler is not None else contextlib.nullcontext():
-                    outputs = self.engine.step(on_launched=on_launched) if on_launched else self.engine.step()
+                    outputs = self.engine.step(on_launched=self._while_forward_runs)
             except Exception as exc:  # a failed step fails the requests in it, not the worker
                 logger.exception("engine step failed")
                 self._hand_off()  # the step before it completed: its outputs go out before the error

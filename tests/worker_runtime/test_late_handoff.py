@@ -83,3 +83,36 @@ def test_late_hand_off_is_the_default_and_the_switch_is_checked(monkeypatch, tmp
         assert "HYBRIDSERVE_LATE_HANDOFF must be 0 or 1" in str(exc)
     else:
         raise AssertionError("a malformed HYBRIDSERVE_LATE_HANDOFF was accepted")
+
+
+def test_overlap_tasks_run_while_forwards_compute_and_when_idle(caplog) -> None:
+    model_dir, _ = nemotron_h("M*")
+    loop = EngineLoop(LLM(model_dir).engine)
+    seen: list[tuple[bool, bool]] = []  # (idle, a forward was queued and its step not yet done)
+    in_step = [False]
+    real_step = loop.engine.step
+
+    def marked_step(on_launched=None):  # type: ignore[no-untyped-def]
+        in_step[0] = True
+        try:
+            return real_step(on_launched=on_launched)
+        finally:
+            in_step[0] = False
+
+    loop.engine.step = marked_step  # type: ignore[method-assign]
+
+    def failing(idle: bool) -> None:
+        raise RuntimeError("a task's own bug")
+
+    try:
+        loop.add_overlap_task(lambda idle: seen.append((idle, in_step[0])))
+        loop.add_overlap_task(failing)
+        params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        out = list(loop.generate(random_prompts([7], vocab=128, seed=3)[0], params, "r"))
+        assert out[-1].finished and len(out[-1].token_ids) == 3  # a failing task does not fail the request
+        loop.call(lambda: None)
+    finally:
+        loop.stop()
+    assert (False, True) in seen and (True, False) in seen  # inside a step's forward, and idle between requests
+    assert all(in_step_ == (not idle) for idle, in_step_ in seen)
+    assert "overlap task" in caplog.text
