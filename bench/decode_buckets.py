@@ -35,6 +35,15 @@ def step_ms(engine: LLMEngine, steps: int) -> list[float]:
     return times
 
 
+def start_decoding(engine: LLMEngine, batch: int, context: int) -> list[str]:
+    """Add `batch` endless requests of `context` random prompt tokens and step until all of them decode; their ids."""
+    ids = [engine.add_request(p, SamplingParams(max_tokens=10**6, ignore_eos=True))
+           for p in random_prompts(batch, context, batch, engine.model_config.vocab_size)]
+    while engine.scheduler.waiting or any(not r.is_decoding for r in engine.scheduler.running):
+        engine.step()
+    return ids
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_engine_flags(parser)
@@ -53,13 +62,9 @@ def main() -> None:
     exact = DecodeGraphs(graphed.model, engine.cache, engine.max_running, -(-engine.max_model_len // engine.config.page_size),
                          buckets=tuple(range(1, 9)))
     exact.capture()
-    vocab = engine.model_config.vocab_size
     rows = []
     for batch in args.batches:
-        ids = [engine.add_request(p, SamplingParams(max_tokens=10**6, ignore_eos=True))
-               for p in random_prompts(batch, args.context, batch, vocab)]
-        while engine.scheduler.waiting or any(not r.is_decoding for r in engine.scheduler.running):
-            engine.step()
+        ids = start_decoding(engine, batch, args.context)
         times: dict[str, list[float]] = {"exact": [], "padded": []}
         for _ in range(args.rounds):
             for name, graphs in (("exact", exact), ("padded", padded)):

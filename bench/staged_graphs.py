@@ -17,12 +17,12 @@ import time
 from pathlib import Path
 
 import torch
-from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_prompts, sync
+from decode_buckets import start_decoding
+from one_batch import add_engine_flags, dummy_model_dir, engine_config, sync
 from sections import write_json
 
 from hybridserve.engine.cuda_graphs import DecodeGraphs, stage_cuts
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.sampling_params import SamplingParams
 
 
 def timed_steps(engine: LLMEngine, steps: int) -> tuple[list[float], list[float]]:
@@ -58,13 +58,9 @@ def main() -> None:
             for name, stages in (("staged", stage_cuts(len(graphed.model.layers))), ("whole", ()))}
     for graphs in sets.values():
         graphs.capture()
-    vocab = engine.model_config.vocab_size
     rows = []
     for batch in args.batches:
-        ids = [engine.add_request(p, SamplingParams(max_tokens=10**6, ignore_eos=True))
-               for p in random_prompts(batch, args.context, batch, vocab)]
-        while engine.scheduler.waiting or any(not r.is_decoding for r in engine.scheduler.running):
-            engine.step()
+        ids = start_decoding(engine, batch, args.context)
         times: dict[str, list[float]] = {"staged": [], "whole": []}
         launch: dict[str, list[float]] = {"staged": [], "whole": []}
         for _ in range(args.rounds):
