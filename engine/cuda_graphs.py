@@ -124,8 +124,6 @@ class DecodeGraphs:
             for size in reversed(self.buckets):  # warm-up: compiles / autotunes every kernel eagerly
                 self.model(self.input_ids[: size * self.tokens], self._batch(size), self.cache)
         torch.cuda.current_stream().wait_stream(stream)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.buckets):
             pieces, hidden, states = self._capture_pieces(size)
             self.graphs[size] = (pieces, hidden, states)
@@ -133,6 +131,16 @@ class DecodeGraphs:
     def _capture_pieces(self, size: int) -> tuple[list[torch.cuda.CUDAGraph], torch.Tensor, dict[int, torch.Tensor]]:
         """One bucket's forward captured as consecutive graphs in the shared pool, cut after `self.stages`' layers;
         a piece's outputs stay alive (Python holds them) while the next is captured, so it reads them in replay."""
+        if not self.stages:  # one graph per step
+            graph = torch.cuda.CUDAGraph()
+            whole = self._batch(size)
+            with torch.cuda.graph(graph, pool=self.pool):
+                hidden = self.model(self.input_ids[: size * self.tokens], whole, self.cache)
+            if self.pool is None:
+                self.pool = graph.pool()
+            return [graph], hidden, whole.intermediate_states
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
         pieces: list[torch.cuda.CUDAGraph] = []
 
         def begin() -> None:
@@ -144,7 +152,7 @@ class DecodeGraphs:
                 pieces[-1].capture_end()
                 begin()
 
-        batch = dataclasses.replace(self._batch(size), layer_done=cut if self.stages else None)
+        batch = dataclasses.replace(self._batch(size), layer_done=cut)
         torch.cuda.synchronize()
         stream = torch.cuda.Stream()  # capture needs a stream other than the legacy default one
         with torch.cuda.stream(stream):
