@@ -37,9 +37,9 @@ def limited(model_dir):
                 admission=AdmissionConfig(max_per_client=1))
     step = c.decode[0].engine.step
 
-    def slow_step():  # the first stream is still running when the second request comes
+    def slow_step(**kw):  # type: ignore[no-untyped-def]  # the first stream is still running when the second comes
         time.sleep(0.02)
-        return step()
+        return step(**kw)
 
     c.decode[0].engine.step = slow_step
     yield c

@@ -30,9 +30,9 @@ def slow(model_dir):
     engine = c.decode[0].engine
     step = engine.step
 
-    def slow_step():
+    def slow_step(**kw):  # type: ignore[no-untyped-def]
         time.sleep(STEP_DELAY_S)
-        return step()
+        return step(**kw)
 
     engine.step = slow_step
     yield c

@@ -179,7 +179,7 @@ def test_the_worker_side_refuses_by_id_keeps_the_calls_tokens_and_cleans_up() ->
     worker = DecodeWorker(model_dir, EngineConfig(max_num_seqs=1, max_num_waiting=1, max_model_len=256),
                           metrics_port=None)
     step = worker.engine.step
-    worker.engine.step = lambda: (time.sleep(0.05), step())[1]  # type: ignore[method-assign]
+    worker.engine.step = lambda **kw: (time.sleep(0.05), step(**kw))[1]  # type: ignore[method-assign]
     stub = worker_pb2_grpc.DecodeWorkerStub(insecure_channel(worker.start()))
 
     def generate(rid: str, prompt: list[int], params: SamplingParams) -> worker_pb2.SessionRequest:

@@ -99,8 +99,8 @@ class _Gate:
         self.reached, self.release = threading.Event(), threading.Event()
         step, count = worker.engine.step, [0]
 
-        def gated():
-            out = step()
+        def gated(**kw):  # type: ignore[no-untyped-def]
+            out = step(**kw)
             count[0] += 1
             if count[0] == after_steps:
                 self.reached.set()
