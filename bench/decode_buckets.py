@@ -24,15 +24,17 @@ from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.sampling_params import SamplingParams
 
 
-def step_ms(engine: LLMEngine, steps: int) -> list[float]:
-    times = []
+def timed_steps(engine: LLMEngine, steps: int) -> tuple[list[float], list[float]]:
+    """Wall ms of `steps` engine steps, each from a synced GPU, and each step's launch phase in ms."""
+    walls, launches = [], []
     for _ in range(steps):
         sync(engine)
         start = time.perf_counter()
         engine.step()
         sync(engine)
-        times.append(1e3 * (time.perf_counter() - start))
-    return times
+        walls.append(1e3 * (time.perf_counter() - start))
+        launches.append(1e3 * engine.last_step.launch)
+    return walls, launches
 
 
 def start_decoding(engine: LLMEngine, batch: int, context: int) -> list[str]:
@@ -44,17 +46,23 @@ def start_decoding(engine: LLMEngine, batch: int, context: int) -> list[str]:
     return ids
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def graph_ab_engine(description: str, batches: list[int]) -> tuple[argparse.Namespace, LLMEngine]:
+    """The flags of a benchmark that times decode steps with two sets of graphs (--batches, --context, --steps,
+    --rounds, --out and the engine's), parsed, and its engine (the serving settings, prefix caching off)."""
+    parser = argparse.ArgumentParser(description=description)
     add_engine_flags(parser)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7, 8])
+    parser.add_argument("--batches", type=int, nargs="+", default=batches)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     model_dir = Path(args.model) if args.model else dummy_model_dir(args.dummy_config)
-    engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=False))
+    return args, LLMEngine(model_dir, engine_config(args, enable_prefix_caching=False))
+
+
+def main() -> None:
+    args, engine = graph_ab_engine(__doc__.split("\n")[0], [1, 2, 3, 4, 5, 6, 7, 8])
     graphed = engine.runner.model
     padded = getattr(graphed, "graphs", None)
     if padded is None:
@@ -69,7 +77,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, graphs in (("exact", exact), ("padded", padded)):
                 graphed.graphs = graphs
-                times[name] += step_ms(engine, args.steps)
+                times[name] += timed_steps(engine, args.steps)[0]
         graphed.graphs = padded
         for rid in ids:
             engine.abort(rid)

@@ -11,44 +11,18 @@ and the launch phase of each (`LLMEngine.last_step`).
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
 from pathlib import Path
 
 import torch
-from decode_buckets import start_decoding
-from one_batch import add_engine_flags, dummy_model_dir, engine_config, sync
+from decode_buckets import graph_ab_engine, start_decoding, timed_steps
 from sections import write_json
 
 from hybridserve.engine.cuda_graphs import DecodeGraphs, stage_cuts
-from hybridserve.engine.llm_engine import LLMEngine
-
-
-def timed_steps(engine: LLMEngine, steps: int) -> tuple[list[float], list[float]]:
-    """Wall ms of `steps` engine steps, each from a synced GPU, and each step's launch phase in ms."""
-    walls, launches = [], []
-    for _ in range(steps):
-        sync(engine)
-        start = time.perf_counter()
-        engine.step()
-        sync(engine)
-        walls.append(1e3 * (time.perf_counter() - start))
-        launches.append(1e3 * engine.last_step.launch)
-    return walls, launches
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_engine_flags(parser)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    model_dir = Path(args.model) if args.model else dummy_model_dir(args.dummy_config)
-    engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=False))
+    args, engine = graph_ab_engine(__doc__.split("\n")[0], [1, 4, 8])
     graphed = engine.runner.model
     if getattr(graphed, "graphs", None) is None:
         raise SystemExit("decode graphs are off (CPU?): nothing to compare")
