@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridserve.engine.config import env_switch
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.state_cache import StateCache
@@ -54,10 +54,7 @@ def stage_cuts(num_layers: int) -> tuple[int, ...]:
 def launch_stages(num_layers: int) -> tuple[int, ...]:
     """The engine's cuts: `stage_cuts` with HYBRIDSERVE_STAGED_GRAPHS=1, none (one graph per step) by default until
     bench/staged_graphs.py has measured the pieces on the GPU (bench/results/h200/session45/run_j.sh)."""
-    value = os.environ.get("HYBRIDSERVE_STAGED_GRAPHS", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"HYBRIDSERVE_STAGED_GRAPHS must be 0 or 1, got {value!r}")
-    return stage_cuts(num_layers) if value == "1" else ()
+    return stage_cuts(num_layers) if env_switch("HYBRIDSERVE_STAGED_GRAPHS", False) else ()
 
 
 class DecodeGraphs:

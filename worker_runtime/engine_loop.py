@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -16,6 +15,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
+from hybridserve.engine.config import env_switch
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.request import Request
@@ -78,8 +78,9 @@ class EngineLoop:
         self.late_handoff = _late_handoff_from_env() if late_handoff is None else late_handoff
         self._pending: list[RequestOutput] = []  # outputs of the last step, not yet handed off (late hand-off)
         # host work that must not land on a step's launch: run on the loop thread once each forward is queued, while
-        # the GPU computes (task(False)), and each time the loop finds itself idle (task(True)); owned by the loop
-        self._overlap_tasks: list[Callable[[bool], None]] = []
+        # the GPU computes (task(False)), and each time the loop finds itself idle (task(True)); owned by the loop.
+        # Late hand-off is the first of them.
+        self._overlap_tasks: list[Callable[[bool], None]] = [lambda idle: self._hand_off()] if self.late_handoff else []
         self._calls: queue.Queue[tuple[Callable[[], Any], Future | None]] = queue.Queue()  # None: posted
         self._streams: dict[str, OutputSink] = {}
         self._stop = threading.Event()
@@ -255,8 +256,6 @@ class EngineLoop:
 
     def _while_forward_runs(self) -> None:
         """The engine's on_launched: the GPU computes the step just queued."""
-        if self.late_handoff:
-            self._hand_off()
         self._run_overlap_tasks(False)
 
     def _run(self) -> None:
@@ -271,7 +270,7 @@ class EngineLoop:
         while not self._stop.is_set():
             self._run_calls(block=not self.engine.has_unfinished())
             if not self.engine.has_unfinished():
-                self._hand_off()
+                self._hand_off()  # late hand-off's last outputs (its overlap task would too; without it, none held)
                 self._run_overlap_tasks(True)
                 self.stats.idle()
                 continue
@@ -297,10 +296,7 @@ class EngineLoop:
 
 def _late_handoff_from_env() -> bool:
     """HYBRIDSERVE_LATE_HANDOFF: 1 (default) hands a step's outputs off once the next forward is queued, 0 at once."""
-    value = os.environ.get("HYBRIDSERVE_LATE_HANDOFF", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"HYBRIDSERVE_LATE_HANDOFF must be 0 or 1, got {value!r}")
-    return value == "1"
+    return env_switch("HYBRIDSERVE_LATE_HANDOFF", True)
 
 
 def _latest(
