@@ -52,8 +52,8 @@ def stage_cuts(num_layers: int) -> tuple[int, ...]:
 
 
 def launch_stages(num_layers: int) -> tuple[int, ...]:
-    """The engine's cuts: `stage_cuts` with HYBRIDSERVE_STAGED_GRAPHS=1, none (one graph per step) by default until
-    bench/staged_graphs.py has measured the pieces on the GPU (bench/results/h200/session45/run_j.sh)."""
+    """The engine's cuts: `stage_cuts` with HYBRIDSERVE_STAGED_GRAPHS=1, none (one graph per step) by default: on the
+    H200 the pieces gave 0.98-1.00x the one-graph step (bench/results/h200/session46/README.md), no gain to pay for."""
     return stage_cuts(num_layers) if env_switch("HYBRIDSERVE_STAGED_GRAPHS", False) else ()
 
 
