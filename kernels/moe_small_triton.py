@@ -189,7 +189,7 @@ def _small_up_rows_kernel(
         if start >= TOP_K * N_OUT:
             rows = tl.minimum(start + tl.arange(0, BLOCK_N), end - 1)
             lines = tl.minimum(tl.arange(0, 16) * 64, K - 1)
-            prefetch_l2(ws_ptr + (rows // N_OUT - TOP_K) * ws_e + (rows % N_OUT).to(tl.int64)[:, None] * ws_n
+            prefetch_l2(ws_ptr + ((rows // N_OUT - TOP_K) * ws_e)[:, None] + (rows % N_OUT).to(tl.int64)[:, None] * ws_n
                         + lines[None, :])
     pdl_gate(USE_PDL)
     chosen, weight = topk_choice(logits_ptr, bias_ptr, token, E, scaling, TOP_K, K_BLOCK, N_GROUP, PER_GROUP,
