@@ -6,9 +6,7 @@ one GEMV and the launches are:
   1. `_router_logits_kernel` (moe_triton): fp32 router logits, E / BLOCK_E programs per token (64 at Nano);
   2. `_small_up_kernel`: one program per (token, column tile, slot); each recomputes its token's top-k choice
      from the logits (a few hundred bytes; `topk_choice`, the router kernel's own code), streams its expert's
-     [BLOCK_N, D] weight rows and writes relu2(x @ W^T) for its pair; the tile-0 programs store the choice
-     (`_small_up_rows_kernel` with HYBRIDSERVE_MOE_ROW_SPLIT=1: the same output from a persistent grid, each
-     program an even run of the token's rows, so no second wave of programs trails the first);
+     [BLOCK_N, D] weight rows and writes relu2(x @ W^T) for its pair; the tile-0 programs store the choice;
   3. `_small_down_kernel`: one program per (token, column tile) streams all the token's slots at once, so the
      routing weight, the sum over experts, the rounding and the shared-expert add happen in registers (no
      combine launch, no atomics: deterministic, and autotuning can rerun it).
@@ -18,9 +16,6 @@ host sync: CUDA-graph capturable. `moe_layer_triton` dispatches on the number of
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import triton
@@ -44,27 +39,6 @@ from hybridserve.kernels.triton_utils import (
 # so 8 is one token. On the H200 (bench/results/h200/moe/small_path.json) the small path ties the grouped
 # GEMMs at 1 token (59.2 vs 59.6 us) and loses from 8 tokens on (301 vs 220 us).
 SMALL_M_MAX_PAIRS = 8
-
-
-def row_split_enabled() -> bool:
-    """Whether the up projection runs as `_small_up_rows_kernel` (HYBRIDSERVE_MOE_ROW_SPLIT=1) rather than one
-    program per (column tile, slot); read at every launch (a CUDA graph keeps the choice it was captured with)."""
-    value = os.environ.get("HYBRIDSERVE_MOE_ROW_SPLIT", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"HYBRIDSERVE_MOE_ROW_SPLIT must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors the persistent grid is sized for; 5 off the GPU (interpreter tests: uneven runs)."""
-    if device.type != "cuda":
-        return 5
-    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache  # asked at every launch; a device's count never changes
-def _cuda_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -148,90 +122,6 @@ def _small_up_kernel(
         h *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
     h = tl.maximum(h.to(h_ptr.dtype.element_ty).to(tl.float32), 0.0)  # relu2 of the rounded projection
     tl.store(h_ptr + (token * WIDTH + slot) * N_OUT + offs_n, (h * h).to(h_ptr.dtype.element_ty), mask=n_ok)
-
-
-# (BLOCK_N, BLOCK_K, warps, stages, programs per SM) of the persistent up kernel: each program streams an equal
-# run of the token's WIDTH x N_OUT weight rows, all programs resident at once (no second wave, no tail)
-# (bytes in flight = the resident programs' tiles: 132 SMs x 4 x 16 KB ~ 8.4 MB, what ~2 us of H200 latency needs)
-_ROW_SPLITS = [(16, 256, 4, 1, 4), (16, 512, 4, 1, 4), (16, 512, 8, 1, 4), (32, 256, 4, 1, 3), (32, 256, 8, 1, 4),
-               (8, 512, 4, 1, 6), (32, 512, 8, 1, 2), (16, 1024, 8, 1, 2), (64, 256, 8, 1, 2), (16, 512, 4, 2, 4)]
-
-
-def _split_configs() -> list[triton.Config]:
-    """_ROW_SPLITS on the GPU; one small config under the interpreter (tests), 5-row tiles over 3 programs."""
-    if interpreting():
-        return [triton.Config({"BLOCK_N": 4, "BLOCK_K": 16, "PER_SM": 1}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "PER_SM": p}, num_warps=w, num_stages=s)
-            for n, k, w, s, p in _ROW_SPLITS]
-
-
-@lean_launch
-@triton.autotune(configs=_split_configs(), key=["N_OUT", "K", "WIDTH", "HAS_SCALE", "NUM_SMS"],
-                 cache_results=PERSIST_AUTOTUNE)
-@triton.jit
-def _small_up_rows_kernel(
-    x_ptr, logits_ptr, bias_ptr, w_ptr, ws_ptr, scale_ptr, h_ptr, ids_ptr, weights_ptr,
-    E, N_OUT, K, scaling, x_m, w_e, w_n, ws_e, ws_n, NUM_SMS,
-    TOP_K: tl.constexpr, WIDTH: tl.constexpr, K_BLOCK: tl.constexpr, N_GROUP: tl.constexpr,
-    PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
-    HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PER_SM: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """`_small_up_kernel`'s output from a persistent grid: the token's WIDTH x N_OUT rows (slot-major, so row r
-    is column r % N_OUT of slot r // N_OUT) split evenly over the token's programs, each streaming its run in
-    [BLOCK_N, BLOCK_K] tiles whose rows may belong to two slots. Same sums in the same order per row."""
-    token = tl.program_id(0).to(tl.int64)
-    pid = tl.program_id(1)
-    total = WIDTH * N_OUT
-    start = (pid * total) // tl.num_programs(1)
-    end = ((pid + 1) * total) // tl.num_programs(1)
-    if USE_PDL and SHARED:  # a run that starts in the shared chunks is all shared: its rows before the router
-        if start >= TOP_K * N_OUT:
-            rows = tl.minimum(start + tl.arange(0, BLOCK_N), end - 1)
-            lines = tl.minimum(tl.arange(0, 16) * 64, K - 1)
-            prefetch_l2(ws_ptr + ((rows // N_OUT - TOP_K) * ws_e)[:, None] + (rows % N_OUT).to(tl.int64)[:, None] * ws_n
-                        + lines[None, :])
-    pdl_gate(USE_PDL)
-    chosen, weight = topk_choice(logits_ptr, bias_ptr, token, E, scaling, TOP_K, K_BLOCK, N_GROUP, PER_GROUP,
-                                 TOPK_GROUP, NORM, SHARED)
-    slots = tl.arange(0, K_BLOCK)
-    if pid == 0:
-        tl.store(ids_ptr + token * WIDTH + slots, chosen, mask=slots < WIDTH)
-        tl.store(weights_ptr + token * WIDTH + slots, weight, mask=slots < WIDTH)
-    x_row = x_ptr + token * x_m
-    for r0 in range(start, end, BLOCK_N):
-        rows = r0 + tl.arange(0, BLOCK_N)
-        r_ok = rows < end
-        slot = rows // N_OUT
-        offs_n = rows % N_OUT
-        expert = tl.sum(tl.where(slot[:, None] == slots[None, :], chosen[None, :], 0), 1)  # [BLOCK_N]
-        n64 = offs_n.to(tl.int64)[:, None]
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        if SHARED:  # two masked loads, not a pointer select (see _small_down_kernel)
-            routed = w_ptr + (tl.minimum(expert, E - 1) * w_e)[:, None] + n64 * w_n
-            chunk = ws_ptr + (tl.maximum(expert - E, 0) * ws_e)[:, None] + n64 * ws_n
-            is_shared = (expert >= E)[:, None]
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = k < K
-                a = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-                ok = r_ok[:, None] & k_ok[None, :]
-                w = tl.load(routed + k[None, :], mask=ok & ~is_shared, other=0.0).to(tl.float32)
-                w += tl.load(chunk + k[None, :], mask=ok & is_shared, other=0.0).to(tl.float32)
-                acc += w * a[None, :]
-        else:
-            routed = w_ptr + (expert * w_e)[:, None] + n64 * w_n
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = k < K
-                a = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
-                w = tl.load(routed + k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-                acc += w.to(tl.float32) * a[None, :]
-        h = tl.sum(acc, 1)
-        if HAS_SCALE:
-            h *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=r_ok, other=0.0)
-        h = tl.maximum(h.to(h_ptr.dtype.element_ty).to(tl.float32), 0.0)  # relu2 of the rounded projection
-        tl.store(h_ptr + token * total + rows, (h * h).to(h_ptr.dtype.element_ty), mask=r_ok)
 
 
 @lean_launch
@@ -318,25 +208,17 @@ def moe_small_triton(
     scale_dummy = weights  # never read without HAS_SCALE
     pdl = pdl_launch(x.device)
 
-    up_args = (expert_x, logits, bias, w_up, up_s, up_scale if up_scale is not None else scale_dummy, hidden, ids,
-               weights, num_experts, inter, d, float(spec.routed_scaling_factor), expert_x.stride(0), w_up.stride(0),
-               w_up.stride(1), inter * d if fused else 0, d if fused else 0)
-    up_meta = dict(TOP_K=spec.top_k, WIDTH=width, K_BLOCK=next_pow2(width), N_GROUP=spec.n_group,
-                   PER_GROUP=num_experts // spec.n_group, TOPK_GROUP=spec.topk_group, NORM=spec.norm_topk_prob,
-                   SHARED=spec.num_shared, HAS_SCALE=up_scale is not None, **pdl)
-    if row_split_enabled():
-        sms = sm_count(x.device)
+    def up_grid(meta: dict) -> tuple[int, int, int]:
+        return (n, cdiv(inter, meta["BLOCK_N"]), width)
 
-        def rows_grid(meta: dict) -> tuple[int, int]:
-            return (n, max(1, sms * meta["PER_SM"] // n))
-
-        _small_up_rows_kernel[rows_grid](*up_args, sms, **up_meta)
-    else:
-
-        def up_grid(meta: dict) -> tuple[int, int, int]:
-            return (n, cdiv(inter, meta["BLOCK_N"]), width)
-
-        _small_up_kernel[up_grid](*up_args, **up_meta)
+    _small_up_kernel[up_grid](
+        expert_x, logits, bias, w_up, up_s, up_scale if up_scale is not None else scale_dummy, hidden, ids, weights,
+        num_experts, inter, d, float(spec.routed_scaling_factor), expert_x.stride(0), w_up.stride(0),
+        w_up.stride(1), inter * d if fused else 0, d if fused else 0,
+        TOP_K=spec.top_k, WIDTH=width, K_BLOCK=next_pow2(width), N_GROUP=spec.n_group,
+        PER_GROUP=num_experts // spec.n_group, TOPK_GROUP=spec.topk_group, NORM=spec.norm_topk_prob,
+        SHARED=spec.num_shared, HAS_SCALE=up_scale is not None, **pdl,
+    )
     out = torch.empty(n, d, dtype=expert_x.dtype, device=x.device)
 
     def down_grid(meta: dict) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
 from hybridserve.kernels.moe_router_triton import _route_kernel, _router_logits_kernel
-from hybridserve.kernels.moe_small_triton import _small_down_kernel, _small_up_kernel, _small_up_rows_kernel
+from hybridserve.kernels.moe_small_triton import _small_down_kernel, _small_up_kernel
 from hybridserve.kernels.moe_triton import _moe_align_kernel, _moe_combine_kernel, _moe_gemm_kernel
 from hybridserve.kernels.skinny_linear_triton import _skinny_linear_kernel
 
@@ -78,14 +78,6 @@ def main() -> None:
             "scaling": "fp32", "x_m": "i32"}, {
             "TOP_K": 6, "WIDTH": 6 if fp8 else 8, "K_BLOCK": 8, "N_GROUP": 1, "PER_GROUP": 128, "TOPK_GROUP": 1,
             "NORM": True, "SHARED": 0 if fp8 else 2, "HAS_SCALE": fp8, "BLOCK_N": 32, "BLOCK_K": 256,
-            "USE_PDL": True},
-            aligned=("x_ptr", "w_ptr", "ws_ptr", "h_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "x_m"))
-        found[f"small up rows {weights}"] = compile_for_hopper(_small_up_rows_kernel, {
-            "x_ptr": "*bf16", "logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": weights, "ws_ptr": weights,
-            "scale_ptr": "*fp32", "h_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", **small_ints,
-            "scaling": "fp32", "x_m": "i32", "NUM_SMS": "i32"}, {
-            "TOP_K": 6, "WIDTH": 6 if fp8 else 8, "K_BLOCK": 8, "N_GROUP": 1, "PER_GROUP": 128, "TOPK_GROUP": 1,
-            "NORM": True, "SHARED": 0 if fp8 else 2, "HAS_SCALE": fp8, "BLOCK_N": 16, "BLOCK_K": 256, "PER_SM": 4,
             "USE_PDL": True},
             aligned=("x_ptr", "w_ptr", "ws_ptr", "h_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "x_m"))
         found[f"small down {weights}"] = compile_for_hopper(_small_down_kernel, {

@@ -57,37 +57,6 @@ def test_small_path_matches_the_reference_layer(shape, dtype):
 
 
 @ku.interp_only
-@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[2], SHAPES[4]])
-@pytest.mark.parametrize("sms", [1, 5, 13])
-@pytest.mark.parametrize("fp8", [False, True])
-def test_row_split_up_kernel_gives_the_tiled_kernels_bits(monkeypatch, shape, sms, fp8):
-    """HYBRIDSERVE_MOE_ROW_SPLIT=1: the persistent up kernel's even runs of rows (tiles across slot boundaries,
-    runs of uneven length, a token's rows over 1-13 programs) give the per-(tile, slot) kernel's output exactly."""
-    tokens, experts, k, n_group, topk_group, d, inter, shared = shape
-    inputs = _layer(tokens, experts, k, n_group, topk_group, d, inter, 0 if fp8 else shared, torch.bfloat16,
-                    seed=sms + tokens)
-    if fp8:
-        inputs["w_up"], inputs["up_scale"] = quantize_fp8_rows(inputs["w_up"])
-        inputs["w_down"], inputs["down_scale"] = quantize_fp8_rows(inputs["w_down"])
-    monkeypatch.setenv("HYBRIDSERVE_MOE_ROW_SPLIT", "0")
-    tiled = moe_layer_triton(**inputs, small_max_pairs=1 << 20)
-    monkeypatch.setenv("HYBRIDSERVE_MOE_ROW_SPLIT", "1")
-    sized = []  # the row-split launch sizes its grid from sm_count; the tiled one never asks
-    monkeypatch.setattr(small, "sm_count", lambda device: sized.append(device) or sms)
-    rows = moe_layer_triton(**inputs, small_max_pairs=1 << 20)
-    assert sized, "the row-split kernel was not launched"
-    assert torch.equal(rows, tiled)
-    ku.assert_close(rows, moe_layer_ref(**inputs), 3e-2, "row-split small path vs reference")
-
-
-@ku.interp_only
-def test_row_split_switch_rejects_other_values(monkeypatch):
-    monkeypatch.setenv("HYBRIDSERVE_MOE_ROW_SPLIT", "yes")
-    with pytest.raises(ValueError, match="HYBRIDSERVE_MOE_ROW_SPLIT must be 0 or 1"):
-        moe_layer_triton(**_layer(1, 8, 2, 1, 1, 16, 16, 0, torch.float32), small_max_pairs=1 << 20)
-
-
-@ku.interp_only
 def test_router_logits_gemv_matches_fp32_linear():
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(5, 70, generator=gen).bfloat16(), torch.randn(12, 70, generator=gen).bfloat16()
@@ -144,12 +113,9 @@ def test_bad_inputs_name_what_to_change():
 @ku.cuda_only
 @pytest.mark.parametrize("tokens", [1, 8, 16])
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("row_split", ["0", "1"])
-def test_cuda_small_path_matches_the_reference_and_replays_as_a_graph(monkeypatch, tokens, fp8, row_split):
+def test_cuda_small_path_matches_the_reference_and_replays_as_a_graph(tokens, fp8):
     """Nano's routing (128 experts, top 6, 2 shared chunks or fp8 experts) at reduced widths on the GPU: the
-    small path (either up kernel) equals the reference layer and the grouped path, and a CUDA-graph replay gives
-    the same bits."""
-    monkeypatch.setenv("HYBRIDSERVE_MOE_ROW_SPLIT", row_split)
+    small path equals the reference layer and the grouped path, and a CUDA-graph replay gives the same bits."""
     inputs = _layer(tokens, 128, 6, 1, 1, 256, 128, 0 if fp8 else 2, torch.bfloat16, seed=tokens)
     inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     inputs["correction_bias"] = inputs["correction_bias"].float()
