@@ -17,6 +17,8 @@ host sync: CUDA-graph capturable. `moe_layer_triton` dispatches on the number of
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -39,6 +41,16 @@ from hybridserve.kernels.triton_utils import (
 # so 8 is one token. On the H200 (bench/results/h200/moe/small_path.json) the small path ties the grouped
 # GEMMs at 1 token (59.2 vs 59.6 us) and loses from 8 tokens on (301 vs 220 us).
 SMALL_M_MAX_PAIRS = 8
+
+
+def early_shared_enabled() -> bool:
+    """Whether the up kernel's shared-expert programs run first and compute before waiting on the router kernel
+    (HYBRIDSERVE_MOE_EARLY_SHARED=1; off until measured on the GPU). Read at every launch (a CUDA graph keeps the
+    choice it was captured with)."""
+    value = os.environ.get("HYBRIDSERVE_MOE_EARLY_SHARED", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"HYBRIDSERVE_MOE_EARLY_SHARED must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -84,7 +96,7 @@ def _gemv(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @lean_launch
-@triton.autotune(configs=_configs(_UP_TILES), key=["N_OUT", "K", "WIDTH", "HAS_SCALE"],
+@triton.autotune(configs=_configs(_UP_TILES), key=["N_OUT", "K", "WIDTH", "HAS_SCALE", "EARLY_SHARED"],
                  cache_results=PERSIST_AUTOTUNE)
 @triton.jit
 def _small_up_kernel(
@@ -92,17 +104,30 @@ def _small_up_kernel(
     E, N_OUT, K, scaling, x_m, w_e, w_n, ws_e, ws_n,
     TOP_K: tl.constexpr, WIDTH: tl.constexpr, K_BLOCK: tl.constexpr, N_GROUP: tl.constexpr,
     PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
-    HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_SHARED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """h[t * WIDTH + j, n] = relu2(x[t] . W[e_tj, n] * scale[e_tj, n]) for one (token t, column tile, slot j).
-    Under PDL a shared-expert slot (its expert does not depend on the router) prefetches its rows' first 1024
-    columns into L2 before waiting on the router kernel."""
+    A shared-expert slot's expert does not depend on the router: under PDL it prefetches its rows' first 1024
+    columns into L2 before waiting on the router kernel, or, with EARLY_SHARED, computes its whole product
+    before the wait (x was written before the router kernel's own wait returned, so it is complete) and takes the
+    first slots of the launch order, so those programs run while the router kernel computes."""
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     slot = tl.program_id(2)
-    if USE_PDL and SHARED:
+    if EARLY_SHARED:
+        slot = (slot + TOP_K) % WIDTH  # the shared chunks first: the GPU dispatches programs in launch order
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N_OUT
+    x_row = x_ptr + token * x_m
+    ahead = EARLY_SHARED and slot >= TOP_K
+    h = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if ahead:
+        h = _gemv(x_row, ws_ptr + (slot - TOP_K) * ws_e + offs_n.to(tl.int64)[:, None] * ws_n, n_ok, K,
+                  BLOCK_N, BLOCK_K)
+    elif USE_PDL and SHARED:
         if slot >= TOP_K:
-            rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N_OUT - 1)
+            rows = tl.minimum(offs_n, N_OUT - 1)
             lines = tl.minimum(tl.arange(0, 16) * 64, K - 1)
             prefetch_l2(ws_ptr + (slot - TOP_K) * ws_e + rows.to(tl.int64)[:, None] * ws_n + lines[None, :])
     pdl_gate(USE_PDL)
@@ -113,13 +138,12 @@ def _small_up_kernel(
     if pid_n == 0:
         tl.store(ids_ptr + token * WIDTH + slots, chosen, mask=mine)
         tl.store(weights_ptr + token * WIDTH + slots, weight, mask=mine)
-    expert = tl.sum(tl.where(mine, chosen, 0), 0)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N_OUT
-    w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
-    h = _gemv(x_ptr + token * x_m, w_rows, n_ok, K, BLOCK_N, BLOCK_K)
-    if HAS_SCALE:
-        h *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
+    if not ahead:
+        expert = tl.sum(tl.where(mine, chosen, 0), 0)
+        w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
+        h = _gemv(x_row, w_rows, n_ok, K, BLOCK_N, BLOCK_K)
+        if HAS_SCALE:
+            h *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
     h = tl.maximum(h.to(h_ptr.dtype.element_ty).to(tl.float32), 0.0)  # relu2 of the rounded projection
     tl.store(h_ptr + (token * WIDTH + slot) * N_OUT + offs_n, (h * h).to(h_ptr.dtype.element_ty), mask=n_ok)
 
@@ -217,7 +241,8 @@ def moe_small_triton(
         w_up.stride(1), inter * d if fused else 0, d if fused else 0,
         TOP_K=spec.top_k, WIDTH=width, K_BLOCK=next_pow2(width), N_GROUP=spec.n_group,
         PER_GROUP=num_experts // spec.n_group, TOPK_GROUP=spec.topk_group, NORM=spec.norm_topk_prob,
-        SHARED=spec.num_shared, HAS_SCALE=up_scale is not None, **pdl,
+        SHARED=spec.num_shared, HAS_SCALE=up_scale is not None,
+        EARLY_SHARED=fused and up_scale is None and early_shared_enabled(), **pdl,
     )
     out = torch.empty(n, d, dtype=expert_x.dtype, device=x.device)
 
