@@ -282,7 +282,7 @@ def moe_small_triton(
     down_s = shared_down if fused and shared_down is not None else w_down
     scale_dummy = weights  # never read without HAS_SCALE
     pdl = pdl_launch(x.device)
-    prefetch = prefetch_enabled()
+    prefetch, early = prefetch_enabled(), early_shared_enabled()  # both read (and checked) on every call
 
     def up_grid(meta: dict) -> tuple[int, int, int]:
         return (n, cdiv(inter, meta["BLOCK_N"]), width)
@@ -294,7 +294,7 @@ def moe_small_triton(
         TOP_K=spec.top_k, WIDTH=width, K_BLOCK=next_pow2(width), N_GROUP=spec.n_group,
         PER_GROUP=num_experts // spec.n_group, TOPK_GROUP=spec.topk_group, NORM=spec.norm_topk_prob,
         SHARED=spec.num_shared, HAS_SCALE=up_scale is not None,
-        EARLY_SHARED=fused and up_scale is None and early_shared_enabled(), PREFETCH=prefetch, **pdl,
+        EARLY_SHARED=early and fused and up_scale is None, PREFETCH=prefetch, **pdl,
     )
     out = torch.empty(n, d, dtype=expert_x.dtype, device=x.device)
 
