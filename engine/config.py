@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,17 +16,6 @@ from hybridserve.engine.spec_config import SpeculativeConfig
 CUDA_PREFILL_CHUNK = 2048
 CPU_PREFILL_CHUNK = 512
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def env_switch(name: str, default: bool) -> bool:
-    """An on / off environment switch for comparing a measured default with its alternative (HYBRIDSERVE_*):
-    "1" or "0", `default` when unset; any other value is a ValueError naming the variable."""
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value == "1"
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,11 @@ host sync: CUDA-graph capturable. `moe_layer_triton` dispatches on the number of
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from hybridserve.env_switch import env_switch
 from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.moe import RouterSpec
 from hybridserve.kernels.moe_router_triton import groups_fit, route_topk_triton, router_logits, topk_choice
@@ -43,26 +42,17 @@ from hybridserve.kernels.triton_utils import (
 SMALL_M_MAX_PAIRS = 8
 
 
-def _switch(name: str) -> bool:
-    """A 0/1 environment switch of this path, off by default; read at every launch (a CUDA graph keeps the
-    choice it was captured with)."""
-    value = os.environ.get(name, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
 def early_shared_enabled() -> bool:
     """Whether the up kernel's shared-expert programs run first and compute before waiting on the router kernel
     (HYBRIDSERVE_MOE_EARLY_SHARED=1; off until measured on the GPU)."""
-    return _switch("HYBRIDSERVE_MOE_EARLY_SHARED")
+    return env_switch("HYBRIDSERVE_MOE_EARLY_SHARED", False)
 
 
 def prefetch_enabled() -> bool:
     """Whether the up and down kernels load each weight tile one step ahead of its use (HYBRIDSERVE_MOE_PREFETCH=1;
     off until measured on the GPU): two tiles in flight per program instead of one, since Triton pipelines only
     the loads that feed a tl.dot and these GEMVs are bound by each program's load latency."""
-    return _switch("HYBRIDSERVE_MOE_PREFETCH")
+    return env_switch("HYBRIDSERVE_MOE_PREFETCH", False)
 
 
 def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:

@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-from hybridserve.engine.config import env_switch
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.env_switch import env_switch
 from hybridserve.worker_runtime.loop_stats import LoopStats
 from hybridserve.worker_runtime.step_profiler import StepProfileConfig, StepProfiler
 
@@ -270,8 +270,7 @@ class EngineLoop:
         while not self._stop.is_set():
             self._run_calls(block=not self.engine.has_unfinished())
             if not self.engine.has_unfinished():
-                self._hand_off()  # late hand-off's last outputs (its overlap task would too; without it, none held)
-                self._run_overlap_tasks(True)
+                self._run_overlap_tasks(True)  # late hand-off's last outputs among them (without it none are held)
                 self.stats.idle()
                 continue
             start = time.perf_counter()
