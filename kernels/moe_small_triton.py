@@ -44,15 +44,9 @@ SMALL_M_MAX_PAIRS = 8
 
 def early_shared_enabled() -> bool:
     """Whether the up kernel's shared-expert programs run first and compute before waiting on the router kernel
-    (HYBRIDSERVE_MOE_EARLY_SHARED=1; off until measured on the GPU)."""
-    return env_switch("HYBRIDSERVE_MOE_EARLY_SHARED", False)
-
-
-def prefetch_enabled() -> bool:
-    """Whether the up and down kernels load each weight tile one step ahead of its use (HYBRIDSERVE_MOE_PREFETCH=1;
-    off until measured on the GPU): two tiles in flight per program instead of one, since Triton pipelines only
-    the loads that feed a tl.dot and these GEMVs are bound by each program's load latency."""
-    return env_switch("HYBRIDSERVE_MOE_PREFETCH", False)
+    (on by default: the 30B-A3B batch-1 step's router wait 118 -> 88 us, bench/results/h200/session47;
+    HYBRIDSERVE_MOE_EARLY_SHARED=0 turns it off)."""
+    return env_switch("HYBRIDSERVE_MOE_EARLY_SHARED", True)
 
 
 def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -85,32 +79,20 @@ def _expert_rows(w_ptr, ws_ptr, expert, num_routed, offs_n, w_e, w_n, ws_e, ws_n
 
 
 @triton.jit
-def _gemv(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
-    """sum_k a[k] * W[n, k] for the tile's rows, fp32 (bf16 products are exact in fp32; fp8 casts exactly). With
-    PREFETCH the next K block's load is issued before this block's products (same sums, same order)."""
+def _gemv(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum_k a[k] * W[n, k] for the tile's rows, fp32 (bf16 products are exact in fp32; fp8 casts exactly)."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if PREFETCH:
-        k = tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(a_row + k, mask=k < K, other=0.0).to(tl.float32)
-            ahead = k + BLOCK_K
-            w_next = tl.load(w_rows + ahead[None, :], mask=n_ok[:, None] & (ahead < K)[None, :], other=0.0)
-            acc += w.to(tl.float32) * a[None, :]
-            w = w_next
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            a = tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += w.to(tl.float32) * a[None, :]
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
     return tl.sum(acc, 1)
 
 
 @lean_launch
-@triton.autotune(configs=_configs(_UP_TILES), key=["N_OUT", "K", "WIDTH", "HAS_SCALE", "EARLY_SHARED", "PREFETCH"],
+@triton.autotune(configs=_configs(_UP_TILES), key=["N_OUT", "K", "WIDTH", "HAS_SCALE", "EARLY_SHARED"],
                  cache_results=PERSIST_AUTOTUNE)
 @triton.jit
 def _small_up_kernel(
@@ -119,7 +101,7 @@ def _small_up_kernel(
     TOP_K: tl.constexpr, WIDTH: tl.constexpr, K_BLOCK: tl.constexpr, N_GROUP: tl.constexpr,
     PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
     HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_SHARED: tl.constexpr,
-    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """h[t * WIDTH + j, n] = relu2(x[t] . W[e_tj, n] * scale[e_tj, n]) for one (token t, column tile, slot j).
     A shared-expert slot's expert does not depend on the router: under PDL it prefetches its rows' first 1024
@@ -138,7 +120,7 @@ def _small_up_kernel(
     h = tl.zeros([BLOCK_N], dtype=tl.float32)
     if ahead:
         h = _gemv(x_row, ws_ptr + (slot - TOP_K) * ws_e + offs_n.to(tl.int64)[:, None] * ws_n, n_ok, K,
-                  BLOCK_N, BLOCK_K, PREFETCH)
+                  BLOCK_N, BLOCK_K)
     elif USE_PDL and SHARED:
         if slot >= TOP_K:
             rows = tl.minimum(offs_n, N_OUT - 1)
@@ -155,37 +137,22 @@ def _small_up_kernel(
     if not ahead:
         expert = tl.sum(tl.where(mine, chosen, 0), 0)
         w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
-        h = _gemv(x_row, w_rows, n_ok, K, BLOCK_N, BLOCK_K, PREFETCH)
+        h = _gemv(x_row, w_rows, n_ok, K, BLOCK_N, BLOCK_K)
         if HAS_SCALE:
             h *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
     h = tl.maximum(h.to(h_ptr.dtype.element_ty).to(tl.float32), 0.0)  # relu2 of the rounded projection
     tl.store(h_ptr + (token * WIDTH + slot) * N_OUT + offs_n, (h * h).to(h_ptr.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit
-def _slot_tiles(routed, chunk, is_shared, k, s_ok, n_ok, K, SHARED: tl.constexpr):
-    """The down kernel's [SLOTS, BLOCK_N, BLOCK_K] weights at K offsets k, in the weights' dtype: each slot's rows
-    from its routed expert or, for a shared chunk, from the shared weight (two masked loads, then a select)."""
-    ok = s_ok[:, None, None] & n_ok[None, :, None] & (k < K)[None, None, :]
-    k3 = k[None, None, :]
-    if SHARED:
-        w = tl.load(routed + k3, mask=ok & ~is_shared, other=0.0)
-        w = tl.where(is_shared, tl.load(chunk + k3, mask=ok & is_shared, other=0.0), w)
-    else:
-        w = tl.load(routed + k3, mask=ok, other=0.0)
-    return w
-
-
 @lean_launch
-@triton.autotune(configs=_configs(_DOWN_TILES), key=["N_OUT", "K", "WIDTH", "HAS_SCALE", "HAS_SHARED_OUT", "PREFETCH"],
+@triton.autotune(configs=_configs(_DOWN_TILES), key=["N_OUT", "K", "WIDTH", "HAS_SCALE", "HAS_SHARED_OUT"],
                  cache_results=PERSIST_AUTOTUNE)
 @triton.jit
 def _small_down_kernel(
     h_ptr, ids_ptr, weights_ptr, w_ptr, ws_ptr, scale_ptr, shared_ptr, out_ptr,
     E, N_OUT, K, w_e, w_n, ws_e, ws_n, out_m,
     WIDTH: tl.constexpr, SLOTS: tl.constexpr, SHARED: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_SHARED_OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_SHARED_OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[t, n] = round(sum_j w_tj * round(h[t * WIDTH + j] . W[e_tj, n] * scale)) (+ shared_out[t, n]): each
     pair's product rounds to the activation dtype before its routing weight, the sum is fp32 and rounds once,
@@ -208,30 +175,18 @@ def _small_down_kernel(
         routed = w_ptr + (experts * w_e)[:, None, None] + n3 * w_n
     h_rows = h_ptr + (token * WIDTH + slots).to(tl.int64)[:, None] * K  # [SLOTS, 1]
     acc = tl.zeros([SLOTS, BLOCK_N], dtype=tl.float32)
-    if PREFETCH:  # the next K block's weights requested before this block's products (same sums, same order)
-        if not SHARED:
-            chunk = routed
-            is_shared = (experts < 0)[:, None, None]
-        w = _slot_tiles(routed, chunk, is_shared, tl.arange(0, BLOCK_K), s_ok, n_ok, K, SHARED)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            hv = tl.load(h_rows + k[None, :], mask=s_ok[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
-            w_next = _slot_tiles(routed, chunk, is_shared, k + BLOCK_K, s_ok, n_ok, K, SHARED)
-            acc += tl.sum(w.to(tl.float32) * hv[:, None, :], 2)
-            w = w_next
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            hv = tl.load(h_rows + k[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            ok = s_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
-            k3 = k[None, None, :]
-            if SHARED:  # two masked loads, not a pointer select (a select loses the pointers' known alignment)
-                w = tl.load(routed + k3, mask=ok & ~is_shared, other=0.0).to(tl.float32)
-                w += tl.load(chunk + k3, mask=ok & is_shared, other=0.0).to(tl.float32)
-            else:
-                w = tl.load(routed + k3, mask=ok, other=0.0).to(tl.float32)
-            acc += tl.sum(w * hv[:, None, :], 2)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        hv = tl.load(h_rows + k[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        ok = s_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
+        k3 = k[None, None, :]
+        if SHARED:  # two masked loads, not a pointer select (a select loses the pointers' known alignment)
+            w = tl.load(routed + k3, mask=ok & ~is_shared, other=0.0).to(tl.float32)
+            w += tl.load(chunk + k3, mask=ok & is_shared, other=0.0).to(tl.float32)
+        else:
+            w = tl.load(routed + k3, mask=ok, other=0.0).to(tl.float32)
+        acc += tl.sum(w * hv[:, None, :], 2)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + experts[:, None] * N_OUT + offs_n[None, :], mask=s_ok[:, None] & n_ok[None, :],
                        other=0.0)
@@ -272,7 +227,7 @@ def moe_small_triton(
     down_s = shared_down if fused and shared_down is not None else w_down
     scale_dummy = weights  # never read without HAS_SCALE
     pdl = pdl_launch(x.device)
-    prefetch, early = prefetch_enabled(), early_shared_enabled()  # both read (and checked) on every call
+    early = early_shared_enabled()  # read (and checked) on every call
 
     def up_grid(meta: dict) -> tuple[int, int, int]:
         return (n, cdiv(inter, meta["BLOCK_N"]), width)
@@ -284,7 +239,7 @@ def moe_small_triton(
         TOP_K=spec.top_k, WIDTH=width, K_BLOCK=next_pow2(width), N_GROUP=spec.n_group,
         PER_GROUP=num_experts // spec.n_group, TOPK_GROUP=spec.topk_group, NORM=spec.norm_topk_prob,
         SHARED=spec.num_shared, HAS_SCALE=up_scale is not None,
-        EARLY_SHARED=early and fused and up_scale is None, PREFETCH=prefetch, **pdl,
+        EARLY_SHARED=early and fused and up_scale is None, **pdl,
     )
     out = torch.empty(n, d, dtype=expert_x.dtype, device=x.device)
 
@@ -296,7 +251,7 @@ def moe_small_triton(
         shared_out if shared_out is not None else out, out, num_experts, d, inter, w_down.stride(0),
         w_down.stride(1), inter if fused else 0, spec.num_shared * inter if fused else 0, out.stride(0),
         WIDTH=width, SLOTS=next_pow2(width), SHARED=fused, HAS_SCALE=down_scale is not None,
-        HAS_SHARED_OUT=shared_out is not None, PREFETCH=prefetch, **pdl,
+        HAS_SHARED_OUT=shared_out is not None, **pdl,
     )
     return out
 

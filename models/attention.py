@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -12,7 +14,8 @@ from hybridserve.models.layers import Linear
 
 
 class Attention(nn.Module):
-    """q/k/v projections, KV written to pages, causal attention over each sequence's pages, o_proj."""
+    """q/k/v projections (one launch: see `_qkv`), KV written to pages, causal attention over each sequence's
+    pages, o_proj."""
 
     def __init__(self, hidden_size: int, config: AttentionConfig, kv_start: int = 0) -> None:
         super().__init__()
@@ -24,6 +27,23 @@ class Attention(nn.Module):
         self.v_proj = Linear(hidden_size, config.num_kv_heads * config.head_dim, bias=config.bias)
         self.o_proj = Linear(config.num_heads * config.head_dim, hidden_size, bias=config.bias)
 
+    def _qkv(self) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+        """q/k/v's weights as one [Nq + 2 Nkv, hidden] tensor (and biases as one [Nq + 2 Nkv]), plus its split-K
+        scratch: a decode step reads the three in one launch instead of three (30B-A3B's k/v projections are too
+        small for the skinny kernel and cost two cuBLAS kernels each). The three parameters become views of it,
+        so there is no second copy and a checkpoint load writes through them; made again when a parameter was
+        replaced (.to(), assigning loads)."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        cached = self.__dict__.get("_qkv_fused")
+        if cached is not None and _views_of(cached[0], [p.weight for p in projs]) and (
+                cached[1] is None or _views_of(cached[1], [p.bias for p in projs])):
+            return cached
+        weight = _fuse([p.weight for p in projs])
+        bias = _fuse([p.bias for p in projs]) if self.q_proj.bias is not None else None
+        cached = (weight, bias, ops.split_k_workspace(weight))
+        self.__dict__["_qkv_fused"] = cached  # outside the parameters: state_dict keys stay checkpoint names
+        return cached
+
     def forward(
         self,
         hidden: torch.Tensor,  # [N, hidden]
@@ -33,12 +53,37 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         cfg = self.config
         tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(tokens, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(hidden).view(tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(hidden).view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        weight, bias, workspace = self._qkv()
+        qkv = ops.linear(hidden, weight, bias, workspace)  # [N, Nq + 2 Nkv]
+        sizes = [p.weight.shape[0] for p in (self.q_proj, self.k_proj, self.v_proj)]
+        q, k, v = qkv.split(sizes, dim=-1)  # strided views: the kernels below take any strides
+        q = q.view(tokens, -1, cfg.head_dim)
+        k, v = k.view(tokens, -1, cfg.head_dim), v.view(tokens, -1, cfg.head_dim)
         ops.write_kv(k, v, k_pages, v_pages, batch.slot_mapping)
         out = ops.paged_attention(
             q, k_pages, v_pages, batch.cu_seqlens, batch.kv_lens, batch.block_tables, self.scale,
             max_query_len=max(batch.query_lens, default=0), kv_start=self.kv_start, blocks=batch.attention_blocks(),
         )
         return self.o_proj(out.reshape(tokens, -1))
+
+
+def _views_of(fused: torch.Tensor, params: list[torch.Tensor]) -> bool:
+    """Whether params are still, in order, the consecutive row blocks of fused."""
+    offset = 0
+    for param in params:
+        if (param.dtype != fused.dtype or param.device != fused.device or param.shape[1:] != fused.shape[1:]
+                or param.data_ptr() != fused[offset:].data_ptr()):
+            return False
+        offset += param.shape[0]
+    return offset == fused.shape[0]
+
+
+def _fuse(params: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate params along dim 0 into one tensor and point each parameter at its block of it."""
+    with torch.inference_mode(False):  # a normal tensor even when first called in an inference-mode forward, so
+        fused = torch.cat([p.detach() for p in params])  # a later load can still copy_ into the parameters
+    offset = 0
+    for param in params:
+        param.data = fused[offset:offset + param.shape[0]]
+        offset += param.shape[0]
+    return fused

@@ -70,17 +70,16 @@ def main() -> None:
             "x_ptr": "*bf16", "w_ptr": "*bf16", "logits_ptr": "*fp32", "E": "i32", "D": "i32", "x_m": "i32"},
             {"BLOCK_E": 2, "BLOCK_K": block_k, "USE_PDL": True}, aligned=("x_ptr", "w_ptr", "logits_ptr", "D", "x_m"))
     small_ints = {n: "i32" for n in ("E", "N_OUT", "K", "w_e", "w_n", "ws_e", "ws_n")}
-    for weights, early, prefetch in (("*bf16", False, False), ("*fp8e4nv", False, False), ("*bf16", True, False),
-                                     ("*bf16", False, True), ("*fp8e4nv", False, True)):
+    for weights, early in (("*bf16", False), ("*fp8e4nv", False), ("*bf16", True)):
         fp8 = weights != "*bf16"
-        variant = f"{weights}{' early' if early else ''}{' prefetch' if prefetch else ''}"
+        variant = f"{weights}{' early' if early else ''}"
         found[f"small up {variant}"] = compile_for_hopper(_small_up_kernel, {
             "x_ptr": "*bf16", "logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": weights, "ws_ptr": weights,
             "scale_ptr": "*fp32", "h_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", **small_ints,
             "scaling": "fp32", "x_m": "i32"}, {
             "TOP_K": 6, "WIDTH": 6 if fp8 else 8, "K_BLOCK": 8, "N_GROUP": 1, "PER_GROUP": 128, "TOPK_GROUP": 1,
             "NORM": True, "SHARED": 0 if fp8 else 2, "HAS_SCALE": fp8, "BLOCK_N": 32, "BLOCK_K": 256,
-            "EARLY_SHARED": early, "PREFETCH": prefetch, "USE_PDL": True},
+            "EARLY_SHARED": early, "USE_PDL": True},
             aligned=("x_ptr", "w_ptr", "ws_ptr", "h_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "x_m"))
         if early:
             continue
@@ -88,7 +87,7 @@ def main() -> None:
             "h_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", "w_ptr": weights, "ws_ptr": weights,
             "scale_ptr": "*fp32", "shared_ptr": "*bf16", "out_ptr": "*bf16", **small_ints, "out_m": "i32"}, {
             "WIDTH": 6 if fp8 else 8, "SLOTS": 8, "SHARED": not fp8, "HAS_SCALE": fp8, "HAS_SHARED_OUT": fp8, "BLOCK_N": 8,
-            "BLOCK_K": 256, "PREFETCH": prefetch, "USE_PDL": fp8},
+            "BLOCK_K": 256, "USE_PDL": fp8},
             aligned=("h_ptr", "w_ptr", "ws_ptr", "out_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "out_m"))
     skinny = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
               "arrive_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "x_m": "i32", "w_n": "i32", "y_m": "i32"}

@@ -74,31 +74,9 @@ def test_early_shared_programs_give_the_same_bits(monkeypatch, shape, dtype):
 
 
 @ku.interp_only
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("fp8", [False, True])
-def test_prefetched_tiles_give_the_same_bits(monkeypatch, shape, fp8):
-    """HYBRIDSERVE_MOE_PREFETCH=1: the up and down kernels load each weight tile one K block ahead (K not a
-    multiple of the block in every shape: the last prefetch is masked off); same output to the bit, bf16 and fp8,
-    with the shared programs early or not."""
-    tokens, experts, k, n_group, topk_group, d, inter, shared = shape
-    inputs = _layer(tokens, experts, k, n_group, topk_group, d, inter, 0 if fp8 else shared, torch.bfloat16,
-                    seed=11 + tokens)
-    if fp8:
-        inputs["w_up"], inputs["up_scale"] = quantize_fp8_rows(inputs["w_up"])
-        inputs["w_down"], inputs["down_scale"] = quantize_fp8_rows(inputs["w_down"])
-    monkeypatch.setenv("HYBRIDSERVE_MOE_PREFETCH", "0")
-    plain = moe_layer_triton(**inputs, small_max_pairs=1 << 20)
-    monkeypatch.setenv("HYBRIDSERVE_MOE_PREFETCH", "1")
-    assert torch.equal(moe_layer_triton(**inputs, small_max_pairs=1 << 20), plain)
-    monkeypatch.setenv("HYBRIDSERVE_MOE_EARLY_SHARED", "1")
-    assert torch.equal(moe_layer_triton(**inputs, small_max_pairs=1 << 20), plain)
-
-
-@ku.interp_only
-@pytest.mark.parametrize("name", ["HYBRIDSERVE_MOE_EARLY_SHARED", "HYBRIDSERVE_MOE_PREFETCH"])
-def test_switches_reject_other_values(monkeypatch, name):
-    monkeypatch.setenv(name, "on")
-    with pytest.raises(ValueError, match=f"{name} must be 0 or 1"):
+def test_early_shared_switch_rejects_other_values(monkeypatch):
+    monkeypatch.setenv("HYBRIDSERVE_MOE_EARLY_SHARED", "on")
+    with pytest.raises(ValueError, match="HYBRIDSERVE_MOE_EARLY_SHARED must be 0 or 1"):
         moe_layer_triton(**_layer(1, 8, 2, 1, 1, 16, 16, 0, torch.float32), small_max_pairs=1 << 20)
 
 
@@ -159,13 +137,12 @@ def test_bad_inputs_name_what_to_change():
 @ku.cuda_only
 @pytest.mark.parametrize("tokens", [1, 8, 16])
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("variant", ["plain", "early", "prefetch"])
-def test_cuda_small_path_matches_the_reference_and_replays_as_a_graph(monkeypatch, tokens, fp8, variant):
+@pytest.mark.parametrize("early", [False, True])
+def test_cuda_small_path_matches_the_reference_and_replays_as_a_graph(monkeypatch, tokens, fp8, early):
     """Nano's routing (128 experts, top 6, 2 shared chunks or fp8 experts) at reduced widths on the GPU: the
-    small path (shared programs early, tiles prefetched, or neither) equals the reference layer and the grouped
-    path, and a CUDA-graph replay gives the same bits."""
-    monkeypatch.setenv("HYBRIDSERVE_MOE_EARLY_SHARED", str(int(variant == "early")))
-    monkeypatch.setenv("HYBRIDSERVE_MOE_PREFETCH", str(int(variant == "prefetch")))
+    small path (shared programs early or not) equals the reference layer and the grouped path, and a CUDA-graph
+    replay gives the same bits."""
+    monkeypatch.setenv("HYBRIDSERVE_MOE_EARLY_SHARED", str(int(early)))
     inputs = _layer(tokens, 128, 6, 1, 1, 256, 128, 0 if fp8 else 2, torch.bfloat16, seed=tokens)
     inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     inputs["correction_bias"] = inputs["correction_bias"].float()
