@@ -61,8 +61,8 @@ def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 # loads are not software-pipelined: the bytes in flight are the tile times the programs an SM holds)
 _UP_TILES = [(16, 256, 4, 1), (16, 512, 4, 1), (32, 128, 4, 1), (32, 256, 4, 1), (64, 128, 4, 1), (32, 256, 8, 1),
              (32, 512, 8, 1), (64, 256, 8, 1)]
-_DOWN_TILES = [(4, 1024, 4, 1), (4, 2048, 8, 1), (8, 512, 4, 1), (8, 1024, 4, 1), (8, 1024, 8, 1), (16, 512, 4, 1),
-               (16, 512, 8, 1), (16, 1024, 8, 1)]
+_DOWN_TILES = [(4, 256, 4, 1), (4, 512, 4, 1), (8, 128, 4, 1), (8, 256, 4, 1), (8, 256, 8, 1), (16, 128, 8, 1),
+               (16, 256, 8, 1)]
 
 
 @triton.jit
@@ -163,22 +163,38 @@ def _small_down_kernel(
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N_OUT
-    offs_k = tl.arange(0, BLOCK_K)
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(WIDTH):  # slot by slot: each step reads BLOCK_N whole-row runs of one expert
-        pair = token * WIDTH + j
-        expert = tl.load(ids_ptr + pair)
-        w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + offs_k
-            k_ok = k < K
-            hv = tl.load(h_ptr + pair * K + k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w * hv[None, :], 1)
-        if HAS_SCALE:
-            acc *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
-        total += acc.to(h_ptr.dtype.element_ty).to(tl.float32) * tl.load(weights_ptr + pair)
+    slots = tl.arange(0, SLOTS)
+    s_ok = slots < WIDTH
+    experts = tl.load(ids_ptr + token * WIDTH + slots, mask=s_ok, other=0)  # [SLOTS] int64
+    n3 = offs_n.to(tl.int64)[None, :, None]
+    if SHARED:
+        is_shared = (experts >= E)[:, None, None]
+        routed = w_ptr + (tl.minimum(experts, E - 1) * w_e)[:, None, None] + n3 * w_n
+        chunk = ws_ptr + (tl.maximum(experts - E, 0) * ws_e)[:, None, None] + n3 * ws_n
+    else:
+        routed = w_ptr + (experts * w_e)[:, None, None] + n3 * w_n
+    h_rows = h_ptr + (token * WIDTH + slots).to(tl.int64)[:, None] * K  # [SLOTS, 1]
+    # per-lane fp32 sums, reduced over K once after the loop: no cross-lane reduction between one block's loads
+    # and the next block's, so each program's loads follow each other as closely as its registers allow
+    acc3 = tl.zeros([SLOTS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        hv = tl.load(h_rows + k[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        ok = s_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
+        k3 = k[None, None, :]
+        if SHARED:  # two masked loads, not a pointer select (a select loses the pointers' known alignment)
+            w = tl.load(routed + k3, mask=ok & ~is_shared, other=0.0).to(tl.float32)
+            w += tl.load(chunk + k3, mask=ok & is_shared, other=0.0).to(tl.float32)
+        else:
+            w = tl.load(routed + k3, mask=ok, other=0.0).to(tl.float32)
+        acc3 += w * hv[:, None, :]
+    acc = tl.sum(acc3, 2)  # [SLOTS, BLOCK_N]
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + experts[:, None] * N_OUT + offs_n[None, :], mask=s_ok[:, None] & n_ok[None, :],
+                       other=0.0)
+    route_w = tl.load(weights_ptr + token * WIDTH + slots, mask=s_ok, other=0.0)
+    total = tl.sum(acc.to(h_ptr.dtype.element_ty).to(tl.float32) * route_w[:, None], 0)  # [BLOCK_N]
     out = total.to(out_ptr.dtype.element_ty)
     if HAS_SHARED_OUT:
         shared = tl.load(shared_ptr + token * out_m + offs_n, mask=n_ok, other=0.0)
