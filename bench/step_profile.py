@@ -44,7 +44,8 @@ def decode_step(config: ModelConfig, batch: int, device: torch.device):  # noqa:
                       kv_lens=torch.full((batch,), CONTEXT + 1, device=device),
                       state_slots=torch.arange(batch, device=device), block_tables=tables,
                       slot_mapping=tables[:, CONTEXT // PAGE] * PAGE + CONTEXT % PAGE)
-    ids = torch.randint(0, config.vocab_size, (batch,), device=device)
+    ids = torch.randint(0, config.vocab_size, (batch,), device=device,
+                        generator=torch.Generator(device=device).manual_seed(0))  # the same step in every run
 
     def step() -> torch.Tensor:
         return model.compute_logits(model(ids, fb, cache))
@@ -122,14 +123,20 @@ def main() -> None:
                         help="route projections of at least this many weight elements to the skinny kernel "
                              "(default: kernels.ops.SKINNY_MIN_WEIGHT)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--save-logits", type=Path, default=None,
+                        help="save the first replay's logits (torch.save), to compare A/B trees' numerics")
     args = parser.parse_args()
     if args.skinny_min_weight is not None:  # an A/B of the dispatch threshold, this process only
         ops.SKINNY_MIN_WEIGHT = args.skinny_min_weight
     device = torch.device("cuda")
     config = ModelConfig.from_hf_dict(json.loads(args.config.read_text()))
     step, _model = decode_step(config, args.batch, device)
+    outputs: list[torch.Tensor] = []
     with torch.no_grad():
-        graph = capture(step)
+        graph = capture(lambda: outputs.append(step()))  # outputs[-1]: the captured call's logits buffer
+        graph.replay()  # the step after one eager warm-up step, from the same dummy weights and cache
+        if args.save_logits:
+            torch.save(outputs[-1].float().cpu(), args.save_logits)
         wall = replay_ms(graph)
         result = {"device": torch.cuda.get_device_name(), "config": args.config.name, "batch": args.batch,
                   "context": CONTEXT, "graph_replay_ms": wall,
