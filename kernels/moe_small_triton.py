@@ -174,9 +174,7 @@ def _small_down_kernel(
     else:
         routed = w_ptr + (experts * w_e)[:, None, None] + n3 * w_n
     h_rows = h_ptr + (token * WIDTH + slots).to(tl.int64)[:, None] * K  # [SLOTS, 1]
-    # per-lane fp32 sums, reduced over K once after the loop: no cross-lane reduction between one block's loads
-    # and the next block's, so each program's loads follow each other as closely as its registers allow
-    acc3 = tl.zeros([SLOTS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([SLOTS, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
@@ -188,8 +186,7 @@ def _small_down_kernel(
             w += tl.load(chunk + k3, mask=ok & is_shared, other=0.0).to(tl.float32)
         else:
             w = tl.load(routed + k3, mask=ok, other=0.0).to(tl.float32)
-        acc3 += w * hv[:, None, :]
-    acc = tl.sum(acc3, 2)  # [SLOTS, BLOCK_N]
+        acc += tl.sum(w * hv[:, None, :], 2)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + experts[:, None] * N_OUT + offs_n[None, :], mask=s_ok[:, None] & n_ok[None, :],
                        other=0.0)
