@@ -55,10 +55,12 @@ class Attention(nn.Module):
         tokens = hidden.shape[0]
         weight, bias, workspace = self._qkv()
         qkv = ops.linear(hidden, weight, bias, workspace)  # [N, Nq + 2 Nkv]
-        sizes = [p.weight.shape[0] for p in (self.q_proj, self.k_proj, self.v_proj)]
-        q, k, v = qkv.split(sizes, dim=-1)  # strided views: the kernels below take any strides
-        q = q.view(tokens, -1, cfg.head_dim)
-        k, v = k.view(tokens, -1, cfg.head_dim), v.view(tokens, -1, cfg.head_dim)
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        # strided views of qkv: write_kv and paged_attention take any strides
+        q, k, v = qkv.split([cfg.num_heads * cfg.head_dim, kv_size, kv_size], dim=-1)
+        q = q.view(tokens, cfg.num_heads, cfg.head_dim)
+        k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
         ops.write_kv(k, v, k_pages, v_pages, batch.slot_mapping)
         out = ops.paged_attention(
             q, k_pages, v_pages, batch.cu_seqlens, batch.kv_lens, batch.block_tables, self.scale,
@@ -69,10 +71,11 @@ class Attention(nn.Module):
 
 def _views_of(fused: torch.Tensor, params: list[torch.Tensor]) -> bool:
     """Whether params are still, in order, the consecutive row blocks of fused."""
-    offset = 0
+    row_bytes = fused.stride(0) * fused.element_size()  # fused is torch.cat's contiguous output
+    offset = 0  # rows of fused before this parameter
     for param in params:
         if (param.dtype != fused.dtype or param.device != fused.device or param.shape[1:] != fused.shape[1:]
-                or param.data_ptr() != fused[offset:].data_ptr()):
+                or param.data_ptr() != fused.data_ptr() + offset * row_bytes):
             return False
         offset += param.shape[0]
     return offset == fused.shape[0]
