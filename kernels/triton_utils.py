@@ -64,7 +64,8 @@ def pdl_enabled(device: torch.device) -> bool:
     """Whether decode kernels launch with programmatic dependent launch (Hopper and later, not under the
     interpreter, HYBRIDSERVE_PDL=0 turns it off for A/B runs): a kernel's programs may then start while the
     kernel before it finishes, stream weights that kernel cannot have written, and wait (`pdl_gate`) before
-    touching anything else. Every kernel that opts in calls `pdl_gate` first, so a chain stays ordered."""
+    touching anything else. Every kernel that opts in calls `pdl_gate` (or `pdl_wait`) first, so a chain stays
+    ordered."""
     if device.type != "cuda":
         return False
     return _pdl_on_cuda_device(device.index if device.index is not None else torch.cuda.current_device())
@@ -89,6 +90,22 @@ def pdl_gate(USE_PDL: tl.constexpr):
     start launching. Every program of a PDL kernel must pass here before reading activations or writing."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """`pdl_gate` without letting the next kernel launch: a kernel that calls this calls `pdl_trigger` once its
+    work is done, so its successor's programs do not wait resident while it streams (the small MoE up kernel:
+    the down kernel after it takes 25.5 instead of 27.4 us per 30B-A3B layer, bench/results/h200/session48)."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_trigger(USE_PDL: tl.constexpr):
+    """Let the next kernel start launching (after `pdl_wait`, at the end of the program's work)."""
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 
