@@ -85,15 +85,6 @@ def _pdl_on_cuda_device(index: int) -> bool:
 
 
 @triton.jit
-def pdl_gate(USE_PDL: tl.constexpr):
-    """Wait until the kernel before this one has finished and its writes are visible, then let the next kernel
-    start launching. Every program of a PDL kernel must pass here before reading activations or writing."""
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
     """`pdl_gate` without letting the next kernel launch: a kernel that calls this calls `pdl_trigger` once its
     work is done, so its successor's programs do not wait resident while it streams (the small MoE up kernel:
@@ -107,6 +98,14 @@ def pdl_trigger(USE_PDL: tl.constexpr):
     """Let the next kernel start launching (after `pdl_wait`, at the end of the program's work)."""
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_gate(USE_PDL: tl.constexpr):
+    """Wait until the kernel before this one has finished and its writes are visible, then let the next kernel
+    start launching. Every program of a PDL kernel must pass here before reading activations or writing."""
+    pdl_wait(USE_PDL)
+    pdl_trigger(USE_PDL)
 
 
 @triton.jit

@@ -31,7 +31,8 @@ def compile_for_hopper(kernel: Any, signature: dict, constexprs: dict, aligned: 
     ptx = compiled.asm["ptx"]
     return {"cubin": bool(compiled.asm.get("cubin")), "cp.async": "cp.async" in ptx, "wgmma": "wgmma" in ptx,
             "ld.global.v4": "ld.global.v4" in ptx, "cp.async 16B": "cp.async.cg.shared.global" in ptx,
-            "prefetch.L2": "prefetch.global.L2" in ptx}
+            "prefetch.L2": "prefetch.global.L2" in ptx, "pdl wait": "griddepcontrol.wait" in ptx,
+            "pdl trigger": "griddepcontrol.launch_dependents" in ptx}
 
 
 def main() -> None:
