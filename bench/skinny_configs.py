@@ -1,0 +1,113 @@
+"""Every tile / split-K config of the skinny decode projection on Nemotron-3-Nano-30B-A3B's shapes, one token, one
+GPU: weight cold in L2 (a 128 MB write before each call) and warm (the same call repeated), timed as CUDA-graph
+replays of 20 calls (minus a graph of the flushes alone), beside the autotuner's pick and the copy-bandwidth
+floor. Says whether a projection is bound by HBM bandwidth (warm much faster than cold) or by its own shape.
+
+    python bench/skinny_configs.py --out skinny_configs.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from hybridserve.kernels import ops
+from hybridserve.kernels.skinny_linear_triton import _configs, _prune, _skinny_linear_kernel, _skinny_split
+
+SHAPES = {"out_proj / o_proj": (2688, 4096), "in_proj": (10304, 2688), "qkv": (4608, 2688)}
+REPS = 20
+
+
+def graph_us(body: Callable[[], None], repeats: int = 15) -> float:
+    """Median us of one replay of a graph of `body` (captured after a warm-up call)."""
+    body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--copy-gbps", type=float, default=4244.0, help="copy bandwidth for the floor")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    flush_buf = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
+    flush_us = graph_us(lambda: [flush_buf.fill_(1) for _ in range(REPS)])
+    report: dict[str, object] = {"device": torch.cuda.get_device_name(), "flush_us_x20": flush_us, "shapes": {}}
+    for name, (n, k) in SHAPES.items():
+        weight = torch.randn(n, k, dtype=torch.bfloat16, device=device) * 0.02
+        x = torch.randn(1, k, dtype=torch.bfloat16, device=device)
+        y = torch.empty(1, n, dtype=torch.bfloat16, device=device)
+        ws = ops.split_k_workspace(weight)
+        ops.linear(x, weight, None, ws)  # the autotuner's pick for this shape
+        torch.cuda.synchronize()
+        picked = getattr(_skinny_split if ws is not None else None, "best_config", None)
+        floor = n * k * 2 / (args.copy_gbps * 1e3)
+        configs = [c for c in _configs(split=ws is not None) if c.num_warps == 4 and c.num_stages == 3]
+        configs = _prune(configs, {"N": n, "K": k, "w_ptr": weight}) if ws is not None else configs
+        rows = []
+        for c in configs:
+            kw = dict(c.kwargs)
+            split = kw["SPLIT_K"]
+            scratch = (ws.partials, ws.arrivals) if ws is not None else (y, y)
+
+            def call(kw: dict = kw, c: object = c, split: int = split, scratch: tuple = scratch) -> None:
+                grid = (-(-n // kw["BLOCK_N"]), split)
+                _skinny_linear_kernel[grid](x, weight, weight, y, *scratch, 1, n, k, x.stride(0), weight.stride(0),
+                                            y.stride(0), HAS_BIAS=False, DOT_PRECISION="tf32", USE_PDL=False,
+                                            num_warps=c.num_warps, num_stages=c.num_stages, **kw)
+
+            cold = (graph_us(lambda call=call: [(flush_buf.fill_(1), call()) for _ in range(REPS)]) - flush_us) / REPS
+            warm = graph_us(lambda call=call: [call() for _ in range(REPS)]) / REPS
+            rows.append({"config": {**kw, "warps": c.num_warps, "stages": c.num_stages}, "cold_us": round(cold, 2),
+                         "warm_us": round(warm, 2)})
+        rows.sort(key=lambda r: r["cold_us"])
+        if name == "out_proj / o_proj":  # does a side-stream L2 prefetch during 8 us of other work land in time?
+            side = torch.cuda.Stream(device, priority=-1)
+            sleep = int(8e-6 * 1.98e9)
+            tuned = lambda: ops.linear(x, weight, None, ws)  # noqa: E731
+
+            def idle_then_linear(prefetch: bool) -> None:
+                for _ in range(REPS):
+                    flush_buf.fill_(1)
+                    if prefetch:
+                        side.wait_stream(torch.cuda.current_stream())
+                        with torch.cuda.stream(side):
+                            ops.l2_prefetch(weight)
+                    torch.cuda._sleep(sleep)
+                    tuned()
+                    if prefetch:
+                        torch.cuda.current_stream().wait_stream(side)
+
+            sleep_us = graph_us(lambda: [(flush_buf.fill_(1), torch.cuda._sleep(sleep)) for _ in range(REPS)])
+            report[f"{name}: tuned after 8 us idle, us"] = {
+                "no prefetch": round((graph_us(lambda: idle_then_linear(False)) - sleep_us) / REPS, 2),
+                "side-stream prefetch": round((graph_us(lambda: idle_then_linear(True)) - sleep_us) / REPS, 2)}
+            print(report[f"{name}: tuned after 8 us idle, us"], flush=True)
+        report["shapes"][name] = {"shape": [n, k], "floor_us": round(floor, 2), "autotuned": str(picked),
+                                  "best5": rows[:5], "all": rows}
+        print(name, "floor", round(floor, 2), "autotuned", picked, flush=True)
+        for r in rows[:6]:
+            print("   ", r, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
