@@ -77,28 +77,6 @@ def main() -> None:
             rows.append({"config": {**kw, "warps": c.num_warps, "stages": c.num_stages}, "cold_us": round(cold, 2),
                          "warm_us": round(warm, 2)})
         rows.sort(key=lambda r: r["cold_us"])
-        if name == "out_proj / o_proj":  # does a side-stream L2 prefetch during 8 us of other work land in time?
-            side = torch.cuda.Stream(device, priority=-1)
-            sleep = int(8e-6 * 1.98e9)
-            tuned = lambda: ops.linear(x, weight, None, ws)  # noqa: E731
-
-            def idle_then_linear(prefetch: bool) -> None:
-                for _ in range(REPS):
-                    flush_buf.fill_(1)
-                    if prefetch:
-                        side.wait_stream(torch.cuda.current_stream())
-                        with torch.cuda.stream(side):
-                            ops.l2_prefetch(weight)
-                    torch.cuda._sleep(sleep)
-                    tuned()
-                    if prefetch:
-                        torch.cuda.current_stream().wait_stream(side)
-
-            sleep_us = graph_us(lambda: [(flush_buf.fill_(1), torch.cuda._sleep(sleep)) for _ in range(REPS)])
-            report[f"{name}: tuned after 8 us idle, us"] = {
-                "no prefetch": round((graph_us(lambda: idle_then_linear(False)) - sleep_us) / REPS, 2),
-                "side-stream prefetch": round((graph_us(lambda: idle_then_linear(True)) - sleep_us) / REPS, 2)}
-            print(report[f"{name}: tuned after 8 us idle, us"], flush=True)
         report["shapes"][name] = {"shape": [n, k], "floor_us": round(floor, 2), "autotuned": str(picked),
                                   "best5": rows[:5], "all": rows}
         print(name, "floor", round(floor, 2), "autotuned", picked, flush=True)

@@ -76,18 +76,6 @@ def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.numel() <= _triton_fn("skinny_linear_triton", "MAX_ROWS") * x.shape[-1])
 
 
-def skinny_max_rows() -> int:
-    """Most rows of x the skinny kernel takes (a decode step at most this wide is weight-read bound)."""
-    return int(_triton_fn("skinny_linear_triton", "MAX_ROWS"))
-
-
-def l2_prefetch(tensor: torch.Tensor) -> None:
-    """Ask L2 for a CUDA tensor's bytes on the current stream (kernels/l2_prefetch_triton.py; returns once the
-    prefetches are issued). A hint: nothing to do elsewhere (the reference changes no value either)."""
-    if tensor.is_cuda and triton_available():
-        _triton_fn("l2_prefetch_triton", "l2_prefetch_triton")(tensor)
-
-
 def split_k_workspace(weight: torch.Tensor) -> Any:
     """A SplitKWorkspace for a CUDA weight with few output columns (the skinny kernel may then split K), or
     None; the caller keeps it for the weight's lifetime and never uses it in two launches at once."""
@@ -138,7 +126,6 @@ __all__ = [
     "causal_conv1d_varlen",
     "gated_rmsnorm",
     "gumbel_sample",
-    "l2_prefetch",
     "linear",
     "moe_experts",
     "moe_layer",

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from hybridserve.kernels import ops
-from hybridserve.kernels.l2_prefetch import L2Prefetcher
 from hybridserve.models.config import AttentionConfig
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.layers import Linear
@@ -51,14 +50,11 @@ class Attention(nn.Module):
         batch: ForwardBatch,
         k_pages: torch.Tensor,  # [num_pages, page_size, Hkv, Dh]
         v_pages: torch.Tensor,
-        prefetch: L2Prefetcher | None = None,  # o_proj's weight read into L2 while attention runs
     ) -> torch.Tensor:
         cfg = self.config
         tokens = hidden.shape[0]
         weight, bias, workspace = self._qkv()
         qkv = ops.linear(hidden, weight, bias, workspace)  # [N, Nq + 2 Nkv]
-        if prefetch is not None:
-            prefetch.fetch(self.o_proj.weight)
         kv_size = cfg.num_kv_heads * cfg.head_dim
         # strided views of qkv: write_kv and paged_attention take any strides
         q, k, v = qkv.split([cfg.num_heads * cfg.head_dim, kv_size, kv_size], dim=-1)

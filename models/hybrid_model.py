@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from hybridserve.kernels.l2_prefetch import L2Prefetcher, prefetch_level
 from hybridserve.models.attention import Attention
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
@@ -56,7 +55,6 @@ class HybridLM(nn.Module):
         self.norm_f = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp = MTPHead(config) if config.has_mtp else None
-        self._l2_prefetcher: L2Prefetcher | None = None  # made at the first decode-sized CUDA forward
         for p in self.parameters():
             p.requires_grad_(False)
 
@@ -65,38 +63,21 @@ class HybridLM(nn.Module):
         """input_ids: [N] packed new tokens -> final-normed hidden states [N, hidden]."""
         hidden = self.embeddings(input_ids)
         residual_dtype = torch.float32 if self.config.residual_in_fp32 else hidden.dtype
-        prefetch = self._prefetcher(hidden)
 
         def mix(index: int, normed: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
             block = cast(Block, self.layers[index])  # nn.ModuleList indexes as a plain Module
             if block.kind == "mamba":
                 replay = cache.replay_cache(index) if batch.spec_rollback == "replay" else None
-                out = block.mixer(normed, batch, *cache.mamba(index), replay, prefetch)
+                out = block.mixer(normed, batch, *cache.mamba(index), replay)
             elif block.kind == "attention":
-                out = block.mixer(normed, batch, *cache.kv(index), prefetch)
+                out = block.mixer(normed, batch, *cache.kv(index))
             else:
-                if prefetch is not None and isinstance(block.mixer, MoE):
-                    prefetch.fetch(block.mixer.shared_experts.up_proj.weight, level=2)
                 out = block.mixer(normed)
-            if prefetch is not None:  # joined inside the layer: a staged graph may cut after it
-                prefetch.join()
             if batch.layer_done is not None:
                 batch.layer_done(index)
             return out
 
         return residual_stack(hidden, [cast(Block, block).norm for block in self.layers], self.norm_f, residual_dtype, mix)
-
-    def _prefetcher(self, hidden: torch.Tensor) -> L2Prefetcher | None:
-        """The L2 prefetcher for a forward over hidden [N, D] (kernels/l2_prefetch.py), or None where it does not
-        pay (prefill, CPU, before Hopper, HYBRIDSERVE_L2_PREFETCH=0). Made outside graph capture only."""
-        if not L2Prefetcher.wanted(hidden):
-            return None
-        current = self._l2_prefetcher
-        if current is None or current.device != hidden.device or current.level != prefetch_level():
-            if torch.cuda.is_current_stream_capturing():  # no stream is made mid-capture; warm-up makes it
-                return None
-            current = self._l2_prefetcher = L2Prefetcher(hidden.device, prefetch_level())
-        return current
 
     @torch.inference_mode()
     def mtp_forward(

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from hybridserve.kernels import ops
-from hybridserve.kernels.l2_prefetch import L2Prefetcher
 from hybridserve.kernels.replay_state import ReplayCache
 from hybridserve.models.config import MambaConfig
 from hybridserve.models.forward_batch import ForwardBatch
@@ -78,14 +77,11 @@ class Mamba2Mixer(nn.Module):
         conv_pool: torch.Tensor,  # [num_slots, conv_dim, W]
         ssm_pool: torch.Tensor,  # [num_slots, H, P, N_state]
         replay: ReplayCache | None = None,  # this layer's replay inputs (spec_rollback == "replay")
-        prefetch: L2Prefetcher | None = None,  # out_proj's weight read into L2 while the recurrent update runs
     ) -> torch.Tensor:
         cfg = self.config
         heads, head_dim, state = cfg.num_heads, cfg.head_dim, cfg.state_size
         groups_state = cfg.n_groups * state
         projected = self.in_proj(hidden)
-        if prefetch is not None:
-            prefetch.fetch(self.out_proj.weight)
         gate, xBC, dt = projected.split([cfg.intermediate_size, cfg.conv_dim, heads], dim=-1)
         conv_weight = self.conv1d.weight[:, 0, :]  # [D, K]
         A = self.decay_rates()

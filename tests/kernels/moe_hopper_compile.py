@@ -12,7 +12,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from hybridserve.kernels.l2_prefetch_triton import _l2_prefetch_kernel
 from hybridserve.kernels.moe_router_triton import _route_kernel, _router_logits_kernel
 from hybridserve.kernels.moe_small_triton import _small_down_kernel, _small_up_kernel
 from hybridserve.kernels.moe_triton import _moe_align_kernel, _moe_combine_kernel, _moe_gemm_kernel
@@ -33,8 +32,7 @@ def compile_for_hopper(kernel: Any, signature: dict, constexprs: dict, aligned: 
     return {"cubin": bool(compiled.asm.get("cubin")), "cp.async": "cp.async" in ptx, "wgmma": "wgmma" in ptx,
             "ld.global.v4": "ld.global.v4" in ptx, "cp.async 16B": "cp.async.cg.shared.global" in ptx,
             "prefetch.L2": "prefetch.global.L2" in ptx, "pdl wait": "griddepcontrol.wait" in ptx,
-            "pdl trigger": "griddepcontrol.launch_dependents" in ptx,
-            "bulk prefetch.L2": "cp.async.bulk.prefetch.L2.global" in ptx}
+            "pdl trigger": "griddepcontrol.launch_dependents" in ptx}
 
 
 def main() -> None:
@@ -98,10 +96,6 @@ def main() -> None:
         found[f"skinny split={split}"] = compile_for_hopper(_skinny_linear_kernel, skinny, {
             "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split, "HAS_BIAS": split == 1, "DOT_PRECISION": "tf32",
             "USE_PDL": True}, aligned=("x_ptr", "w_ptr", "y_ptr", "K", "w_n", "x_m", "y_m"))
-    for bulk in (True, False):  # weights read into L2 ahead of their projection (kernels/l2_prefetch.py)
-        found[f"l2 prefetch bulk={bulk}"] = compile_for_hopper(_l2_prefetch_kernel, {
-            "src_ptr": "*u8", "nbytes": "i32"}, {"CHUNK": 4096, "LANES": 32, "BULK": bulk, "LINE": 128},
-            aligned=("src_ptr", "nbytes"), num_warps=1)
     print(json.dumps(found))
 
 
