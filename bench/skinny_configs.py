@@ -1,9 +1,9 @@
-"""Every tile / split-K config of the skinny decode projection, tiled and stream-K (kernels/skinny_streamk_triton.py),
-on Nemotron-3-Nano-30B-A3B's shapes, one token, one GPU: weight cold in L2 (a 128 MB write before each call) and
-warm (the same call repeated), timed as CUDA-graph replays of 20 calls (minus a graph of the flushes alone), beside
-the tiled autotuner's pick and the copy-bandwidth floor.
+"""Every tile / split-K config of the skinny decode projection (kernels/skinny_linear_triton.py) at the pipeline
+depths given by --stages, on Nemotron-3-Nano-30B-A3B's shapes, one token, one GPU: weight cold in L2 (a 128 MB
+write before each call) and warm (the same call repeated), timed as CUDA-graph replays of 20 calls (minus a graph of
+the flushes alone), beside the autotuner's pick and the copy-bandwidth floor.
 
-    python bench/skinny_configs.py --out skinny_configs.json
+    python bench/skinny_configs.py --stages 3 4 5 6 --out skinny_configs.json
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import statistics
 from collections.abc import Callable
 
 import torch
+import triton
 
 from hybridserve.kernels import ops
 from hybridserve.kernels.skinny_linear_triton import _configs, _prune, _skinny_linear_kernel, _skinny_split
-from hybridserve.kernels.skinny_streamk_triton import MAX_BLOCK_N, StreamKWorkspace, _skinny_streamk_kernel
-from hybridserve.kernels.skinny_streamk_triton import _configs as _streamk_configs
 
 SHAPES = {"out_proj / o_proj": (2688, 4096), "in_proj": (10304, 2688), "qkv": (4608, 2688)}
 REPS = 20
@@ -52,6 +51,7 @@ def _split_workspace(weight: torch.Tensor) -> object:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--copy-gbps", type=float, default=4244.0, help="copy bandwidth for the floor")
+    parser.add_argument("--stages", type=int, nargs="+", default=[3], help="software-pipeline depths to sweep")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -67,7 +67,8 @@ def main() -> None:
         torch.cuda.synchronize()
         picked = getattr(_skinny_split if ws is not None else None, "best_config", None)
         floor = n * k * 2 / (args.copy_gbps * 1e3)
-        configs = [c for c in _configs(split=ws is not None) if c.num_warps == 4 and c.num_stages == 3]
+        configs = [triton.Config(c.kwargs, num_warps=4, num_stages=s) for s in args.stages
+                   for c in _configs(split=ws is not None) if c.num_warps == 4 and c.num_stages == 3]
         configs = _prune(configs, {"N": n, "K": k, "w_ptr": weight}) if ws is not None else configs
         rows = []
         for c in configs:
@@ -85,23 +86,6 @@ def main() -> None:
             warm = graph_us(lambda call=call: [call() for _ in range(REPS)]) / REPS
             rows.append({"config": {**kw, "warps": c.num_warps, "stages": c.num_stages}, "cold_us": round(cold, 2),
                          "warm_us": round(warm, 2)})
-        sk_ws = StreamKWorkspace.create(n, device)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        for c in _streamk_configs():
-            kw = dict(c.kwargs)
-            iters = -(-n // kw["BLOCK_N"]) * -(-k // kw["BLOCK_K"])
-            grid = (min(kw["PER_SM"] * sms, iters, sk_ws.partials.shape[0]),)
-
-            def call(kw: dict = kw, c: object = c, grid: tuple = grid) -> None:
-                _skinny_streamk_kernel[grid](x, weight, weight, y, sk_ws.partials, sk_ws.arrivals, 1, n, k, x.stride(0),
-                                             weight.stride(0), y.stride(0), MAX_BLOCK_N=MAX_BLOCK_N, HAS_BIAS=False,
-                                             DOT_PRECISION="tf32", USE_PDL=False, num_warps=c.num_warps,
-                                             num_stages=c.num_stages, **kw)
-
-            cold = (graph_us(lambda call=call: [(flush_buf.fill_(1), call()) for _ in range(REPS)]) - flush_us) / REPS
-            warm = graph_us(lambda call=call: [call() for _ in range(REPS)]) / REPS
-            rows.append({"config": {"streamk": True, **kw, "warps": c.num_warps, "stages": c.num_stages},
-                         "cold_us": round(cold, 2), "warm_us": round(warm, 2)})
         rows.sort(key=lambda r: r["cold_us"])
         report["shapes"][name] = {"shape": [n, k], "floor_us": round(floor, 2), "autotuned": str(picked),
                                   "best5": rows[:5], "all": rows}

@@ -79,11 +79,8 @@ def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def split_k_workspace(weight: torch.Tensor) -> Any:
     """A SplitKWorkspace for a CUDA weight with few output columns (the skinny kernel may then split K), or
     None; the caller keeps it for the weight's lifetime and never uses it in two launches at once."""
-    if not (weight.is_cuda and triton_available()):
-        return None
-    if _triton_fn("skinny_streamk_triton", "wants_streamk")(weight.shape[0], weight.device):
-        return _triton_fn("skinny_streamk_triton", "StreamKWorkspace").create(weight.shape[0], weight.device)
-    if not _triton_fn("skinny_linear_triton", "wants_split")(weight.shape[0], weight.device):
+    if not (weight.is_cuda and triton_available()) or not _triton_fn("skinny_linear_triton", "wants_split")(
+            weight.shape[0], weight.device):
         return None
     return _triton_fn("skinny_linear_triton", "SplitKWorkspace").create(weight.shape[0], weight.device)
 

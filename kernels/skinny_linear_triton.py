@@ -16,7 +16,6 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.launch import lean_launch
-from hybridserve.kernels.skinny_streamk_triton import StreamKWorkspace, streamk_linear_triton
 from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, cdiv, interpreting, pdl_gate, pdl_launch, prefetch_l2
 
 MAX_ROWS = 16  # rows of x this kernel takes (one tl.dot tile); more rows go to cuBLAS
@@ -138,7 +137,7 @@ def skinny_linear_triton(
     x: torch.Tensor,  # [..., K], at most MAX_ROWS rows in all
     weight: torch.Tensor,  # [N, K], rows contiguous
     bias: torch.Tensor | None = None,  # [N]
-    workspace: SplitKWorkspace | StreamKWorkspace | None = None,  # split K (few output columns) / stream-K
+    workspace: SplitKWorkspace | None = None,  # lets the autotuner split K (few output columns)
 ) -> torch.Tensor:
     """x @ weight^T + bias in x's dtype (fp32 accumulation), [..., N]."""
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
@@ -156,15 +155,11 @@ def skinny_linear_triton(
         x2 = x2.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
-    if isinstance(workspace, StreamKWorkspace):
-        if rows and out_features:
-            streamk_linear_triton(x2, weight, bias, y, workspace, pdl_launch(x.device))
-        return y.view(*x.shape[:-1], out_features)
     if workspace is not None and (workspace.partials.shape[2] != out_features
                                   or workspace.partials.device != weight.device):
         raise ValueError(f"split-K workspace is for {workspace.partials.shape[2]} columns on "
                          f"{workspace.partials.device}, the weight has {out_features} on {weight.device}")
+    y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows and out_features:
         def grid(meta: dict) -> tuple[int, int]:
             return (cdiv(out_features, meta["BLOCK_N"]), meta["SPLIT_K"])

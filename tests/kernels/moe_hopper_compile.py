@@ -16,7 +16,6 @@ from hybridserve.kernels.moe_router_triton import _route_kernel, _router_logits_
 from hybridserve.kernels.moe_small_triton import _small_down_kernel, _small_up_kernel
 from hybridserve.kernels.moe_triton import _moe_align_kernel, _moe_combine_kernel, _moe_gemm_kernel
 from hybridserve.kernels.skinny_linear_triton import _skinny_linear_kernel
-from hybridserve.kernels.skinny_streamk_triton import _skinny_streamk_kernel
 
 
 def compile_for_hopper(kernel: Any, signature: dict, constexprs: dict, aligned: tuple[str, ...] = (),
@@ -97,10 +96,6 @@ def main() -> None:
         found[f"skinny split={split}"] = compile_for_hopper(_skinny_linear_kernel, skinny, {
             "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split, "HAS_BIAS": split == 1, "DOT_PRECISION": "tf32",
             "USE_PDL": True}, aligned=("x_ptr", "w_ptr", "y_ptr", "K", "w_n", "x_m", "y_m"))
-    for block_n in (16, 64):  # stream-K decode projections: one pipelined run per program across column blocks
-        found[f"skinny streamk {block_n}"] = compile_for_hopper(_skinny_streamk_kernel, skinny, {
-            "BLOCK_N": block_n, "BLOCK_K": 128, "PER_SM": 2, "MAX_BLOCK_N": 64, "HAS_BIAS": True,
-            "DOT_PRECISION": "tf32", "USE_PDL": True}, aligned=("x_ptr", "w_ptr", "y_ptr", "K", "w_n", "x_m", "y_m"))
     print(json.dumps(found))
 
 

@@ -15,7 +15,6 @@ from hybridserve.kernels.skinny_linear_triton import (  # noqa: E402
     skinny_linear_ref,
     skinny_linear_triton,
 )
-from hybridserve.kernels.skinny_streamk_triton import StreamKWorkspace  # noqa: E402
 
 
 def _case(shape_x, out_features, bias, dtype, device, gen):
@@ -94,51 +93,6 @@ def test_skinny_linear_gpu(out_features, in_features, rows, dtype):
     ku.assert_close(ops.linear(x, w, b), ref, ku.TOL[dtype], "ops.linear")
     many = x.repeat(MAX_ROWS // rows + 1, 1)  # more rows than the kernel takes: cuBLAS
     ku.assert_close(ops.linear(many, w, b)[:rows], ref, ku.TOL[dtype], "ops.linear, more rows")
-
-
-@ku.interp_only
-@pytest.mark.parametrize("shape_x,out_features,bias", [
-    ((1, 100), 40, True),  # 3 column blocks x 4 K blocks over 5 runs: every block cut, some runs in one block
-    ((5, 300), 33, False),  # 3 x 10 iterations: runs of 6 start and end inside blocks
-    ((MAX_ROWS, 64), 20, True),  # 2 x 2 iterations over 4 runs: every run a partial, one block's runs in two
-    ((2, 2, 32), 80, True),  # 5 blocks of one K block each over 5 runs: every block whole
-    ((1, 8), 5, False),  # one iteration: one program
-])
-def test_skinny_linear_streamk_interpreter(shape_x, out_features, bias):
-    """Stream-K: the iterations cut into equal runs, partials meet in the runs' slots and the last arrival writes
-    y in run order; every arrival count is back at 0 for the next call."""
-    gen = torch.Generator().manual_seed(sum(shape_x) + out_features)
-    x, w, b = _case(shape_x, out_features, bias, torch.float32, "cpu", gen)
-    workspace = StreamKWorkspace.create(out_features, torch.device("cpu"))
-    for _ in range(2):  # a second call finds the scratch reset
-        ku.assert_close(skinny_linear_triton(x, w, b, workspace), skinny_linear_ref(x, w, b), 1e-5, "y")
-        assert int(workspace.arrivals.abs().sum()) == 0
-    with pytest.raises(ValueError, match="stream-K workspace"):
-        skinny_linear_triton(x, w[:-1], None, workspace)
-
-
-@ku.gpu
-@ku.cuda_only
-@pytest.mark.parametrize("out_features,in_features", [(2688, 4096), (10304, 2688), (4096, 2688)])
-@pytest.mark.parametrize("rows", [1, 4])
-def test_skinny_linear_streamk_gpu(out_features, in_features, rows):
-    """Nemotron-3-Nano-30B-A3B's out_proj, in_proj and q_proj through stream-K: equal to the reference,
-    bit-identical from call to call and through CUDA-graph replays (partials added in run order)."""
-    gen = torch.Generator().manual_seed(rows)
-    x, w, _ = _case((rows, in_features), out_features, False, torch.bfloat16, "cuda", gen)
-    workspace = StreamKWorkspace.create(out_features, x.device)
-    first = skinny_linear_triton(x, w, None, workspace)
-    ku.assert_close(first, skinny_linear_ref(x.float(), w.float()), ku.TOL[torch.bfloat16], "y")
-    for _ in range(3):
-        assert torch.equal(skinny_linear_triton(x, w, None, workspace), first)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = skinny_linear_triton(x, w, None, workspace)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, first)
-    assert int(workspace.arrivals.abs().sum()) == 0
 
 
 @ku.gpu
