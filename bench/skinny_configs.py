@@ -17,7 +17,15 @@ import torch
 import triton
 
 from hybridserve.kernels import ops
-from hybridserve.kernels.skinny_linear_triton import _configs, _prune, _skinny_linear_kernel, _skinny_split
+from hybridserve.kernels.skinny_linear_triton import (
+    SplitKWorkspace,
+    _configs,
+    _prune,
+    _skinny_linear_kernel,
+    _skinny_split,
+    wants_split,
+)
+from hybridserve.kernels.triton_utils import cdiv
 
 SHAPES = {"out_proj / o_proj": (2688, 4096), "in_proj": (10304, 2688), "qkv": (4608, 2688)}
 REPS = 20
@@ -41,10 +49,8 @@ def graph_us(body: Callable[[], None], repeats: int = 15) -> float:
     return statistics.median(times)
 
 
-def _split_workspace(weight: torch.Tensor) -> object:
-    """The tiled kernel's split-K scratch where it takes one (few output columns), whatever ops would pick."""
-    from hybridserve.kernels.skinny_linear_triton import SplitKWorkspace, wants_split
-
+def _split_workspace(weight: torch.Tensor) -> SplitKWorkspace | None:
+    """The tiled kernel's split-K scratch where it takes one (few output columns)."""
     return SplitKWorkspace.create(weight.shape[0], weight.device) if wants_split(weight.shape[0], weight.device) else None
 
 
@@ -77,7 +83,7 @@ def main() -> None:
             scratch = (ws.partials, ws.arrivals) if ws is not None else (y, y)
 
             def call(kw: dict = kw, c: object = c, split: int = split, scratch: tuple = scratch) -> None:
-                grid = (-(-n // kw["BLOCK_N"]), split)
+                grid = (cdiv(n, kw["BLOCK_N"]), split)
                 _skinny_linear_kernel[grid](x, weight, weight, y, *scratch, 1, n, k, x.stride(0), weight.stride(0),
                                             y.stride(0), HAS_BIAS=False, DOT_PRECISION="tf32", USE_PDL=False,
                                             num_warps=c.num_warps, num_stages=c.num_stages, **kw)
