@@ -11,33 +11,28 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import triton
 
-from hybridserve.kernels import ops
-from hybridserve.kernels.skinny_linear_triton import (
-    SplitKWorkspace,
-    _configs,
-    _prune,
-    _skinny_linear_kernel,
-    _skinny_split,
-    wants_split,
-)
-from hybridserve.kernels.triton_utils import cdiv
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cuda_graph import capture  # noqa: E402
+
+from hybridserve.kernels import ops  # noqa: E402
+from hybridserve.kernels.skinny_linear_triton import _configs, _prune, _skinny_linear_kernel, _skinny_split  # noqa: E402
+from hybridserve.kernels.triton_utils import cdiv  # noqa: E402
 
 SHAPES = {"out_proj / o_proj": (2688, 4096), "in_proj": (10304, 2688), "qkv": (4608, 2688)}
 REPS = 20
 
 
 def graph_us(body: Callable[[], None], repeats: int = 15) -> float:
-    """Median us of one replay of a graph of `body` (captured after a warm-up call)."""
-    body()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
+    """Median us of one replay of a graph of `body` (bench/cuda_graph.py's capture: after a warm-up call)."""
+    graph = capture(body)
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -47,11 +42,6 @@ def graph_us(body: Callable[[], None], repeats: int = 15) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1000.0)
     return statistics.median(times)
-
-
-def _split_workspace(weight: torch.Tensor) -> SplitKWorkspace | None:
-    """The tiled kernel's split-K scratch where it takes one (few output columns)."""
-    return SplitKWorkspace.create(weight.shape[0], weight.device) if wants_split(weight.shape[0], weight.device) else None
 
 
 def main() -> None:
@@ -68,8 +58,8 @@ def main() -> None:
         weight = torch.randn(n, k, dtype=torch.bfloat16, device=device) * 0.02
         x = torch.randn(1, k, dtype=torch.bfloat16, device=device)
         y = torch.empty(1, n, dtype=torch.bfloat16, device=device)
-        ws = _split_workspace(weight)
-        ops.linear(x, weight, None, ws)  # the tiled kernel autotuner's pick for this shape
+        ws = ops.split_k_workspace(weight)  # split-K scratch where the projection has few output columns
+        ops.linear(x, weight, None, ws)  # the autotuner's pick for this shape
         torch.cuda.synchronize()
         picked = getattr(_skinny_split if ws is not None else None, "best_config", None)
         floor = n * k * 2 / (args.copy_gbps * 1e3)
@@ -79,11 +69,10 @@ def main() -> None:
         rows = []
         for c in configs:
             kw = dict(c.kwargs)
-            split = kw["SPLIT_K"]
             scratch = (ws.partials, ws.arrivals) if ws is not None else (y, y)
 
-            def call(kw: dict = kw, c: object = c, split: int = split, scratch: tuple = scratch) -> None:
-                grid = (cdiv(n, kw["BLOCK_N"]), split)
+            def call(kw: dict = kw, c: object = c, scratch: tuple = scratch) -> None:
+                grid = (cdiv(n, kw["BLOCK_N"]), kw["SPLIT_K"])
                 _skinny_linear_kernel[grid](x, weight, weight, y, *scratch, 1, n, k, x.stride(0), weight.stride(0),
                                             y.stride(0), HAS_BIAS=False, DOT_PRECISION="tf32", USE_PDL=False,
                                             num_warps=c.num_warps, num_stages=c.num_stages, **kw)
