@@ -12,10 +12,11 @@ from hybridserve.kernels.moe import moe_layer_ref, quantize_fp8_rows
 
 triton = pytest.importorskip("triton")
 
+from test_moe_small import SHAPES, _layer  # noqa: E402
+
 import hybridserve.kernels.moe_decode_triton as one  # noqa: E402
 from hybridserve.kernels.moe_decode_triton import COUNTERS, LaunchCounters  # noqa: E402
 from hybridserve.kernels.moe_small_triton import moe_layer_triton  # noqa: E402
-from test_moe_small import SHAPES, _layer  # noqa: E402
 
 
 def _both(inputs: dict, counters: LaunchCounters) -> tuple[torch.Tensor, torch.Tensor]:
