@@ -19,6 +19,7 @@ lm_head; not the embedding table) plus the Mamba state read + written, over copy
 GPU (one H200; a cold Triton cache spends most of the time compiling and autotuning; `wall_s` in the JSON):
   source .whl/setup.sh && python bench/moe.py --device cuda --skip fp8_decode fp8_prefill --out $OUT/moe.json
   source .whl/setup.sh && python bench/moe.py --device cuda --skip decode prefill step --out $OUT/moe_fp8.json
+  the layer at chosen token counts only: ... --skip prefill fp8_decode fp8_prefill step --decode-tokens 1 2
 CPU smoke run (tiny shapes, the torch reference, plain timing): python bench/moe.py --device cpu
 """
 
@@ -28,7 +29,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import time
@@ -53,9 +53,7 @@ PREFILL_TOKENS = 4096
 PREFILL_BLOCK_M = (64, 128)  # grouped-GEMM row blocks measured at prefill (the default picks 128 at 4K tokens)
 LAYER_COPIES = 4  # distinct decode-layer copies per graph (2.6 GB each at Nano's shapes)
 CONTEXT, PAGE = 512, 16
-# small_max_pairs per measured path; "small" runs the small-M path in one launch (the MoE module's counters),
-# "small_3" in three (HYBRIDSERVE_MOE_ONE_LAUNCH=0 while its graph is captured)
-PATHS = {"grouped": 0, "small": 1 << 30, "small_3": 1 << 30, "default": None}  # table columns in this order
+PATHS = {"grouped": 0, "small": 1 << 30, "default": None}  # small_max_pairs per measured path
 TINY = dict(hidden_size=64, moe_intermediate_size=32, moe_shared_expert_intermediate_size=64, n_routed_experts=8,
             num_experts_per_tok=2, vocab_size=256, hybrid_override_pattern="MEM*E", num_hidden_layers=5,
             mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2, num_attention_heads=4,
@@ -135,7 +133,7 @@ def bench_decode(config: ModelConfig, device: torch.device, timer: Timer, ceil: 
                 for layer in layers:
                     layer(x, small_max_pairs=limit)
 
-            with torch.no_grad(), _env("HYBRIDSERVE_MOE_ONE_LAUNCH", "0" if path == "small_3" else None):
+            with torch.no_grad():
                 row[f"{path}_ms"] = timer(run) / copies
             row[f"{path}_over_floor"] = row[f"{path}_ms"] / floor_ms
         rows.append(row)
@@ -189,21 +187,6 @@ def bench_prefill(config: ModelConfig, device: torch.device, timer: Timer, ceil:
         row["gemm_configs"] = _best_configs(_moe_gemm_kernel)
     print(_fmt("prefill ", {k: v for k, v in row.items() if k != "gemm_configs"}), flush=True)
     return row
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str | None) -> Iterator[None]:
-    """Benchmark-only: the environment variable `name` set to `value` inside the block (None: as it is)."""
-    before = os.environ.get(name)
-    if value is not None:
-        os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
 
 
 @contextlib.contextmanager
@@ -273,10 +256,11 @@ def summary(result: dict[str, Any]) -> list[str]:
         rows = result.get(section)
         if not isinstance(rows, list):
             continue
-        lines += [f"| {section} tokens | floor us | grouped us (x floor) | small, one launch us (x floor) | "
-                  "small, three launches us (x floor) | default us (x floor) |", "|---|---|---|---|---|---|"]
+        lines += [f"| {section} tokens | floor us | grouped us (x floor) | small us (x floor) | default us (x floor) |",
+                  "|---|---|---|---|---|"]
         lines += [f"| {r['tokens']} | {1e3 * r['floor_ms']:.1f} | " + " | ".join(
-            f"{1e3 * r[p + '_ms']:.1f} ({r[p + '_over_floor']:.2f}x)" for p in PATHS) + " |" for r in rows]
+            f"{1e3 * r[p + '_ms']:.1f} ({r[p + '_over_floor']:.2f}x)" for p in ("grouped", "small", "default")) + " |"
+            for r in rows]
         faster = [r["tokens"] for r in rows if r["small_ms"] < r["grouped_ms"]]
         lines.append(f"small path faster at tokens {faster}")
     for section in ("prefill", "fp8_prefill"):
@@ -313,7 +297,7 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[],
                         help="sections to skip: decode prefill fp8_decode fp8_prefill step")
     parser.add_argument("--decode-tokens", type=int, nargs="*", default=list(DECODE_BATCHES),
-                        help="token counts of the decode sections (GPU)")
+                        help="token counts of the decode section (GPU; fp8_decode takes the first four)")
     args = parser.parse_args()
     started = time.perf_counter()
     device = torch.device(args.device)
@@ -347,11 +331,9 @@ def main() -> None:
     }
     run_sections(sections, args.skip, result)
     if not cpu:
-        from hybridserve.kernels.moe_decode_triton import _moe_decode_kernel
         from hybridserve.kernels.moe_small_triton import _small_down_kernel, _small_up_kernel
 
-        result["small_configs"] = {"up": _best_configs(_small_up_kernel), "down": _best_configs(_small_down_kernel),
-                                   "one_launch": _best_configs(_moe_decode_kernel)}
+        result["small_configs"] = {"up": _best_configs(_small_up_kernel), "down": _best_configs(_small_down_kernel)}
     result["wall_s"] = time.perf_counter() - started
     result["summary"] = [*summary(result), f"wall {result['wall_s']:.0f} s"]
     print("\n".join(result["summary"]), flush=True)

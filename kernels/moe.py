@@ -178,7 +178,6 @@ def moe_layer_ref(
     shared_up: torch.Tensor | None = None,  # [S * I, D] with spec.num_shared = S
     shared_down: torch.Tensor | None = None,  # [D, S * I]
     small_max_pairs: int | None = None,  # the Triton path's dispatch threshold: one path here
-    counters: object = None,  # the Triton path's one-launch counters: nothing to count here
 ) -> torch.Tensor:
     """A whole MoE layer's routed part: `route_topk` then `moe_experts_ref` -> [N, D] in the experts' dtype."""
     weights, ids = route_topk(x, router_weight, correction_bias, spec)

@@ -89,18 +89,11 @@ def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, E, D, x_m, BLOCK_E: tl.const
     program's weight rows (one pointer per 64 elements) head for L2 before it waits on the kernel before."""
     row = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = offs_e < E
     if USE_PDL:
         lines = tl.minimum(tl.arange(0, (BLOCK_K + 63) // 64) * 64, D - 1)  # >= 1 line for tiny rows
         prefetch_l2(w_ptr + tl.minimum(offs_e, E - 1).to(tl.int64)[:, None] * D + lines[None, :])
     pdl_gate(USE_PDL)
-    router_tile(x_ptr, w_ptr, logits_ptr, row, offs_e, E, D, x_m, BLOCK_E, BLOCK_K)
-
-
-@triton.jit
-def router_tile(x_ptr, w_ptr, logits_ptr, row, offs_e, E, D, x_m, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """logits[row, offs_e] = x[row] . W[offs_e] in fp32 (the router kernel's work, also one phase of
-    `moe_decode_triton`'s launch)."""
-    e_ok = offs_e < E
     acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -117,15 +110,6 @@ def router_tile(x_ptr, w_ptr, logits_ptr, row, offs_e, E, D, x_m, BLOCK_E: tl.co
 ROUTER_GEMV_MAX_TOKENS = 16
 
 
-def router_blocks(hidden: int) -> tuple[int, int]:
-    """(BLOCK_E, BLOCK_K) of the router GEMV: a whole row per step (one dependent memory round trip for hidden
-    <= 4096), 8K elements per program; small blocks under the interpreter."""
-    if interpreting():
-        return 8, 32
-    block_k = min(next_pow2(hidden), 4096)
-    return max(1, 8192 // block_k), block_k
-
-
 def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """[N, hidden] x, [E, hidden] weight -> fp32 logits [N, E], as F.linear(x.float(), weight.float())."""
     n, (num_experts, d) = x.shape[0], weight.shape
@@ -133,7 +117,9 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), weight.float()).contiguous()
     x, weight = x.contiguous(), weight.contiguous()
     logits = torch.empty(n, num_experts, dtype=torch.float32, device=x.device)
-    block_e, block_k = router_blocks(d)
+    # a whole row per step (one dependent memory round trip for hidden <= 4096), 8K elements per program
+    block_k = 32 if interpreting() else min(next_pow2(d), 4096)
+    block_e = 8 if interpreting() else max(1, 8192 // block_k)
     _router_logits_kernel[(n, cdiv(num_experts, block_e))](x, weight, logits, num_experts, d, x.stride(0),
                                                                   BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
                                                                   **pdl_launch(x.device))

@@ -17,8 +17,6 @@ host sync: CUDA-graph capturable. `moe_layer_triton` dispatches on the number of
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
@@ -95,24 +93,6 @@ def _gemv(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     return tl.sum(acc, 1)
 
 
-@triton.jit
-def up_product(x_row, w_ptr, ws_ptr, scale_ptr, expert, E, N_OUT, K, offs_n, n_ok, w_e, w_n, ws_e, ws_n,
-               SHARED: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """x . W[expert, n] (times its fp8 scale) for the tile's rows offs_n, fp32 [BLOCK_N]."""
-    w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
-    h = _gemv(x_row, w_rows, n_ok, K, BLOCK_N, BLOCK_K)
-    if HAS_SCALE:
-        h *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
-    return h
-
-
-@triton.jit
-def store_relu2(h, h_ptrs, n_ok):
-    """relu2 of the projection rounded to the activation dtype, as transformers' experts apply it."""
-    h = tl.maximum(h.to(h_ptrs.dtype.element_ty).to(tl.float32), 0.0)
-    tl.store(h_ptrs, (h * h).to(h_ptrs.dtype.element_ty), mask=n_ok)
-
-
 @lean_launch
 @triton.autotune(configs=_configs(_UP_TILES), key=["N_OUT", "K", "WIDTH", "HAS_SCALE", "EARLY_SHARED"],
                  cache_results=PERSIST_AUTOTUNE)
@@ -160,59 +140,13 @@ def _small_up_kernel(
         tl.store(weights_ptr + token * WIDTH + slots, weight, mask=mine)
     if not ahead:
         expert = tl.sum(tl.where(mine, chosen, 0), 0)
-        h = up_product(x_row, w_ptr, ws_ptr, scale_ptr, expert, E, N_OUT, K, offs_n, n_ok, w_e, w_n, ws_e, ws_n,
-                       SHARED, HAS_SCALE, BLOCK_N, BLOCK_K)
-    store_relu2(h, h_ptr + (token * WIDTH + slot) * N_OUT + offs_n, n_ok)
+        w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
+        h = _gemv(x_row, w_rows, n_ok, K, BLOCK_N, BLOCK_K)
+        if HAS_SCALE:
+            h *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
+    h = tl.maximum(h.to(h_ptr.dtype.element_ty).to(tl.float32), 0.0)  # relu2 of the rounded projection
+    tl.store(h_ptr + (token * WIDTH + slot) * N_OUT + offs_n, (h * h).to(h_ptr.dtype.element_ty), mask=n_ok)
     pdl_trigger(USE_PDL)
-
-
-@triton.jit
-def down_tile(
-    h_ptr, experts, route_w, w_ptr, ws_ptr, scale_ptr, shared_ptr, out_ptr, token, pid_n,
-    E, N_OUT, K, w_e, w_n, ws_e, ws_n, out_m,
-    WIDTH: tl.constexpr, SLOTS: tl.constexpr, SHARED: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_SHARED_OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, H_FROM_L2: tl.constexpr,
-):
-    """out[token, tile pid_n] from the token's slots: experts / route_w [SLOTS] are its choice (shared chunks
-    included). H_FROM_L2: h was written by other programs of the same launch, so it is read past L1 (.cg)."""
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = offs_n < N_OUT
-    slots = tl.arange(0, SLOTS)
-    s_ok = slots < WIDTH
-    n3 = offs_n.to(tl.int64)[None, :, None]
-    if SHARED:
-        is_shared = (experts >= E)[:, None, None]
-        routed = w_ptr + (tl.minimum(experts, E - 1) * w_e)[:, None, None] + n3 * w_n
-        chunk = ws_ptr + (tl.maximum(experts - E, 0) * ws_e)[:, None, None] + n3 * ws_n
-    else:
-        routed = w_ptr + (experts * w_e)[:, None, None] + n3 * w_n
-    h_rows = h_ptr + (token * WIDTH + slots).to(tl.int64)[:, None] * K  # [SLOTS, 1]
-    acc = tl.zeros([SLOTS, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        h_mask = s_ok[:, None] & k_ok[None, :]
-        if H_FROM_L2:
-            hv = tl.load(h_rows + k[None, :], mask=h_mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        else:
-            hv = tl.load(h_rows + k[None, :], mask=h_mask, other=0.0).to(tl.float32)
-        ok = s_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
-        k3 = k[None, None, :]
-        if SHARED:  # two masked loads, not a pointer select (a select loses the pointers' known alignment)
-            w = tl.load(routed + k3, mask=ok & ~is_shared, other=0.0).to(tl.float32)
-            w += tl.load(chunk + k3, mask=ok & is_shared, other=0.0).to(tl.float32)
-        else:
-            w = tl.load(routed + k3, mask=ok, other=0.0).to(tl.float32)
-        acc += tl.sum(w * hv[:, None, :], 2)
-    if HAS_SCALE:
-        acc *= tl.load(scale_ptr + experts[:, None] * N_OUT + offs_n[None, :], mask=s_ok[:, None] & n_ok[None, :],
-                       other=0.0)
-    total = tl.sum(acc.to(h_ptr.dtype.element_ty).to(tl.float32) * route_w[:, None], 0)  # [BLOCK_N]
-    out = total.to(out_ptr.dtype.element_ty)
-    if HAS_SHARED_OUT:
-        shared = tl.load(shared_ptr + token * out_m + offs_n, mask=n_ok, other=0.0)
-        out = (out.to(tl.float32) + shared.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + token * out_m + offs_n, out, mask=n_ok)
 
 
 @lean_launch
@@ -232,13 +166,42 @@ def _small_down_kernel(
     2688 / BLOCK_N programs need to reach the bandwidth at batch 1."""
     pdl_gate(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N_OUT
     slots = tl.arange(0, SLOTS)
     s_ok = slots < WIDTH
     experts = tl.load(ids_ptr + token * WIDTH + slots, mask=s_ok, other=0)  # [SLOTS] int64
+    n3 = offs_n.to(tl.int64)[None, :, None]
+    if SHARED:
+        is_shared = (experts >= E)[:, None, None]
+        routed = w_ptr + (tl.minimum(experts, E - 1) * w_e)[:, None, None] + n3 * w_n
+        chunk = ws_ptr + (tl.maximum(experts - E, 0) * ws_e)[:, None, None] + n3 * ws_n
+    else:
+        routed = w_ptr + (experts * w_e)[:, None, None] + n3 * w_n
+    h_rows = h_ptr + (token * WIDTH + slots).to(tl.int64)[:, None] * K  # [SLOTS, 1]
+    acc = tl.zeros([SLOTS, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        hv = tl.load(h_rows + k[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        ok = s_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
+        k3 = k[None, None, :]
+        if SHARED:  # two masked loads, not a pointer select (a select loses the pointers' known alignment)
+            w = tl.load(routed + k3, mask=ok & ~is_shared, other=0.0).to(tl.float32)
+            w += tl.load(chunk + k3, mask=ok & is_shared, other=0.0).to(tl.float32)
+        else:
+            w = tl.load(routed + k3, mask=ok, other=0.0).to(tl.float32)
+        acc += tl.sum(w * hv[:, None, :], 2)
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + experts[:, None] * N_OUT + offs_n[None, :], mask=s_ok[:, None] & n_ok[None, :],
+                       other=0.0)
     route_w = tl.load(weights_ptr + token * WIDTH + slots, mask=s_ok, other=0.0)
-    down_tile(h_ptr, experts, route_w, w_ptr, ws_ptr, scale_ptr, shared_ptr, out_ptr, token, tl.program_id(1), E,
-              N_OUT, K, w_e, w_n, ws_e, ws_n, out_m, WIDTH, SLOTS, SHARED, HAS_SCALE, HAS_SHARED_OUT, BLOCK_N,
-              BLOCK_K, False)
+    total = tl.sum(acc.to(h_ptr.dtype.element_ty).to(tl.float32) * route_w[:, None], 0)  # [BLOCK_N]
+    out = total.to(out_ptr.dtype.element_ty)
+    if HAS_SHARED_OUT:
+        shared = tl.load(shared_ptr + token * out_m + offs_n, mask=n_ok, other=0.0)
+        out = (out.to(tl.float32) + shared.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * out_m + offs_n, out, mask=n_ok)
 
 
 def moe_small_triton(
@@ -312,11 +275,9 @@ def moe_layer_triton(
     shared_up: torch.Tensor | None = None,
     shared_down: torch.Tensor | None = None,
     small_max_pairs: int | None = None,
-    counters: Any = None,
 ) -> torch.Tensor:
     """Same contract as `moe_layer_ref`: router + routed experts (+ shared) -> [N, D]. Up to `small_max_pairs`
-    (default SMALL_M_MAX_PAIRS) pairs the small-M path: in one launch with the layer's `counters`
-    (moe_decode_triton.LaunchCounters), in three without; above it the grouped GEMMs."""
+    (default SMALL_M_MAX_PAIRS) pairs the three-launch small-M path, above it the grouped GEMMs."""
     limit = SMALL_M_MAX_PAIRS if small_max_pairs is None else small_max_pairs
     xe = x if expert_x is None else expert_x
     n, width = x.shape[0], spec.top_k + spec.num_shared
@@ -332,14 +293,8 @@ def moe_layer_triton(
                                   shared_down)
     shared_up, shared_down, shared_out = (t.contiguous() if t is not None else None
                                           for t in (shared_up, shared_down, shared_out))
-    args = (x, router_weight, correction_bias, spec, w_up.contiguous(), w_down.contiguous(), up_scale, down_scale,
-            xe.contiguous(), shared_out, shared_up, shared_down)
-    if counters is not None:
-        # imported here: moe_decode_triton builds on this module's tiles
-        from hybridserve.kernels.moe_decode_triton import moe_decode_triton, one_launch_enabled
-        if one_launch_enabled():
-            return moe_decode_triton(*args, counters)
-    return moe_small_triton(*args)
+    return moe_small_triton(x, router_weight, correction_bias, spec, w_up.contiguous(), w_down.contiguous(),
+                            up_scale, down_scale, xe.contiguous(), shared_out, shared_up, shared_down)
 
 
 __all__ = ["SMALL_M_MAX_PAIRS", "moe_layer_triton", "moe_small_triton"]

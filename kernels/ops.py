@@ -85,14 +85,6 @@ def split_k_workspace(weight: torch.Tensor) -> Any:
     return _triton_fn("skinny_linear_triton", "SplitKWorkspace").create(weight.shape[0], weight.device)
 
 
-def moe_launch_counters(device: torch.device) -> Any:
-    """LaunchCounters for an MoE layer on a CUDA device (its decode-sized calls then run in one launch), or None;
-    the caller keeps them for the layer's lifetime and never uses them in two launches at once."""
-    if device.type != "cuda" or not triton_available():
-        return None
-    return _triton_fn("moe_decode_triton", "LaunchCounters").create(device)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            workspace: Any = None) -> torch.Tensor:
     """x @ weight^T + bias: the skinny Triton kernel for a decode step's few rows (up to its MAX_ROWS) against a
@@ -137,7 +129,6 @@ __all__ = [
     "linear",
     "moe_experts",
     "moe_layer",
-    "moe_launch_counters",
     "moe_route",
     "multi_token_state_update",
     "paged_attention",

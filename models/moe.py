@@ -85,16 +85,11 @@ class MoE(nn.Module):
         gate, experts = self.gate, self.experts
         args = (gate.weight, gate.e_score_correction_bias, gate.spec, experts.up_proj, experts.down_proj,
                 experts.up_proj_scale, experts.down_proj_scale)
-        cached = self.__dict__.get("_launch_counters")
-        if cached is None or cached[0] != x.device:  # made at the first call (warm-up), before any graph capture
-            cached = (x.device, ops.moe_launch_counters(x.device))
-            self.__dict__["_launch_counters"] = cached
-        extra = {"small_max_pairs": small_max_pairs, "counters": cached[1]}
         if self.shared_chunks:  # one pass: routed and shared experts in the same GEMMs
             shared = self.shared_experts
             return ops.moe_layer(x, *args, shared_up=shared.up_proj.weight, shared_down=shared.down_proj.weight,
-                                 **extra)
+                                 small_max_pairs=small_max_pairs)
         if isinstance(self.fc1_latent_proj, nn.Identity):  # the shared expert's add fused into the combine
-            return ops.moe_layer(x, *args, shared_out=self.shared_experts(x), **extra)
-        routed = ops.moe_layer(x, *args, expert_x=self.fc1_latent_proj(x), **extra)
+            return ops.moe_layer(x, *args, shared_out=self.shared_experts(x), small_max_pairs=small_max_pairs)
+        routed = ops.moe_layer(x, *args, expert_x=self.fc1_latent_proj(x), small_max_pairs=small_max_pairs)
         return self.fc2_latent_proj(routed) + self.shared_experts(x)

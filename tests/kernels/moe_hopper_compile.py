@@ -12,7 +12,6 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from hybridserve.kernels.moe_decode_triton import _moe_decode_kernel
 from hybridserve.kernels.moe_router_triton import _route_kernel, _router_logits_kernel
 from hybridserve.kernels.moe_small_triton import _small_down_kernel, _small_up_kernel
 from hybridserve.kernels.moe_triton import _moe_align_kernel, _moe_combine_kernel, _moe_gemm_kernel
@@ -33,7 +32,7 @@ def compile_for_hopper(kernel: Any, signature: dict, constexprs: dict, aligned: 
     return {"cubin": bool(compiled.asm.get("cubin")), "cp.async": "cp.async" in ptx, "wgmma": "wgmma" in ptx,
             "ld.global.v4": "ld.global.v4" in ptx, "cp.async 16B": "cp.async.cg.shared.global" in ptx,
             "prefetch.L2": "prefetch.global.L2" in ptx, "pdl wait": "griddepcontrol.wait" in ptx,
-            "pdl trigger": "griddepcontrol.launch_dependents" in ptx, "acquire": "ld.global.gpu.acquire" in ptx}
+            "pdl trigger": "griddepcontrol.launch_dependents" in ptx}
 
 
 def main() -> None:
@@ -91,21 +90,6 @@ def main() -> None:
             "WIDTH": 6 if fp8 else 8, "SLOTS": 8, "SHARED": not fp8, "HAS_SCALE": fp8, "HAS_SHARED_OUT": fp8, "BLOCK_N": 8,
             "BLOCK_K": 256, "USE_PDL": fp8},
             aligned=("h_ptr", "w_ptr", "ws_ptr", "out_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "out_m"))
-    decode_ints = {n: "i32" for n in ("n_tokens", "E", "HIDDEN", "N_UP", "D", "x_m", "xe_m", "out_m", "wu_e", "wu_n",
-                                      "wsu_e", "wsu_n", "wd_e", "wd_n", "wsd_e", "wsd_n")}
-    for weights in ("*bf16", "*fp8e4nv"):  # the one-launch layer: Nano's shared chunks, or fp8 + shared output
-        fp8 = weights != "*bf16"
-        found[f"one launch {weights}"] = compile_for_hopper(_moe_decode_kernel, {
-            "x_ptr": "*bf16", "xe_ptr": "*bf16", "router_ptr": "*bf16", "logits_ptr": "*fp32", "bias_ptr": "*fp32",
-            "w_up_ptr": weights, "ws_up_ptr": weights, "up_scale_ptr": "*fp32", "h_ptr": "*bf16",
-            "w_dn_ptr": weights, "ws_dn_ptr": weights, "dn_scale_ptr": "*fp32", "shared_ptr": "*bf16",
-            "out_ptr": "*bf16", "count_ptr": "*i32", **decode_ints, "scaling": "fp32"}, {
-            "TOP_K": 6, "WIDTH": 6 if fp8 else 8, "K_BLOCK": 8, "N_GROUP": 1, "PER_GROUP": 128, "TOPK_GROUP": 1,
-            "NORM": True, "SHARED": 0 if fp8 else 2, "HAS_SCALE": fp8, "HAS_SHARED_OUT": fp8, "R_BLOCK_E": 2,
-            "R_BLOCK_K": 4096, "UP_N": 32, "UP_K": 256, "DN_N": 8, "DN_K": 128, "DN_LINES": 16, "USE_PDL": True},
-            aligned=("x_ptr", "xe_ptr", "router_ptr", "w_up_ptr", "ws_up_ptr", "h_ptr", "w_dn_ptr", "ws_dn_ptr",
-                     "out_ptr", "HIDDEN", "N_UP", "D", "x_m", "xe_m", "out_m", "wu_e", "wu_n", "wsu_e", "wsu_n",
-                     "wd_e", "wd_n", "wsd_e", "wsd_n"))
     skinny = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
               "arrive_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "x_m": "i32", "w_n": "i32", "y_m": "i32"}
     for split in (1, 4):  # the decode projections, with programmatic dependent launch and L2 prefetch
