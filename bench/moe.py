@@ -299,6 +299,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, nargs="*", default=list(DECODE_BATCHES),
                         help="token counts of the decode section (GPU; fp8_decode takes the first four)")
     args = parser.parse_args()
+    if not args.decode_tokens or min(args.decode_tokens) < 1:
+        parser.error(f"--decode-tokens takes one or more token counts >= 1, got {args.decode_tokens}")
     started = time.perf_counter()
     device = torch.device(args.device)
     data = json.loads(args.config.read_text())
