@@ -7,9 +7,12 @@ one GEMV and the launches are:
   2. `_small_up_kernel`: one program per (token, column tile, slot); each recomputes its token's top-k choice
      from the logits (a few hundred bytes; `topk_choice`, the router kernel's own code), streams its expert's
      [BLOCK_N, D] weight rows and writes relu2(x @ W^T) for its pair; the tile-0 programs store the choice;
-  3. `_small_down_kernel`: one program per (token, column tile) streams all the token's slots at once, so the
-     routing weight, the sum over experts, the rounding and the shared-expert add happen in registers (no
-     combine launch, no atomics: deterministic, and autotuning can rerun it).
+  3. `_small_down_kernel`: one program per (token, column tile, slot) streams its expert's rows and stores
+     its rounded, routing-weighted product; the last of a tile's slots to arrive (an arrival count, zeroed by
+     the up kernel and reset after use) adds them in slot order with the shared-expert output: no combine
+     launch, deterministic, and autotuning can rerun it.
+Every program streams its weight rows through a software-pipelined tl.dot loop (the activation row padded to
+16 rows), as the skinny projections do: ~1.1x the bytes floor at in_proj's size.
 The shared expert's chunks are slots K.. (experts E..), so it streams in the same launches. Fixed shapes and no
 host sync: CUDA-graph capturable. `moe_layer_triton` dispatches on the number of pairs (tokens x slots):
 `SMALL_M_MAX_PAIRS` and below take this path, above the grouped GEMMs of `moe_triton`.
@@ -58,13 +61,12 @@ def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in tiles]
 
 
-# up: 6 + 2 experts x 1856 / BLOCK_N tiles is 232-928 programs at one token, one [BLOCK_N, BLOCK_K] tile each
-# per step; down: 2688 / BLOCK_N programs per token, each a [8 slots, BLOCK_N, BLOCK_K] tile per step (these
-# loads are not software-pipelined: the bytes in flight are the tile times the programs an SM holds)
-_UP_TILES = [(16, 256, 4, 1), (16, 512, 4, 1), (32, 128, 4, 1), (32, 256, 4, 1), (64, 128, 4, 1), (32, 256, 8, 1),
-             (32, 512, 8, 1), (64, 256, 8, 1)]
-_DOWN_TILES = [(4, 256, 4, 1), (4, 512, 4, 1), (8, 128, 4, 1), (8, 256, 4, 1), (8, 256, 8, 1), (16, 128, 8, 1),
-               (16, 256, 8, 1)]
+# up: 6 + 2 experts x 1856 / BLOCK_N tiles, one program per (tile, slot); down: 2688 / BLOCK_N tiles x 8 slots,
+# one program per (tile, slot), the slots' partials added by the last to arrive. Each program streams its
+# [BLOCK_N, K] weight rows through a software-pipelined tl.dot loop (cp.async, STAGES - 1 tiles in flight)
+_UP_TILES = [(16, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (16, 128, 4, 4), (32, 128, 4, 4),
+             (64, 128, 4, 3), (16, 512, 4, 2), (32, 64, 4, 4)]
+_DOWN_TILES = _UP_TILES
 
 
 @triton.jit
@@ -81,16 +83,22 @@ def _expert_rows(w_ptr, ws_ptr, expert, num_routed, offs_n, w_e, w_n, ws_e, ws_n
 
 
 @triton.jit
-def _gemv(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """sum_k a[k] * W[n, k] for the tile's rows, fp32 (bf16 products are exact in fp32; fp8 casts exactly)."""
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+def _gemv(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """sum_k a[k] * W[n, k] for the tile's rows, fp32 [BLOCK_N]: a padded to the 16 rows a tl.dot takes (rows
+    1.. masked off, no bytes), so Triton pipelines the weight loads (fp8 weights cast exactly to a's dtype).
+    DOT_PRECISION: "tf32" (half-precision a), "ieee" (fp32 a) or "upcast" (under the interpreter)."""
+    pad = tl.arange(0, 16)[:, None]
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        a = tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * a[None, :]
-    return tl.sum(acc, 1)
+        a = tl.load(a_row + pad * 0 + k[None, :], mask=(pad == 0) & k_ok[None, :], other=0.0)  # [16, BLOCK_K]
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        if DOT_PRECISION == "upcast":  # the interpreter's bf16 dot is wrong; fp32 operands: the same exact products
+            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PRECISION)
+    return tl.sum(acc, 0)  # row 0 (the others are zeros)
 
 
 @lean_launch
@@ -98,12 +106,12 @@ def _gemv(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
                  cache_results=PERSIST_AUTOTUNE)
 @triton.jit
 def _small_up_kernel(
-    x_ptr, logits_ptr, bias_ptr, w_ptr, ws_ptr, scale_ptr, h_ptr, ids_ptr, weights_ptr,
-    E, N_OUT, K, scaling, x_m, w_e, w_n, ws_e, ws_n,
+    x_ptr, logits_ptr, bias_ptr, w_ptr, ws_ptr, scale_ptr, h_ptr, ids_ptr, weights_ptr, arrive_ptr,
+    E, N_OUT, K, scaling, x_m, w_e, w_n, ws_e, ws_n, n_arrive,
     TOP_K: tl.constexpr, WIDTH: tl.constexpr, K_BLOCK: tl.constexpr, N_GROUP: tl.constexpr,
     PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
     HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_SHARED: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """h[t * WIDTH + j, n] = relu2(x[t] . W[e_tj, n] * scale[e_tj, n]) for one (token t, column tile, slot j).
     A shared-expert slot's expert does not depend on the router: under PDL it prefetches its rows' first 1024
@@ -124,7 +132,7 @@ def _small_up_kernel(
     h = tl.zeros([BLOCK_N], dtype=tl.float32)
     if ahead:
         h = _gemv(x_row, ws_ptr + (slot - TOP_K) * ws_e + offs_n.to(tl.int64)[:, None] * ws_n, n_ok, K,
-                  BLOCK_N, BLOCK_K)
+                  BLOCK_N, BLOCK_K, DOT_PRECISION)
     elif USE_PDL and SHARED:
         if slot >= TOP_K:
             rows = tl.minimum(offs_n, N_OUT - 1)
@@ -138,10 +146,14 @@ def _small_up_kernel(
     if pid_n == 0:
         tl.store(ids_ptr + token * WIDTH + slots, chosen, mask=mine)
         tl.store(weights_ptr + token * WIDTH + slots, weight, mask=mine)
+        if slot == 0:  # the down kernel's arrival counts for this token start at zero
+            for a0 in range(0, n_arrive, 256):
+                offs_a = a0 + tl.arange(0, 256)
+                tl.store(arrive_ptr + token * n_arrive + offs_a, tl.zeros([256], dtype=tl.int32), mask=offs_a < n_arrive)
     if not ahead:
         expert = tl.sum(tl.where(mine, chosen, 0), 0)
         w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
-        h = _gemv(x_row, w_rows, n_ok, K, BLOCK_N, BLOCK_K)
+        h = _gemv(x_row, w_rows, n_ok, K, BLOCK_N, BLOCK_K, DOT_PRECISION)
         if HAS_SCALE:
             h *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
     h = tl.maximum(h.to(h_ptr.dtype.element_ty).to(tl.float32), 0.0)  # relu2 of the rounded projection
@@ -154,54 +166,43 @@ def _small_up_kernel(
                  cache_results=PERSIST_AUTOTUNE)
 @triton.jit
 def _small_down_kernel(
-    h_ptr, ids_ptr, weights_ptr, w_ptr, ws_ptr, scale_ptr, shared_ptr, out_ptr,
-    E, N_OUT, K, w_e, w_n, ws_e, ws_n, out_m,
-    WIDTH: tl.constexpr, SLOTS: tl.constexpr, SHARED: tl.constexpr, HAS_SCALE: tl.constexpr,
-    HAS_SHARED_OUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    h_ptr, ids_ptr, weights_ptr, w_ptr, ws_ptr, scale_ptr, shared_ptr, out_ptr, part_ptr, arrive_ptr,
+    E, N_OUT, K, w_e, w_n, ws_e, ws_n, out_m, n_arrive,
+    WIDTH: tl.constexpr, SHARED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SHARED_OUT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """out[t, n] = round(sum_j w_tj * round(h[t * WIDTH + j] . W[e_tj, n] * scale)) (+ shared_out[t, n]): each
-    pair's product rounds to the activation dtype before its routing weight, the sum is fp32 and rounds once,
-    as transformers' experts (and `moe_experts_ref`) compute it. The token's slots stream side by side as one
-    [SLOTS, BLOCK_N, BLOCK_K] tile per step: 8x the bytes in flight of a slot-by-slot loop, which a token's
-    2688 / BLOCK_N programs need to reach the bandwidth at batch 1."""
+    pair's product rounds to the activation dtype before its routing weight, the sum is fp32 (slot order) and
+    rounds once, as transformers' experts (and `moe_experts_ref`) compute it. Program (t, column tile, slot j)
+    stores w_tj * round(product) in part_ptr; the last of the token's WIDTH programs of the tile to arrive adds
+    them in slot order (deterministic) and writes out."""
     pdl_gate(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(1)
+    slot = tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N_OUT
-    slots = tl.arange(0, SLOTS)
-    s_ok = slots < WIDTH
-    experts = tl.load(ids_ptr + token * WIDTH + slots, mask=s_ok, other=0)  # [SLOTS] int64
-    n3 = offs_n.to(tl.int64)[None, :, None]
-    if SHARED:
-        is_shared = (experts >= E)[:, None, None]
-        routed = w_ptr + (tl.minimum(experts, E - 1) * w_e)[:, None, None] + n3 * w_n
-        chunk = ws_ptr + (tl.maximum(experts - E, 0) * ws_e)[:, None, None] + n3 * ws_n
-    else:
-        routed = w_ptr + (experts * w_e)[:, None, None] + n3 * w_n
-    h_rows = h_ptr + (token * WIDTH + slots).to(tl.int64)[:, None] * K  # [SLOTS, 1]
-    acc = tl.zeros([SLOTS, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        hv = tl.load(h_rows + k[None, :], mask=s_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        ok = s_ok[:, None, None] & n_ok[None, :, None] & k_ok[None, None, :]
-        k3 = k[None, None, :]
-        if SHARED:  # two masked loads, not a pointer select (a select loses the pointers' known alignment)
-            w = tl.load(routed + k3, mask=ok & ~is_shared, other=0.0).to(tl.float32)
-            w += tl.load(chunk + k3, mask=ok & is_shared, other=0.0).to(tl.float32)
-        else:
-            w = tl.load(routed + k3, mask=ok, other=0.0).to(tl.float32)
-        acc += tl.sum(w * hv[:, None, :], 2)
+    expert = tl.load(ids_ptr + token * WIDTH + slot)
+    w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
+    acc = _gemv(h_ptr + (token * WIDTH + slot) * K, w_rows, n_ok, K, BLOCK_N, BLOCK_K, DOT_PRECISION)
     if HAS_SCALE:
-        acc *= tl.load(scale_ptr + experts[:, None] * N_OUT + offs_n[None, :], mask=s_ok[:, None] & n_ok[None, :],
-                       other=0.0)
-    route_w = tl.load(weights_ptr + token * WIDTH + slots, mask=s_ok, other=0.0)
-    total = tl.sum(acc.to(h_ptr.dtype.element_ty).to(tl.float32) * route_w[:, None], 0)  # [BLOCK_N]
-    out = total.to(out_ptr.dtype.element_ty)
-    if HAS_SHARED_OUT:
-        shared = tl.load(shared_ptr + token * out_m + offs_n, mask=n_ok, other=0.0)
-        out = (out.to(tl.float32) + shared.to(tl.float32)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + token * out_m + offs_n, out, mask=n_ok)
+        acc *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
+    route_w = tl.load(weights_ptr + token * WIDTH + slot)
+    part = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * route_w
+    parts = part_ptr + token * WIDTH * N_OUT + offs_n  # this token's [WIDTH, N_OUT] partials, this tile
+    tl.store(parts + slot * N_OUT, part, mask=n_ok)
+    tl.debug_barrier()  # every thread's partial stored before the count
+    # acq_rel: the partials are visible before the count; the last arrival sees every slot's
+    if tl.atomic_add(arrive_ptr + token * n_arrive + pid_n, 1, sem="acq_rel") == WIDTH - 1:
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(WIDTH):
+            total += tl.load(parts + j * N_OUT, mask=n_ok, other=0.0, cache_modifier=".cg")
+        out = total.to(out_ptr.dtype.element_ty)
+        if HAS_SHARED_OUT:
+            shared = tl.load(shared_ptr + token * out_m + offs_n, mask=n_ok, other=0.0)
+            out = (out.to(tl.float32) + shared.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + token * out_m + offs_n, out, mask=n_ok)
+        tl.atomic_xchg(arrive_ptr + token * n_arrive + pid_n, 0)  # ready for a rerun (the autotuner's)
 
 
 def moe_small_triton(
@@ -234,29 +235,35 @@ def moe_small_triton(
     pdl = pdl_launch(x.device)
     early = early_shared_enabled()  # read (and checked) on every call
 
+    n_arrive = cdiv(d, 16)  # per token, one count per down column tile (BLOCK_N >= 16); zeroed by the up kernel
+    arrivals = torch.empty(n, n_arrive, dtype=torch.int32, device=x.device)
+    partials = torch.empty(n, width, d, dtype=torch.float32, device=x.device)
+    # fp32: exact parity runs; "upcast" (the interpreter's bf16 / fp16 dot is wrong): fp32 operands
+    precision = "ieee" if expert_x.dtype == torch.float32 else "upcast" if interpreting() else "tf32"
+
     def up_grid(meta: dict) -> tuple[int, int, int]:
         return (n, cdiv(inter, meta["BLOCK_N"]), width)
 
     _small_up_kernel[up_grid](
         expert_x, logits, bias, w_up, up_s, up_scale if up_scale is not None else scale_dummy, hidden, ids, weights,
-        num_experts, inter, d, float(spec.routed_scaling_factor), expert_x.stride(0), w_up.stride(0),
-        w_up.stride(1), inter * d if fused else 0, d if fused else 0,
+        arrivals, num_experts, inter, d, float(spec.routed_scaling_factor), expert_x.stride(0), w_up.stride(0),
+        w_up.stride(1), inter * d if fused else 0, d if fused else 0, n_arrive,
         TOP_K=spec.top_k, WIDTH=width, K_BLOCK=next_pow2(width), N_GROUP=spec.n_group,
         PER_GROUP=num_experts // spec.n_group, TOPK_GROUP=spec.topk_group, NORM=spec.norm_topk_prob,
         SHARED=spec.num_shared, HAS_SCALE=up_scale is not None,
-        EARLY_SHARED=early and fused and up_scale is None, **pdl,
+        EARLY_SHARED=early and fused and up_scale is None, DOT_PRECISION=precision, **pdl,
     )
     out = torch.empty(n, d, dtype=expert_x.dtype, device=x.device)
 
-    def down_grid(meta: dict) -> tuple[int, int]:
-        return (n, cdiv(d, meta["BLOCK_N"]))
+    def down_grid(meta: dict) -> tuple[int, int, int]:
+        return (n, cdiv(d, meta["BLOCK_N"]), width)
 
     _small_down_kernel[down_grid](
         hidden, ids, weights, w_down, down_s, down_scale if down_scale is not None else scale_dummy,
-        shared_out if shared_out is not None else out, out, num_experts, d, inter, w_down.stride(0),
-        w_down.stride(1), inter if fused else 0, spec.num_shared * inter if fused else 0, out.stride(0),
-        WIDTH=width, SLOTS=next_pow2(width), SHARED=fused, HAS_SCALE=down_scale is not None,
-        HAS_SHARED_OUT=shared_out is not None, **pdl,
+        shared_out if shared_out is not None else out, out, partials, arrivals, num_experts, d, inter,
+        w_down.stride(0), w_down.stride(1), inter if fused else 0, spec.num_shared * inter if fused else 0,
+        out.stride(0), n_arrive, WIDTH=width, SHARED=fused, HAS_SCALE=down_scale is not None,
+        HAS_SHARED_OUT=shared_out is not None, DOT_PRECISION=precision, **pdl,
     )
     return out
 

@@ -76,19 +76,20 @@ def main() -> None:
         variant = f"{weights}{' early' if early else ''}"
         found[f"small up {variant}"] = compile_for_hopper(_small_up_kernel, {
             "x_ptr": "*bf16", "logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": weights, "ws_ptr": weights,
-            "scale_ptr": "*fp32", "h_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", **small_ints,
-            "scaling": "fp32", "x_m": "i32"}, {
+            "scale_ptr": "*fp32", "h_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", "arrive_ptr": "*i32",
+            **small_ints, "scaling": "fp32", "x_m": "i32", "n_arrive": "i32"}, {
             "TOP_K": 6, "WIDTH": 6 if fp8 else 8, "K_BLOCK": 8, "N_GROUP": 1, "PER_GROUP": 128, "TOPK_GROUP": 1,
-            "NORM": True, "SHARED": 0 if fp8 else 2, "HAS_SCALE": fp8, "BLOCK_N": 32, "BLOCK_K": 256,
-            "EARLY_SHARED": early, "USE_PDL": True},
+            "NORM": True, "SHARED": 0 if fp8 else 2, "HAS_SCALE": fp8, "BLOCK_N": 32, "BLOCK_K": 128,
+            "EARLY_SHARED": early, "DOT_PRECISION": "tf32", "USE_PDL": True},
             aligned=("x_ptr", "w_ptr", "ws_ptr", "h_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "x_m"))
         if early:
             continue
         found[f"small down {variant}"] = compile_for_hopper(_small_down_kernel, {
             "h_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", "w_ptr": weights, "ws_ptr": weights,
-            "scale_ptr": "*fp32", "shared_ptr": "*bf16", "out_ptr": "*bf16", **small_ints, "out_m": "i32"}, {
-            "WIDTH": 6 if fp8 else 8, "SLOTS": 8, "SHARED": not fp8, "HAS_SCALE": fp8, "HAS_SHARED_OUT": fp8, "BLOCK_N": 8,
-            "BLOCK_K": 256, "USE_PDL": fp8},
+            "scale_ptr": "*fp32", "shared_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "arrive_ptr": "*i32",
+            **small_ints, "out_m": "i32", "n_arrive": "i32"}, {
+            "WIDTH": 6 if fp8 else 8, "SHARED": not fp8, "HAS_SCALE": fp8, "HAS_SHARED_OUT": fp8, "BLOCK_N": 32,
+            "BLOCK_K": 128, "DOT_PRECISION": "tf32", "USE_PDL": fp8},
             aligned=("h_ptr", "w_ptr", "ws_ptr", "out_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "out_m"))
     skinny = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
               "arrive_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "x_m": "i32", "w_n": "i32", "y_m": "i32"}
