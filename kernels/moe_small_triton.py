@@ -11,8 +11,8 @@ one GEMV and the launches are:
      its rounded, routing-weighted product; the last of a tile's slots to arrive (an arrival count, zeroed by
      the up kernel and reset after use) adds them in slot order with the shared-expert output: no combine
      launch, deterministic, and autotuning can rerun it.
-Every program streams its weight rows through a software-pipelined tl.dot loop (the activation row padded to
-16 rows), as the skinny projections do: ~1.1x the bytes floor at in_proj's size.
+The down programs stream their weight rows through a software-pipelined tl.dot loop (the activation row padded
+to 16 rows), as the skinny projections do.
 The shared expert's chunks are slots K.. (experts E..), so it streams in the same launches. Fixed shapes and no
 host sync: CUDA-graph capturable. `moe_layer_triton` dispatches on the number of pairs (tokens x slots):
 `SMALL_M_MAX_PAIRS` and below take this path, above the grouped GEMMs of `moe_triton`.
@@ -61,12 +61,16 @@ def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in tiles]
 
 
-# up: 6 + 2 experts x 1856 / BLOCK_N tiles, one program per (tile, slot); down: 2688 / BLOCK_N tiles x 8 slots,
-# one program per (tile, slot), the slots' partials added by the last to arrive. Each program streams its
-# [BLOCK_N, K] weight rows through a software-pipelined tl.dot loop (cp.async, STAGES - 1 tiles in flight)
-_UP_TILES = [(16, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (16, 128, 4, 4), (32, 128, 4, 4),
-             (64, 128, 4, 3), (16, 512, 4, 2), (32, 64, 4, 4)]
-_DOWN_TILES = _UP_TILES
+# up: 6 + 2 experts x 1856 / BLOCK_N tiles, one program per (tile, slot), an FMA loop over [BLOCK_N, BLOCK_K]
+# tiles (not software-pipelined: the bytes in flight are the tile times the programs an SM holds); down: 2688 /
+# BLOCK_N tiles x 8 slots, one program per (tile, slot) streaming its [BLOCK_N, K] rows through a pipelined tl.dot
+# loop (cp.async, STAGES - 1 tiles in flight), the slots' partials added by the last to arrive. On the H200 the
+# pipelined loop for the up kernel too was 5 us faster for the layer alone but 1.8 us slower inside the 30B-A3B
+# step (bench/results/h200/session50, calls 5-6), so up keeps the FMA loop.
+_UP_TILES = [(16, 256, 4, 1), (16, 512, 4, 1), (32, 128, 4, 1), (32, 256, 4, 1), (64, 128, 4, 1), (32, 256, 8, 1),
+             (32, 512, 8, 1), (64, 256, 8, 1)]
+_DOWN_TILES = [(16, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (16, 128, 4, 4), (32, 128, 4, 4),
+               (64, 128, 4, 3), (16, 512, 4, 2), (32, 64, 4, 4)]
 
 
 @triton.jit
@@ -83,7 +87,7 @@ def _expert_rows(w_ptr, ws_ptr, expert, num_routed, offs_n, w_e, w_n, ws_e, ws_n
 
 
 @triton.jit
-def _gemv(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _gemv_dot(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """sum_k a[k] * W[n, k] for the tile's rows, fp32 [BLOCK_N]: a padded to the 16 rows a tl.dot takes (rows
     1.. masked off, no bytes), so Triton pipelines the weight loads (fp8 weights cast exactly to a's dtype).
     DOT_PRECISION: "tf32" (half-precision a), "ieee" (fp32 a) or "upcast" (under the interpreter)."""
@@ -101,6 +105,19 @@ def _gemv(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, 
     return tl.sum(acc, 0)  # row 0 (the others are zeros)
 
 
+@triton.jit
+def _gemv(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum_k a[k] * W[n, k] for the tile's rows, fp32 (bf16 products are exact in fp32; fp8 casts exactly)."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+    return tl.sum(acc, 1)
+
+
 @lean_launch
 @triton.autotune(configs=_configs(_UP_TILES), key=["N_OUT", "K", "WIDTH", "HAS_SCALE", "EARLY_SHARED"],
                  cache_results=PERSIST_AUTOTUNE)
@@ -111,7 +128,7 @@ def _small_up_kernel(
     TOP_K: tl.constexpr, WIDTH: tl.constexpr, K_BLOCK: tl.constexpr, N_GROUP: tl.constexpr,
     PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
     HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_SHARED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """h[t * WIDTH + j, n] = relu2(x[t] . W[e_tj, n] * scale[e_tj, n]) for one (token t, column tile, slot j).
     A shared-expert slot's expert does not depend on the router: under PDL it prefetches its rows' first 1024
@@ -132,7 +149,7 @@ def _small_up_kernel(
     h = tl.zeros([BLOCK_N], dtype=tl.float32)
     if ahead:
         h = _gemv(x_row, ws_ptr + (slot - TOP_K) * ws_e + offs_n.to(tl.int64)[:, None] * ws_n, n_ok, K,
-                  BLOCK_N, BLOCK_K, DOT_PRECISION)
+                  BLOCK_N, BLOCK_K)
     elif USE_PDL and SHARED:
         if slot >= TOP_K:
             rows = tl.minimum(offs_n, N_OUT - 1)
@@ -153,7 +170,7 @@ def _small_up_kernel(
     if not ahead:
         expert = tl.sum(tl.where(mine, chosen, 0), 0)
         w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
-        h = _gemv(x_row, w_rows, n_ok, K, BLOCK_N, BLOCK_K, DOT_PRECISION)
+        h = _gemv(x_row, w_rows, n_ok, K, BLOCK_N, BLOCK_K)
         if HAS_SCALE:
             h *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
     h = tl.maximum(h.to(h_ptr.dtype.element_ty).to(tl.float32), 0.0)  # relu2 of the rounded projection
@@ -184,7 +201,7 @@ def _small_down_kernel(
     n_ok = offs_n < N_OUT
     expert = tl.load(ids_ptr + token * WIDTH + slot)
     w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
-    acc = _gemv(h_ptr + (token * WIDTH + slot) * K, w_rows, n_ok, K, BLOCK_N, BLOCK_K, DOT_PRECISION)
+    acc = _gemv_dot(h_ptr + (token * WIDTH + slot) * K, w_rows, n_ok, K, BLOCK_N, BLOCK_K, DOT_PRECISION)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
     route_w = tl.load(weights_ptr + token * WIDTH + slot)
@@ -251,7 +268,7 @@ def moe_small_triton(
         TOP_K=spec.top_k, WIDTH=width, K_BLOCK=next_pow2(width), N_GROUP=spec.n_group,
         PER_GROUP=num_experts // spec.n_group, TOPK_GROUP=spec.topk_group, NORM=spec.norm_topk_prob,
         SHARED=spec.num_shared, HAS_SCALE=up_scale is not None,
-        EARLY_SHARED=early and fused and up_scale is None, DOT_PRECISION=precision, **pdl,
+        EARLY_SHARED=early and fused and up_scale is None, **pdl,
     )
     out = torch.empty(n, d, dtype=expert_x.dtype, device=x.device)
 

@@ -79,8 +79,8 @@ def main() -> None:
             "scale_ptr": "*fp32", "h_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", "arrive_ptr": "*i32",
             **small_ints, "scaling": "fp32", "x_m": "i32", "n_arrive": "i32"}, {
             "TOP_K": 6, "WIDTH": 6 if fp8 else 8, "K_BLOCK": 8, "N_GROUP": 1, "PER_GROUP": 128, "TOPK_GROUP": 1,
-            "NORM": True, "SHARED": 0 if fp8 else 2, "HAS_SCALE": fp8, "BLOCK_N": 32, "BLOCK_K": 128,
-            "EARLY_SHARED": early, "DOT_PRECISION": "tf32", "USE_PDL": True},
+            "NORM": True, "SHARED": 0 if fp8 else 2, "HAS_SCALE": fp8, "BLOCK_N": 32, "BLOCK_K": 256,
+            "EARLY_SHARED": early, "USE_PDL": True},
             aligned=("x_ptr", "w_ptr", "ws_ptr", "h_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "x_m"))
         if early:
             continue

@@ -235,7 +235,9 @@ def test_kernels_compile_for_hopper():
             "router logits 4096", "router logits 32", "skinny split=4"} <= set(ptx)
     for name, found in ptx.items():
         assert found["cubin"], name
-        if name.startswith("small"):  # the GEMVs' weight tiles: software-pipelined 16-byte async copies
+        if name.startswith("small up"):  # the GEMVs stream 16-byte vectors (an unaligned pointer gives 2-byte loads)
+            assert found["ld.global.v4"], name
+        if name.startswith("small down"):  # its weight tiles: software-pipelined 16-byte async copies
             assert found["cp.async"] and found["cp.async 16B"], name
         if name.startswith("gemm"):
             assert found["cp.async"] and found["cp.async 16B"], name
