@@ -32,6 +32,7 @@ from hybridserve.kernels.moe_triton import check_expert_inputs, moe_experts_trit
 from hybridserve.kernels.triton_utils import (
     PERSIST_AUTOTUNE,
     cdiv,
+    dot_launch,
     interpreting,
     next_pow2,
     pdl_gate,
@@ -87,10 +88,11 @@ def _expert_rows(w_ptr, ws_ptr, expert, num_routed, offs_n, w_e, w_n, ws_e, ws_n
 
 
 @triton.jit
-def _gemv_dot(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _gemv_dot(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              DOT_UPCAST: tl.constexpr):
     """sum_k a[k] * W[n, k] for the tile's rows, fp32 [BLOCK_N]: a padded to the 16 rows a tl.dot takes (rows
     1.. masked off, no bytes), so Triton pipelines the weight loads (fp8 weights cast exactly to a's dtype).
-    DOT_PRECISION: "tf32" (half-precision a), "ieee" (fp32 a) or "upcast" (under the interpreter)."""
+    DOT_PRECISION / DOT_UPCAST: `triton_utils.dot_launch`."""
     pad = tl.arange(0, 16)[:, None]
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -98,10 +100,10 @@ def _gemv_dot(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
         k_ok = k < K
         a = tl.load(a_row + pad * 0 + k[None, :], mask=(pad == 0) & k_ok[None, :], other=0.0)  # [16, BLOCK_K]
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        if DOT_PRECISION == "upcast":  # the interpreter's bf16 dot is wrong; fp32 operands: the same exact products
-            acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc, input_precision=DOT_PRECISION)
+        w = w.to(a.dtype)  # fp8 -> the activation dtype: exact
+        if DOT_UPCAST:  # the interpreter's bf16 dot is wrong; fp32 operands give the same exact products
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
     return tl.sum(acc, 0)  # row 0 (the others are zeros)
 
 
@@ -186,7 +188,8 @@ def _small_down_kernel(
     h_ptr, ids_ptr, weights_ptr, w_ptr, ws_ptr, scale_ptr, shared_ptr, out_ptr, part_ptr, arrive_ptr,
     E, N_OUT, K, w_e, w_n, ws_e, ws_n, out_m, n_arrive,
     WIDTH: tl.constexpr, SHARED: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SHARED_OUT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """out[t, n] = round(sum_j w_tj * round(h[t * WIDTH + j] . W[e_tj, n] * scale)) (+ shared_out[t, n]): each
     pair's product rounds to the activation dtype before its routing weight, the sum is fp32 (slot order) and
@@ -201,7 +204,7 @@ def _small_down_kernel(
     n_ok = offs_n < N_OUT
     expert = tl.load(ids_ptr + token * WIDTH + slot)
     w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
-    acc = _gemv_dot(h_ptr + (token * WIDTH + slot) * K, w_rows, n_ok, K, BLOCK_N, BLOCK_K, DOT_PRECISION)
+    acc = _gemv_dot(h_ptr + (token * WIDTH + slot) * K, w_rows, n_ok, K, BLOCK_N, BLOCK_K, DOT_PRECISION, DOT_UPCAST)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
     route_w = tl.load(weights_ptr + token * WIDTH + slot)
@@ -255,8 +258,6 @@ def moe_small_triton(
     n_arrive = cdiv(d, 16)  # per token, one count per down column tile (BLOCK_N >= 16); zeroed by the up kernel
     arrivals = torch.empty(n, n_arrive, dtype=torch.int32, device=x.device)
     partials = torch.empty(n, width, d, dtype=torch.float32, device=x.device)
-    # fp32: exact parity runs; "upcast" (the interpreter's bf16 / fp16 dot is wrong): fp32 operands
-    precision = "ieee" if expert_x.dtype == torch.float32 else "upcast" if interpreting() else "tf32"
 
     def up_grid(meta: dict) -> tuple[int, int, int]:
         return (n, cdiv(inter, meta["BLOCK_N"]), width)
@@ -280,7 +281,7 @@ def moe_small_triton(
         shared_out if shared_out is not None else out, out, partials, arrivals, num_experts, d, inter,
         w_down.stride(0), w_down.stride(1), inter if fused else 0, spec.num_shared * inter if fused else 0,
         out.stride(0), n_arrive, WIDTH=width, SHARED=fused, HAS_SCALE=down_scale is not None,
-        HAS_SHARED_OUT=shared_out is not None, DOT_PRECISION=precision, **pdl,
+        HAS_SHARED_OUT=shared_out is not None, **dot_launch(expert_x.dtype), **pdl,
     )
     return out
 

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.moe import align_capacity
-from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, cdiv, interpreting, next_pow2
+from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, cdiv, dot_launch, interpreting, next_pow2
 
 
 @lean_launch
@@ -225,8 +225,7 @@ def _grouped_gemm(
         sorted_pairs, block_expert, used_rows, num_pairs, w.shape[0], num_blocks, n_out, k, a.stride(0), w.stride(0),
         w.stride(1), ws_e, ws_n, out.stride(0), SHARED=shared is not None, A_ROW_DIV=a_row_div, BLOCK_M=block_m,
         RELU2=relu2, HAS_SCALE=scale is not None,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 or interpreting() else "tf32",
-        DOT_UPCAST=interpreting() and a.dtype == torch.bfloat16,
+        **dot_launch(a.dtype),
     )
 
 

@@ -60,6 +60,14 @@ def process_dt_tl(dt, bias, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, 
     return dt
 
 
+def dot_launch(dtype: torch.dtype) -> dict[str, object]:
+    """The DOT_PRECISION / DOT_UPCAST constexprs of a kernel whose tl.dot takes `dtype` activations: fp32 (and
+    everything under the interpreter) exact ("ieee"), half precision on the GPU "tf32" (ignored by bf16 MMAs);
+    DOT_UPCAST under the interpreter for bf16, whose dot there is wrong (fp32 operands: the same exact products)."""
+    return {"DOT_PRECISION": "ieee" if dtype == torch.float32 or interpreting() else "tf32",
+            "DOT_UPCAST": interpreting() and dtype == torch.bfloat16}
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Whether decode kernels launch with programmatic dependent launch (Hopper and later, not under the
     interpreter, HYBRIDSERVE_PDL=0 turns it off for A/B runs): a kernel's programs may then start while the

@@ -89,7 +89,7 @@ def main() -> None:
             "scale_ptr": "*fp32", "shared_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "arrive_ptr": "*i32",
             **small_ints, "out_m": "i32", "n_arrive": "i32"}, {
             "WIDTH": 6 if fp8 else 8, "SHARED": not fp8, "HAS_SCALE": fp8, "HAS_SHARED_OUT": fp8, "BLOCK_N": 32,
-            "BLOCK_K": 128, "DOT_PRECISION": "tf32", "USE_PDL": fp8},
+            "BLOCK_K": 128, "DOT_PRECISION": "tf32", "DOT_UPCAST": False, "USE_PDL": fp8},
             aligned=("h_ptr", "w_ptr", "ws_ptr", "out_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "out_m"))
     skinny = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
               "arrive_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "x_m": "i32", "w_n": "i32", "y_m": "i32"}
