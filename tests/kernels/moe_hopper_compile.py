@@ -100,10 +100,11 @@ def main() -> None:
     skinny = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
               "arrive_ptr": "*i32", **norm_ptrs, "M": "i32", "N": "i32", "K": "i32", "x_m": "i32", "w_n": "i32",
               "y_m": "i32", "r_m": "i32", "ro_m": "i32", "eps": "fp32"}
-    for split, prenorm in ((1, False), (4, False), (1, True)):  # the decode projections (PDL, L2 prefetch); pending
-        found[f"skinny split={split}{' prenorm' if prenorm else ''}"] = compile_for_hopper(_skinny_linear_kernel, skinny, {
+    for split, prenorm, one_row in ((1, False, False), (4, False, False), (1, True, False), (1, True, True)):
+        name = f"skinny split={split}{' prenorm' if prenorm else ''}{' one row' if one_row else ''}"  # pending input
+        found[name] = compile_for_hopper(_skinny_linear_kernel, skinny, {  # the decode projections: PDL, L2 prefetch
             "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split, "HAS_BIAS": split == 1, "PRENORM": prenorm,
-            "SUM_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32", "USE_PDL": True},
+            "ONE_ROW": one_row, "SUM_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32", "USE_PDL": True},
             aligned=("x_ptr", "w_ptr", "y_ptr", "K", "w_n", "x_m", "y_m"))
     print(json.dumps(found))
 

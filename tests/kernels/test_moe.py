@@ -233,7 +233,7 @@ def test_kernels_compile_for_hopper():
     ptx = json.loads(done.stdout.strip().splitlines()[-1])
     assert {"small up *bf16", "small up *bf16 early", "small up *bf16 early prenorm", "small down *bf16",
             "small down *fp8e4nv", "router logits 4096", "router logits 32", "router logits 4096 prenorm",
-            "skinny split=4", "skinny split=1 prenorm"} <= set(ptx)
+            "skinny split=4", "skinny split=1 prenorm", "skinny split=1 prenorm one row"} <= set(ptx)
     for name, found in ptx.items():
         assert found["cubin"], name
         if name.startswith("small up"):  # the GEMVs stream 16-byte vectors (an unaligned pointer gives 2-byte loads)
@@ -247,5 +247,6 @@ def test_kernels_compile_for_hopper():
     assert ptx["small up *bf16"]["prefetch.L2"] and not ptx["small up *fp8e4nv"]["prefetch.L2"]
     # under PDL a kernel waits on its predecessor and lets its successor launch (the up kernel after its work)
     for name in ("small up *bf16", "small up *bf16 early", "small up *bf16 early prenorm", "router logits 4096",
-                 "router logits 4096 prenorm", "skinny split=4", "skinny split=1 prenorm"):
+                 "router logits 4096 prenorm", "skinny split=4", "skinny split=1 prenorm",
+                 "skinny split=1 prenorm one row"):
         assert ptx[name]["pdl wait"] and ptx[name]["pdl trigger"], name

@@ -199,3 +199,28 @@ def test_cuda_small_path_matches_the_reference_and_replays_as_a_graph(monkeypatc
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
+
+
+@ku.gpu
+@ku.cuda_only
+@pytest.mark.parametrize("tokens", [1, 2])
+@pytest.mark.parametrize("early", [False, True])
+def test_cuda_pending_norm_input_matches_the_normed_layer(monkeypatch, tokens, early):
+    """Nano's routing at reduced widths, the layer input pending (previous output, residual, norm): near the
+    layer fed add_rmsnorm's rows (rstd's sum may round differently in the last bit), the next residual to the
+    bit, the same bits through a CUDA-graph replay."""
+    monkeypatch.setenv("HYBRIDSERVE_MOE_EARLY_SHARED", str(int(early)))
+    inputs = _layer(tokens, 128, 6, 1, 1, 256, 128, 2, torch.bfloat16, seed=tokens)
+    inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    inputs["correction_bias"] = inputs["correction_bias"].float()
+    pending, normed = _pending(inputs.pop("x").cpu(), tokens, torch.bfloat16)
+    pending = PendingNorm.after(pending.out.cuda(), pending.residual.cuda(), pending.weight.cuda(), pending.eps)
+    out = moe_layer_triton(pending, **inputs, small_max_pairs=1 << 20)
+    assert torch.equal(pending.residual_out, (pending.residual + pending.out))
+    ku.assert_close(out, moe_layer_triton(normed.cuda(), **inputs, small_max_pairs=1 << 20), 1e-2, "pending vs normed")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_layer_triton(pending, **inputs, small_max_pairs=1 << 20)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)
