@@ -12,7 +12,6 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.launch import lean_launch
-from hybridserve.kernels.pending_norm import BlockInput, PendingNorm
 from hybridserve.kernels.triton_utils import cdiv, check_same_device, next_pow2, pdl_gate, pdl_launch
 
 
@@ -70,26 +69,11 @@ def rmsnorm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def tl_dtype(dtype: torch.dtype) -> tl.dtype:
+def _tl_dtype(dtype: torch.dtype) -> tl.dtype:
     """The Triton dtype of a torch floating dtype the kernels support."""
     if dtype not in _TL_DTYPES:
         raise ValueError(f"unsupported dtype {dtype}; expected float32, bfloat16 or float16")
     return _TL_DTYPES[dtype]
-
-
-@triton.jit
-def residual_sum(x, r, SUM_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr):
-    """(s, g): torch's `residual + x` (fp32 math rounded to SUM_DTYPE, the promoted dtype) and s as the next norm
-    reads it (cast to its weight's dtype NORM_DTYPE), fp32. One rule for `add_rmsnorm` and the kernels that fuse
-    it into their input (`kernels/pending_norm.py`)."""
-    total = (r.to(tl.float32) + x.to(tl.float32)).to(SUM_DTYPE)
-    return total, total.to(NORM_DTYPE).to(tl.float32)
-
-
-@triton.jit
-def row_rstd(g, dim, eps):
-    """1 / rms of a whole row g [BLOCK] (fp32, masked lanes 0) of `dim` channels: normed = g * rstd * w."""
-    return 1.0 / tl.sqrt(tl.sum(g * g, axis=0) / dim + eps)
 
 
 @lean_launch
@@ -105,9 +89,10 @@ def _add_rmsnorm_kernel(
     mask = offs < dim
     x = tl.load(x_ptr + row * x_m + offs * x_d, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + row * r_m + offs * r_d, mask=mask, other=0.0).to(tl.float32)
-    total, g = residual_sum(x, r, SUM_DTYPE, w_ptr.dtype.element_ty)
+    total = (r + x).to(SUM_DTYPE)  # torch's `residual + x`: fp32 math, rounded to the promoted dtype
     tl.store(ro_ptr + row * ro_m + offs * ro_d, total.to(ro_ptr.dtype.element_ty), mask=mask)
-    rstd = row_rstd(g, dim, eps)
+    g = total.to(w_ptr.dtype.element_ty).to(tl.float32)  # the norm reads the sum cast to the weight's dtype
+    rstd = 1.0 / tl.sqrt(tl.sum(g * g, axis=0) / dim + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * y_m + offs * y_d, (g * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -130,9 +115,9 @@ def add_rmsnorm_triton(
         if buf is not None and (buf.shape != x.shape or buf.dtype != dtype):
             raise ValueError(f"{name} must be {tuple(x.shape)} {dtype}, got {tuple(buf.shape)} {buf.dtype}")
     check_same_device(x, residual, weight, out, residual_out)
-    sum_dtype = tl_dtype(torch.promote_types(residual.dtype, x.dtype))
+    sum_dtype = _tl_dtype(torch.promote_types(residual.dtype, x.dtype))
     for t in (x, residual, weight):
-        tl_dtype(t.dtype)
+        _tl_dtype(t.dtype)
     normed = torch.empty(x.shape, dtype=weight.dtype, device=x.device) if out is None else out
     new_residual = torch.empty_like(residual) if residual_out is None else residual_out
     x2, r2 = x.reshape(-1, dim), residual.reshape(-1, dim)  # views for 2-D / contiguous-prefix inputs
@@ -145,13 +130,6 @@ def add_rmsnorm_triton(
             **pdl_launch(x.device),
         )
     return normed, new_residual
-
-
-def normed_triton(x: BlockInput) -> torch.Tensor:
-    """A block's input as a tensor: a `PendingNorm` through `add_rmsnorm_triton` (residual_out filled)."""
-    if isinstance(x, PendingNorm):
-        return add_rmsnorm_triton(x.out, x.residual, x.weight, x.eps, residual_out=x.residual_out)[0]
-    return x
 
 
 @lean_launch

@@ -11,10 +11,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from hybridserve.kernels.gated_rmsnorm_triton import normed_triton, residual_sum, row_rstd, tl_dtype
 from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.moe import RouterSpec, route_topk
-from hybridserve.kernels.pending_norm import PendingNorm
 from hybridserve.kernels.triton_utils import cdiv, interpreting, next_pow2, pdl_gate, pdl_launch, prefetch_l2
 
 
@@ -84,17 +82,11 @@ def _route_kernel(
 
 @lean_launch
 @triton.jit
-def _router_logits_kernel(
-    x_ptr, w_ptr, logits_ptr, r_ptr, nw_ptr, ro_ptr, xn_ptr, E, D, x_m, r_m, ro_m, xn_m, eps,
-    BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PRENORM: tl.constexpr, SUM_DTYPE: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
+def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, E, D, x_m, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                          USE_PDL: tl.constexpr):
     """logits[t, e] = sum_k x[t, k] * W[e, k] in fp32 from the weight's own dtype (no fp32 copy of it): one
     program per (token, BLOCK_E experts), so a few tokens' router GEMV spreads over many SMs. Under PDL the
-    program's weight rows (one pointer per 64 elements) head for L2 before it waits on the kernel before.
-    PRENORM (BLOCK_K >= D, a `PendingNorm` input): x is the block output; each program normalises the whole row
-    (x + r, rmsnorm with nw: `add_rmsnorm`'s rounding) and the expert-block-0 program stores the new residual
-    in ro_ptr and the normed row in xn_ptr (the up kernel's input)."""
+    program's weight rows (one pointer per 64 elements) head for L2 before it waits on the kernel before."""
     row = tl.program_id(0).to(tl.int64)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = offs_e < E
@@ -103,28 +95,13 @@ def _router_logits_kernel(
         prefetch_l2(w_ptr + tl.minimum(offs_e, E - 1).to(tl.int64)[:, None] * D + lines[None, :])
     pdl_gate(USE_PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
-    if PRENORM:
-        k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, D, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < D
-        total, g = residual_sum(tl.load(x_ptr + row * x_m + k, mask=k_ok, other=0.0),
-                                tl.load(r_ptr + row * r_m + k, mask=k_ok, other=0.0), SUM_DTYPE,
-                                nw_ptr.dtype.element_ty)
-        nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        xn = (g * row_rstd(g, D, eps) * nw).to(xn_ptr.dtype.element_ty)
-        first = (k * 0 + tl.program_id(1)) == 0  # a tensor mask (the interpreter takes no scalar one)
-        tl.store(ro_ptr + row * ro_m + k, total.to(ro_ptr.dtype.element_ty), mask=k_ok & first)
-        tl.store(xn_ptr + row * xn_m + k, xn, mask=k_ok & first)
+        xv = tl.load(x_ptr + row * x_m + k, mask=k_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * D + k[None, :], mask=e_ok[:, None] & k_ok[None, :],
                     other=0.0)
-        acc += w.to(tl.float32) * xn.to(tl.float32)[None, :]
-    else:
-        for k0 in range(0, D, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < D
-            xv = tl.load(x_ptr + row * x_m + k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * D + k[None, :], mask=e_ok[:, None] & k_ok[None, :],
-                        other=0.0)
-            acc += w.to(tl.float32) * xv[None, :]
+        acc += w.to(tl.float32) * xv[None, :]
     tl.store(logits_ptr + row * E + offs_e, tl.sum(acc, 1), mask=e_ok)
 
 
@@ -133,33 +110,20 @@ def _router_logits_kernel(
 ROUTER_GEMV_MAX_TOKENS = 16
 
 
-def router_logits(x: torch.Tensor | PendingNorm, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, hidden] x, [E, hidden] weight -> (fp32 logits [N, E] as F.linear(x.float(), weight.float()), x). A
-    `PendingNorm` x is normalised inside the kernel (residual_out written) and the normed rows come back."""
-    rows = x.rows if isinstance(x, PendingNorm) else x.shape[0]
-    if rows > ROUTER_GEMV_MAX_TOKENS or rows == 0 or (isinstance(x, PendingNorm) and not x.rows_contiguous()):
-        x = normed_triton(x)
-        return F.linear(x.float(), weight.float()).contiguous(), x
-    (num_experts, d), weight = weight.shape, weight.contiguous()
-    logits = torch.empty(rows, num_experts, dtype=torch.float32, device=weight.device)
-    if not isinstance(x, PendingNorm):
-        x = x.contiguous()
-        # a whole row per step (one dependent memory round trip for hidden <= 4096), 8K elements per program
-        block_k = 32 if interpreting() else min(next_pow2(d), 4096)
-        out, norm_args, meta = x, (x, x, x, x, 0, 0, 0, 0.0), {"PRENORM": False, "SUM_DTYPE": tl.float32}
-    else:
-        block_k = next_pow2(d)  # the norm needs the whole row in one program
-        out, residual, residual_out, norm_w, norm_eps = x.out, x.residual, x.residual_out, x.weight, x.eps
-        x = torch.empty(out.shape, dtype=norm_w.dtype, device=out.device)  # add_rmsnorm's normed dtype
-        norm_args = (residual, norm_w, residual_out, x, residual.stride(0), residual_out.stride(0), x.stride(0),
-                     float(norm_eps))
-        meta = {"PRENORM": True, "SUM_DTYPE": tl_dtype(torch.promote_types(residual.dtype, out.dtype))}
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[N, hidden] x, [E, hidden] weight -> fp32 logits [N, E], as F.linear(x.float(), weight.float())."""
+    n, (num_experts, d) = x.shape[0], weight.shape
+    if n > ROUTER_GEMV_MAX_TOKENS or n == 0:
+        return F.linear(x.float(), weight.float()).contiguous()
+    x, weight = x.contiguous(), weight.contiguous()
+    logits = torch.empty(n, num_experts, dtype=torch.float32, device=x.device)
+    # a whole row per step (one dependent memory round trip for hidden <= 4096), 8K elements per program
+    block_k = 32 if interpreting() else min(next_pow2(d), 4096)
     block_e = 8 if interpreting() else max(1, 8192 // block_k)
-    r, nw, ro, xn, r_m, ro_m, xn_m, eps = norm_args
-    _router_logits_kernel[(rows, cdiv(num_experts, block_e))](
-        out, weight, logits, r, nw, ro, xn, num_experts, d, out.stride(0), r_m, ro_m, xn_m, eps, BLOCK_E=block_e,
-        BLOCK_K=block_k, num_warps=4, **meta, **pdl_launch(weight.device))
-    return logits, x
+    _router_logits_kernel[(n, cdiv(num_experts, block_e))](x, weight, logits, num_experts, d, x.stride(0),
+                                                                  BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4,
+                                                                  **pdl_launch(x.device))
+    return logits
 
 
 def groups_fit(spec: RouterSpec) -> bool:
@@ -176,7 +140,7 @@ def route_topk_triton(
     if not groups_fit(spec):
         return route_topk(x, weight, correction_bias, spec)
     per_group = spec.num_experts // spec.n_group
-    logits, _ = router_logits(x, weight)  # [N, E]
+    logits = router_logits(x, weight)  # [N, E]
     n, width = logits.shape[0], spec.top_k + spec.num_shared
     weights = torch.empty(n, width, dtype=torch.float32, device=x.device)
     ids = torch.empty(n, width, dtype=torch.int64, device=x.device)

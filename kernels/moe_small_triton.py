@@ -25,12 +25,10 @@ import triton
 import triton.language as tl
 
 from hybridserve.env_switch import env_switch
-from hybridserve.kernels.gated_rmsnorm_triton import normed_triton, residual_sum, row_rstd, tl_dtype
 from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.moe import RouterSpec
 from hybridserve.kernels.moe_router_triton import groups_fit, route_topk_triton, router_logits, topk_choice
 from hybridserve.kernels.moe_triton import check_expert_inputs, moe_experts_triton
-from hybridserve.kernels.pending_norm import BlockInput, PendingNorm
 from hybridserve.kernels.triton_utils import (
     PERSIST_AUTOTUNE,
     cdiv,
@@ -110,30 +108,6 @@ def _gemv_dot(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constex
 
 
 @triton.jit
-def _gemv_prenorm(o_row, r_row, nw_ptr, w_rows, n_ok, K, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_D: tl.constexpr, SUM_DTYPE: tl.constexpr):
-    """`_gemv` of a = rmsnorm(o + r) * nw, rounded to nw's dtype as `add_rmsnorm` rounds it (the router kernel
-    writes the same row for the routed programs): one pass over the row for its rstd, then the FMA loop
-    normalises each chunk it reads, so this program needs nothing the router kernel writes."""
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < K
-    _row_sum, g = residual_sum(tl.load(o_row + d, mask=d_ok, other=0.0), tl.load(r_row + d, mask=d_ok, other=0.0),
-                               SUM_DTYPE, nw_ptr.dtype.element_ty)
-    rstd = row_rstd(g, K, eps)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        _chunk_sum, gk = residual_sum(tl.load(o_row + k, mask=k_ok, other=0.0),
-                                      tl.load(r_row + k, mask=k_ok, other=0.0), SUM_DTYPE, nw_ptr.dtype.element_ty)
-        nw = tl.load(nw_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        a = (gk * rstd * nw).to(nw_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * a[None, :]
-    return tl.sum(acc, 1)
-
-
-@triton.jit
 def _gemv(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """sum_k a[k] * W[n, k] for the tile's rows, fp32 (bf16 products are exact in fp32; fp8 casts exactly)."""
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -147,16 +121,16 @@ def _gemv(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @lean_launch
-@triton.autotune(configs=_configs(_UP_TILES), key=["N_OUT", "K", "WIDTH", "HAS_SCALE", "EARLY_SHARED", "PRENORM"],
+@triton.autotune(configs=_configs(_UP_TILES), key=["N_OUT", "K", "WIDTH", "HAS_SCALE", "EARLY_SHARED"],
                  cache_results=PERSIST_AUTOTUNE)
 @triton.jit
 def _small_up_kernel(
-    x_ptr, logits_ptr, bias_ptr, w_ptr, ws_ptr, scale_ptr, h_ptr, ids_ptr, weights_ptr, arrive_ptr, o_ptr, r_ptr,
-    nw_ptr, E, N_OUT, K, scaling, x_m, w_e, w_n, ws_e, ws_n, n_arrive, o_m, r_m, eps,
+    x_ptr, logits_ptr, bias_ptr, w_ptr, ws_ptr, scale_ptr, h_ptr, ids_ptr, weights_ptr, arrive_ptr,
+    E, N_OUT, K, scaling, x_m, w_e, w_n, ws_e, ws_n, n_arrive,
     TOP_K: tl.constexpr, WIDTH: tl.constexpr, K_BLOCK: tl.constexpr, N_GROUP: tl.constexpr,
     PER_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, SHARED: tl.constexpr,
     HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EARLY_SHARED: tl.constexpr,
-    PRENORM: tl.constexpr, BLOCK_D: tl.constexpr, SUM_DTYPE: tl.constexpr, USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """h[t * WIDTH + j, n] = relu2(x[t] . W[e_tj, n] * scale[e_tj, n]) for one (token t, column tile, slot j).
     A shared-expert slot's expert does not depend on the router: under PDL it prefetches its rows' first 1024
@@ -164,9 +138,7 @@ def _small_up_kernel(
     before the wait (x was written before the router kernel's own wait returned, so it is complete) and takes the
     first slots of the launch order, so those programs run while the router kernel computes. The down kernel may
     launch only when a program's work is done (`pdl_trigger` last): launched at the gate, its programs waited
-    resident through this kernel and took 27.4 instead of 25.5 us per 30B-A3B layer (bench/results/h200/session48).
-    PRENORM (a `PendingNorm` layer input): x_ptr is the normed row the router kernel wrote; the early shared
-    programs, which start before it exists, normalise o + r themselves (`_gemv_prenorm`, the same bits)."""
+    resident through this kernel and took 27.4 instead of 25.5 us per 30B-A3B layer (bench/results/h200/session48)."""
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     slot = tl.program_id(2)
@@ -178,12 +150,8 @@ def _small_up_kernel(
     ahead = EARLY_SHARED and slot >= TOP_K
     h = tl.zeros([BLOCK_N], dtype=tl.float32)
     if ahead:
-        shared_rows = ws_ptr + (slot - TOP_K) * ws_e + offs_n.to(tl.int64)[:, None] * ws_n
-        if PRENORM:
-            h = _gemv_prenorm(o_ptr + token * o_m, r_ptr + token * r_m, nw_ptr, shared_rows, n_ok, K, eps, BLOCK_N,
-                              BLOCK_K, BLOCK_D, SUM_DTYPE)
-        else:
-            h = _gemv(x_row, shared_rows, n_ok, K, BLOCK_N, BLOCK_K)
+        h = _gemv(x_row, ws_ptr + (slot - TOP_K) * ws_e + offs_n.to(tl.int64)[:, None] * ws_n, n_ok, K,
+                  BLOCK_N, BLOCK_K)
     elif USE_PDL and SHARED:
         if slot >= TOP_K:
             rows = tl.minimum(offs_n, N_OUT - 1)
@@ -258,7 +226,7 @@ def _small_down_kernel(
 
 
 def moe_small_triton(
-    x: BlockInput,  # [N, hidden] router input (a PendingNorm: normalised in the router and up kernels)
+    x: torch.Tensor,  # [N, hidden] router input
     router_weight: torch.Tensor,  # [E, hidden]
     correction_bias: torch.Tensor,  # [E]
     spec: RouterSpec,
@@ -266,20 +234,16 @@ def moe_small_triton(
     w_down: torch.Tensor,  # [E, D, I]
     up_scale: torch.Tensor | None,  # [E, I] fp32 (fp8 weights)
     down_scale: torch.Tensor | None,  # [E, D]
-    expert_x: torch.Tensor | None,  # [N, D] expert input when it is not x (latent MoE)
+    expert_x: torch.Tensor,  # [N, D] expert input (x, or its latent projection)
     shared_out: torch.Tensor | None,  # [N, D]
     shared_up: torch.Tensor | None,  # [S * I, D], S = spec.num_shared
     shared_down: torch.Tensor | None,  # [D, S * I]
 ) -> torch.Tensor:
-    """The small-M layer (see the module docstring) -> [N, D] in the experts' input dtype. Inputs checked by the
-    caller; a PendingNorm x comes with expert_x None."""
-    pending = x if isinstance(x, PendingNorm) else None
-    logits, x = router_logits(x, router_weight)  # [N, E] fp32, the normed router input
-    if expert_x is None:
-        expert_x = x.contiguous()
+    """The small-M layer (see the module docstring) -> [N, D] in expert_x's dtype. Inputs checked by the caller."""
     n, d = expert_x.shape
     num_experts, inter = w_up.shape[0], w_up.shape[1]
     width = spec.top_k + spec.num_shared
+    logits = router_logits(x, router_weight)  # [N, E] fp32
     bias = correction_bias.float().contiguous()
     ids = torch.empty(n, width, dtype=torch.int64, device=x.device)
     weights = torch.empty(n, width, dtype=torch.float32, device=x.device)
@@ -298,22 +262,14 @@ def moe_small_triton(
     def up_grid(meta: dict) -> tuple[int, int, int]:
         return (n, cdiv(inter, meta["BLOCK_N"]), width)
 
-    if pending is not None and pending.rows_contiguous():  # the early shared programs normalise o + r
-        norm_args = (pending.out, pending.residual, pending.weight, pending.out.stride(0), pending.residual.stride(0),
-                     float(pending.eps))
-        norm_meta = {"PRENORM": True, "SUM_DTYPE": tl_dtype(torch.promote_types(pending.residual.dtype,
-                                                                                pending.out.dtype))}
-    else:  # (the router kernel normalised a strided pending input through add_rmsnorm)
-        norm_args, norm_meta = (expert_x, expert_x, expert_x, 0, 0, 0.0), {"PRENORM": False, "SUM_DTYPE": tl.float32}
-
     _small_up_kernel[up_grid](
         expert_x, logits, bias, w_up, up_s, up_scale if up_scale is not None else scale_dummy, hidden, ids, weights,
-        arrivals, *norm_args[:3], num_experts, inter, d, float(spec.routed_scaling_factor), expert_x.stride(0),
-        w_up.stride(0), w_up.stride(1), inter * d if fused else 0, d if fused else 0, n_arrive, *norm_args[3:],
+        arrivals, num_experts, inter, d, float(spec.routed_scaling_factor), expert_x.stride(0), w_up.stride(0),
+        w_up.stride(1), inter * d if fused else 0, d if fused else 0, n_arrive,
         TOP_K=spec.top_k, WIDTH=width, K_BLOCK=next_pow2(width), N_GROUP=spec.n_group,
         PER_GROUP=num_experts // spec.n_group, TOPK_GROUP=spec.topk_group, NORM=spec.norm_topk_prob,
         SHARED=spec.num_shared, HAS_SCALE=up_scale is not None,
-        EARLY_SHARED=early and fused and up_scale is None, BLOCK_D=next_pow2(d), **norm_meta, **pdl,
+        EARLY_SHARED=early and fused and up_scale is None, **pdl,
     )
     out = torch.empty(n, d, dtype=expert_x.dtype, device=x.device)
 
@@ -331,7 +287,7 @@ def moe_small_triton(
 
 
 def moe_layer_triton(
-    x: BlockInput,  # [N, hidden]; a PendingNorm is normalised inside the small path's kernels
+    x: torch.Tensor,  # [N, hidden]
     router_weight: torch.Tensor,  # [E, hidden]
     correction_bias: torch.Tensor,  # [E] fp32
     spec: RouterSpec,
@@ -346,31 +302,24 @@ def moe_layer_triton(
     small_max_pairs: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `moe_layer_ref`: router + routed experts (+ shared) -> [N, D]. Up to `small_max_pairs`
-    (default SMALL_M_MAX_PAIRS) pairs the three-launch small-M path, above it the grouped GEMMs. A PendingNorm
-    x takes the small path whole when the experts read x itself (no latent input); otherwise it is normalised
-    first (`add_rmsnorm`)."""
+    (default SMALL_M_MAX_PAIRS) pairs the three-launch small-M path, above it the grouped GEMMs."""
     limit = SMALL_M_MAX_PAIRS if small_max_pairs is None else small_max_pairs
-    n, width = (x.rows if isinstance(x, PendingNorm) else x.shape[0]), spec.top_k + spec.num_shared
-    small = 0 < n * width <= limit and groups_fit(spec)
-    if isinstance(x, PendingNorm) and not (small and expert_x is None):
-        x = normed_triton(x)
-    xe = x.out if isinstance(x, PendingNorm) else x if expert_x is None else expert_x
+    xe = x if expert_x is None else expert_x
+    n, width = x.shape[0], spec.top_k + spec.num_shared
     chunks = check_expert_inputs(xe, w_up, w_down, up_scale, shared_out, shared_up, shared_down)
     if chunks != spec.num_shared:
         raise ValueError(f"the router appends {spec.num_shared} shared-expert chunks, shared_up / shared_down hold "
                          f"{chunks}")
     if xe.shape[0] != n:
         raise ValueError(f"expert_x has {xe.shape[0]} rows, x has {n}")
-    if not small:
-        assert isinstance(x, torch.Tensor)  # normalised above
+    if not (0 < n * width <= limit and groups_fit(spec)):
         weights, ids = route_topk_triton(x, router_weight, correction_bias, spec)
         return moe_experts_triton(xe, w_up, w_down, weights, ids, up_scale, down_scale, shared_out, shared_up,
                                   shared_down)
     shared_up, shared_down, shared_out = (t.contiguous() if t is not None else None
                                           for t in (shared_up, shared_down, shared_out))
     return moe_small_triton(x, router_weight, correction_bias, spec, w_up.contiguous(), w_down.contiguous(),
-                            up_scale, down_scale, expert_x.contiguous() if expert_x is not None else None,
-                            shared_out, shared_up, shared_down)
+                            up_scale, down_scale, xe.contiguous(), shared_out, shared_up, shared_down)
 
 
 __all__ = ["SMALL_M_MAX_PAIRS", "moe_layer_triton", "moe_small_triton"]

@@ -19,7 +19,6 @@ from hybridserve.kernels.causal_conv1d import causal_conv1d_update_ref, causal_c
 from hybridserve.kernels.gated_rmsnorm import add_rmsnorm_ref, gated_rmsnorm_ref, relu2_ref, rmsnorm_ref
 from hybridserve.kernels.moe import moe_experts_ref, moe_layer_ref, route_topk
 from hybridserve.kernels.paged_attention import paged_attention_ref, write_kv_pages
-from hybridserve.kernels.pending_norm import BlockInput, PendingNorm
 from hybridserve.kernels.replay_state import replay_state_update_ref
 from hybridserve.kernels.sampling import gumbel_sample_ref
 from hybridserve.kernels.ssd_scan import ssd_scan_varlen_ref
@@ -86,24 +85,11 @@ def split_k_workspace(weight: torch.Tensor) -> Any:
     return _triton_fn("skinny_linear_triton", "SplitKWorkspace").create(weight.shape[0], weight.device)
 
 
-def normed(x: BlockInput) -> torch.Tensor:
-    """A block's input as a tensor: a `PendingNorm` runs its add + rmsnorm (`add_rmsnorm`, residual_out filled)."""
-    if isinstance(x, PendingNorm):
-        return add_rmsnorm(x.out, x.residual, x.weight, x.eps, residual_out=x.residual_out)[0]
-    return x
-
-
-def linear(x: BlockInput, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            workspace: Any = None) -> torch.Tensor:
     """x @ weight^T + bias: the skinny Triton kernel for a decode step's few rows (up to its MAX_ROWS) against a
     large half-precision weight on CUDA (it streams the weight closer to copy bandwidth than cuBLAS), torch's
-    linear otherwise. `workspace` (from split_k_workspace) lets the kernel split K over more programs. A
-    `PendingNorm` x of bf16 rows goes into the skinny kernel whole (the add and the norm on the way, no
-    `add_rmsnorm` launch); otherwise it is normalised first."""
-    if isinstance(x, PendingNorm):
-        if x.out.dtype == torch.bfloat16 and x.rows_contiguous() and skinny_linear_applies(x.out, weight):
-            return _triton_fn("skinny_linear_triton", "skinny_linear_triton")(x, weight, bias)
-        x = normed(x)
+    linear otherwise. `workspace` (from split_k_workspace) lets the kernel split K over more programs."""
     if skinny_linear_applies(x, weight):
         return _triton_fn("skinny_linear_triton", "skinny_linear_triton")(x, weight, bias, workspace)
     return torch.nn.functional.linear(x, weight, bias)
@@ -130,17 +116,7 @@ moe_experts = _dispatch(moe_experts_ref, "moe_triton", "moe_experts_triton")
 # NemotronH's router (sigmoid, group-limited top-k with the correction bias): fp32 logits + one choice kernel
 moe_route = _dispatch(route_topk, "moe_router_triton", "route_topk_triton")
 # router + experts (+ shared) of one MoE layer: three launches at decode sizes, the grouped GEMMs above
-_moe_layer = _dispatch(moe_layer_ref, "moe_small_triton", "moe_layer_triton")
-
-
-def moe_layer(x: BlockInput, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """`moe_layer_ref`'s contract; a `PendingNorm` x goes to the Triton layer whole (its small path computes the
-    add and the norm in the router and up kernels), the reference gets it normalised."""
-    if isinstance(x, PendingNorm):
-        if (x.out.is_cuda and triton_available()) or _INTERPRET_ON_CPU:
-            return _triton_fn("moe_small_triton", "moe_layer_triton")(x, *args, **kwargs)
-        x = normed(x)
-    return _moe_layer(x, *args, **kwargs)
+moe_layer = _dispatch(moe_layer_ref, "moe_small_triton", "moe_layer_triton")
 # a token per row by Gumbel-max (greedy rows: argmax): two launches for the step's sampling tail
 gumbel_sample = _dispatch(gumbel_sample_ref, "sampling_triton", "gumbel_sample_triton")
 
@@ -155,7 +131,6 @@ __all__ = [
     "moe_layer",
     "moe_route",
     "multi_token_state_update",
-    "normed",
     "paged_attention",
     "relu2",
     "replay_state_update",

@@ -15,18 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.kernels.gated_rmsnorm_triton import residual_sum, tl_dtype
 from hybridserve.kernels.launch import lean_launch
-from hybridserve.kernels.pending_norm import PendingNorm
-from hybridserve.kernels.triton_utils import (
-    PERSIST_AUTOTUNE,
-    cdiv,
-    check_same_device,
-    interpreting,
-    pdl_gate,
-    pdl_launch,
-    prefetch_l2,
-)
+from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, cdiv, interpreting, pdl_gate, pdl_launch, prefetch_l2
 
 MAX_ROWS = 16  # rows of x this kernel takes (one tl.dot tile); more rows go to cuBLAS
 MAX_SPLIT = 8  # most K-splits of a projection with few output columns (see SplitKWorkspace)
@@ -83,18 +73,12 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> 
 
 @triton.jit
 def _skinny_linear_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrive_ptr, r_ptr, nw_ptr, ro_ptr, M, N, K, x_m, w_n, y_m, r_m, ro_m,
-    eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PRENORM: tl.constexpr, ONE_ROW: tl.constexpr, SUM_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, arrive_ptr, M, N, K, x_m, w_n, y_m,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Program (n, s): acc[16, BLOCK_N] += x[16, BLOCK_K] @ W[BLOCK_N, BLOCK_K]^T over K-split s; with
-    SPLIT_K > 1 the partials meet in part_ptr and the last program of column block n writes y.
-    PRENORM (a `PendingNorm` input, SPLIT_K 1): x is a block's output, the GEMM's input rmsnorm(x + r) * nw; each
-    tile is s = x + r rounded as `add_rmsnorm` rounds it, the dot takes s * nw and the program sums s^2 on the way,
-    so rstd (a per-row factor) scales the accumulator at the end: no pass over the row before the weights stream.
-    The column-block-0 programs store s in ro_ptr (the next residual). ONE_ROW (M == 1, decode at batch 1): that
-    elementwise work on [BLOCK_K] vectors instead of the 16 padded rows."""
+    SPLIT_K > 1 the partials meet in part_ptr and the last program of column block n writes y."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, 16)
@@ -102,10 +86,6 @@ def _skinny_linear_kernel(
     mask_m, mask_n = offs_m < M, offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * w_n
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    if ONE_ROW:  # PRENORM: s^2 summed per lane, reduced once after the loop (no reduction per K block)
-        sumsq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    else:
-        sumsq = tl.zeros([16, BLOCK_K], dtype=tl.float32)
     k_len = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K  # each split's K range, whole blocks
     k_start = tl.program_id(1) * k_len
     if USE_PDL:  # the first 1024 columns of this program's weight rows head for L2 while the kernel before
@@ -117,32 +97,10 @@ def _skinny_linear_kernel(
     for k0 in range(k_start, tl.minimum(k_start + k_len, K), BLOCK_K):
         k = k0 + offs_k
         mask_k = k < K
-        mask_x = mask_m[:, None] & mask_k[None, :]
-        if PRENORM and ONE_ROW:  # one row: the add and the norm on [BLOCK_K] vectors, row 0 of the dot's tile
-            total, g = residual_sum(tl.load(x_ptr + k, mask=mask_k, other=0.0), tl.load(r_ptr + k, mask=mask_k,
-                                    other=0.0), SUM_DTYPE, nw_ptr.dtype.element_ty)
-            tl.store(ro_ptr + k, total.to(ro_ptr.dtype.element_ty), mask=mask_k & ((k * 0 + pid_n) == 0))
-            sumsq += g * g
-            a = (g * tl.load(nw_ptr + k, mask=mask_k, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
-            xk = tl.where(offs_m[:, None] == 0, a[None, :], tl.zeros_like(a)[None, :])  # [16, BLOCK_K]
-        elif PRENORM:
-            total, g = residual_sum(tl.load(x_ptr + offs_m[:, None] * x_m + k[None, :], mask=mask_x, other=0.0),
-                                    tl.load(r_ptr + offs_m[:, None] * r_m + k[None, :], mask=mask_x, other=0.0),
-                                    SUM_DTYPE, nw_ptr.dtype.element_ty)
-            tl.store(ro_ptr + offs_m[:, None] * ro_m + k[None, :], total.to(ro_ptr.dtype.element_ty),
-                     mask=mask_x & ((k * 0 + pid_n) == 0)[None, :])
-            sumsq += g * g
-            nw = tl.load(nw_ptr + k, mask=mask_k, other=0.0).to(tl.float32)
-            xk = (g * nw[None, :]).to(x_ptr.dtype.element_ty)
-        else:
-            xk = tl.load(x_ptr + offs_m[:, None] * x_m + k[None, :], mask=mask_x, other=0.0)  # [16, BLOCK_K]
+        xk = tl.load(x_ptr + offs_m[:, None] * x_m + k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                     other=0.0)  # [16, BLOCK_K]
         wk = tl.load(w_rows + k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         acc = tl.dot(xk, tl.trans(wk), acc, input_precision=DOT_PRECISION)
-    if PRENORM:  # rstd per row, out of the dot's sum (rmsnorm(s) * nw = rstd * (s * nw))
-        if ONE_ROW:
-            acc *= 1.0 / tl.sqrt(tl.sum(sumsq, 0) / K + eps)
-        else:
-            acc *= (1.0 / tl.sqrt(tl.sum(sumsq, 1) / K + eps))[:, None]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K > 1:
         tile = offs_m[:, None] * N + offs_n[None, :]  # this block's place in one split's [16, N] partials
@@ -162,7 +120,7 @@ def _skinny_linear_kernel(
         tl.store(y_ptr + offs_m[:, None] * y_m + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-_KEY = ["N", "K", "HAS_BIAS", "PRENORM", "ONE_ROW"]
+_KEY = ["N", "K", "HAS_BIAS"]
 _skinny_plain = lean_launch(triton.autotune(configs=_configs(split=False), key=_KEY, cache_results=PERSIST_AUTOTUNE)(
     _skinny_linear_kernel))
 _skinny_split = lean_launch(triton.autotune(configs=_configs(split=True), key=_KEY, cache_results=PERSIST_AUTOTUNE,
@@ -175,38 +133,13 @@ def skinny_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def _prenorm_args(pending: PendingNorm, rows: int) -> tuple[tuple, dict]:
-    """The PRENORM kernel arguments of a pending input, checked: (r, nw, ro, r_m, ro_m, eps), constexprs."""
-    out, residual, residual_out, norm_w = pending.out, pending.residual, pending.residual_out, pending.weight
-    dim = out.shape[-1]
-    if out.dtype not in (torch.bfloat16, torch.float32):  # s * nw is the dot's operand: fp16 could overflow
-        raise ValueError(f"a pending norm's input must be bfloat16 or float32 here, got {out.dtype}: "
-                         "run ops.normed first")
-    if residual.shape != out.shape or residual_out.shape != out.shape or residual_out.dtype != residual.dtype:
-        raise ValueError(f"residual {tuple(residual.shape)} / residual_out {tuple(residual_out.shape)} "
-                         f"{residual_out.dtype} must match out {tuple(out.shape)} and residual's {residual.dtype}")
-    if norm_w.shape != (dim,) or norm_w.dtype != out.dtype:
-        raise ValueError(f"norm weight must be [{dim}] {out.dtype}, got {tuple(norm_w.shape)} {norm_w.dtype}")
-    check_same_device(out, residual, residual_out, norm_w)
-    r2, ro2 = residual.reshape(rows, dim), residual_out.view(rows, dim)
-    if r2.stride(-1) != 1 or ro2.stride(-1) != 1:
-        raise ValueError("the residual stream must have contiguous rows")
-    sum_dtype = tl_dtype(torch.promote_types(residual.dtype, out.dtype))
-    meta = {"PRENORM": True, "SUM_DTYPE": sum_dtype, "ONE_ROW": rows == 1}
-    return (r2, norm_w, ro2, r2.stride(0), ro2.stride(0), float(pending.eps)), meta
-
-
 def skinny_linear_triton(
-    x: torch.Tensor | PendingNorm,  # [..., K], at most MAX_ROWS rows in all; or a block's pending input
+    x: torch.Tensor,  # [..., K], at most MAX_ROWS rows in all
     weight: torch.Tensor,  # [N, K], rows contiguous
     bias: torch.Tensor | None = None,  # [N]
     workspace: SplitKWorkspace | None = None,  # lets the autotuner split K (few output columns)
 ) -> torch.Tensor:
-    """x @ weight^T + bias in x's dtype (fp32 accumulation), [..., N]. A `PendingNorm` x is normalised on the
-    way (its residual_out written); it takes no K-split: the row's sum of squares must meet in one program."""
-    pending = x if isinstance(x, PendingNorm) else None
-    if isinstance(x, PendingNorm):
-        x, workspace = x.out, None
+    """x @ weight^T + bias in x's dtype (fp32 accumulation), [..., N]."""
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x [..., {x.shape[-1]}] does not match weight {tuple(weight.shape)} (want [N, K])")
     rows = x.numel() // max(x.shape[-1], 1)
@@ -226,10 +159,6 @@ def skinny_linear_triton(
                                   or workspace.partials.device != weight.device):
         raise ValueError(f"split-K workspace is for {workspace.partials.shape[2]} columns on "
                          f"{workspace.partials.device}, the weight has {out_features} on {weight.device}")
-    if pending is not None:
-        norm_args, norm_meta = _prenorm_args(pending, rows)
-    else:
-        norm_args, norm_meta = (x2, x2, x2, 0, 0, 0.0), {"PRENORM": False, "SUM_DTYPE": tl.float32, "ONE_ROW": False}
     y = torch.empty(rows, out_features, dtype=x.dtype, device=x.device)
     if rows and out_features:
         def grid(meta: dict) -> tuple[int, int]:
@@ -238,11 +167,10 @@ def skinny_linear_triton(
         kernel = _skinny_split if workspace is not None else _skinny_plain
         pdl = pdl_launch(x.device)
         scratch = (workspace.partials, workspace.arrivals) if workspace is not None else (y, y)
-        r2, nw, ro2, r_m, ro_m, eps = norm_args
         kernel[grid](
-            x2, weight, bias if bias is not None else weight, y, *scratch, r2, nw, ro2, rows, out_features,
-            in_features, x2.stride(0), weight.stride(0), y.stride(0), r_m, ro_m, eps, HAS_BIAS=bias is not None,
+            x2, weight, bias if bias is not None else weight, y, *scratch, rows, out_features, in_features,
+            x2.stride(0), weight.stride(0), y.stride(0), HAS_BIAS=bias is not None,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32: exact parity runs
-            **norm_meta, **pdl,
+            **pdl,
         )
     return y.view(*x.shape[:-1], out_features)

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from hybridserve.kernels import ops
-from hybridserve.kernels.pending_norm import BlockInput
 from hybridserve.models.config import AttentionConfig
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.layers import Linear
@@ -47,15 +46,15 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        hidden: BlockInput,  # [N, hidden] (a PendingNorm: normalised inside the q/k/v projection, see ops.linear)
+        hidden: torch.Tensor,  # [N, hidden]
         batch: ForwardBatch,
         k_pages: torch.Tensor,  # [num_pages, page_size, Hkv, Dh]
         v_pages: torch.Tensor,
     ) -> torch.Tensor:
         cfg = self.config
+        tokens = hidden.shape[0]
         weight, bias, workspace = self._qkv()
         qkv = ops.linear(hidden, weight, bias, workspace)  # [N, Nq + 2 Nkv]
-        tokens = qkv.shape[0]
         kv_size = cfg.num_kv_heads * cfg.head_dim
         # strided views of qkv: write_kv and paged_attention take any strides
         q, k, v = qkv.split([cfg.num_heads * cfg.head_dim, kv_size, kv_size], dim=-1)

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from hybridserve.kernels.pending_norm import BlockInput
 from hybridserve.models.attention import Attention
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
@@ -65,7 +64,7 @@ class HybridLM(nn.Module):
         hidden = self.embeddings(input_ids)
         residual_dtype = torch.float32 if self.config.residual_in_fp32 else hidden.dtype
 
-        def mix(index: int, normed: BlockInput) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+        def mix(index: int, normed: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
             block = cast(Block, self.layers[index])  # nn.ModuleList indexes as a plain Module
             if block.kind == "mamba":
                 replay = cache.replay_cache(index) if batch.spec_rollback == "replay" else None

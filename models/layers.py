@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from hybridserve.kernels import ops
-from hybridserve.kernels.pending_norm import BlockInput, PendingNorm
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -21,7 +20,7 @@ class Linear(nn.Linear):
     inputs on CUDA take the skinny Triton kernel; a projection with few output columns keeps the kernel's
     split-K scratch (made at its first call, i.e. in warm-up, before any CUDA-graph capture)."""
 
-    def forward(self, x: BlockInput) -> torch.Tensor:  # a PendingNorm x: see ops.linear
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         key = (self.weight.device, self.weight.shape[0])
         cached = self.__dict__.get("_split_k")
         if cached is None or cached[0] != key:  # None off CUDA and for projections with many output columns
@@ -47,21 +46,15 @@ def residual_stack(
     norms: Sequence[RMSNorm],  # each block's pre-norm
     final_norm: RMSNorm,
     residual_dtype: torch.dtype,  # fp32 with residual_in_fp32, else the hidden dtype
-    mixer: Callable[[int, BlockInput], torch.Tensor],  # (block index, its input [N, hidden]) -> [N, hidden]
+    mixer: Callable[[int, torch.Tensor], torch.Tensor],  # (block index, normed [N, hidden]) -> [N, hidden]
 ) -> torch.Tensor:
-    """x = x + mixer_i(norm_i(x)) per block, then final_norm(x) -> [N, hidden] in final_norm's dtype. From the
-    second block on, a mixer gets its input as a `PendingNorm` (the residual add and its norm not run yet): its
-    first kernels compute them while reading it where they can (decode on CUDA), else `ops.normed` runs the
-    fused add + norm kernel, the same math as unfused. Every mixer reads its input, so each PendingNorm's
-    residual_out is written before the next block takes it as its residual."""
+    """x = x + mixer_i(norm_i(x)) per block, then final_norm(x) -> [N, hidden] in final_norm's dtype; each
+    residual add runs fused with the norm after it (one kernel per block on CUDA, same math as unfused)."""
+    chain = [*norms, final_norm]  # the norm before each block, then the final one
     residual = hidden.to(residual_dtype)
-    block_input: BlockInput = norms[0](hidden.to(norms[0].weight.dtype)) if norms else hidden
-    for index, norm in enumerate(norms[1:]):
-        pending = PendingNorm.after(mixer(index, block_input), residual, norm.weight, norm.eps)
-        block_input, residual = pending, pending.residual_out
-    if not norms:
-        return final_norm(hidden.to(final_norm.weight.dtype))
-    normed, _ = ops.add_rmsnorm(mixer(len(norms) - 1, block_input), residual, final_norm.weight, final_norm.eps)
+    normed = chain[0](hidden.to(chain[0].weight.dtype))
+    for index, norm in enumerate(chain[1:]):
+        normed, residual = ops.add_rmsnorm(mixer(index, normed), residual, norm.weight, norm.eps)
     return normed
 
 
@@ -78,5 +71,5 @@ class MLP(nn.Module):
         self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x: BlockInput) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
         return self.down_proj(relu2(self.up_proj(x), inplace=True))

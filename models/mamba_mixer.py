@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from hybridserve.kernels import ops
-from hybridserve.kernels.pending_norm import BlockInput
 from hybridserve.kernels.replay_state import ReplayCache
 from hybridserve.models.config import MambaConfig
 from hybridserve.models.forward_batch import ForwardBatch
@@ -73,7 +72,7 @@ class Mamba2Mixer(nn.Module):
 
     def forward(
         self,
-        hidden: BlockInput,  # [N, hidden] (a PendingNorm: normalised inside in_proj, see ops.linear)
+        hidden: torch.Tensor,  # [N, hidden]
         batch: ForwardBatch,
         conv_pool: torch.Tensor,  # [num_slots, conv_dim, W]
         ssm_pool: torch.Tensor,  # [num_slots, H, P, N_state]
@@ -92,7 +91,7 @@ class Mamba2Mixer(nn.Module):
             return self.out_proj(self.norm(y_decode.reshape(-1, cfg.intermediate_size), gate))
         y: torch.Tensor | None = None  # [N, H, P]; prefill rows only: the scan's output itself (no copy)
         if nd:
-            y = torch.empty(projected.shape[0], heads, head_dim, dtype=projected.dtype, device=projected.device)
+            y = torch.empty(hidden.shape[0], heads, head_dim, dtype=hidden.dtype, device=hidden.device)
             y[: nd * batch.decode_len] = self._decode(xBC, dt, A, batch, conv_pool, ssm_pool, replay)
         if nd < batch.num_seqs:
             xBC, dt = xBC[nd * batch.decode_len :], dt[nd * batch.decode_len :]
@@ -131,7 +130,7 @@ class Mamba2Mixer(nn.Module):
             else:
                 y[nd * batch.decode_len :] = scan.y
         if y is None:  # a batch without rows
-            y = torch.empty(0, heads, head_dim, dtype=projected.dtype, device=projected.device)
+            y = torch.empty(0, heads, head_dim, dtype=hidden.dtype, device=hidden.device)
         return self.out_proj(self.norm(y.reshape(-1, cfg.intermediate_size), gate))
 
     def _decode(

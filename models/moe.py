@@ -10,7 +10,6 @@ from torch import nn
 
 from hybridserve.kernels import ops
 from hybridserve.kernels.moe import RouterSpec
-from hybridserve.kernels.pending_norm import BlockInput
 from hybridserve.models.config import MoEConfig
 from hybridserve.models.layers import MLP, Linear
 
@@ -80,10 +79,9 @@ class MoE(nn.Module):
             self.fc1_latent_proj = Linear(hidden_size, config.latent_size, bias=bias)
             self.fc2_latent_proj = Linear(config.latent_size, hidden_size, bias=bias)
 
-    def forward(self, x: BlockInput, small_max_pairs: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, small_max_pairs: int | None = None) -> torch.Tensor:
         """[N, hidden] -> [N, hidden] through `ops.moe_layer` (router + experts in a few launches);
-        small_max_pairs overrides the Triton path's small-M threshold (benchmarks compare both paths). A
-        PendingNorm x reaches `ops.moe_layer` whole where x is all the layer reads (shared expert as chunks)."""
+        small_max_pairs overrides the Triton path's small-M threshold (benchmarks compare both paths)."""
         gate, experts = self.gate, self.experts
         args = (gate.weight, gate.e_score_correction_bias, gate.spec, experts.up_proj, experts.down_proj,
                 experts.up_proj_scale, experts.down_proj_scale)
@@ -91,7 +89,6 @@ class MoE(nn.Module):
             shared = self.shared_experts
             return ops.moe_layer(x, *args, shared_up=shared.up_proj.weight, shared_down=shared.down_proj.weight,
                                  small_max_pairs=small_max_pairs)
-        x = ops.normed(x)  # read by the shared expert (and the latent projection) too
         if isinstance(self.fc1_latent_proj, nn.Identity):  # the shared expert's add fused into the combine
             return ops.moe_layer(x, *args, shared_out=self.shared_experts(x), small_max_pairs=small_max_pairs)
         routed = ops.moe_layer(x, *args, expert_x=self.fc1_latent_proj(x), small_max_pairs=small_max_pairs)

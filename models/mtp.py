@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from hybridserve.kernels.pending_norm import BlockInput
 from hybridserve.models.attention import Attention
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
@@ -78,7 +77,7 @@ class MTPHead(nn.Module):
         residual_dtype = torch.float32 if self.config.residual_in_fp32 else hidden.dtype
         num_layers = self.config.num_layers
 
-        def mix(i: int, normed: BlockInput) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+        def mix(i: int, normed: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
             layer = layers[i]
             if layer.kind == "attention":
                 return layer.mixer(normed, batch, *cache.kv(num_layers + i))

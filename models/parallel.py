@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.kernels import ops
-from hybridserve.kernels.pending_norm import BlockInput
 from hybridserve.models.config import MoEConfig
 from hybridserve.models.layers import Linear
 from hybridserve.models.moe import MoE, TopkRouter
@@ -76,7 +75,7 @@ class RowParallelLinear(Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.tp = tp
 
-    def forward(self, x: BlockInput) -> torch.Tensor:  # [N, in/size] -> [N, out]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in/size] -> [N, out]
         out = self.tp.all_reduce(ops.linear(x, self.weight, None))
         return out + self.bias if self.bias is not None else out
 
@@ -152,7 +151,7 @@ class TensorParallelMoE(MoE):
         super().__init__(hidden_size, config, bias)
         self.tp = tp
 
-    def forward(self, x: BlockInput, small_max_pairs: int | None = None) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+    def forward(self, x: torch.Tensor, small_max_pairs: int | None = None) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
         return self.tp.all_reduce(super().forward(x, small_max_pairs))
 
 
@@ -193,9 +192,8 @@ class ExpertParallelMoE(MoE):
         out = self.experts(pairs, weights.reshape(-1, 1), ids.reshape(-1, 1))  # [N * k, D]
         return out.view(n, k, -1).float().sum(dim=1)
 
-    def forward(self, block_input: BlockInput, small_max_pairs: int | None = None) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
+    def forward(self, x: torch.Tensor, small_max_pairs: int | None = None) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
         del small_max_pairs  # one row per (token, choice) here: the grouped path's shapes, whatever the count
-        x = ops.normed(block_input)  # read by the router, the experts and the shared expert
         weights, ids = self.local_routes(*self.gate(x))
         if isinstance(self.fc1_latent_proj, nn.Identity):
             out = self.routed(x, weights, ids).to(x.dtype) + self.shared_experts(x)

@@ -8,7 +8,6 @@ import json
 from typing import Any
 
 import triton
-import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
@@ -67,26 +66,21 @@ def main() -> None:
             _moe_combine_kernel, {"pair_ptr": "*bf16", "route_w_ptr": "*fp32", "shared_ptr": "*bf16", "out_ptr": "*bf16",
                                   "D": "i32"},
             {"K": 6, "BLOCK_D": 1024, "HAS_SHARED": shared}, aligned=("pair_ptr", "shared_ptr", "out_ptr", "D"))
-    norm_ptrs = {"r_ptr": "*bf16", "nw_ptr": "*bf16", "ro_ptr": "*bf16"}
-    for block_k, prenorm in ((4096, False), (32, False), (4096, True)):  # Nano's rows, a tiny model's; pending input
-        found[f"router logits {block_k}{' prenorm' if prenorm else ''}"] = compile_for_hopper(_router_logits_kernel, {
-            "x_ptr": "*bf16", "w_ptr": "*bf16", "logits_ptr": "*fp32", **norm_ptrs, "xn_ptr": "*bf16", "E": "i32",
-            "D": "i32", "x_m": "i32", "r_m": "i32", "ro_m": "i32", "xn_m": "i32", "eps": "fp32"},
-            {"BLOCK_E": 2, "BLOCK_K": block_k, "PRENORM": prenorm, "SUM_DTYPE": tl.bfloat16, "USE_PDL": True},
-            aligned=("x_ptr", "w_ptr", "logits_ptr", "D", "x_m"))
+    for block_k in (4096, 32):  # Nano's rows, and a tiny test model's (fewer than 64 elements)
+        found[f"router logits {block_k}"] = compile_for_hopper(_router_logits_kernel, {
+            "x_ptr": "*bf16", "w_ptr": "*bf16", "logits_ptr": "*fp32", "E": "i32", "D": "i32", "x_m": "i32"},
+            {"BLOCK_E": 2, "BLOCK_K": block_k, "USE_PDL": True}, aligned=("x_ptr", "w_ptr", "logits_ptr", "D", "x_m"))
     small_ints = {n: "i32" for n in ("E", "N_OUT", "K", "w_e", "w_n", "ws_e", "ws_n")}
-    for weights, early, prenorm in (("*bf16", False, False), ("*fp8e4nv", False, False), ("*bf16", True, False),
-                                    ("*bf16", True, True)):
+    for weights, early in (("*bf16", False), ("*fp8e4nv", False), ("*bf16", True)):
         fp8 = weights != "*bf16"
-        variant = f"{weights}{' early' if early else ''}{' prenorm' if prenorm else ''}"
+        variant = f"{weights}{' early' if early else ''}"
         found[f"small up {variant}"] = compile_for_hopper(_small_up_kernel, {
             "x_ptr": "*bf16", "logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": weights, "ws_ptr": weights,
             "scale_ptr": "*fp32", "h_ptr": "*bf16", "ids_ptr": "*i64", "weights_ptr": "*fp32", "arrive_ptr": "*i32",
-            "o_ptr": "*bf16", "r_ptr": "*bf16", "nw_ptr": "*bf16", **small_ints, "scaling": "fp32", "x_m": "i32",
-            "n_arrive": "i32", "o_m": "i32", "r_m": "i32", "eps": "fp32"}, {
+            **small_ints, "scaling": "fp32", "x_m": "i32", "n_arrive": "i32"}, {
             "TOP_K": 6, "WIDTH": 6 if fp8 else 8, "K_BLOCK": 8, "N_GROUP": 1, "PER_GROUP": 128, "TOPK_GROUP": 1,
             "NORM": True, "SHARED": 0 if fp8 else 2, "HAS_SCALE": fp8, "BLOCK_N": 32, "BLOCK_K": 256,
-            "EARLY_SHARED": early, "PRENORM": prenorm, "BLOCK_D": 4096, "SUM_DTYPE": tl.bfloat16, "USE_PDL": True},
+            "EARLY_SHARED": early, "USE_PDL": True},
             aligned=("x_ptr", "w_ptr", "ws_ptr", "h_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "x_m"))
         if early:
             continue
@@ -98,14 +92,11 @@ def main() -> None:
             "BLOCK_K": 128, "DOT_PRECISION": "tf32", "DOT_UPCAST": False, "USE_PDL": fp8},
             aligned=("h_ptr", "w_ptr", "ws_ptr", "out_ptr", "K", "w_e", "w_n", "ws_e", "ws_n", "out_m"))
     skinny = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32",
-              "arrive_ptr": "*i32", **norm_ptrs, "M": "i32", "N": "i32", "K": "i32", "x_m": "i32", "w_n": "i32",
-              "y_m": "i32", "r_m": "i32", "ro_m": "i32", "eps": "fp32"}
-    for split, prenorm, one_row in ((1, False, False), (4, False, False), (1, True, False), (1, True, True)):
-        name = f"skinny split={split}{' prenorm' if prenorm else ''}{' one row' if one_row else ''}"  # pending input
-        found[name] = compile_for_hopper(_skinny_linear_kernel, skinny, {  # the decode projections: PDL, L2 prefetch
-            "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split, "HAS_BIAS": split == 1, "PRENORM": prenorm,
-            "ONE_ROW": one_row, "SUM_DTYPE": tl.bfloat16, "DOT_PRECISION": "tf32", "USE_PDL": True},
-            aligned=("x_ptr", "w_ptr", "y_ptr", "K", "w_n", "x_m", "y_m"))
+              "arrive_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "x_m": "i32", "w_n": "i32", "y_m": "i32"}
+    for split in (1, 4):  # the decode projections, with programmatic dependent launch and L2 prefetch
+        found[f"skinny split={split}"] = compile_for_hopper(_skinny_linear_kernel, skinny, {
+            "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split, "HAS_BIAS": split == 1, "DOT_PRECISION": "tf32",
+            "USE_PDL": True}, aligned=("x_ptr", "w_ptr", "y_ptr", "K", "w_n", "x_m", "y_m"))
     print(json.dumps(found))
 
 

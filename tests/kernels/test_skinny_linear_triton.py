@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import ktest_utils as ku  # noqa: I001  (sets TRITON_INTERPRET before triton is imported)
 import pytest
 import torch
@@ -11,9 +9,6 @@ import torch
 pytest.importorskip("triton")
 
 from hybridserve.kernels import ops  # noqa: E402
-from hybridserve.kernels.gated_rmsnorm import add_rmsnorm_ref  # noqa: E402
-from hybridserve.kernels.gated_rmsnorm_triton import add_rmsnorm_triton  # noqa: E402
-from hybridserve.kernels.pending_norm import PendingNorm  # noqa: E402
 from hybridserve.kernels.skinny_linear_triton import (  # noqa: E402
     MAX_ROWS,
     SplitKWorkspace,
@@ -44,59 +39,6 @@ def test_skinny_linear_interpreter(shape_x, out_features, bias):
     assert out.shape == (*shape_x[:-1], out_features)
     if x.numel():
         ku.assert_close(out, skinny_linear_ref(x, w, b), 1e-5, "y")
-
-
-def _pending(rows: int, dim: int, dtype: torch.dtype, residual_dtype: torch.dtype, device: str,
-             gen: torch.Generator) -> PendingNorm:
-    out = torch.randn(rows, dim, generator=gen).to(device=device, dtype=dtype)
-    residual = (torch.randn(rows, dim, generator=gen) * 3).to(device=device, dtype=residual_dtype)
-    weight = (1 + 0.1 * torch.randn(dim, generator=gen)).to(device=device, dtype=dtype)
-    return PendingNorm.after(out, residual, weight, 1e-5)
-
-
-@ku.interp_only
-@pytest.mark.parametrize("rows,dim,out_features,bias", [(1, 70, 40, True), (3, 64, 33, False), (MAX_ROWS, 100, 20, True)])
-@pytest.mark.parametrize("residual_dtype", [torch.float32, torch.bfloat16])
-def test_skinny_linear_pending_norm_interpreter(rows, dim, out_features, bias, residual_dtype):
-    """A PendingNorm input: the kernel adds the residual, normalises on the way (rstd applied to the
-    accumulator at the end) and writes the next residual; equal to add_rmsnorm then the linear (fp32), and the
-    split-K workspace is not used (the row's sum of squares meets in one program)."""
-    gen = torch.Generator().manual_seed(rows + dim)
-    pending = _pending(rows, dim, torch.float32, residual_dtype, "cpu", gen)
-    _, w, b = _case((rows, dim), out_features, bias, torch.float32, "cpu", gen)
-    normed, new_residual = add_rmsnorm_ref(pending.out, pending.residual, pending.weight, pending.eps)
-    workspace = SplitKWorkspace.create(out_features, torch.device("cpu"))
-    ku.assert_close(skinny_linear_triton(pending, w, b, workspace), skinny_linear_ref(normed, w, b), 1e-5, "y")
-    # the kernels' rounding of the new residual (the interpreter truncates fp32 -> bf16, torch rounds)
-    _, kernel_residual = add_rmsnorm_triton(pending.out, pending.residual, pending.weight, pending.eps)
-    assert torch.equal(pending.residual_out, kernel_residual)
-    if residual_dtype == torch.float32:
-        assert torch.equal(pending.residual_out, new_residual)
-    assert int(workspace.arrivals.abs().sum()) == 0
-
-
-@ku.interp_only
-def test_skinny_linear_pending_norm_rejects_what_it_cannot_fuse():
-    gen = torch.Generator().manual_seed(0)
-    pending = _pending(2, 32, torch.float16, torch.float16, "cpu", gen)
-    with pytest.raises(ValueError, match="run ops.normed first"):
-        skinny_linear_triton(pending, torch.randn(8, 32).half())
-    pending = _pending(2, 32, torch.float32, torch.float32, "cpu", gen)
-    bad = dataclasses.replace(pending, residual_out=torch.empty(2, 32, dtype=torch.bfloat16))
-    with pytest.raises(ValueError, match="residual_out"):
-        skinny_linear_triton(bad, torch.randn(8, 32))
-    with pytest.raises(ValueError, match="norm weight must be"):
-        skinny_linear_triton(dataclasses.replace(pending, weight=torch.ones(31)), torch.randn(8, 32))
-
-
-def test_ops_linear_normalises_a_pending_input_off_the_skinny_path():
-    """On CPU (or for fp16 / many rows on CUDA) ops.linear runs add_rmsnorm first: the reference's bits."""
-    gen = torch.Generator().manual_seed(1)
-    pending = _pending(3, 24, torch.float32, torch.float32, "cpu", gen)
-    w = torch.randn(10, 24, generator=gen)
-    normed, new_residual = add_rmsnorm_ref(pending.out, pending.residual, pending.weight, pending.eps)
-    assert torch.equal(ops.linear(pending, w), torch.nn.functional.linear(normed, w))
-    assert torch.equal(pending.residual_out, new_residual)
 
 
 @ku.interp_only
@@ -175,29 +117,3 @@ def test_skinny_linear_split_k_gpu(out_features, in_features, rows):
         torch.cuda.synchronize()
         assert torch.equal(out, first)
     assert int(workspace.arrivals.abs().sum()) == 0
-
-
-@ku.gpu
-@ku.cuda_only
-@pytest.mark.parametrize("out_features,in_features", [(10304, 2688), (4608, 2688), (22656, 4480)])
-@pytest.mark.parametrize("rows", [1, 4, 16])
-@pytest.mark.parametrize("residual_dtype", [torch.bfloat16, torch.float32])
-def test_skinny_linear_pending_norm_gpu(out_features, in_features, rows, residual_dtype):
-    """30B-A3B's in_proj and q/k/v, the 9B's in_proj with their input pending (the previous block's output, the
-    residual, the norm): near the unfused add_rmsnorm + projection (the normed row is not rounded to bf16 here),
-    the next residual to the bit, the same bits through a CUDA-graph replay and through ops.linear."""
-    gen = torch.Generator().manual_seed(rows)
-    pending = _pending(rows, in_features, torch.bfloat16, residual_dtype, "cuda", gen)
-    _, w, _ = _case((rows, in_features), out_features, False, torch.bfloat16, "cuda", gen)
-    normed, new_residual = add_rmsnorm_ref(pending.out, pending.residual, pending.weight, pending.eps)
-    ref = skinny_linear_ref(normed.float(), w.float())
-    y = skinny_linear_triton(pending, w)
-    ku.assert_close(y, ref, ku.TOL[torch.bfloat16], "y")
-    assert torch.equal(pending.residual_out, new_residual)
-    assert torch.equal(ops.linear(pending, w), y)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = skinny_linear_triton(pending, w)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, y)
