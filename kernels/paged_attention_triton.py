@@ -7,6 +7,9 @@ Decode / verify (every sequence has <= DECODE_MAX_QUERY new tokens): one program
 split); the query heads of the KV head x the query tokens are the rows of one tl.dot, so each K/V tile is read
 once per KV head, and at small batch the keys are split across programs (flash-decoding) whose fp32 partial
 results a small kernel combines. Pages are read through their strides (per-layer views are strided).
+The KV write, the decode kernel and the combine launch under PDL (`triton_utils.pdl_enabled`): each one's
+programs are resident and waiting at `pdl_gate` while the kernel before finishes (with the one-tile splits of
+MIN_SPLIT_KEYS: the 30B-A3B attention layer at batch 1 23.5 -> 17.3 us, bench/results/h200/session51 call 4).
 Reference and contract: `hybridserve.kernels.paged_attention.paged_attention_ref`.
 """
 
@@ -20,9 +23,12 @@ import triton.language as tl
 
 from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.paged_attention import DECODE_MAX_QUERY, PREFILL_BLOCK_M, QueryBlocks, query_blocks
-from hybridserve.kernels.triton_utils import check_same_device, interpreting, next_pow2
+from hybridserve.kernels.triton_utils import check_same_device, interpreting, next_pow2, pdl_gate, pdl_launch
 
-MIN_SPLIT_KEYS = 128  # a KV split covers at least this many keys (shorter splits cost more than they save)
+# a KV split covers at least this many keys (one 64-key tile of the decode kernel): at batch 1 the programs are
+# latency-bound, so at 512 keys of context 9 one-tile splits beat 5 two-tile ones (30B-A3B step: paged decode 8.8 ->
+# 6.0 us per layer, combine +0.4; bench/results/h200/session51, call 4)
+MIN_SPLIT_KEYS = 64
 MAX_SPLITS = 64
 _INTERPRETER_SMS = 4  # SM count assumed under the interpreter / off CUDA (keeps split choice deterministic)
 
@@ -93,7 +99,9 @@ def _paged_decode_kernel(
     scale, page_size, heads_per_kv, num_q_heads, Dh, kv_start, num_splits, row_blocks,
     q_n, q_h, q_d, k_p, k_o, k_h, k_d, v_p, v_o, v_h, v_d, o_n, o_h, o_d, t_s, t_p,
     T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_gate(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1) // row_blocks
     rb = tl.program_id(1) % row_blocks
@@ -145,8 +153,9 @@ def _paged_decode_kernel(
 @triton.jit
 def _combine_splits_kernel(
     out_ptr, m_ptr, l_ptr, acc_ptr, cu_q_ptr, num_q_heads, Dh, num_splits, o_n, o_h, o_d,
-    T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_gate(USE_PDL)
     seq = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     t = tl.program_id(2)
@@ -239,12 +248,13 @@ def paged_decode_attention_triton(
         scale, page_size, heads_per_kv, num_q_heads, head_dim, kv_start, num_splits, row_blocks,
         *q.stride(), *k_pages.stride(), *v_pages.stride(), *out.stride(), *block_tables.stride(),
         T=max_query_len, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=split,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q.device),
     )
     if split:
         _combine_splits_kernel[(num_seqs, num_q_heads, max_query_len)](
             out, m_part, l_part, acc_part, cu_seqlens_q, num_q_heads, head_dim, num_splits, *out.stride(),
             T=max_query_len, BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=block_d, num_warps=4,
+            **pdl_launch(q.device),
         )
     return out
 
@@ -300,8 +310,9 @@ def paged_attention_triton(
 def _write_kv_kernel(
     k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ptr, page_size, Hkv, Dh,
     k_n, k_h, k_d, v_n, v_h, v_d, kp_p, kp_o, kp_h, kp_d, vp_p, vp_o, vp_h, vp_d,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_gate(USE_PDL)
     n = tl.program_id(0)
     slot = tl.load(slot_ptr + n).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
@@ -331,5 +342,5 @@ def write_kv_pages_triton(
     _write_kv_kernel[(key.shape[0],)](
         key, value, k_pages, v_pages, slot_mapping, k_pages.shape[1], key.shape[1], key.shape[2],
         *key.stride(), *value.stride(), *k_pages.stride(), *v_pages.stride(),
-        BLOCK_H=next_pow2(key.shape[1]), BLOCK_D=next_pow2(key.shape[2]), num_warps=2,
+        BLOCK_H=next_pow2(key.shape[1]), BLOCK_D=next_pow2(key.shape[2]), num_warps=2, **pdl_launch(key.device),
     )

@@ -105,6 +105,7 @@ def _skinny_linear_kernel(
     if SPLIT_K > 1:
         tile = offs_m[:, None] * N + offs_n[None, :]  # this block's place in one split's [16, N] partials
         tl.store(part_ptr + tl.program_id(1) * 16 * N + tile, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial stored before the count
         # acq_rel: the partial stores above are visible before the count; the last arrival sees all of them
         if tl.atomic_add(arrive_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
             acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)

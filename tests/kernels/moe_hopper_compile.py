@@ -15,6 +15,7 @@ from triton.runtime.jit import JITFunction
 from hybridserve.kernels.moe_router_triton import _route_kernel, _router_logits_kernel
 from hybridserve.kernels.moe_small_triton import _small_down_kernel, _small_up_kernel
 from hybridserve.kernels.moe_triton import _moe_align_kernel, _moe_combine_kernel, _moe_gemm_kernel
+from hybridserve.kernels.paged_attention_triton import _combine_splits_kernel, _paged_decode_kernel, _write_kv_kernel
 from hybridserve.kernels.skinny_linear_triton import _skinny_linear_kernel
 
 
@@ -97,6 +98,21 @@ def main() -> None:
         found[f"skinny split={split}"] = compile_for_hopper(_skinny_linear_kernel, skinny, {
             "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split, "HAS_BIAS": split == 1, "DOT_PRECISION": "tf32",
             "USE_PDL": True}, aligned=("x_ptr", "w_ptr", "y_ptr", "K", "w_n", "x_m", "y_m"))
+    ints = {n: "i32" for n in ("page_size", "heads_per_kv", "num_q_heads", "Dh", "kv_start", "num_splits",
+                               "row_blocks", "q_n", "q_h", "q_d", "k_p", "k_o", "k_h", "k_d", "v_p", "v_o", "v_h", "v_d",
+                               "o_n", "o_h", "o_d", "t_s", "t_p")}
+    found["attention decode"] = compile_for_hopper(_paged_decode_kernel, {  # the decode attention chain, under PDL
+        "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32",
+        "acc_ptr": "*fp32", "cu_q_ptr": "*i32", "kv_lens_ptr": "*i32", "tables_ptr": "*i32", "scale": "fp32", **ints},
+        {"T": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_D": 128, "SPLIT": True, "USE_PDL": True})
+    found["attention combine"] = compile_for_hopper(_combine_splits_kernel, {
+        "out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "cu_q_ptr": "*i32",
+        **{n: "i32" for n in ("num_q_heads", "Dh", "num_splits", "o_n", "o_h", "o_d")}},
+        {"T": 1, "BLOCK_S": 16, "BLOCK_D": 128, "USE_PDL": True})
+    found["attention write_kv"] = compile_for_hopper(_write_kv_kernel, {
+        "k_ptr": "*bf16", "v_ptr": "*bf16", "kp_ptr": "*bf16", "vp_ptr": "*bf16", "slot_ptr": "*i64",
+        **{n: "i32" for n in ("page_size", "Hkv", "Dh", "k_n", "k_h", "k_d", "v_n", "v_h", "v_d", "kp_p", "kp_o", "kp_h",
+                              "kp_d", "vp_p", "vp_o", "vp_h", "vp_d")}}, {"BLOCK_H": 2, "BLOCK_D": 128, "USE_PDL": True})
     print(json.dumps(found))
 
 

@@ -245,5 +245,6 @@ def test_kernels_compile_for_hopper():
     # under PDL the bf16 up kernel asks L2 for the shared expert's rows before waiting on the router kernel
     assert ptx["small up *bf16"]["prefetch.L2"] and not ptx["small up *fp8e4nv"]["prefetch.L2"]
     # under PDL a kernel waits on its predecessor and lets its successor launch (the up kernel after its work)
-    for name in ("small up *bf16", "small up *bf16 early", "router logits 4096", "skinny split=4"):
+    for name in ("small up *bf16", "small up *bf16 early", "router logits 4096", "skinny split=4", "attention decode",
+                 "attention combine", "attention write_kv"):
         assert ptx[name]["pdl wait"] and ptx[name]["pdl trigger"], name

@@ -124,7 +124,7 @@ def test_decode_path_has_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_choose_num_splits() -> None:
     """Splits fill ~2 programs per SM at small batch, never below MIN_SPLIT_KEYS keys each, 1 at large batch."""
     assert choose_num_splits(8, 32768, 132) == 33  # batch 1, 8 KV heads, H100
-    assert choose_num_splits(8, 512, 132) == 4  # short context: 128 keys per split at least
+    assert choose_num_splits(8, 512, 132) == 8  # short context: 64 keys per split at least
     assert choose_num_splits(32 * 8, 32768, 132) == 1
     assert choose_num_splits(128 * 8, 4096, 132) == 1
     assert choose_num_splits(1, 10**7, 1000) == MAX_SPLITS
