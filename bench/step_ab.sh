@@ -5,6 +5,8 @@
 #   ab_step NAME X CFG DIR [SECONDS]
 #                        bench/step_profile.py on bench/configs/CFG under tree X -> DIR/NAME.{json,log}, its first
 #                        replay's logits in /tmp/logits_NAME.pt; prints the replay line
+#   ab_rounds N "X Y .." CFG DIR [SECONDS]
+#                        N rounds of ab_step over the trees in order (NAME = CFG's model tag, tree, round)
 #   ab_logits REF        every /tmp/logits_<REF's first 3 characters>*.pt against /tmp/logits_REF.pt (max |diff|)
 # Scripts, not `python -c`: the cwd's hybridserve/ would come before PYTHONPATH's overlay.
 
@@ -29,6 +31,14 @@ ab_step() {
   env PYTHONPATH="$path" timeout "$limit" python3 -u bench/step_profile.py --config "bench/configs/$cfg" \
     --out "$dir/$name.json" --save-logits "/tmp/logits_$name.pt" > "$dir/$name.log" 2>&1
   echo "$name rc=$?"; grep -E "replay" "$dir/$name.log" | head -1
+}
+
+ab_rounds() {
+  local rounds=$1 trees=$2 cfg=$3 dir=$4 limit=${5:-150} round t tag
+  tag=$(case "$cfg" in *30b*) echo 30b ;; *9b*) echo 9b ;; *) echo step ;; esac)
+  for round in $(seq 1 "$rounds"); do
+    for t in $trees; do ab_step "${tag}_$t$round" "$t" "$cfg" "$dir" "$limit"; done
+  done
 }
 
 ab_logits() {

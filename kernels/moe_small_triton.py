@@ -34,6 +34,7 @@ from hybridserve.kernels.triton_utils import (
     cdiv,
     dot_launch,
     interpreting,
+    last_to_arrive,
     next_pow2,
     pdl_gate,
     pdl_launch,
@@ -211,9 +212,7 @@ def _small_down_kernel(
     part = acc.to(h_ptr.dtype.element_ty).to(tl.float32) * route_w
     parts = part_ptr + token * WIDTH * N_OUT + offs_n  # this token's [WIDTH, N_OUT] partials, this tile
     tl.store(parts + slot * N_OUT, part, mask=n_ok)
-    tl.debug_barrier()  # every thread's partial stored before the count
-    # acq_rel: the partials are visible before the count; the last arrival sees every slot's
-    if tl.atomic_add(arrive_ptr + token * n_arrive + pid_n, 1, sem="acq_rel") == WIDTH - 1:
+    if last_to_arrive(arrive_ptr + token * n_arrive + pid_n, WIDTH):
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
         for j in tl.static_range(WIDTH):
             total += tl.load(parts + j * N_OUT, mask=n_ok, other=0.0, cache_modifier=".cg")

@@ -25,10 +25,11 @@ from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.paged_attention import DECODE_MAX_QUERY, PREFILL_BLOCK_M, QueryBlocks, query_blocks
 from hybridserve.kernels.triton_utils import check_same_device, interpreting, next_pow2, pdl_gate, pdl_launch
 
-# a KV split covers at least this many keys (one 64-key tile of the decode kernel): at batch 1 the programs are
-# latency-bound, so at 512 keys of context 9 one-tile splits beat 5 two-tile ones (30B-A3B step: paged decode 8.8 ->
-# 6.0 us per layer, combine +0.4; bench/results/h200/session51, call 4)
-MIN_SPLIT_KEYS = 64
+DECODE_BLOCK_N = 64  # keys per tile of the decode kernel
+# a KV split covers at least one decode tile: at batch 1 the programs are latency-bound, so at 512 keys of context 9
+# one-tile splits beat 5 two-tile ones (30B-A3B step: paged decode 8.8 -> 6.0 us per layer, combine +0.4;
+# bench/results/h200/session51, call 4)
+MIN_SPLIT_KEYS = DECODE_BLOCK_N
 MAX_SPLITS = 64
 _INTERPRETER_SMS = 4  # SM count assumed under the interpreter / off CUDA (keeps split choice deterministic)
 
@@ -213,7 +214,7 @@ def paged_decode_attention_triton(
     *,
     num_splits: int | None = None,  # None: choose_num_splits
     out: torch.Tensor | None = None,  # [N, Hq, Dh]; written only at the rows of real query tokens
-    block_n: int = 64,
+    block_n: int = DECODE_BLOCK_N,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
@@ -237,6 +238,7 @@ def paged_decode_attention_triton(
     num_splits = max(1, min(num_splits, MAX_SPLITS))
     block_d = max(16, next_pow2(head_dim))
     split = num_splits > 1
+    pdl = pdl_launch(q.device)
     if split:  # fp32 scratch: [S, splits, Hq, T] running max / sum and [S, splits, Hq, T, Dh] partial outputs
         m_part = torch.empty(num_seqs, num_splits, num_q_heads, max_query_len, dtype=torch.float32, device=q.device)
         l_part = torch.empty_like(m_part)
@@ -248,13 +250,12 @@ def paged_decode_attention_triton(
         scale, page_size, heads_per_kv, num_q_heads, head_dim, kv_start, num_splits, row_blocks,
         *q.stride(), *k_pages.stride(), *v_pages.stride(), *out.stride(), *block_tables.stride(),
         T=max_query_len, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=split,
-        num_warps=num_warps, num_stages=num_stages, **pdl_launch(q.device),
+        num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if split:
         _combine_splits_kernel[(num_seqs, num_q_heads, max_query_len)](
             out, m_part, l_part, acc_part, cu_seqlens_q, num_q_heads, head_dim, num_splits, *out.stride(),
-            T=max_query_len, BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=block_d, num_warps=4,
-            **pdl_launch(q.device),
+            T=max_query_len, BLOCK_S=max(2, next_pow2(num_splits)), BLOCK_D=block_d, num_warps=4, **pdl,
         )
     return out
 

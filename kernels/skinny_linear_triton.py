@@ -16,7 +16,15 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.launch import lean_launch
-from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, cdiv, interpreting, pdl_gate, pdl_launch, prefetch_l2
+from hybridserve.kernels.triton_utils import (
+    PERSIST_AUTOTUNE,
+    cdiv,
+    interpreting,
+    last_to_arrive,
+    pdl_gate,
+    pdl_launch,
+    prefetch_l2,
+)
 
 MAX_ROWS = 16  # rows of x this kernel takes (one tl.dot tile); more rows go to cuBLAS
 MAX_SPLIT = 8  # most K-splits of a projection with few output columns (see SplitKWorkspace)
@@ -105,9 +113,7 @@ def _skinny_linear_kernel(
     if SPLIT_K > 1:
         tile = offs_m[:, None] * N + offs_n[None, :]  # this block's place in one split's [16, N] partials
         tl.store(part_ptr + tl.program_id(1) * 16 * N + tile, acc, mask=mask)
-        tl.debug_barrier()  # every thread's partial stored before the count
-        # acq_rel: the partial stores above are visible before the count; the last arrival sees all of them
-        if tl.atomic_add(arrive_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
+        if last_to_arrive(arrive_ptr + pid_n, SPLIT_K):
             acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
             for s in range(SPLIT_K):  # split order, not arrival order: the same sum every call
                 acc += tl.load(part_ptr + s * 16 * N + tile, mask=mask, other=0.0, cache_modifier=".cg")

@@ -117,6 +117,16 @@ def pdl_gate(USE_PDL: tl.constexpr):
 
 
 @triton.jit
+def last_to_arrive(count_ptr, arrivals):
+    """Count this program in at count_ptr after its partial results are stored; True for the last of `arrivals`
+    programs, which may then read every partial. The CTA barrier first (every thread's stores issued before the
+    count), then an acq_rel add: the partials are visible before the count, the last arrival sees all of them.
+    The caller resets the count to 0 when done (ready for the next call and for CUDA-graph replays)."""
+    tl.debug_barrier()
+    return tl.atomic_add(count_ptr, 1, sem="acq_rel") == arrivals - 1
+
+
+@triton.jit
 def prefetch_l2(ptrs):
     """Ask L2 for the lines at `ptrs` (one pointer per 128-byte line is enough); nothing is returned or waited
     for. Used before `pdl_gate` on weights, which no earlier kernel writes."""

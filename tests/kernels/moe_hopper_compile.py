@@ -98,12 +98,13 @@ def main() -> None:
         found[f"skinny split={split}"] = compile_for_hopper(_skinny_linear_kernel, skinny, {
             "BLOCK_N": 16, "BLOCK_K": 256, "SPLIT_K": split, "HAS_BIAS": split == 1, "DOT_PRECISION": "tf32",
             "USE_PDL": True}, aligned=("x_ptr", "w_ptr", "y_ptr", "K", "w_n", "x_m", "y_m"))
-    ints = {n: "i32" for n in ("page_size", "heads_per_kv", "num_q_heads", "Dh", "kv_start", "num_splits",
+    decode_ints = {n: "i32" for n in ("page_size", "heads_per_kv", "num_q_heads", "Dh", "kv_start", "num_splits",
                                "row_blocks", "q_n", "q_h", "q_d", "k_p", "k_o", "k_h", "k_d", "v_p", "v_o", "v_h", "v_d",
                                "o_n", "o_h", "o_d", "t_s", "t_p")}
     found["attention decode"] = compile_for_hopper(_paged_decode_kernel, {  # the decode attention chain, under PDL
         "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32",
-        "acc_ptr": "*fp32", "cu_q_ptr": "*i32", "kv_lens_ptr": "*i32", "tables_ptr": "*i32", "scale": "fp32", **ints},
+        "acc_ptr": "*fp32", "cu_q_ptr": "*i32", "kv_lens_ptr": "*i32", "tables_ptr": "*i32", "scale": "fp32",
+        **decode_ints},
         {"T": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_D": 128, "SPLIT": True, "USE_PDL": True})
     found["attention combine"] = compile_for_hopper(_combine_splits_kernel, {
         "out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "cu_q_ptr": "*i32",

@@ -16,9 +16,7 @@ set -uo pipefail
 R=$1; mkdir -p "$R"
 source bench/step_ab.sh
 ab_tree O; ab_tree S
-for round in 1 2; do
-  for t in O S A; do ab_step "30b_$t$round" $t nemotron-3-nano-30b-a3b.json "$R" 110; done
-done
+ab_rounds 2 "O S A" nemotron-3-nano-30b-a3b.json "$R" 110
 ab_logits 30b_O1 | tee "$R/logits_check.txt"
 timeout 170 python -m pytest -q -m gpu tests/kernels/test_conv_state_update.py tests/kernels/test_moe_small.py \
   tests/kernels/test_moe.py -k "cuda or hopper" > "$R/gpu_tests.log" 2>&1
