@@ -11,9 +11,11 @@ graph, timed as replays (median of groups of 10), weights cold (6.5 GB of buffer
 
 Rows: the whole chain (4 streaming programs per SM; also 2 and 8, and each program sending its whole run to L2
 before the gate); without PDL; the streaming kernels alone (small ops removed); one streaming kernel over all the
-bytes (this kernel's own bandwidth); floor = the chain's bytes over torch's copy bandwidth (read + write, measured as
-bench/moe.py measures it for the step's floor). If even this chain sits near 1.3x the floor, kernels of real work cannot get
-below it, and the lever is fewer kernel boundaries (a persistent decode kernel), not faster kernels.
+bytes (this kernel's own bandwidth); floor = the chain's bytes over torch's copy bandwidth (read + write, measured
+as bench/moe.py measures it for the step's floor). Then the MoE layer alone (router, up, down) repeated as
+bench/moe.py's 4 copies and as the model's MoE layer count, per layer beside its floor. If even such a chain sits
+near 1.3x the floor, kernels of real work cannot get below it, and the lever is fewer kernel boundaries (a
+persistent decode kernel), not faster kernels.
 
     python bench/chain_floor.py --config bench/configs/nemotron-3-nano-30b-a3b.json --out chain.json
 """
@@ -70,6 +72,17 @@ def _small_op_kernel(src_ptr, out_ptr, USE_PDL: tl.constexpr):
     tl.store(out_ptr, tl.load(src_ptr).to(tl.float32) + 1.0)
 
 
+def moe_layer_ops(config: ModelConfig) -> list[tuple[str, int]]:
+    """A MoE layer's three streaming ops at one token: the router (fp32 weight), then the k routed experts' and the
+    shared expert's up rows, then their down rows (bf16) -- bench/moe.py's layer and its floor's bytes."""
+    e = config.moe
+    if e is None:
+        raise ValueError(f"{config.architecture} config has no MoE layers")
+    rows = e.experts_per_token * e.intermediate_size + e.shared_intermediate_size
+    hidden = config.hidden_size
+    return [("router", e.num_experts * hidden * 4), ("up", rows * hidden * 2), ("down", rows * hidden * 2)]
+
+
 def op_sequence(config: ModelConfig) -> list[tuple[str, int]]:
     """(op, bytes it must read; 0 for a small op) in the order a batch-1 decode step runs them."""
     hidden, bf16 = config.hidden_size, 2
@@ -84,11 +97,7 @@ def op_sequence(config: ModelConfig) -> list[tuple[str, int]]:
             ops += [("in_proj", in_proj * hidden * bf16), ("conv", 0), ("state", state), ("gated_norm", 0),
                     ("out_proj", inner * hidden * bf16), ("add_norm", 0)]
         elif kind == "moe":
-            e = config.moe
-            assert e is not None
-            rows = e.experts_per_token * e.intermediate_size + e.shared_intermediate_size
-            ops += [("router", e.num_experts * hidden * 4), ("up", rows * hidden * bf16),  # fp32 router weight
-                    ("down", rows * hidden * bf16), ("add_norm", 0)]
+            ops += [*moe_layer_ops(config), ("add_norm", 0)]
         elif kind == "attention":
             a = config.attention
             assert a is not None
@@ -176,6 +185,16 @@ def main() -> None:
         del graph, chain
         torch.cuda.empty_cache()
     result["one_kernel_over_floor"] = result["one_kernel_ms"] / result["floor_ms"]
+    if config.moe is not None:  # the MoE layer alone, as bench/moe.py times it (4 copies) and as the model runs it
+        layer = moe_layer_ops(config)
+        result["moe_layer_floor_us"] = sum(size for _, size in layer) / bandwidth / 1e3
+        for copies in (4, len(config.layers_of("moe"))):
+            chain = Chain(layer * copies, device, pdl=True, small_ops=True)
+            result[f"moe_layer_chain_us_{copies}_copies"] = replay_ms(capture(chain.run)) * 1e3 / copies
+            result[f"moe_layer_chain_{copies}_copies_over_floor"] = (
+                result[f"moe_layer_chain_us_{copies}_copies"] / result["moe_layer_floor_us"])
+            del chain
+            torch.cuda.empty_cache()
     args.out.write_text(json.dumps(result, indent=1))
     for key, value in result.items():
         print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}", flush=True)

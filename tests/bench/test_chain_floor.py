@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from chain_floor import op_sequence
+from chain_floor import moe_layer_ops, op_sequence
 from moe import CONFIG, TINY
 
 from hybridserve.models.config import ModelConfig
@@ -62,3 +62,14 @@ def test_without_a_gpu_it_says_so(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(BENCH), "--config", str(CONFIG), "--out", str(tmp_path / "c.json")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "run it on a CUDA device" in done.stderr
+
+
+def test_the_moe_layer_ops_are_bench_moe_floor_bytes() -> None:
+    """Router (fp32) + the k routed and the shared expert's up rows + their down rows: 37.9 us of bytes at the
+    4243 GB/s copy bandwidth call 5 measured, bench/moe.py's layer floor."""
+    config = ModelConfig.from_hf_dict(json.loads(CONFIG.read_text()))
+    ops = moe_layer_ops(config)
+    assert [name for name, _ in ops] == ["router", "up", "down"]
+    assert sum(size for _, size in ops) / 4243e9 * 1e6 == pytest.approx(37.9, abs=0.1)
+    with pytest.raises(ValueError, match="no MoE layers"):
+        moe_layer_ops(ModelConfig.from_hf_dict(json.loads((CONFIG.parent / "nemotron-nano-9b-v2.json").read_text())))
