@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cuda_graph import capture  # noqa: E402
 from moe import Timer, ceilings  # noqa: E402
+from step_profile import replay_ms  # noqa: E402
 
 from hybridserve.kernels.triton_utils import cdiv, pdl_gate, prefetch_l2  # noqa: E402
 from hybridserve.models.config import ModelConfig  # noqa: E402
@@ -138,20 +138,6 @@ class Chain:
             else:
                 _stream_kernel[(programs,)](src, self.out, per_prog, ROWS=ROWS, BLOCK=BLOCK, USE_PDL=self.pdl,
                                             PREFETCH_ALL=self.prefetch_all, launch_pdl=self.pdl, num_warps=4)
-
-
-def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 200) -> float:
-    """Median wall time of one replay over groups of 10."""
-    times = []
-    for _ in range(repeats // 10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 10)
-    return statistics.median(times)
 
 
 def main() -> None:
