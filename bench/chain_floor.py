@@ -35,7 +35,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cuda_graph import capture  # noqa: E402
-from moe import Timer, ceilings  # noqa: E402
+from moe import LAYER_COPIES, Timer, ceilings  # noqa: E402
 from step_profile import replay_ms  # noqa: E402
 
 from hybridserve.kernels.triton_utils import cdiv, pdl_gate, prefetch_l2  # noqa: E402
@@ -43,6 +43,7 @@ from hybridserve.models.config import ModelConfig  # noqa: E402
 
 CONTEXT = 512  # tokens of KV per attention layer, as bench/step_profile.py
 ROWS, BLOCK = 8, 1024  # elements per program and loop step: [8, 1024] bf16 = 16 KB in flight
+BF16, FP32 = 2, 4  # bytes per element: weights and KV / the router weight and the SSM state
 
 
 @triton.jit
@@ -80,12 +81,12 @@ def moe_layer_ops(config: ModelConfig) -> list[tuple[str, int]]:
         raise ValueError(f"{config.architecture} config has no MoE layers")
     rows = e.experts_per_token * e.intermediate_size + e.shared_intermediate_size
     hidden = config.hidden_size
-    return [("router", e.num_experts * hidden * 4), ("up", rows * hidden * 2), ("down", rows * hidden * 2)]
+    return [("router", e.num_experts * hidden * FP32), ("up", rows * hidden * BF16), ("down", rows * hidden * BF16)]
 
 
 def op_sequence(config: ModelConfig) -> list[tuple[str, int]]:
     """(op, bytes it must read; 0 for a small op) in the order a batch-1 decode step runs them."""
-    hidden, bf16 = config.hidden_size, 2
+    hidden = config.hidden_size
     ops: list[tuple[str, int]] = [("embed", 0), ("norm", 0)]
     for kind in config.layer_types:
         if kind == "mamba":
@@ -93,22 +94,22 @@ def op_sequence(config: ModelConfig) -> list[tuple[str, int]]:
             assert m is not None
             inner = m.num_heads * m.head_dim
             in_proj = inner + (inner + 2 * m.n_groups * m.state_size) + m.num_heads
-            state = 2 * inner * m.state_size * 4  # fp32 SSM state, read + written
-            ops += [("in_proj", in_proj * hidden * bf16), ("conv", 0), ("state", state), ("gated_norm", 0),
-                    ("out_proj", inner * hidden * bf16), ("add_norm", 0)]
+            state = 2 * inner * m.state_size * FP32  # SSM state, read + written
+            ops += [("in_proj", in_proj * hidden * BF16), ("conv", 0), ("state", state), ("gated_norm", 0),
+                    ("out_proj", inner * hidden * BF16), ("add_norm", 0)]
         elif kind == "moe":
             ops += [*moe_layer_ops(config), ("add_norm", 0)]
         elif kind == "attention":
             a = config.attention
             assert a is not None
-            ops += [("qkv", (a.num_heads + 2 * a.num_kv_heads) * a.head_dim * hidden * bf16), ("write_kv", 0),
-                    ("attn_decode", 2 * a.num_kv_heads * a.head_dim * CONTEXT * bf16), ("combine", 0),
-                    ("o_proj", a.num_heads * a.head_dim * hidden * bf16), ("add_norm", 0)]
+            ops += [("qkv", (a.num_heads + 2 * a.num_kv_heads) * a.head_dim * hidden * BF16), ("write_kv", 0),
+                    ("attn_decode", 2 * a.num_kv_heads * a.head_dim * CONTEXT * BF16), ("combine", 0),
+                    ("o_proj", a.num_heads * a.head_dim * hidden * BF16), ("add_norm", 0)]
         elif kind == "mlp":
             size = config.mlp_intermediate_size or 0
-            ops += [("mlp_up", size * hidden * bf16), ("relu2", 0), ("mlp_down", size * hidden * bf16),
+            ops += [("mlp_up", size * hidden * BF16), ("relu2", 0), ("mlp_down", size * hidden * BF16),
                     ("add_norm", 0)]
-    return ops + [("final_norm", 0), ("lm_head", config.vocab_size * hidden * bf16)]
+    return ops + [("final_norm", 0), ("lm_head", config.vocab_size * hidden * BF16)]
 
 
 class Chain:
@@ -122,7 +123,7 @@ class Chain:
         step = ROWS * BLOCK
         for _, size in ops:
             if size:  # up to per_sm programs per SM, each a whole number of loop steps (a few KB past the op's bytes)
-                elements = cdiv(size, 2)
+                elements = cdiv(size, BF16)
                 programs = max(1, min(per_sm * self.sms, cdiv(elements, step)))
                 per_prog = cdiv(cdiv(elements, programs), step) * step
                 buffer = torch.empty(programs * per_prog, dtype=torch.bfloat16, device=device)
@@ -171,10 +172,10 @@ def main() -> None:
         del graph, chain
         torch.cuda.empty_cache()
     result["one_kernel_over_floor"] = result["one_kernel_ms"] / result["floor_ms"]
-    if config.moe is not None:  # the MoE layer alone, as bench/moe.py times it (4 copies) and as the model runs it
+    if config.moe is not None:  # the MoE layer alone, as bench/moe.py times it and as the model runs it
         layer = moe_layer_ops(config)
         result["moe_layer_floor_us"] = sum(size for _, size in layer) / bandwidth / 1e3
-        for copies in (4, len(config.layers_of("moe"))):
+        for copies in (LAYER_COPIES, len(config.layers_of("moe"))):
             chain = Chain(layer * copies, device, pdl=True, small_ops=True)
             result[f"moe_layer_chain_us_{copies}_copies"] = replay_ms(capture(chain.run)) * 1e3 / copies
             result[f"moe_layer_chain_{copies}_copies_over_floor"] = (
