@@ -1,4 +1,4 @@
-"""bench/serve.py against a live server (the tiny model on CPU: one prefill and one decode worker behind the
+"""bench/serving/serve.py against a live server (the tiny model on CPU: one prefill and one decode worker behind the
 router's HTTP door): each workload writes a result JSON with the metrics and non-empty PNGs; a sweep and
 --compare plot; the `hybridserve bench serve` entry point; a workload beyond the context length is refused."""
 
