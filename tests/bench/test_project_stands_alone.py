@@ -15,6 +15,8 @@ SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".ruff_cac
              ".demo_data", "build", "dist", "node_modules"}
 OUTSIDE = re.compile(re.escape("../" + "shared") + "|" + re.escape("/work/" + "shared"))
 RUN_NAME = re.compile(r"\b(?:session|call)[0-9]+\b", re.IGNORECASE)  # e.g. a results folder named after a run
+# in code only as a path component, so that a variable such as `call2` stays a variable
+RUN_FOLDER = re.compile(r"[/\\](?:session|call)[0-9]+\b|\b(?:session|call)[0-9]+[/\\]", re.IGNORECASE)
 
 
 def _project_files() -> Iterator[Path]:
@@ -45,5 +47,6 @@ def test_no_file_points_outside_the_repository() -> None:
 def test_no_file_or_folder_is_named_after_a_run() -> None:
     hits = [str(path.relative_to(ROOT)) for path in _project_files()
             if any(RUN_NAME.search(part) for part in path.relative_to(ROOT).parts)]
-    hits += [f"{path}:{number}: {line.strip()[:100]}" for path, number, line in _text_lines() if RUN_NAME.search(line)]
+    hits += [f"{path}:{number}: {line.strip()[:100]}" for path, number, line in _text_lines()
+             if (RUN_FOLDER if path.endswith(".py") else RUN_NAME).search(line)]
     assert not hits, "name what was measured, not the session or device run:\n" + "\n".join(hits)
