@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -25,9 +25,6 @@ from hybridserve.env_switch import env_switch
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.state_cache import StateCache
-
-if TYPE_CHECKING:
-    from hybridserve.engine.prefill_graphs import PrefillGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +206,13 @@ class DecodeGraphs:
         return hidden[: n * t]
 
 
+class PrefillReplay(Protocol):
+    """What a GraphedModel calls on its prefill graphs (engine/prefill_graphs.py's PrefillGraphs, which imports
+    this module, so this one names only the method it needs)."""
+
+    def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None: ...
+
+
 class GraphedModel:
     """Stands in for a HybridLM: decode-only batches replay a captured graph, mixed batches replay their decode
     rows' graph beside an eager prefill (`split_mixed`), everything else runs eagerly."""
@@ -217,7 +221,7 @@ class GraphedModel:
         self.model = model
         self.graphs = graphs
         self.split_mixed = split_mixed
-        self.prefill: PrefillGraphs | None = None  # set by engine/prefill_graphs.py's enable_prefill_graphs
+        self.prefill: PrefillReplay | None = None  # set by engine/prefill_graphs.py's enable_prefill_graphs
         self.num_split_steps = 0  # mixed steps whose decode rows replayed a graph
 
     def __call__(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: StateCache) -> torch.Tensor:

@@ -12,28 +12,29 @@ from typing import cast
 
 import torch
 
+from hybridserve.common.block_hash import BlockHash
+from hybridserve.common.model_config import DEFAULT_MAX_MODEL_LEN, ModelConfig
+from hybridserve.common.outputs import RequestOutput
+from hybridserve.common.sampling_params import SamplingParams
+from hybridserve.common.text_stream import TextStream
+from hybridserve.common.tokenizer import load_tokenizer
 from hybridserve.engine import handoff, tp_handoff, tp_worker
 from hybridserve.engine.cache_plan import plan_engine_cache
 from hybridserve.engine.config import DTYPES, EngineConfig
 from hybridserve.engine.cuda_graphs import enable_decode_graphs, graph_stats
-from hybridserve.engine.model_runner import ModelRunner, StepOutput
+from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.mtp_drafter import CatchUp
-from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.prefill_graphs import enable_prefill_graphs
 from hybridserve.engine.request import Request, RequestStatus
-from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.engine.spec_memory import write_checkpoint_hidden
+from hybridserve.engine.step_output import StepOutput
 from hybridserve.engine.step_timing import NO_STEP, StepClock
 from hybridserve.engine.structured_output import GrammarBackend
 from hybridserve.engine.warmup import WarmupReport, warm_up
-from hybridserve.models.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
 from hybridserve.models.hybrid_model import HybridLM
-from hybridserve.models.text_stream import TextStream
-from hybridserve.models.tokenizer import load_tokenizer
 from hybridserve.models.weights import dummy_model, load_model
-from hybridserve.statepool.block_hash import BlockHash
 from hybridserve.statepool.events import CacheEvent
 from hybridserve.statepool.pool import NO_HIT, StatePool
 from hybridserve.statepool.state_cache import StateCache

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.engine.config import DTYPES, EngineConfig
 from hybridserve.engine.cuda_graphs import DecodeGraphs, GraphedModel
 from hybridserve.engine.spec_decode import rollback_states, snapshot_state
 from hybridserve.engine.tp_handoff import follow_state_command
-from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.models.parallel import TPGroup, VocabParallelLMHead

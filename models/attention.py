@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridserve.common.model_config import AttentionConfig
 from hybridserve.kernels import ops
-from hybridserve.models.config import AttentionConfig
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.layers import Linear
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.kernels.replay_state import ReplayCache
-from hybridserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 

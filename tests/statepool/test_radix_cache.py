@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from hybridserve.common.block_hash import ROOT_HASH
 from hybridserve.statepool import (
     CheckpointAllocator,
     EventKind,
@@ -16,7 +17,6 @@ from hybridserve.statepool import (
     block_hashes,
     hash_block,
 )
-from hybridserve.statepool.block_hash import ROOT_HASH
 
 
 def test_block_hashes_are_chained_and_stable_across_processes() -> None:

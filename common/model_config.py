@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridserve.models.layer_types import LAYER_KINDS, parse_layer_types, parse_mtp_layer_types
+from hybridserve.common.layer_types import LAYER_KINDS, parse_layer_types, parse_mtp_layer_types
 
 DEFAULT_MAX_MODEL_LEN = 8192  # context limit of models that declare no positional limit (Mamba2)
 
