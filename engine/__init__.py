@@ -1,7 +1,7 @@
 """Offline engine: scheduler, model runner, sampler and the `LLM` API.
 
-Names are imported on first use (PEP 562), so importing one torch-free module of this package (as the router
-does) does not load the rest of it.
+Names are imported on first use (PEP 562), so importing one module of this package does not load the rest
+of it.
 """
 
 from __future__ import annotations

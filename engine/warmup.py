@@ -26,6 +26,7 @@ from hybridserve.common.model_config import ModelConfig
 from hybridserve.common.outputs import RequestOutput
 from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.config import EngineConfig
+from hybridserve.statepool.events import CacheEvent
 from hybridserve.statepool.pool import StatePool
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class WarmupEngine(Protocol):
 
     def reset_prefix_cache(self) -> None: ...
 
-    def drain_cache_events(self) -> object: ...
+    def drain_cache_events(self) -> list[CacheEvent]: ...
 
 
 def warmup_rounds(engine: WarmupEngine) -> list[list[int]]:

@@ -1,7 +1,7 @@
-"""Model configs, layers, the hybrid NemotronH / Mamba2 model, checkpoint and tokenizer loading.
+"""Layers, the hybrid NemotronH / Mamba2 model and checkpoint loading (its config: `hybridserve.common`).
 
-Names are imported on first use (PEP 562), so importing one torch-free module of this package (as the router
-does) does not load the rest of it.
+Names are imported on first use (PEP 562), so importing one module of this package does not load the rest
+of it.
 """
 
 from __future__ import annotations

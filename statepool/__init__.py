@@ -1,8 +1,8 @@
 """Per-request state of the hybrid models: paged attention KV, Mamba conv/SSM slots, checkpoint slots, the
 radix prefix cache over them, cache events, and sizing from a memory budget.
 
-Names are imported on first use (PEP 562), so importing one torch-free module of this package (as the router
-does) does not load the rest of it.
+Names are imported on first use (PEP 562), so importing one module of this package does not load the rest
+of it.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 from checkpoints import hf_logits, nemotron_h, random_prompts
 
 from hybridserve import LLM
-from hybridserve.models import ModelConfig
+from hybridserve.common.model_config import ModelConfig
 
 NANO_9B = Path(__file__).resolve().parents[3] / "shared" / "configs" / "nemotron-nano-9b-v2.json"
 
