@@ -28,6 +28,8 @@ declare -A ROWS=(
 [ "$#" -eq 0 ] && set -- 9b-256 30b-fp8-512
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.csv" 2>/dev/null || true
+child=
+trap '[ -n "$child" ] && kill "$child" 2>/dev/null; wait; exit 143' TERM INT  # the client stops its server
 for row in "$@"; do
   spec=${ROWS[$row]:-}
   [ -z "$spec" ] && { echo "unknown row $row (rows: ${!ROWS[*]})" >&2; continue; }
@@ -39,6 +41,10 @@ for row in "$@"; do
   input=1024; [[ $row == *-8k ]] && input=8192
   python3 bench/serving/throughput.py --config "$config" "${fp8_flag[@]}" --label "$label" --concurrency "$levels" \
     --input-len "$input" \
-    --waves "$per" --time-budget "$(( left - 60 ))" --out "$OUT" -- $flags ${EXTRA:-} 2>&1 | tee -a "$OUT/$label.client.log"
+    --waves "$per" --time-budget "$(( left - 60 ))" --out "$OUT" -- $flags ${EXTRA:-} >> "$OUT/$label.client.log" 2>&1 &
+  child=$!
+  wait "$child"
+  child=
+  tail -n 2 "$OUT/$label.client.log"
 done
 cat "$OUT/table.md" 2>/dev/null

@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -122,6 +123,12 @@ def measure_copy_gbps() -> float | None:
     return 2 * n * 4 / ms / 1e6
 
 
+def port_in_use(port: int) -> bool:
+    """Whether something already listens on 127.0.0.1:`port` (it, not our server, would answer /ready)."""
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
 class Server:
     """`hybridserve serve` as a child process in its own process group (its workers are its children)."""
 
@@ -131,6 +138,9 @@ class Server:
         cmd = [sys.executable, "-m", "hybridserve", "serve", "--no-ray", "--model", str(model_dir),
                "--prefill-workers", "0", "--decode-workers", "1", "--load-format", "dummy", "--device", device,
                "--dtype", dtype, "--port", str(port), "--grpc-port", "0", *server_args]
+        if port_in_use(port):
+            raise RuntimeError(f"port {port} is taken (an earlier server still running?): its /ready would answer "
+                               "for this one; stop it or pass --port")
         logger.info("starting: %s", " ".join(cmd))
         self.log = log_path.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -219,12 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     table = args.out / "table.md"
     if not table.exists():
         table.write_text(TABLE_HEADER)
+    # a SIGTERM (timeout, the sweep script's trap) unwinds through `finally`, so the server goes down with us
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(config_json))
         server = Server(Path(model_dir), args.port, server_args, args.out / f"{label}.server.log",
                         args.device, args.dtype)
         try:
-            if not server.wait_ready(args.ready_timeout):
+            if not server.wait_ready(args.ready_timeout) or server.proc.poll() is not None:
                 logger.error("the server did not come up: see %s", args.out / f"{label}.server.log")
                 return 2
             logger.info("ready after %.0f s", time.monotonic() - t0)

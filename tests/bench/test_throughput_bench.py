@@ -75,3 +75,17 @@ def test_table_row_names_floor_and_refused() -> None:
     row = throughput.table_row("9b", result)
     assert row.startswith("| 9b | 256 | 512 | 6,345 | 40.0 / 60.0 | 21.5 (256) |")
     assert row.endswith("| - | 3 / 512 |")
+
+
+def test_port_in_use_sees_a_listener() -> None:
+    """A server left on the port would answer /ready for a new one: the harness refuses to start then."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        assert throughput.port_in_use(sock.getsockname()[1])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        free = sock.getsockname()[1]
+    assert not throughput.port_in_use(free)
