@@ -51,7 +51,7 @@ class LLMEngine:
         device = config.torch_device
         spec = config.speculative
         with_mtp = spec is not None and spec.method == "mtp"  # else the drafter and its KV are left out
-        model_config = ModelConfig.from_dir(self.model_dir)
+        model_config = config.cache_dtypes(ModelConfig.from_dir(self.model_dir))
         self.tp: tp_worker.Leader | None = None  # rank 0 of a tensor-parallel group (engine/tp_worker.py)
         if config.tensor_parallel_size > 1:
             self.tp, model = tp_worker.start_leader(self.model_dir, config)
