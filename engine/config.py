@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from hybridserve.common.model_config import KV_CACHE_DTYPES, SSM_CACHE_DTYPES, ModelConfig
 from hybridserve.engine.spec_config import SpeculativeConfig
-from hybridserve.models.config import KV_CACHE_DTYPES, SSM_CACHE_DTYPES, ModelConfig
 
 # A 9B hybrid's 512-token step is host-bound on an H200 (41 ms for 15.6 ms of GPU work); 2048 tokens keep the
 # GPU busy (31.5K vs 11.3K prefill tokens/s) and a step with prefill near 45 ms, its ITL bound

@@ -44,7 +44,7 @@ def model_bytes(config_json: dict[str, Any], dtype: str = "bfloat16") -> ModelBy
     experts, and fp8 linears where the config's quantization_config asks for them, count one byte per weight)."""
     import torch
 
-    from hybridserve.models.config import ModelConfig
+    from hybridserve.common.model_config import ModelConfig
     from hybridserve.models.hybrid_model import HybridLM
 
     config = ModelConfig.from_hf_dict(config_json)

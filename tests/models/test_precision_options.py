@@ -42,7 +42,7 @@ def test_demo_model_agrees(option: dict, min_match: float, bound: float) -> None
 
 
 def test_cache_dtype_options_validate_and_apply() -> None:
-    from hybridserve.models.config import ModelConfig
+    from hybridserve.common.model_config import ModelConfig
 
     with pytest.raises(ValueError, match="mamba_ssm_cache_dtype"):
         EngineConfig(mamba_ssm_cache_dtype="fp8")
