@@ -6,19 +6,21 @@ planned by `statepool.sizing` into slots, KV pages and checkpoint rows."""
 from __future__ import annotations
 
 import logging
+
 import torch
 
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.model_runner import PlacedRow, place_rows
 from hybridserve.engine.spec_memory import spec_working_bytes
 from hybridserve.models.config import ModelConfig
+from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.sizing import GIB, PoolRequest, cpu_budget_bytes, gpu_budget_bytes, plan_cache_layout
 from hybridserve.statepool.state_cache import CacheLayout, StateCache
 
 logger = logging.getLogger(__name__)
 
 
-def profile_forward_bytes(model: torch.nn.Module, model_config: ModelConfig, config: EngineConfig,
+def profile_forward_bytes(model: HybridLM, model_config: ModelConfig, config: EngineConfig,
                           conv_width: int, ssm_dtype: torch.dtype, decode_rows: int) -> int:
     """Peak memory a step takes beyond the weights, measured (as vLLM's profiling run does): one prefill chunk
     of `prefill_chunk_tokens` through the model on a one-request scratch cache, then logits for `decode_rows`
@@ -57,7 +59,7 @@ def profile_forward_bytes(model: torch.nn.Module, model_config: ModelConfig, con
 
 
 def plan_engine_cache(model_config: ModelConfig, config: EngineConfig, max_model_len: int, state_block: int,
-                      lookahead: int, ssm_dtype: torch.dtype, model: torch.nn.Module | None = None) -> CacheLayout:
+                      lookahead: int, ssm_dtype: torch.dtype, model: HybridLM | None = None) -> CacheLayout:
     """The layout for `max_num_seqs` (+ `standby_state_slots`) requests of up to `max_model_len` (+ `lookahead`
     draft tokens); `model` (loaded, not tensor-parallel) is profiled for the GPU budget's activation share."""
     device = config.torch_device

@@ -290,7 +290,7 @@ class LLMEngine:
 
     def stats(self) -> dict[str, int]:
         """Load figures for health checks and routing."""
-        pages, slots = self.pool.pages, self.pool.slots
+        pages = self.pool.pages
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting) + len(self.scheduler.landed),
