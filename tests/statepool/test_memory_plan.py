@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridserve.models.config import ModelConfig
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.statepool.sizing import PoolRequest, plan_cache_layout
 from hybridserve.statepool.state_cache import CacheLayout
 
@@ -110,3 +110,13 @@ def test_smaller_plan_seq_len_runs_more_shorter_requests(nano: ModelConfig) -> N
 def test_budget_too_small_for_one_request_is_a_clear_error(nano: ModelConfig) -> None:
     with pytest.raises(ValueError, match="one request of max_model_len=8192"):
         plan_cache_layout(nano, 2**27, _want(8))
+
+
+def test_gpu_budget_is_the_utilization_share_less_what_is_used_and_profiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hybridserve.statepool import sizing
+
+    total, free = 140 * 2**30, 120 * 2**30  # 20 GiB used: weights and the CUDA context
+    monkeypatch.setattr(sizing.torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    budget = sizing.gpu_budget_bytes(torch.device("cuda"), 0.9, reserved_bytes=3 * 2**30)
+    assert budget == int(total * 0.9) - 20 * 2**30 - 3 * 2**30
+    assert sizing.gpu_budget_bytes(torch.device("cuda"), 0.1, reserved_bytes=0) == 0  # never negative
