@@ -78,6 +78,8 @@ def run_config(model_dir: str, batch: int, spec: dict | None, rate: float, graph
         prefill_chunk_size=8192,
         enable_prefix_caching=False, cuda_graphs=graphs, gpu_memory_utilization=0.97, warmup=False,
         num_kv_pages=batch * (MAX_LEN // 16 + 8), speculative_config=spec,
+        # on CPU the default budget fits the batch's own pages only, not the fixed page count above
+        **({"cpu_memory_gb": 1.0} if device == "cpu" else {}),
     )
     engine = LLMEngine(model_dir, config)
     if spec is not None:
