@@ -36,7 +36,7 @@ from hybridserve.transfer.receiver import LandedState, StateReceiver
 from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
 from hybridserve.worker_runtime.drain import DRAINING_STATUS, Drain
 from hybridserve.worker_runtime.engine_loop import EngineLoop, RedirectableStream
-from hybridserve.worker_runtime.health import health_response
+from hybridserve.worker_runtime.health import HealthAnswer, health_response
 from hybridserve.worker_runtime.session_socket import SessionSocketServer
 from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
 
@@ -70,6 +70,8 @@ class DecodeWorker:
             model_dir, config.dtype, self.engine.model_config.ssm_state_dtype, config.load_format, config.seed
         )
         self.loop = EngineLoop(self.engine, name=f"{self.worker_id}-loop")
+        self._health_answer = HealthAnswer(self.loop, lambda: health_response(
+            "decode", self.worker_id, self.fingerprint, self.engine, self.metrics.port, self.transfer))
         self.events = CacheEventFeed(self.worker_id, self.loop)
         self.metrics = WorkerMetrics(self.loop, "decode")
         self._metrics_port = metrics_port  # None: no /metrics server
@@ -232,12 +234,7 @@ class DecodeWorker:
                 self.cancel(reservation, TimeoutError("no state arrived before the reservation expired"))
 
     def health(self) -> common_pb2.HealthResponse:
-        health = self.loop.call(
-            lambda: health_response(
-                "decode", self.worker_id, self.fingerprint, self.engine, self.metrics.port, self.transfer
-            ),
-            timeout=10,
-        )
+        health = self._health_answer()
         health.sessions = True
         if self._session_sockets is not None:
             health.session_port = self._session_sockets.port

@@ -87,6 +87,18 @@ def bind_port(server: grpc.Server | grpc.aio.Server, host: str, port: int,
     return bound
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a bind address is reachable from this host only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def start_server(host: str, port: int, register: Callable[[grpc.Server], None], max_workers: int = 32,
                  token: str | None = None, tls: InternalTlsConfig | None = None) -> tuple[grpc.Server, int]:
     """Start a gRPC server with the shared limits; `register` adds the servicers; every call must carry
@@ -101,10 +113,12 @@ def start_server(host: str, port: int, register: Callable[[grpc.Server], None], 
     secure = tls is not None and tls.enabled
     bound = bind_port(server, host, port, tls.server_credentials() if tls is not None and secure else None)
     server.start()
-    if not token:
+    if is_loopback(host):  # reachable from this host only: the launcher says once what it means, if anything
+        pass
+    elif not token:
         logger.warning("gRPC server on %s:%d is INSECURE (no internal token): any process that reaches it can call it",
                        host, bound)
-    if not secure:
+    if not secure and not is_loopback(host):
         logger.warning("gRPC server on %s:%d is PLAINTEXT (no internal TLS): traffic to it can be read on the "
                        "network; set --internal-tls-ca-file/-cert-file/-key-file beyond a trusted host", host, bound)
     return server, bound

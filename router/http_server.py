@@ -258,12 +258,14 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
     @app.get("/ready")
     async def ready() -> JSONResponse:
         prefill, decode = frontend.orchestrator.workers.snapshot()
-        healthy = {role: sum(1 for h in handles if h.health is not None and not h.draining and h.breaker.available())
-                   for role, handles in (("prefill", prefill), ("decode", decode))}
+        healthy = {role: sum(1 for h in handles if h.serving) for role, handles in (("prefill", prefill), ("decode", decode))}
+        unhealthy = {f"{h.role} {h.address}": why for h in prefill + decode if (why := h.problem()) is not None}
         ok = healthy["decode"] > 0 and not frontend.admission.draining  # draining: SIGTERM, shutting down
         status = "ready" if ok and frontend.path_warm else "warming_up" if ok else "not_ready"
-        return JSONResponse({"status": status, "healthy_workers": healthy},
-                            status_code=200 if status == "ready" else 503)
+        body: dict = {"status": status, "healthy_workers": healthy}
+        if unhealthy:
+            body["unhealthy_workers"] = unhealthy
+        return JSONResponse(body, status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:

@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from hybridserve.proto import worker_pb2
+from hybridserve.proto.channels import is_loopback
 from hybridserve.proto.session_frames import (
     MAX_HELLO_BYTES,
     VERSION,
@@ -113,7 +114,7 @@ class SessionSocketServer:
         self._listener = listener
         self._port = listener.getsockname()[1]
         threading.Thread(target=self._accept, args=(listener,), name=f"{self._name}-accept", daemon=True).start()
-        if not self._token:
+        if not self._token and not is_loopback(self._host):
             logger.warning("socket sessions on %s:%d are INSECURE (no internal token)", self._host, self._port)
         return self._port
 
