@@ -194,7 +194,10 @@ def serve(options: ServeOptions, stop: threading.Event | None = None) -> int:
             router.start()
         except BaseException:
             if router is not None:
-                router.stop()
+                try:
+                    router.stop()
+                except Exception:  # half started: stop what did start, report the first failure
+                    logger.debug("router stop after a failed start", exc_info=True)
             deployment.stop()
             raise
     print(f"hybridserve: {len(prefill)} prefill and {len(decode)} decode workers ready", flush=True)

@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _early_preflight(argv: list[str]) -> None:
     """The checks that need no flag but --model and the ports, before the full parser is built (building it
     imports torch, seconds on a small machine): a wrong path or a taken port fails at once."""
-    from hybridserve.deploy.preflight import check_model_dir, check_ports_free
+    from hybridserve.deploy.preflight import check_model_dir, check_ports_free, check_ray_reachable
 
     command = next((arg for arg in argv if not arg.startswith("-")), None)
     if command not in ("serve", "up", "worker"):
@@ -303,6 +303,8 @@ def _early_preflight(argv: list[str]) -> None:
     p.add_argument("--host", default="0.0.0.0" if command == "up" else "127.0.0.1")
     p.add_argument("--port", "--http-port", dest="port", type=int, default=8000 if command == "serve" else 0)
     p.add_argument("--grpc-port", type=int, default=50051 if command == "serve" else 0)
+    p.add_argument("--address", default=None)
+    p.add_argument("--no-ray", action="store_true")
     p.add_argument("-h", "--help", action="store_true")
     try:
         known, _ = p.parse_known_args(argv[argv.index(command) + 1:])
@@ -316,6 +318,8 @@ def _early_preflight(argv: list[str]) -> None:
         check_ports_free(known.host, [(known.port, "--port"), (known.grpc_port, "--grpc-port")])
     elif command == "worker":
         check_ports_free(known.host, [(known.port, "--port")])
+    if known.address and not known.no_ray:
+        check_ray_reachable(known.address)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -325,12 +325,23 @@ class HttpServer:
         self.host = host
         self.port = port
 
+    async def _serve(self) -> None:
+        """uvicorn's serve(), its start-up failure (sys.exit on a port in use) as an OSError: a SystemExit would
+        end the router's whole event loop thread."""
+        try:
+            await self._server.serve()
+        except SystemExit:
+            raise OSError(f"the HTTP server could not bind {self.host}:{self.port}") from None
+
     def start(self, timeout_s: float = 30.0) -> str:
-        self._serving = asyncio.run_coroutine_threadsafe(self._server.serve(), self._loop.loop)
+        self._serving = asyncio.run_coroutine_threadsafe(self._serve(), self._loop.loop)
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
             if self._serving.done() or time.monotonic() > deadline:
-                raise RuntimeError(f"the HTTP server did not start on {self.host}:{self.port}")
+                failure = self._serving.exception() if self._serving.done() else None
+                self._serving = None
+                raise RuntimeError(f"the HTTP server did not start on {self.host}:{self.port}"
+                                   f"{f': {failure}' if failure else ''}")
             time.sleep(0.02)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
         return f"{self.host}:{self.port}"
