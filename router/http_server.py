@@ -246,9 +246,11 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
         route(f"{prefix}/tokenize", TokenizeRequest, service.tokenize)
         route(f"{prefix}/detokenize", DetokenizeRequest, service.detokenize)
 
+    created = int(time.time())  # when this server started serving the model (the OpenAI field is a Unix time)
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": created,
                                             "owned_by": "hybridserve", "max_model_len": frontend.max_model_len}]}
 
     @app.get("/health")
