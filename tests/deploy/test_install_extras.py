@@ -50,9 +50,9 @@ def test_the_cli_and_server_modules_import_without_test_packages() -> None:
 
     blocked = ["pytest", "hypothesis", "openai", "httpx", "jsonschema", "llguidance", "lm_eval", "langchain_openai",
                "datasets", "matplotlib", "triton"]
-    code = ("import sys\nfor name in %r: sys.modules[name] = None\n"
+    code = (f"import sys\nfor name in {blocked!r}: sys.modules[name] = None\n"
             "import hybridserve.cli, hybridserve.deploy.serve, hybridserve.deploy.cluster_up\n"
             "import hybridserve.decode_worker.worker, hybridserve.prefill_worker.worker\n"
-            "from hybridserve.engine.llm import LLM\n" % blocked)
+            "from hybridserve.engine.llm import LLM\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
