@@ -19,13 +19,24 @@ def plan_engine_cache(model_config: ModelConfig, config: EngineConfig, max_model
     device = config.torch_device
     mamba = model_config.mamba
     conv_width = mamba.conv_kernel - 1 + lookahead if mamba else 1  # rollback slides the window back
-    budget = memory_budget_bytes(device, config.cpu_memory_gb, config.gpu_memory_utilization)
-    if device.type == "cuda" and config.gpu_memory_gb is not None:
-        budget = int(config.gpu_memory_gb * (1 << 30))
     slots = config.max_num_seqs + (config.standby_state_slots or 0)
     # replay rollback keeps per-slot inputs (standby slots included); intermediate states are per running request
     spec_seqs = slots if config.speculative is not None and config.speculative.rollback == "replay" else config.max_num_seqs
-    budget -= spec_working_bytes(model_config, config.speculative, spec_seqs, ssm_dtype, config.torch_dtype)
+    spec_bytes = spec_working_bytes(model_config, config.speculative, spec_seqs, ssm_dtype, config.torch_dtype)
+    if config.cpu_memory_gb is not None:
+        cpu_bytes = int(config.cpu_memory_gb * (1 << 30))
+    else:  # the CPU default follows the model and the batch: slots and full-length KV, twice with prefix caching
+        slot_bytes = CacheLayout.bytes_per_slot(model_config, conv_width, config.torch_dtype, ssm_dtype)
+        pages_per_seq = -(-(max_model_len + lookahead) // config.page_size)
+        copies = 2 if config.enable_prefix_caching else 1
+        pages = config.num_kv_pages if config.num_kv_pages is not None else copies * slots * pages_per_seq
+        held = slots * (copies if config.num_kv_pages is not None else 1) + (config.num_checkpoint_slots or 0)
+        cpu_bytes = (held * slot_bytes + pages * CacheLayout.bytes_per_page(model_config, config.page_size,
+                                                                          config.torch_dtype) + spec_bytes)
+    budget = memory_budget_bytes(device, cpu_bytes / (1 << 30), config.gpu_memory_utilization)
+    if device.type == "cuda" and config.gpu_memory_gb is not None:
+        budget = int(config.gpu_memory_gb * (1 << 30))
+    budget -= spec_bytes
     return plan_cache_layout(
         model_config,
         budget,

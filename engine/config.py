@@ -38,7 +38,9 @@ class EngineConfig:
     max_num_waiting: int = 1024
     page_size: int = 16  # tokens per KV page
     max_model_len: int | None = None  # None: the model's max_position_embeddings (or 8192)
-    cpu_memory_gb: float = 2.0  # state-cache budget on CPU
+    # state-cache budget on CPU; None: what max_num_seqs requests at max_model_len take (slots + KV), twice with
+    # prefix caching (the running batch and as much cached), so a small model on CPU holds little
+    cpu_memory_gb: float | None = None
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + state cache
     # a fixed state-cache budget on the GPU instead of the utilization share (several workers on one GPU)
     gpu_memory_gb: float | None = None
@@ -137,7 +139,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:
             raise ValueError(f"gpu_memory_gb must be > 0 or None, got {self.gpu_memory_gb}")
-        if not self.cpu_memory_gb > 0:
+        if self.cpu_memory_gb is not None and not self.cpu_memory_gb > 0:
             raise ValueError(f"cpu_memory_gb must be > 0, got {self.cpu_memory_gb}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
