@@ -203,8 +203,8 @@ def serve(options: ServeOptions, stop: threading.Event | None = None) -> int:
     print(f"hybridserve: {len(prefill)} prefill and {len(decode)} decode workers ready", flush=True)
     print(f"hybridserve: serving model {router_options.served_name!r}", flush=True)
     lines = router.endpoints()
-    http = [line for line in lines if "http://" in line]
-    for line in [line for line in lines if line not in http[:1]] + http[:1]:  # the HTTP API last: where to go
+    http = [line for line in lines if line.startswith("OpenAI API")]
+    for line in [line for line in lines if line not in http] + http:  # the HTTP API last: where to send requests
         print(f"hybridserve: {line}", flush=True)
     received: list[str] = []
     stop = stop or threading.Event()

@@ -224,7 +224,8 @@ def _run_up(args: argparse.Namespace) -> int:
     options = UpOptions(**cluster_options(args), address=args.address)
     lines = up(options)
     print(f"hybridserve: {args.prefill_workers} prefill and {args.decode_workers} decode workers ready", flush=True)
-    for line in lines:
+    http = [line for line in lines if line.startswith("OpenAI API")]
+    for line in [line for line in lines if line not in http] + http:  # the HTTP API last: where to send requests
         print(f"hybridserve: {line}", flush=True)
     return 0
 
