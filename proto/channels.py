@@ -113,12 +113,9 @@ def start_server(host: str, port: int, register: Callable[[grpc.Server], None], 
     secure = tls is not None and tls.enabled
     bound = bind_port(server, host, port, tls.server_credentials() if tls is not None and secure else None)
     server.start()
-    if is_loopback(host):  # reachable from this host only: the launcher says once what it means, if anything
-        pass
-    elif not token:
-        logger.warning("gRPC server on %s:%d is INSECURE (no internal token): any process that reaches it can call it",
-                       host, bound)
-    if not secure and not is_loopback(host):
-        logger.warning("gRPC server on %s:%d is PLAINTEXT (no internal TLS): traffic to it can be read on the "
-                       "network; set --internal-tls-ca-file/-cert-file/-key-file beyond a trusted host", host, bound)
+    if not is_loopback(host) and not (token and secure):  # one line; on loopback only this host reaches it
+        missing = " and ".join(what for what, on in (("no internal token", token), ("no internal TLS", secure)) if not on)
+        logger.warning("gRPC server on %s:%d (%s): any process that reaches it can %s; set --internal-token and "
+                       "--internal-tls-ca-file/-cert-file/-key-file beyond a trusted host", host, bound, missing,
+                       "call it" if not token else "read its traffic")
     return server, bound
