@@ -70,8 +70,6 @@ class DecodeWorker:
             model_dir, config.dtype, self.engine.model_config.ssm_state_dtype, config.load_format, config.seed
         )
         self.loop = EngineLoop(self.engine, name=f"{self.worker_id}-loop")
-        self._health_answer = HealthAnswer(self.loop, lambda: health_response(
-            "decode", self.worker_id, self.fingerprint, self.engine, self.metrics.port, self.transfer))
         self.events = CacheEventFeed(self.worker_id, self.loop)
         self.metrics = WorkerMetrics(self.loop, "decode")
         self._metrics_port = metrics_port  # None: no /metrics server
@@ -80,6 +78,8 @@ class DecodeWorker:
         # check get that cause, not "unknown ticket" (bounded: oldest dropped)
         self._cancelled: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.transfer = transfer or TransferConfig()
+        self._health_answer = HealthAnswer(self.loop, lambda: health_response(
+            "decode", self.worker_id, self.fingerprint, self.engine, self.metrics.port, self.transfer))
         self.receiver = StateReceiver(self.transfer, self.engine.config.torch_device)
         self._internal_token = internal_token  # required on every call to this worker
         self._internal_tls = internal_tls  # mutual TLS on its port when enabled

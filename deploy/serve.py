@@ -45,7 +45,7 @@ def preflight(options: ServeOptions) -> None:
     that fails."""
     check_model_dir(options.worker.model_dir)
     router = options.router
-    check_ports_free(router.host, [(router.http_port, "--port"), (router.grpc_port, "--grpc-port")])
+    check_ports_free(router.host, [(router.http_port or 0, "--port"), (router.grpc_port or 0, "--grpc-port")])
     if options.worker_port_base:
         worker_host = "0.0.0.0" if options.worker.host == "node-ip" else options.worker.host
         ports = [(port, f"--worker-port-base ({wid})") for i, (_, wid) in enumerate(_worker_ids(options))

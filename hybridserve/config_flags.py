@@ -115,7 +115,8 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str, pre
 def config_from_args(cls: type[T], args: argparse.Namespace, prefix: str = "") -> T:
     """The dataclass built from the flags `add_config_flags` added (its own validation applies)."""
     dest = prefix.replace("-", "_")
-    given = {f.name: getattr(args, dest + f.name) for f in dataclasses.fields(cls) if hasattr(args, dest + f.name)}
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    given = {f.name: getattr(args, dest + f.name) for f in fields if hasattr(args, dest + f.name)}
     return cls(**given)
 
 

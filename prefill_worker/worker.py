@@ -63,10 +63,10 @@ class PrefillWorker:
         # outputs at once, not late: a prefill's one output releases its state push, which must not wait for the next
         # (often long, eagerly launched) chunk's launch; there are no per-token streams here to keep off the GIL
         self.loop = EngineLoop(self.engine, name=f"{self.worker_id}-loop", late_handoff=False)
-        self._health_answer = HealthAnswer(self.loop, lambda: health_response(
-            "prefill", self.worker_id, self.fingerprint, self.engine, self.metrics.port, self.transfer))
         self.events = CacheEventFeed(self.worker_id, self.loop)
         self.metrics = WorkerMetrics(self.loop, "prefill")
+        self._health_answer = HealthAnswer(self.loop, lambda: health_response(
+            "prefill", self.worker_id, self.fingerprint, self.engine, self.metrics.port, self.transfer))
         self._metrics_port = metrics_port  # None: no /metrics server
         self._host, self._port = host, port
         self._server: grpc.Server | None = None
