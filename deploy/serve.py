@@ -151,6 +151,14 @@ class Deployment:
             self._actors = {}
 
 
+def send_requests_line(grpc_address: str | None, http_address: str | None) -> str:
+    """The banner's last line: where to send requests, ending with the OpenAI HTTP URL (what most clients take)."""
+    doors = [f"grpc://{grpc_address} (hybridserve.v1.Router/Generate)"] if grpc_address else []
+    if http_address:
+        doors.append(f"the OpenAI API at http://{http_address}/v1")
+    return "send requests to " + " or ".join(doors)
+
+
 @contextmanager
 def _signals_interrupt() -> Iterator[None]:
     """While starting: SIGINT and SIGTERM raise KeyboardInterrupt (its argument names the signal), so every
@@ -202,10 +210,9 @@ def serve(options: ServeOptions, stop: threading.Event | None = None) -> int:
             raise
     print(f"hybridserve: {len(prefill)} prefill and {len(decode)} decode workers ready", flush=True)
     print(f"hybridserve: serving model {router_options.served_name!r}", flush=True)
-    lines = router.endpoints()
-    http = [line for line in lines if line.startswith("OpenAI API")]
-    for line in [line for line in lines if line not in http] + http:  # the HTTP API last: where to send requests
+    for line in router.endpoints():
         print(f"hybridserve: {line}", flush=True)
+    print(f"hybridserve: {send_requests_line(router.grpc_address, router.http_address)}", flush=True)
     received: list[str] = []
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():

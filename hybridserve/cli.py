@@ -224,9 +224,11 @@ def _run_up(args: argparse.Namespace) -> int:
     options = UpOptions(**cluster_options(args), address=args.address)
     lines = up(options)
     print(f"hybridserve: {args.prefill_workers} prefill and {args.decode_workers} decode workers ready", flush=True)
-    http = [line for line in lines if line.startswith("OpenAI API")]
-    for line in [line for line in lines if line not in http] + http:  # the HTTP API last: where to send requests
+    for line in lines:
         print(f"hybridserve: {line}", flush=True)
+    http = next((line.split()[2] for line in lines if line.startswith("OpenAI API")), None)
+    if http:  # the last line: where most clients send requests
+        print(f"hybridserve: send requests to the OpenAI API at {http}", flush=True)
     return 0
 
 

@@ -90,7 +90,7 @@ class ServeProcess:
         raise AssertionError(f"no {pattern!r} in {timeout_s} s:\n{self.output()[-3000:]}")
 
     def wait_serving(self) -> None:
-        self.wait_for(r"OpenAI API\s+http://")
+        self.wait_for(r"send requests to .*http://")
 
     def ready(self) -> httpx.Response:
         return httpx.get(f"{self.base}/ready", timeout=5)

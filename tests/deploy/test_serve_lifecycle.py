@@ -137,7 +137,8 @@ def test_a_clean_stop_logs_no_warning_and_ends_with_stopped(tmp_path: Path) -> N
     try:
         server.wait_serving()
         banner = server.output().strip().splitlines()
-        assert "OpenAI API" in banner[-1] and f"http://127.0.0.1:{server.http_port}/v1" in banner[-1], banner
+        assert banner[-1].startswith("hybridserve: send requests to grpc://"), banner
+        assert banner[-1].endswith(f"http://127.0.0.1:{server.http_port}/v1"), banner
         assert not any("PLAINTEXT" in line or "INSECURE" in line or "WARNING" in line for line in banner), banner
         workers = _worker_pids(server.proc.pid)
         assert server.complete().status_code == 200
