@@ -57,7 +57,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="sampling defaults: 'auto' (the checkpoint's generation_config.json), 'none', or a folder "
                    "(default auto)")
     p.add_argument("--request-seed", dest="seed", type=int, action=DeprecatedAlias, replacement="--seed",
-                   help=argparse.SUPPRESS)
+                   default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # no default: --seed's own applies
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     add_engine_options(p, offline=True)  # its --seed seeds the sampler
