@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.engine.cache_plan import plan_engine_cache
 from hybridserve.engine.config import EngineConfig
-from hybridserve.models.config import ModelConfig
 from hybridserve.models.default_model import default_model_dir
 from hybridserve.statepool.state_cache import CacheLayout
 
