@@ -63,11 +63,11 @@ def graph_ab_engine(description: str, batches: list[int]) -> tuple[argparse.Name
 
 def main() -> None:
     args, engine = graph_ab_engine(__doc__.split("\n")[0], [1, 2, 3, 4, 5, 6, 7, 8])
-    graphed = engine.runner.model
-    padded = getattr(graphed, "graphs", None)
+    runner = engine.runner
+    padded = runner.decode_graphs
     if padded is None:
         raise SystemExit("decode graphs are off (CPU?): nothing to compare")
-    exact = DecodeGraphs(graphed.model, engine.cache, engine.max_running, -(-engine.max_model_len // engine.config.page_size),
+    exact = DecodeGraphs(runner.model, engine.cache, engine.max_running, -(-engine.max_model_len // engine.config.page_size),
                          buckets=tuple(range(1, 9)))
     exact.capture()
     rows = []
@@ -76,9 +76,9 @@ def main() -> None:
         times: dict[str, list[float]] = {"exact": [], "padded": []}
         for _ in range(args.rounds):
             for name, graphs in (("exact", exact), ("padded", padded)):
-                graphed.graphs = graphs
+                runner.decode_graphs = graphs
                 times[name] += timed_steps(engine, args.steps)[0]
-        graphed.graphs = padded
+        runner.decode_graphs = padded
         for rid in ids:
             engine.abort(rid)
         engine.step()

@@ -2,10 +2,9 @@
 of a step that prefills one fresh prompt beside running decodes.
 
     python bench/prefill_graph_ab.py --lens 128,512,1000,1024,1100,1280,2048 --decode-rows 4 --repeats 7 --out ab.json
-    python bench/prefill_graph_ab.py --modes graphs,fold,cache,eager --lens 128,512,1024 --gpu-memory-gb 8
+    python bench/prefill_graph_ab.py --modes graphs,cache,eager --lens 128,512,1024 --gpu-memory-gb 8
 
-One engine per mode (`MODES`: prefill graphs, eager prefill, decode rows folded into the prefill graph, prefix cache
-on; the serving benchmark's settings otherwise, every prompt fresh so it is computed whole) is built side by side;
+One engine per mode (`MODES`: prefill graphs, eager prefill, prefix cache on; the serving benchmark's settings otherwise, every prompt fresh so it is computed whole) is built side by side;
 each measurement alternates between them so drift hits all alike. A prompt pads to the next token bucket
 (engine/prefill_graphs.py): lengths between buckets show what the padding costs.
 """
@@ -29,9 +28,7 @@ from hybridserve.engine.sampling_params import SamplingParams
 MODES: dict[str, dict[str, bool]] = {
     "graphs": {},
     "eager": {"prefill_cuda_graphs": False},
-    "fold": {"fold_decode_rows": True},
     "cache": {"enable_prefix_caching": True},
-    "fold-cache": {"fold_decode_rows": True, "enable_prefix_caching": True},
 }
 
 
@@ -102,7 +99,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "decode_rows": args.decode_rows, "repeats": args.repeats, "rows": rows,
               "graph_stats": {mode: e.graph_stats() for mode, e in engines.items()},
-              "buckets": {mode: list(getattr(getattr(e.runner.model, "prefill", None), "buckets", ()))
+              "buckets": {mode: list(getattr(e.runner.prefill_graphs, "buckets", ()))
                           for mode, e in engines.items()}}
     print(json.dumps(result, indent=1))
     write_json(result, Path(args.out) if args.out else None)

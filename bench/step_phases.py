@@ -30,7 +30,7 @@ from hybridserve.engine.sampling_params import SamplingParams
 
 
 class _GpuTimedModel:
-    """The runner's model with CUDA events around each call (other attributes pass through)."""
+    """The runner's forward with CUDA events around each call (other attributes pass through)."""
 
     def __init__(self, model: Any, record: Callable[[str, float], None]) -> None:
         self._model, self._record = model, record
@@ -97,8 +97,8 @@ def instrument(engine: LLMEngine) -> tuple[dict[str, list[float]], _GpuTimedMode
         return out
 
     engine.runner.execute = execute_timed  # type: ignore[method-assign]
-    model = _GpuTimedModel(engine.runner.model, record)
-    engine.runner.model = model  # type: ignore[assignment]
+    model = _GpuTimedModel(engine.runner.forward, record)  # every path of the forward (graphs and eager)
+    engine.runner.forward = model  # type: ignore[method-assign]
     return phases, model
 
 
@@ -148,7 +148,7 @@ def main() -> None:
                 for name, values in phases.items():
                     per_mode[mode][name].append(sum(values))
         for mode, engine in engines.items():
-            engine.runner.model = instruments[mode][1]._model  # type: ignore[assignment]
+            engine.runner.forward = instruments[mode][1]._model  # type: ignore[method-assign]
             for rid in decoders[mode]:
                 engine.abort(rid)
             while engine.has_unfinished():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.engine.model_runner import StepOutput
 from hybridserve.engine.scheduler import ScheduledChunk
 from hybridserve.engine.spec_config import SpeculativeConfig
+from hybridserve.engine.step_output import StepOutput
 from hybridserve.models.config import ModelConfig
 from hybridserve.statepool.state_cache import StateCache
 

@@ -10,7 +10,7 @@ replaces the rest by one dict lookup keyed on that specialization and the launch
 compiled kernel's C launcher directly.
 
 The first launch of each specialization goes through Triton (compiling or autotuning it), as does every launch
-under the interpreter, while a launch hook is installed (profilers), when HYBRIDSERVE_LEAN_LAUNCH=0, or on a
+under the interpreter, while a launch hook is installed (profilers), or on a
 Triton release whose internals were not checked against this file (LEAN_TRITON_RELEASES). Triton's knobs
 (debug, instrumentation) are read when a specialization is first compiled, not on every launch. Hand-written:
 Triton has no public launch path without this per-call work (its `CompiledKernel[grid]` still builds launch
@@ -20,7 +20,6 @@ metadata and reads the current device per call).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -38,8 +37,7 @@ LEAN_TRITON_RELEASES = ("3.6",)
 
 def lean_enabled() -> bool:
     """Whether lean launches are on in this process (read once per kernel, at its first launch)."""
-    return (os.environ.get("HYBRIDSERVE_LEAN_LAUNCH", "1") != "0" and not interpreting()
-            and triton.__version__.rsplit(".", 1)[0] in LEAN_TRITON_RELEASES)
+    return not interpreting() and triton.__version__.rsplit(".", 1)[0] in LEAN_TRITON_RELEASES
 
 
 def _hooks_installed() -> bool:

@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.env_switch import env_switch
 from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.moe import RouterSpec
 from hybridserve.kernels.moe_router_triton import groups_fit, route_topk_triton, router_logits, topk_choice
@@ -47,13 +46,6 @@ from hybridserve.kernels.triton_utils import (
 # so 8 is one token. On the H200 (bench/results/h200/moe/small_path.json) the small path ties the grouped
 # GEMMs at 1 token (59.2 vs 59.6 us) and loses from 8 tokens on (301 vs 220 us).
 SMALL_M_MAX_PAIRS = 8
-
-
-def early_shared_enabled() -> bool:
-    """Whether the up kernel's shared-expert programs run first and compute before waiting on the router kernel
-    (on by default: the 30B-A3B batch-1 step's router wait 118 -> 88 us, bench/results/h200/session47;
-    HYBRIDSERVE_MOE_EARLY_SHARED=0 turns it off)."""
-    return env_switch("HYBRIDSERVE_MOE_EARLY_SHARED", True)
 
 
 def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -252,7 +244,6 @@ def moe_small_triton(
     down_s = shared_down if fused and shared_down is not None else w_down
     scale_dummy = weights  # never read without HAS_SCALE
     pdl = pdl_launch(x.device)
-    early = early_shared_enabled()  # read (and checked) on every call
 
     n_arrive = cdiv(d, 16)  # per token, one count per down column tile (BLOCK_N >= 16); zeroed by the up kernel
     arrivals = torch.empty(n, n_arrive, dtype=torch.int32, device=x.device)
@@ -268,7 +259,9 @@ def moe_small_triton(
         TOP_K=spec.top_k, WIDTH=width, K_BLOCK=next_pow2(width), N_GROUP=spec.n_group,
         PER_GROUP=num_experts // spec.n_group, TOPK_GROUP=spec.topk_group, NORM=spec.norm_topk_prob,
         SHARED=spec.num_shared, HAS_SCALE=up_scale is not None,
-        EARLY_SHARED=early and fused and up_scale is None, **pdl,
+        # the shared chunks compute ahead of the router wait (the 30B-A3B batch-1 step's router wait 118 -> 88 us on
+        # the H200): with fused shared experts in half precision
+        EARLY_SHARED=fused and up_scale is None, **pdl,
     )
     out = torch.empty(n, d, dtype=expert_x.dtype, device=x.device)
 

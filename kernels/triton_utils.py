@@ -70,7 +70,7 @@ def dot_launch(dtype: torch.dtype) -> dict[str, object]:
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether decode kernels launch with programmatic dependent launch (Hopper and later, not under the
-    interpreter, HYBRIDSERVE_PDL=0 turns it off for A/B runs): a kernel's programs may then start while the
+    interpreter): a kernel's programs may then start while the
     kernel before it finishes, stream weights that kernel cannot have written, and wait (`pdl_gate`) before
     touching anything else. Every kernel that opts in calls `pdl_gate` (or `pdl_wait`) first, so a chain stays
     ordered."""
@@ -87,7 +87,7 @@ def pdl_launch(device: torch.device) -> dict[str, bool]:
 
 @functools.cache  # asked at every launch: the answer for a device never changes within a process
 def _pdl_on_cuda_device(index: int) -> bool:
-    if interpreting() or os.environ.get("HYBRIDSERVE_PDL", "1") == "0":
+    if interpreting():
         return False
     return torch.cuda.get_device_capability(index)[0] >= 9
 
