@@ -4,7 +4,8 @@ of a step that prefills one fresh prompt beside running decodes.
     python bench/prefill_graph_ab.py --lens 128,512,1000,1024,1100,1280,2048 --decode-rows 4 --repeats 7 --out ab.json
     python bench/prefill_graph_ab.py --modes graphs,cache,eager --lens 128,512,1024 --gpu-memory-gb 8
 
-One engine per mode (`MODES`: prefill graphs, eager prefill, prefix cache on; the serving benchmark's settings otherwise, every prompt fresh so it is computed whole) is built side by side;
+One engine per mode (`MODES`: prefill graphs, eager prefill, prefix cache on; the serving benchmark's settings
+otherwise, every prompt fresh so it is computed whole) is built side by side;
 each measurement alternates between them so drift hits all alike. A prompt pads to the next token bucket
 (engine/prefill_graphs.py): lengths between buckets show what the padding costs.
 """

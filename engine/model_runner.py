@@ -173,7 +173,7 @@ class ModelRunner:
         if self.spec is None:
             return output
         assert self.state_block is not None  # an engine's runner
-        write_checkpoint_hidden(self.cache, work.prefills, checkpoint_slots, output, nd, self.state_block)
+        write_checkpoint_hidden(self.cache, work.prefills, checkpoint_slots or [], output, nd, self.state_block)
         return self.spec.accept(work.decodes, output)
 
     def _sample(self, chunks: list[tuple[Request, int]], nd: int, verify: VerifyInputs | None, hidden: torch.Tensor,

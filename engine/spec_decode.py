@@ -32,7 +32,7 @@ from hybridserve.engine.spec_config import SpeculativeConfig
 from hybridserve.engine.step_output import StepOutput
 from hybridserve.engine.structured_output import GrammarBackend, fill_verify_masks
 from hybridserve.kernels.host_index import pack_to_device
-from hybridserve.kernels.replay_state import advance_states
+from hybridserve.kernels.replay_state_update import advance_states
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.models.mamba_mixer import Mamba2Mixer
 from hybridserve.statepool.state_cache import StateCache

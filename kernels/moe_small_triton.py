@@ -32,6 +32,8 @@ from hybridserve.kernels.triton_utils import (
     PERSIST_AUTOTUNE,
     cdiv,
     dot_launch,
+    gemv_dot,
+    gemv_fma,
     interpreting,
     last_to_arrive,
     next_pow2,
@@ -80,39 +82,6 @@ def _expert_rows(w_ptr, ws_ptr, expert, num_routed, offs_n, w_e, w_n, ws_e, ws_n
     return rows
 
 
-@triton.jit
-def _gemv_dot(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              DOT_UPCAST: tl.constexpr):
-    """sum_k a[k] * W[n, k] for the tile's rows, fp32 [BLOCK_N]: a padded to the 16 rows a tl.dot takes (rows
-    1.. masked off, no bytes), so Triton pipelines the weight loads (fp8 weights cast exactly to a's dtype).
-    DOT_PRECISION / DOT_UPCAST: `triton_utils.dot_launch`."""
-    pad = tl.arange(0, 16)[:, None]
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        a = tl.load(a_row + pad * 0 + k[None, :], mask=(pad == 0) & k_ok[None, :], other=0.0)  # [16, BLOCK_K]
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        w = w.to(a.dtype)  # fp8 -> the activation dtype: exact
-        if DOT_UPCAST:  # the interpreter's bf16 dot is wrong; fp32 operands give the same exact products
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    return tl.sum(acc, 0)  # row 0 (the others are zeros)
-
-
-@triton.jit
-def _gemv(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """sum_k a[k] * W[n, k] for the tile's rows, fp32 (bf16 products are exact in fp32; fp8 casts exactly)."""
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        a = tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * a[None, :]
-    return tl.sum(acc, 1)
-
-
 @lean_launch
 @triton.autotune(configs=_configs(_UP_TILES), key=["N_OUT", "K", "WIDTH", "HAS_SCALE", "EARLY_SHARED"],
                  cache_results=PERSIST_AUTOTUNE)
@@ -143,7 +112,7 @@ def _small_up_kernel(
     ahead = EARLY_SHARED and slot >= TOP_K
     h = tl.zeros([BLOCK_N], dtype=tl.float32)
     if ahead:
-        h = _gemv(x_row, ws_ptr + (slot - TOP_K) * ws_e + offs_n.to(tl.int64)[:, None] * ws_n, n_ok, K,
+        h = gemv_fma(x_row, ws_ptr + (slot - TOP_K) * ws_e + offs_n.to(tl.int64)[:, None] * ws_n, n_ok, K,
                   BLOCK_N, BLOCK_K)
     elif USE_PDL and SHARED:
         if slot >= TOP_K:
@@ -165,7 +134,7 @@ def _small_up_kernel(
     if not ahead:
         expert = tl.sum(tl.where(mine, chosen, 0), 0)
         w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
-        h = _gemv(x_row, w_rows, n_ok, K, BLOCK_N, BLOCK_K)
+        h = gemv_fma(x_row, w_rows, n_ok, K, BLOCK_N, BLOCK_K)
         if HAS_SCALE:
             h *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
     h = tl.maximum(h.to(h_ptr.dtype.element_ty).to(tl.float32), 0.0)  # relu2 of the rounded projection
@@ -197,7 +166,7 @@ def _small_down_kernel(
     n_ok = offs_n < N_OUT
     expert = tl.load(ids_ptr + token * WIDTH + slot)
     w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
-    acc = _gemv_dot(h_ptr + (token * WIDTH + slot) * K, w_rows, n_ok, K, BLOCK_N, BLOCK_K, DOT_PRECISION, DOT_UPCAST)
+    acc = gemv_dot(h_ptr + (token * WIDTH + slot) * K, w_rows, n_ok, K, BLOCK_N, BLOCK_K, DOT_PRECISION, DOT_UPCAST)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
     route_w = tl.load(weights_ptr + token * WIDTH + slot)

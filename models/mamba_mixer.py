@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from hybridserve.kernels import ops
-from hybridserve.kernels.replay_state import ReplayCache
+from hybridserve.kernels.replay_state_update import ReplayCache
 from hybridserve.models.config import MambaConfig
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.layers import Linear

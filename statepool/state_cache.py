@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridserve.kernels.replay_state import ReplayCache
+from hybridserve.kernels.replay_state_update import ReplayCache
 from hybridserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
