@@ -27,8 +27,9 @@ from hybridserve.statepool.state_cache import StateCache
 logger = logging.getLogger(__name__)
 
 # powers of two up to 8: a padded row costs ~nothing (a batch of 5 or 6 on the 8-row graph: +0.6 / +1.8 % of a
-# 9B step, bench/results/h200/session42/), so per-size buckets were not kept
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# 9B step, bench/results/h200/session42/), so per-size buckets were not kept; steps of 64 rows up to 512 and
+# 128 up to 1,024 keep a large batch's padding under 25 % (production concurrency runs hundreds of rows)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
 
 class DecodeGraphs:

@@ -16,13 +16,17 @@ from pathlib import Path
 
 import torch
 
+from hybridserve.common.block_hash import BlockHash
+from hybridserve.common.model_config import DEFAULT_MAX_MODEL_LEN, ModelConfig
+from hybridserve.common.outputs import RequestOutput
+from hybridserve.common.sampling_params import SamplingParams
+from hybridserve.common.text_stream import TextStream
+from hybridserve.common.tokenizer import load_tokenizer
 from hybridserve.engine import handoff, tp_worker
 from hybridserve.engine.cache_plan import plan_engine_cache
 from hybridserve.engine.config import DTYPES, EngineConfig
 from hybridserve.engine.model_runner import ModelRunner
-from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.request import Request
-from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
 from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.engine.state_connector import StateConnector
@@ -30,12 +34,8 @@ from hybridserve.engine.step_output import StepOutput
 from hybridserve.engine.step_timing import NO_STEP, StepClock
 from hybridserve.engine.structured_output import GrammarBackend
 from hybridserve.engine.warmup import WarmupReport, warm_up
-from hybridserve.models.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
 from hybridserve.models.hybrid_model import HybridLM
-from hybridserve.models.text_stream import TextStream
-from hybridserve.models.tokenizer import load_tokenizer
 from hybridserve.models.weights import dummy_model, load_model
-from hybridserve.statepool.block_hash import BlockHash
 from hybridserve.statepool.events import CacheEvent
 from hybridserve.statepool.pool import NO_HIT, StatePool
 from hybridserve.statepool.state_cache import StateCache
@@ -80,7 +80,7 @@ class LLMEngine:
             self.tp, model = tp_worker.start_leader(self.model_dir, config)
             weakref.finalize(self, self.tp.shutdown)
             return model
-        model_config = ModelConfig.from_dir(self.model_dir)
+        model_config = config.cache_dtypes(ModelConfig.from_dir(self.model_dir))
         if config.load_format == "dummy":
             if not with_mtp:
                 model_config = dataclasses.replace(model_config, mtp_layer_types=())

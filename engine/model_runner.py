@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.common.outputs import TokenLogprob
 from hybridserve.engine.batch_builder import VerifyInputs, build_forward_batch
 from hybridserve.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from hybridserve.engine.logits_processors import process_logits
 from hybridserve.engine.logprobs import gather_logprobs, sampled_logprobs
-from hybridserve.engine.outputs import TokenLogprob
 from hybridserve.engine.prefill_graphs import PrefillGraphs, capture_prefill_graphs
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampler import sample

@@ -22,9 +22,16 @@ from typing import Any
 
 import torch
 
-from hybridserve.kernels.causal_conv1d import ConvVarlenMeta
-from hybridserve.kernels.paged_attention import PREFILL_BLOCK_M, QueryBlocks, query_block_lists
-from hybridserve.kernels.ssd_scan_meta import INT32_FIELDS, WHOLE_SEQUENCE, ChunkMeta, chunk_lists
+from hybridserve.kernels.ops import (
+    INT32_FIELDS,
+    PREFILL_BLOCK_M,
+    WHOLE_SEQUENCE,
+    ChunkMeta,
+    ConvVarlenMeta,
+    QueryBlocks,
+    chunk_lists,
+    query_block_lists,
+)
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.state_cache import StateCache

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridserve.engine import handoff, tp_handoff
-from hybridserve.engine.outputs import RequestOutput
+from hybridserve.common.outputs import RequestOutput
 from hybridserve.engine.request import Request
 from hybridserve.transfer.state_layout import StateTensorSpec
 

@@ -1,4 +1,5 @@
-"""What one engine step's forward produced (vLLM v1's ModelRunnerOutput shape)."""
+"""`StepOutput`: what one engine step produced, in its own module because the scheduler reads it and the model
+runner writes it (neither imports the other for it)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridserve.engine.outputs import TokenLogprob
+from hybridserve.common.outputs import TokenLogprob
 from hybridserve.models.forward_batch import ForwardBatch
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hybridserve.engine.sampling_params import StructuredOutput
+from hybridserve.common.sampling_params import StructuredOutput
 
 
 class GrammarBackend:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridserve.engine.generation_defaults import load_generation_defaults
+from hybridserve.common.generation_defaults import load_generation_defaults
 from hybridserve.proto.internal_tls import InternalTlsConfig
 
 MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt as JSON token ids is ~1 MB

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_reflection.v1alpha import reflection
 
-from hybridserve.engine.sampling_params import SamplingParams
-from hybridserve.models.text_stream import TextStream
+from hybridserve.common.sampling_params import SamplingParams
+from hybridserve.common.text_stream import TextStream
 from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from hybridserve.proto.channels import OWN_PORT, bind_port
 from hybridserve.proto.convert import sampling_from_proto

@@ -15,9 +15,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
+from hybridserve.common.outputs import RequestOutput
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.outputs import RequestOutput
-from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.worker_runtime.loop_stats import LoopStats
 from hybridserve.worker_runtime.step_profiler import StepProfileConfig, StepProfiler
 
