@@ -12,23 +12,42 @@ layout either way.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from hybridserve.engine import handoff, tp_handoff
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.common.outputs import RequestOutput
+from hybridserve.engine import handoff, tp_handoff
 from hybridserve.engine.request import Request
+from hybridserve.engine.scheduler import Scheduler
+from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.transfer.state_layout import StateTensorSpec
 
-if TYPE_CHECKING:  # the engine builds its connector
-    from hybridserve.engine.llm_engine import LLMEngine
+
+class ConnectorEngine(tp_handoff.TPEngine, Protocol):
+    """The parts of `LLMEngine` its connector uses (a Protocol: the engine imports this module, not the reverse)."""
+
+    @property
+    def model_config(self) -> ModelConfig: ...
+    @property
+    def scheduler(self) -> Scheduler: ...
+    @property
+    def spec(self) -> SpecDecoder | None: ...
+    @property
+    def lookahead(self) -> int: ...
+    @property
+    def tokenizer(self) -> Any: ...
+
+    def admit_landed(self, request: Request) -> None: ...
+
+    def finish_landed(self, request: Request, reason: str) -> None: ...
 
 
 class StateConnector:
     """Held states (finished prefills waiting for their export) and reservations (decodes waiting for a state)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: ConnectorEngine) -> None:
         self.engine = engine
         self._held: dict[str, Request] = {}  # finished, state kept for export
         self._on_held: dict[str, Callable[[str], None]] = {}  # held requests' callbacks, until they finish
@@ -103,7 +122,7 @@ class StateConnector:
             request.grammar.accept_token(first_token)
         engine.admit_landed(request)
         reason = engine.scheduler.stop_reason(request, first_token)
-        spec = engine.runner.spec
+        spec = engine.spec
         if reason is not None:
             engine.finish_landed(request, reason)
         elif spec is not None and engine.pool.reserve(request, request.num_tokens + engine.lookahead):
