@@ -18,14 +18,6 @@
 #   colocated-1gpu-calls  colocated-1gpu with --no-worker-sessions (a gRPC call per request, not the session)
 #   colocated-1gpu-grpcsession  colocated-1gpu with --no-socket-sessions (the session as a gRPC stream, not a socket)
 #   colocated-1gpu-nosplit  colocated-1gpu with --no-split-mixed-steps (mixed steps run whole, eagerly)
-#   colocated-1gpu-nolean   colocated-1gpu with HYBRIDSERVE_LEAN_LAUNCH=0 (Triton's own launch path per kernel call)
-#   colocated-1gpu-nofreeze colocated-1gpu with HYBRIDSERVE_GC_FREEZE=0 (start-up heaps left to the garbage collector)
-#   colocated-1gpu-nogc   colocated-1gpu with HYBRIDSERVE_GC_FREEZE=disable (no automatic collection after start-up)
-#   colocated-1gpu-early  colocated-1gpu with HYBRIDSERVE_LATE_HANDOFF=0 (a step's outputs go to their streams as
-#                       soon as it ends, not once the next step's forward is queued as by default)
-#   colocated-1gpu-staged colocated-1gpu with HYBRIDSERVE_STAGED_GRAPHS=1 (decode graphs launched in pieces; also
-#                       colocated-1gpu-nocache-staged)
-#   colocated-1gpu-fold   colocated-1gpu with --fold-decode-rows (decode rows of mixed steps as one-token prefill chunks)
 #   colocated-2gpu-tp2  one worker at --tensor-parallel-size 2 on GPUs 0-1 (rank 0 serves, rank 1 follows)
 # MODEL_CONFIG (default bench/configs/nemotron-nano-9b-v2.json) picks the shapes, e.g. the Nemotron-H-56B ones:
 #   MODEL_CONFIG=bench/configs/nemotron-h-56b-base-8k.json WORKLOADS=512:128 RATES=1,4,inf \
@@ -86,14 +78,7 @@ deployment_args() {
     colocated-1gpu-calls) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-worker-sessions ;;
     colocated-1gpu-grpcsession) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-socket-sessions ;;
     colocated-1gpu-nosplit) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-split-mixed-steps ;;
-    colocated-1gpu-fold) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --fold-decode-rows ;;
     colocated-1gpu-noprefillgraphs) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-prefill-cuda-graphs ;;
-    colocated-1gpu-nolean) echo --prefill-workers 0 --decode-workers 1 --gpus 0 ;;  # its environment: see run()
-    colocated-1gpu-nofreeze) echo --prefill-workers 0 --decode-workers 1 --gpus 0 ;;  # its environment: see run()
-    colocated-1gpu-nogc) echo --prefill-workers 0 --decode-workers 1 --gpus 0 ;;  # its environment: see run()
-    colocated-1gpu-early) echo --prefill-workers 0 --decode-workers 1 --gpus 0 ;;  # its environment: see run()
-    colocated-1gpu-staged) echo --prefill-workers 0 --decode-workers 1 --gpus 0 ;;  # its environment: see run()
-    colocated-1gpu-nocache-staged) echo --prefill-workers 0 --decode-workers 1 --gpus 0 --no-prefix-caching ;;
     colocated-2gpu-dp) echo --prefill-workers 0 --decode-workers 2 --gpus 0,1 ;;
     colocated-2gpu-tp2) echo --prefill-workers 0 --decode-workers 1 --tensor-parallel-size 2 ;;
     pd-2gpu-cuda_ipc) echo --prefill-workers 1 --decode-workers 1 --gpus prefill=0,decode=1 --transfer-planes cuda_ipc,grpc ;;
@@ -109,12 +94,7 @@ run() {
   local name=$1
   local args
   read -r -a args <<< "$(deployment_args "$name")"
-  local lean=1; [[ $name == *-nolean ]] && lean=0
-  local freeze=1; [[ $name == *-nofreeze ]] && freeze=0; [[ $name == *-nogc ]] && freeze=disable
-  local late=1; [[ $name == *-early ]] && late=0
-  local extra=(); [[ $name == *-staged ]] && extra=(HYBRIDSERVE_STAGED_GRAPHS=1)
-  env "${extra[@]}" HYBRIDSERVE_LEAN_LAUNCH=$lean HYBRIDSERVE_GC_FREEZE=$freeze HYBRIDSERVE_LATE_HANDOFF=$late \
-    hybridserve -v serve "${COMMON[@]}" "${args[@]}" > "$OUT/$name.server.log" 2>&1 &
+  hybridserve -v serve "${COMMON[@]}" "${args[@]}" > "$OUT/$name.server.log" 2>&1 &
   local pid=$! up=0
   for _ in $(seq 1 300); do
     if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/ready', timeout=2)" 2>/dev/null; then
