@@ -8,7 +8,6 @@ events and usable in Abort by the same caller only (the same API key, or the sam
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import logging
@@ -118,8 +117,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         peer = context.peer()  # caller() and caller_address() of this context, from one metadata and peer read
         client = client_key(key, peer.rsplit(":", 1)[0])
         try:
-            if not admission.try_acquire(client):  # a free slot costs no thread; waiting in the queue does
-                await asyncio.to_thread(admission.acquire, None, client)
+            if not admission.try_acquire(client):  # wait in line on the loop; a cancelled call leaves it
+                await admission.acquire_async(client)
         except Overloaded as exc:
             metrics.count_request("grpc/Generate", "429")
             metrics.count_error("overloaded")
