@@ -13,29 +13,17 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 
 logger = logging.getLogger(__name__)
 
 
 def freeze_startup_heap(what: str) -> int:
-    """Collect once, then freeze what survived; returns the number of objects frozen (logged with `what`).
-    HYBRIDSERVE_GC_FREEZE=0 leaves the heap as it is (returns 0), =disable freezes and then turns automatic
-    collection off (cyclic garbage is never freed): switches for comparing, as HYBRIDSERVE_PDL."""
-    mode = os.environ.get("HYBRIDSERVE_GC_FREEZE", "1")
-    if mode not in ("0", "1", "disable"):
-        raise ValueError(f"HYBRIDSERVE_GC_FREEZE must be 0, 1 or disable, got {mode!r}")
-    if mode == "0":
-        logger.info("%s: start-up heap left to the garbage collector (HYBRIDSERVE_GC_FREEZE=0)", what)
-        return 0
+    """Collect once, then freeze what survived; returns the number of objects frozen (logged with `what`)."""
     start = time.perf_counter()
     gc.collect()
     gc.freeze()
     frozen = gc.get_freeze_count()
-    if mode == "disable":
-        gc.disable()
-        logger.warning("%s: automatic garbage collection off (HYBRIDSERVE_GC_FREEZE=disable)", what)
     logger.info("%s: froze %d start-up objects out of the garbage collector's reach (%.0f ms)", what, frozen,
                 1e3 * (time.perf_counter() - start))
     return frozen

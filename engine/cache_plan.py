@@ -10,8 +10,8 @@ import logging
 import torch
 
 from hybridserve.common.model_config import ModelConfig
+from hybridserve.engine.batch_builder import PlacedRow, place_rows
 from hybridserve.engine.config import EngineConfig
-from hybridserve.engine.model_runner import PlacedRow, place_rows
 from hybridserve.engine.spec_memory import spec_working_bytes
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.sizing import GIB, PoolRequest, cpu_budget_bytes, gpu_budget_bytes, plan_cache_layout

@@ -58,14 +58,8 @@ class EngineConfig:
     # with cuda_graphs: a step mixing decode rows and prefill chunks replays the decode rows' graph and runs only
     # the prefill eagerly (a prefill step is bound by the host's kernel launches); off: the whole step eagerly
     split_mixed_steps: bool = True
-    # a step mixing one-token decode rows with prefill chunks computes the decode rows as one-token chunks of
-    # the prefill forward (they ride along its GEMMs and launch nothing of their own; takes precedence over
-    # split_mixed_steps). Off by default: served on the H200 it ties the split (TPOT p50 9.0 vs 8.9 ms,
-    # bench/results/h200/serving/)
-    fold_decode_rows: bool = False
-    # with cuda_graphs: a step's prefill chunks (up to 7 sequences and 1024 tokens; with fold_decode_rows one more
-    # bucket of a full chunk beside the running batch) replay a CUDA graph captured per token bucket, padded to it,
-    # instead of ~400 eager kernel launches (engine/prefill_graphs.py)
+    # with cuda_graphs: a step's prefill chunks (up to 7 sequences and 1024 tokens) replay a CUDA graph captured
+    # per token bucket, padded to it, instead of ~400 eager kernel launches (engine/prefill_graphs.py)
     prefill_cuda_graphs: bool = True
     # Tokens between cached Mamba checkpoints; a multiple of the model's SSD chunk_size (and of page_size
     # for models with attention). None: 4 x chunk_size (rounded up to a page multiple). Each checkpoint is a
@@ -97,6 +91,12 @@ class EngineConfig:
     # MoE blocks at tensor_parallel_size > 1: each rank holds a subset of whole experts (expert parallel)
     # instead of a slice of every expert
     enable_expert_parallel: bool = False
+    # a torch.profiler trace (Chrome / Perfetto JSON + a table of ops) of a window of each worker loop's busy steps
+    # is written into this directory (worker_runtime/step_profiler.py); None: no profiling
+    profile_dir: str | None = None
+    # with profile_dir: the window, FIRST:COUNT (busy steps counted from 0 after start-up), or FIRST:COUNT:stack
+    # to add every thread's Python frames (slower)
+    profile_steps: str = "100:20"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -139,7 +139,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
-        for name in ("cuda_graphs", "split_mixed_steps", "fold_decode_rows", "prefill_cuda_graphs"):
+        for name in ("cuda_graphs", "split_mixed_steps", "prefill_cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         standby = self.standby_state_slots
@@ -163,6 +163,9 @@ class EngineConfig:
         plan_len = self.plan_seq_len
         if plan_len is not None and (isinstance(plan_len, bool) or not isinstance(plan_len, int) or plan_len <= 0):
             raise ValueError(f"plan_seq_len must be a positive integer or None, got {plan_len!r}")
+        parse_profile_steps(self.profile_steps)
+        if self.profile_dir is not None and (not isinstance(self.profile_dir, str) or not self.profile_dir):
+            raise ValueError(f"profile_dir must be a directory path or None, got {self.profile_dir!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -211,3 +214,19 @@ class EngineConfig:
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+
+def parse_profile_steps(spec: str) -> tuple[int, int, bool]:
+    """`profile_steps` FIRST:COUNT[:stack] -> (first step, step count, with Python stacks); a ValueError that
+    names the field otherwise."""
+    parts = spec.split(":") if isinstance(spec, str) else []
+    try:
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "stack"):
+            raise ValueError
+        first, count = int(parts[0]), int(parts[1])
+        if first < 0 or count <= 0:
+            raise ValueError
+    except ValueError as exc:
+        raise ValueError(f"profile_steps must be FIRST:COUNT or FIRST:COUNT:stack with FIRST >= 0 and COUNT > 0, "
+                         f"got {spec!r}") from exc
+    return first, count, len(parts) == 3

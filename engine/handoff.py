@@ -9,13 +9,11 @@ Decode side: `reserve` admits a request with pages and a slot for its prompt but
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from hybridserve.engine.request import Request, RequestStatus
-from hybridserve.engine.scheduler import ScheduledChunk
 from hybridserve.statepool.pool import NO_HIT
 from hybridserve.transfer.state_layout import (
     StateTensorSpec,
@@ -28,40 +26,6 @@ from hybridserve.transfer.state_layout import (
 
 class CapacityError(RuntimeError):
     """The pool cannot hold the request now (try later or another worker)."""
-
-
-@dataclass(frozen=True)
-class HandoffHooks:
-    """A held request's callbacks on the loop (`LLMEngine.add_request` says when each runs)."""
-
-    on_held: Callable[[str], None] | None = None  # end of the step it finished in: export the state there
-    on_progress: Callable[[Request], None] | None = None  # end of each step that computed part of its prompt
-    on_layer: Callable[[Request, int], None] | None = None  # after each layer of its prompt's last chunk
-
-
-def progress(hooks: dict[str, HandoffHooks], prefills: Sequence[ScheduledChunk]) -> None:
-    """Run `on_progress` of the prefill chunks whose request did not finish (on_held has a finished one)."""
-    for chunk in prefills:
-        hook = hooks.get(chunk.request.request_id)
-        if hook is not None and hook.on_progress is not None and not chunk.request.finished:
-            hook.on_progress(chunk.request)
-
-
-def layer_hook(hooks: dict[str, HandoffHooks], prefills: Sequence[ScheduledChunk]) -> Callable[[int], None] | None:
-    """`ForwardBatch.layer_done` of a step computing the last prompt chunk of a request with `on_layer` (None
-    otherwise: the forward calls nothing). A last chunk of one token is a decode row, which may replay a CUDA
-    graph: it gets no hook (its state is staged at the step's end)."""
-    due = [(chunk.request, hook.on_layer) for chunk in prefills
-           if (hook := hooks.get(chunk.request.request_id)) is not None and hook.on_layer is not None
-           and chunk.num_tokens == chunk.request.num_pending_tokens]
-    if not due:
-        return None
-
-    def layer_done(layer: int) -> None:
-        for request, on_layer in due:
-            on_layer(request, layer)
-
-    return layer_done
 
 
 @dataclass(frozen=True)

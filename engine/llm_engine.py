@@ -1,4 +1,9 @@
-"""The engine loop: requests in, `step()` runs one scheduled forward, outputs out."""
+"""The engine core: requests in, `step()` = schedule -> execute -> update, outputs out.
+
+The scheduler picks the step's work, the `ModelRunner` runs its one forward (and, speculating, verifies the drafts)
+and samples, the scheduler applies the new tokens (stop rules, the prefix cache's commit, speculative rollback and
+the drafter's catch-up); the P/D state handoff is the `StateConnector`, called at fixed points.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,6 @@ import logging
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
 
 import torch
 
@@ -18,17 +22,14 @@ from hybridserve.common.outputs import RequestOutput
 from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.common.text_stream import TextStream
 from hybridserve.common.tokenizer import load_tokenizer
-from hybridserve.engine import handoff, tp_handoff, tp_worker
+from hybridserve.engine import handoff, tp_worker
 from hybridserve.engine.cache_plan import plan_engine_cache
 from hybridserve.engine.config import DTYPES, EngineConfig
-from hybridserve.engine.cuda_graphs import enable_decode_graphs, graph_stats
 from hybridserve.engine.model_runner import ModelRunner
-from hybridserve.engine.mtp_drafter import CatchUp
-from hybridserve.engine.prefill_graphs import enable_prefill_graphs
-from hybridserve.engine.request import Request, RequestStatus
-from hybridserve.engine.scheduler import Scheduler
+from hybridserve.engine.request import Request
+from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
 from hybridserve.engine.spec_decode import SpecDecoder
-from hybridserve.engine.spec_memory import write_checkpoint_hidden
+from hybridserve.engine.state_connector import StateConnector
 from hybridserve.engine.step_output import StepOutput
 from hybridserve.engine.step_timing import NO_STEP, StepClock
 from hybridserve.engine.structured_output import GrammarBackend
@@ -43,90 +44,96 @@ from hybridserve.transfer.state_layout import StateTensorSpec
 logger = logging.getLogger(__name__)
 
 
-
 class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig) -> None:
         self.config = config
         self.model_dir = Path(model_dir)
-        device = config.torch_device
         spec = config.speculative
-        with_mtp = spec is not None and spec.method == "mtp"  # else the drafter and its KV are left out
-        model_config = config.cache_dtypes(ModelConfig.from_dir(self.model_dir))
+        self.lookahead = spec.num_speculative_tokens if spec is not None else 0  # draft positions per decode row
         self.tp: tp_worker.Leader | None = None  # rank 0 of a tensor-parallel group (engine/tp_worker.py)
-        if config.tensor_parallel_size > 1:
-            self.tp, model = tp_worker.start_leader(self.model_dir, config)
-            weakref.finalize(self, self.tp.shutdown)
-            self.model = cast(HybridLM, model)
-        elif config.load_format == "dummy":
-            if not with_mtp:
-                model_config = dataclasses.replace(model_config, mtp_layer_types=())
-            self.model = dummy_model(model_config, config.torch_dtype, device, config.seed)
-        else:
-            self.model = load_model(self.model_dir, model_config, config.torch_dtype, device, with_mtp)
+        self.model = self._load_model()
         self.model_config = self.model.config  # without MTP when not drafting with it or it has no weights
-        lookahead = spec.num_speculative_tokens if spec is not None else 0
-        self.tokenizer = load_tokenizer(self.model_dir)
-        if self.tokenizer is not None and self.tokenizer.vocab_size > self.model_config.vocab_size:
-            raise ValueError(
-                f"tokenizer has {self.tokenizer.vocab_size} tokens, the model's vocab_size is "
-                f"{self.model_config.vocab_size}"
-            )
-        self.max_model_len = (
-            config.max_model_len or self.model_config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
-        )
-        ssm_dtype = DTYPES[self.model_config.ssm_state_dtype]
-        mamba = self.model_config.mamba
-        has_attention = bool(self.model_config.kv_layers())
-        self.state_block = config.resolve_state_block(
-            mamba.chunk_size if mamba else config.page_size, config.page_size if has_attention else None
-        )
-        layout = plan_engine_cache(self.model_config, config, self.max_model_len, self.state_block, lookahead, ssm_dtype,
-                                   model=self.model if self.tp is None else None)
-        self.cache: StateCache
-        if self.tp is not None:
-            self.tp.send_layout(layout)
-            self.cache = tp_worker.MirroredStateCache(self.tp, self.model_config, layout, config.torch_dtype,
-                                                      ssm_dtype, device)
-        else:
-            self.cache = StateCache(self.model_config, layout, config.torch_dtype, ssm_dtype, device)
-        self.pool = StatePool(self.cache, self.state_block, config.enable_prefix_caching, config.max_cache_events)
-        self.pool.keep_free_for(config.prefill_chunk_tokens)
-        # the running batch: max_num_seqs, or fewer when the budget lowered the slot count; standby slots hold
-        # states outside it
-        self.max_running = min(config.max_num_seqs, layout.num_slots)
-        self.scheduler = Scheduler(self.pool, config.prefill_chunk_tokens, self.max_running, lookahead,
+        self.tokenizer = self._load_tokenizer()
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+        self.cache, self.pool = self._plan_cache()
+        self.scheduler = Scheduler(self.pool, config.prefill_chunk_tokens, self.max_running, self.lookahead,
                                    config.max_num_batched_tokens, self.model_config.eos_token_ids, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.cache, config.page_size, device, self.state_block,
-                                  fold_decode_rows=config.fold_decode_rows)
-        self.spec: SpecDecoder | None = None
-        if spec is not None:
-            if spec.rollback == "replay":
-                self.cache.enable_replay(spec.num_verify_tokens)
-            self.spec = SpecDecoder(spec, self.model, self.cache, config.page_size)
-        self.lookahead = lookahead
-        if config.cuda_graphs and device.type == "cuda":
-            max_pages = -(-self.max_model_len // config.page_size)
-            if self.spec is not None and self.tp is not None:
-                logger.info("speculative decoding with tensor parallelism: verify steps run without CUDA graphs")
-            elif self.spec is not None:  # every decode step is a verify step of T tokens per row
-                enable_decode_graphs(self.runner, self.max_running, max_pages, config.split_mixed_steps,
-                                     tokens=self.spec.tokens, rollback=self.spec.config.rollback)
-            elif self.tp is not None:  # every rank captures, the all-reduces inside the graphs
-                self.tp.capture_graphs(cast(tp_worker.LeaderModel, self.model), self.cache, self.max_running, max_pages)
-            else:
-                enable_decode_graphs(self.runner, self.max_running, max_pages, config.split_mixed_steps)
-            if config.prefill_cuda_graphs:  # beside decode graphs (not under tensor parallelism)
-                enable_prefill_graphs(self.runner.model, max_pages, self.state_block, config.prefill_chunk_tokens,
-                                      self.max_running if config.fold_decode_rows else 0)
+        self.runner = ModelRunner(self.model, self.cache, config.page_size, config.torch_device, self.state_block,
+                                  spec, self.tp, config.split_mixed_steps)
+        self._capture_graphs()
+        self.connector = StateConnector(self)
         self._requests: dict[str, Request] = {}
-        self._held: dict[str, Request] = {}  # finished, state kept for export
         self.last_step = NO_STEP  # the last step's shape and phase times (a worker loop's metrics read it)
-        self._hooks: dict[str, handoff.HandoffHooks] = {}  # held requests' callbacks, until they finish
-        self._reserved: dict[str, Request] = {}  # pages and slot waiting for a remote prefill's state
         self._counter = itertools.count()
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
         self.warmup_report: WarmupReport | None = warm_up(self) if config.warmup_enabled else None
+
+    # ---- start-up steps -------------------------------------------------------------------------
+    def _load_model(self) -> HybridLM:
+        """The model's weights (rank 0's shard under tensor parallelism, the followers started); the MTP drafter
+        only when speculating with it."""
+        config = self.config
+        spec = config.speculative
+        with_mtp = spec is not None and spec.method == "mtp"  # else the drafter and its KV are left out
+        if config.tensor_parallel_size > 1:
+            self.tp, model = tp_worker.start_leader(self.model_dir, config)
+            weakref.finalize(self, self.tp.shutdown)
+            return model
+        model_config = config.cache_dtypes(ModelConfig.from_dir(self.model_dir))
+        if config.load_format == "dummy":
+            if not with_mtp:
+                model_config = dataclasses.replace(model_config, mtp_layer_types=())
+            return dummy_model(model_config, config.torch_dtype, config.torch_device, config.seed)
+        return load_model(self.model_dir, model_config, config.torch_dtype, config.torch_device, with_mtp)
+
+    def _load_tokenizer(self):  # noqa: ANN202 - the tokenizer or None (a checkpoint without one)
+        tokenizer = load_tokenizer(self.model_dir)
+        if tokenizer is not None and tokenizer.vocab_size > self.model_config.vocab_size:
+            raise ValueError(
+                f"tokenizer has {tokenizer.vocab_size} tokens, the model's vocab_size is {self.model_config.vocab_size}"
+            )
+        return tokenizer
+
+    def _plan_cache(self) -> tuple[StateCache, StatePool]:
+        """Size the state cache from the memory budget (KV pages, state slots, checkpoints) and build its pool;
+        sets `state_block` and `max_running` (max_num_seqs, or fewer when the budget lowered the slot count;
+        standby slots hold states outside the running batch)."""
+        config, model_config = self.config, self.model_config
+        ssm_dtype = DTYPES[model_config.ssm_state_dtype]
+        mamba = model_config.mamba
+        has_attention = bool(model_config.kv_layers())
+        self.state_block = config.resolve_state_block(
+            mamba.chunk_size if mamba else config.page_size, config.page_size if has_attention else None
+        )
+        layout = plan_engine_cache(model_config, config, self.max_model_len, self.state_block, self.lookahead,
+                                   ssm_dtype, model=self.model if self.tp is None else None)
+        cache: StateCache
+        if self.tp is not None:
+            self.tp.send_layout(layout)
+            cache = tp_worker.MirroredStateCache(self.tp, model_config, layout, config.torch_dtype, ssm_dtype,
+                                                 config.torch_device)
+        else:
+            cache = StateCache(model_config, layout, config.torch_dtype, ssm_dtype, config.torch_device)
+        pool = StatePool(cache, self.state_block, config.enable_prefix_caching, config.max_cache_events)
+        pool.keep_free_for(config.prefill_chunk_tokens)
+        self.max_running = min(config.max_num_seqs, layout.num_slots)
+        return cache, pool
+
+    def _capture_graphs(self) -> None:
+        """CUDA graphs of the decode (verify) step and, beside them, of prefill steps (cuda_graphs on CUDA)."""
+        config = self.config
+        if not (config.cuda_graphs and config.torch_device.type == "cuda"):
+            return
+        if self.spec is not None and self.tp is not None:
+            logger.info("speculative decoding with tensor parallelism: verify steps run without CUDA graphs")
+        self.runner.capture_graphs(self.max_running, -(-self.max_model_len // config.page_size),
+                                   config.prefill_chunk_tokens, config.prefill_cuda_graphs)
+
+    @property
+    def spec(self) -> SpecDecoder | None:
+        """The speculative decoder (the runner's), None when not speculating."""
+        return self.runner.spec
 
     # ---- requests -------------------------------------------------------------------------------
     def validate_prompt(self, prompt_token_ids: list[int]) -> list[int]:
@@ -159,20 +166,13 @@ class LLMEngine:
         hold_state: bool = False,
         on_held: Callable[[str], None] | None = None,
         bounded: bool = False,
-        on_progress: Callable[[Request], None] | None = None,
-        on_layer: Callable[[Request, int], None] | None = None,
         block_hashes: list[BlockHash] | None = None,
     ) -> str:
-        """Queue a request; with `hold_state` it keeps its state after finishing until `export_state`.
-        `on_held(request_id)` then runs at the end of the step it finished in (e.g. to export the state right
-        there: no extra trip to the loop, pages and slot free a step sooner). `on_progress(request)` runs at the
-        end of every step that computed a chunk of its prompt without finishing it (a prefill worker stages the
-        KV of the tokens computed so far: `request.num_computed_tokens`). `on_layer(request, layer)` runs inside
-        the forward that computes the prompt's last chunk, right after each layer was queued (that layer's state
-        of the prompt is then final: a prefill worker stages it while later layers compute; `request` still
-        counts the chunk as pending). `bounded` (workers): CapacityError
-        when `max_num_waiting` requests already wait. `block_hashes`: `pool.prompt_hashes(prompt_token_ids)`,
-        computed by the caller's thread (a worker's request reader) so that the loop does not hash."""
+        """Queue a request; with `hold_state` it keeps its state after finishing until `export_state`, and
+        `on_held(request_id)` then runs at the end of the step it finished in (`StateConnector.step_finished`).
+        `bounded` (workers): CapacityError when `max_num_waiting` requests already wait. `block_hashes`:
+        `pool.prompt_hashes(prompt_token_ids)`, computed by the caller's thread (a worker's request reader) so that
+        the loop does not hash."""
         if bounded and len(self.scheduler.waiting) >= self.config.max_num_waiting:
             raise handoff.CapacityError(f"{len(self.scheduler.waiting)} requests already wait for a slot on this worker "
                                 f"(max_num_waiting={self.config.max_num_waiting}); try later or another worker")
@@ -181,8 +181,8 @@ class LLMEngine:
         if block_hashes is not None and len(block_hashes) == request.num_tokens // self.pool.block_size:
             request.block_hashes = block_hashes
         self._requests[request.request_id] = request
-        if hold_state and (on_held or on_progress or on_layer):
-            self._hooks[request.request_id] = handoff.HandoffHooks(on_held, on_progress, on_layer)
+        if hold_state:
+            self.connector.register(request, on_held)
         self.scheduler.add(request)
         return request.request_id
 
@@ -202,7 +202,7 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings need the model's tokenizer; {self.model_dir} ships none (use stop_token_ids)")
         request_id = request_id if request_id is not None else f"req-{next(self._counter)}"
-        if request_id in self._requests or request_id in self._held or request_id in self._reserved:
+        if request_id in self._requests or self.connector.owns(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._seeds))
         request = Request(request_id, tokens, params, seed, arrival=next(self._arrivals))
@@ -219,75 +219,53 @@ class LLMEngine:
             raise ValueError(f"{params.structured.field}: structured outputs need the model's tokenizer; "
                              f"{self.model_dir} ships none")
         if self.runner.grammar is None:
-            backend = GrammarBackend(self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
-            self.runner.grammar = backend
-            if self.spec is not None:
-                self.spec.grammar = backend
+            self.runner.use_grammar(GrammarBackend(self.model_dir, self.model_config.vocab_size,
+                                                   self.model_config.eos_token_ids))
+        assert self.runner.grammar is not None
         return self.runner.grammar.matcher(params.structured)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (queued, running, reserved, held); False if it is unknown."""
-        self._hooks.pop(request_id, None)
         request = self._requests.pop(request_id, None)
         if request is not None and not request.finished:
+            self.connector.abort(request_id)
             self.scheduler.finish(request, "abort")
             return True
-        parked = self._held.pop(request_id, None) or self._reserved.pop(request_id, None)
-        if parked is not None:
-            self.pool.release(parked)
-            return True
-        return request is not None
+        return self.connector.abort(request_id) or request is not None
 
     def close(self) -> None:
         """Stop the tensor-parallel follower ranks (nothing to do at tensor_parallel_size=1)."""
         if self.tp is not None:
             self.tp.shutdown()
 
-    # ---- state handoff between a prefill and a decode engine --------------------------------------
+    # ---- state handoff between a prefill and a decode engine (the connector's) ------------------------
     def state_specs(self, num_tokens: int) -> list[StateTensorSpec]:
-        if self.tp is not None:  # the unsharded layout: P/D between any TP sizes
-            return tp_handoff.state_specs(self, num_tokens)
-        return handoff.state_specs(self, num_tokens)
+        return self.connector.state_specs(num_tokens)
 
     def export_state(self, request_id: str, into: dict[str, torch.Tensor] | None = None) -> handoff.ExportedState:
         """Gather a finished `hold_state` request's state (device copies, into `into`'s views when given) and
         release its pages and slot."""
-        request = self._held.pop(request_id, None)
-        if request is None:
-            raise ValueError(f"no held state for request {request_id!r}")
-        if self.tp is not None:
-            return tp_handoff.export_state(self, request, into)
-        return handoff.export_state(self, request, into)
+        return self.connector.export_state(request_id, into)
 
     def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Pages and a slot for a request whose prefill runs elsewhere; CapacityError when full now."""
-        request = self._new_request(prompt_token_ids, params, request_id)
-        handoff.reserve(self, request)
-        self._reserved[request.request_id] = request
+        self.connector.reserve(self._new_request(prompt_token_ids, params, request_id))
 
     def commit_reservation(
         self, request_id: str, tensors: dict[str, torch.Tensor], first_token: int, num_cached_tokens: int
     ) -> RequestOutput:
         """Install the received state; the request joins the running batch (or finishes on its first token)."""
-        request = self._reserved.pop(request_id, None)
-        if request is None:
-            raise ValueError(f"no reservation for request {request_id!r} (aborted or expired)")
-        (tp_handoff if self.tp is not None else handoff).commit(self, request, tensors, first_token, num_cached_tokens)
-        if request.grammar is not None:  # the prefill worker sampled it under the same grammar
-            request.grammar.accept_token(first_token)
-        self._requests[request_id] = request
+        return self.connector.commit(request_id, tensors, first_token, num_cached_tokens)
+
+    def admit_landed(self, request: Request) -> None:
+        """A request whose state arrived joins the running batch when a seat is free (the connector's commit)."""
+        self._requests[request.request_id] = request
         self.scheduler.add_landed(request)
-        reason = self.scheduler.stop_reason(request, first_token)
-        if reason is not None:
-            self.scheduler.finish(request, reason)
-            self._requests.pop(request_id, None)
-        elif self.spec is not None:  # drafts for the first verify: the drafter's slot of the first token
-            last = cast(torch.Tensor, request.last_hidden)  # set by the commit above
-            empty = last.new_zeros((0, last.shape[-1]))
-            if self.pool.reserve(request, request.num_tokens + self.lookahead):
-                n = request.num_computed_tokens
-                self.spec.catch_up([CatchUp(request, n, n, empty, True)])
-        return request.output(self.tokenizer)
+
+    def finish_landed(self, request: Request, reason: str) -> None:
+        """A landed request that stopped on its first token."""
+        self.scheduler.finish(request, reason)
+        self._requests.pop(request.request_id, None)
 
     def stats(self) -> dict[str, int]:
         """Load figures for health checks and routing."""
@@ -302,17 +280,17 @@ class LLMEngine:
 
     def graph_stats(self) -> dict[str, int]:
         """Decode steps (verify steps when speculating) replayed from a CUDA graph (the decode rows of split mixed
-        steps included), decode-only steps that ran eagerly, mixed steps split into a replay and an eager prefill
-        (0 without graphs), mixed steps whose decode rows were folded into the prefill forward, and prefill forwards
-        (a step's prefill chunks) replayed from a prefill graph or run eagerly beside them."""
-        return graph_stats(self.runner)
+        steps included), decode-only steps that ran eagerly, mixed steps split into a replay and a prefill
+        forward, and prefill forwards (a step's prefill chunks) replayed from a prefill graph or run eagerly beside
+        them (all 0 without graphs)."""
+        return self.runner.graph_stats()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self, on_launched: Callable[[], None] | None = None) -> list[RequestOutput]:
-        """Schedule, run one forward, accept / sample, apply stop rules, draft; returns updated requests.
+        """Schedule -> execute (one forward; speculating, verify and accept) -> update; returns updated requests.
         `on_launched` runs once the forward is queued, while the GPU computes it (a worker loop hands the previous
         step's outputs to their streams there); not called when the step queues no forward."""
         clock = StepClock()
@@ -320,11 +298,24 @@ class LLMEngine:
         work = self.scheduler.schedule()
         if work.is_empty:
             return []
-        verify = self.spec.verify_inputs(work.decodes) if self.spec is not None else None
         prefills = [(c.request, c.num_tokens) for c in work.prefills]
         checkpoint_slots = self.pool.plan_checkpoints(prefills)
+        clock.schedule_done()
+        try:
+            output = self.runner.execute(work, checkpoint_slots, self._while_running(prefills, clock, on_launched))
+        except BaseException:
+            self.pool.cancel_plan()
+            raise
+        clock.execute_done()
+        updated = self._update(work, output)
+        self.last_step = clock.timing(len(work.decodes), sum(count for _, count in prefills))
+        return updated
 
-        def while_running() -> None:  # the prefix cache's host work, hidden behind the forward's GPU time
+    def _while_running(self, prefills: list[tuple[Request, int]], clock: StepClock,
+                       on_launched: Callable[[], None] | None) -> Callable[[], None]:
+        """Host work hidden behind the forward's GPU time: the caller's, then the prefix cache's."""
+
+        def while_running() -> None:
             clock.overlap_started()
             if on_launched is not None:
                 on_launched()
@@ -333,51 +324,20 @@ class LLMEngine:
             self.scheduler.prepare_waiting()
             clock.overlap_ended()
 
-        clock.schedule_done()
-        try:
-            output = self.runner.execute(work, checkpoint_slots, verify,
-                                         handoff.layer_hook(self._hooks, work.prefills) if self._hooks else None,
-                                         while_running=while_running)
-        except BaseException:
-            self.pool.cancel_plan()
-            raise
-        if self.spec is not None:
-            write_checkpoint_hidden(self.cache, work.prefills, checkpoint_slots, output, len(work.decodes),
-                                    self.state_block)
-            output = self.spec.accept(work.decodes, output)
-        clock.execute_done()
-        update = self.scheduler.update_from_output(work, output, self.spec)
-        updated: list[RequestOutput] = []
+        return while_running
+
+    def _update(self, work: SchedulerOutput, output: StepOutput) -> list[RequestOutput]:
+        """Apply the step's tokens (the scheduler: stops, cache commit, speculative rollback and catch-up), retire
+        finished requests (held ones to the connector) and run the connector's end-of-step callbacks."""
+        update = self.scheduler.update_from_output(work, output, self.runner.spec)
+        outputs = []
         for request in update.updated:
             if request.finished:
                 self._requests.pop(request.request_id, None)
-                if request.hold_state:
-                    self._held[request.request_id] = request
-            updated.append(request.output(self.tokenizer))
-        if self.spec is not None and self.spec.mtp is not None:
-            self.spec.catch_up(self._catch_up_work(update.rows, update.before, output))
-        for out in updated:
-            hooks = self._hooks.pop(out.request_id, None) if out.request_id in self._held else None
-            if hooks is not None and hooks.on_held is not None:
-                hooks.on_held(out.request_id)
-        if self._hooks:
-            handoff.progress(self._hooks, work.prefills)
-        self.last_step = clock.timing(len(work.decodes), sum(c.num_tokens for c in work.prefills))
-        return updated
-
-    def _catch_up_work(self, chunks: list[tuple[Request, int]], before: list[int], output: StepOutput) -> list[CatchUp]:
-        """The drafter's work after a step: every request that holds its slot and computed tokens."""
-        work = []
-        cu = output.batch.cu_seqlens.tolist()
-        for index, (request, _) in enumerate(chunks):
-            start, done = before[index], request.num_computed_tokens
-            if request.state_slot is None or done == start:
-                continue
-            rows = output.hidden[cu[index] : cu[index] + done - start]
-            draft = request.status is RequestStatus.RUNNING and request.is_decoding
-            draft = draft and self.pool.reserve(request, request.num_tokens + self.lookahead)
-            work.append(CatchUp(request, start, done if draft else done - 1, rows, draft))
-        return work
+                self.connector.request_finished(request)
+            outputs.append(request.output(self.tokenizer))
+        self.connector.step_finished()
+        return outputs
 
     def prompt_logits(self, prompt_token_ids: list[int]) -> torch.Tensor:
         """Logits at every prompt position [L, vocab] in one pass (scoring; no generation)."""

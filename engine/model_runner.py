@@ -1,179 +1,188 @@
-"""Turns a `SchedulerOutput` into one forward over packed tokens and samples the requests that are due."""
+"""Turns a `SchedulerOutput` into one forward over packed tokens and samples the requests that are due.
+
+`ModelRunner.forward` is the one place a batch's path is chosen: a decode-only batch that fits a captured bucket
+replays its decode (or verify) graph; a prefill-only batch that fits a prefill bucket replays a prefill graph; a
+mixed batch (with `split_mixed`) replays its decode rows' graph beside the prefill rows' graph or eager forward;
+everything else runs eagerly. Under tensor parallelism rank 0 first sends the forward to the followers, which take
+the same path on their shards (engine/tp_worker.py). Speculative decoding lives here too: `execute` builds the
+verify rows' inputs, and accepts their drafts once the forward ran (`SpecDecoder`).
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from hybridserve.common.outputs import TokenLogprob
+from hybridserve.engine.batch_builder import VerifyInputs, build_forward_batch
+from hybridserve.engine.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from hybridserve.engine.logits_processors import process_logits
 from hybridserve.engine.logprobs import gather_logprobs, sampled_logprobs
+from hybridserve.engine.prefill_graphs import PrefillGraphs, capture_prefill_graphs
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampler import sample
 from hybridserve.engine.scheduler import SchedulerOutput
+from hybridserve.engine.spec_config import SpeculativeConfig
+from hybridserve.engine.spec_decode import SpecDecoder
+from hybridserve.engine.spec_memory import write_checkpoint_hidden
 from hybridserve.engine.step_output import StepOutput
 from hybridserve.engine.structured_output import GrammarBackend
+from hybridserve.engine.tp_worker import Leader
 from hybridserve.kernels.host_index import pack_to_device
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.state_cache import StateCache
 
 
-@dataclass(frozen=True)
-class VerifyInputs:
-    """The decode rows of a speculative step: each feeds its last token plus drafts (T tokens in all)."""
+@dataclass
+class ForwardCounts:
+    """Which path the runner's forwards took (`LLMEngine.graph_stats`)."""
 
-    tokens: list[list[int]]  # per decode row, T input tokens
-    rollback: str  # "intermediate" | "replay"
-    num_replay: list[int]  # per decode row, tokens of its previous verify to fold in (replay)
-
-
-
-def build_forward_batch(
-    chunks: list[tuple[Request, int]],
-    num_decode: int,
-    page_size: int,
-    device: torch.device,
-    state_block: int | None = None,
-    checkpoint_slots: list[int] | None = None,
-    verify: VerifyInputs | None = None,
-    layer_done: Callable[[int], None] | None = None,
-) -> tuple[torch.Tensor, ForwardBatch]:
-    """(request, new token count) pairs, decodes first -> (input ids [N], batch metadata).
-    `checkpoint_slots`: one slot (or -1) per state_block boundary the prefill chunks cross, in chunk then
-    position order; the Mamba layers write their state at those boundaries there. With `verify` the decode
-    rows take its T tokens each instead of their one pending token."""
-    input_ids: list[int] = []
-    rows = []
-    for index, (request, count) in enumerate(chunks):
-        start = request.num_computed_tokens
-        if verify is not None and index < num_decode:
-            input_ids.extend(verify.tokens[index])
-        else:
-            input_ids.extend(request.all_token_ids[start : start + count])
-        rows.append(PlacedRow(request.page_ids, start, count, -1 if request.state_slot is None else request.state_slot))
-
-    boundary_rows = _checkpoint_rows(state_block, checkpoint_slots or [])
-    batch, (ids, *kept) = place_rows(
-        rows, num_decode, page_size, device, extra=[input_ids, *([boundary_rows] if boundary_rows else [])],
-        **_verify_fields(verify, num_decode, device),
-        **({"layer_done": layer_done} if layer_done is not None else {}),
-    )
-    if boundary_rows:
-        batch = dataclasses.replace(batch, state_block=state_block, num_checkpoint_boundaries=len(boundary_rows),
-                                    boundary_rows=kept[0])
-    return ids, batch
-
-
-@dataclass(frozen=True)
-class PlacedRow:
-    """`count` new tokens of one sequence from position `start`, in its KV pages and state slot."""
-
-    page_ids: list[int]
-    start: int
-    count: int
-    state_slot: int = -1
-
-
-def place_rows(
-    rows: list[PlacedRow], num_decode: int, page_size: int, device: torch.device,
-    extra: Sequence[Sequence[int]] = (), **fields: object,
-) -> tuple[ForwardBatch, list[torch.Tensor]]:
-    """The batch metadata placing each row's tokens (slot mapping, block tables, lengths) and the `extra` int64
-    arrays, all sent in one host->device copy that does not wait for the device (torch.tensor(..., device=)
-    per array costs a copy and a stream sync each); `fields` adds the optional ForwardBatch fields."""
-    slot_mapping: list[int] = []
-    max_pages = max((len(r.page_ids) for r in rows), default=0)
-    cu = [0]
-    for row in rows:
-        pages = row.page_ids
-        if pages:
-            slot_mapping.extend(pages[p // page_size] * page_size + p % page_size
-                                for p in range(row.start, row.start + row.count))
-        else:
-            slot_mapping.extend([-1] * row.count)
-        cu.append(cu[-1] + row.count)
-
-    tables = [page for r in rows for page in (*r.page_ids, *[0] * (max_pages - len(r.page_ids)))]
-    cu_t, context_t, kv_t, slots_t, tables_t, mapping_t, *extra_t = pack_to_device(
-        [cu, [r.start for r in rows], [r.start + r.count for r in rows], [r.state_slot for r in rows], tables,
-         slot_mapping, *extra], torch.int64, device)
-    batch = ForwardBatch(
-        num_decode=num_decode,
-        query_lens=tuple(r.count for r in rows),
-        cu_seqlens=cu_t,
-        context_lens=context_t,
-        kv_lens=kv_t,
-        state_slots=slots_t,
-        block_tables=tables_t.view(len(rows), max_pages),
-        slot_mapping=mapping_t,
-        context_lens_host=tuple(r.start for r in rows),
-        **fields,  # type: ignore[arg-type]
-    )
-    return batch, extra_t
-
-
-def _checkpoint_rows(state_block: int | None, slots: list[int]) -> list[int]:
-    """One checkpoint slot (or -1) per boundary when the batch keeps any, else [] (no checkpoint fields)."""
-    if state_block is None or all(s < 0 for s in slots):
-        return []
-    return slots
-
-def _verify_fields(verify: VerifyInputs | None, num_decode: int, device: torch.device) -> dict[str, object]:
-    if verify is None or num_decode == 0:
-        return {}
-    return {
-        "decode_len": len(verify.tokens[0]),
-        "spec_rollback": verify.rollback,
-        "num_replay": pack_to_device([verify.num_replay], torch.int32, device)[0],
-    }
+    graph_decode_steps: int = 0  # decode (verify) steps replayed from a graph, split mixed steps' decode rows too
+    eager_decode_steps: int = 0  # decode-only steps no graph took (a boundary row, a wide table, too many rows)
+    split_mixed_steps: int = 0  # mixed steps whose decode rows replayed a graph beside their prefill rows
+    graph_prefill_forwards: int = 0  # prefill forwards (a step's prefill chunks) replayed from a prefill graph
+    eager_prefill_forwards: int = 0  # prefill forwards no prefill graph took (too large, too many sequences)
 
 
 class ModelRunner:
-    """Owns the model and its state cache on one device."""
+    """Owns the model's forward on one device (rank 0 of a tensor-parallel group: with `tp`), its CUDA graphs and
+    the speculative decoder. `split_mixed`: mixed steps replay their decode rows' graph (EngineConfig
+    .split_mixed_steps; never under tensor parallelism, where every rank must take the same path)."""
 
     def __init__(
         self, model: HybridLM, cache: StateCache, page_size: int, device: torch.device, state_block: int | None = None,
-        fold_decode_rows: bool = False,
+        speculative: SpeculativeConfig | None = None, tp: Leader | None = None, split_mixed: bool = True,
     ) -> None:
         self.model = model
-        self.fold_decode_rows = fold_decode_rows  # EngineConfig.fold_decode_rows
-        self.num_folded_steps = 0  # mixed steps whose decode rows ran as one-token prefill chunks
         self.cache = cache
         self.page_size = page_size
         self.device = device
         self.state_block = state_block
-        self.grammar: GrammarBackend | None = None  # set by the engine on its first structured request
+        self.tp = tp
+        self.split_mixed = split_mixed and tp is None
+        self.decode_graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
+        self.counts = ForwardCounts()
+        self.grammar: GrammarBackend | None = None  # `use_grammar`, on the engine's first structured request
+        if speculative is not None and speculative.rollback == "replay":
+            cache.enable_replay(speculative.num_verify_tokens)
+        self.spec = SpecDecoder(speculative, self, cache, page_size) if speculative is not None else None
 
+    # ---- start-up -------------------------------------------------------------------------------
+    def capture_graphs(self, max_batch: int, max_pages: int, prefill_tokens: int, prefill: bool) -> None:
+        """Decode graphs (verify graphs when speculating) for up to `max_batch` rows, then (`prefill`) prefill
+        graphs up to `prefill_tokens` beside them. Under tensor parallelism every rank captures its decode graphs in
+        lockstep (the all-reduces inside them pair up); speculating there, verify steps run eagerly."""
+        if self.tp is not None:
+            if self.spec is None:
+                self.decode_graphs = self.tp.capture_graphs(self.model, self.cache, max_batch, max_pages)
+            return
+        spec = self.spec
+        self.decode_graphs = capture_decode_graphs(
+            self.model, self.cache, max_batch, max_pages, tokens=spec.tokens if spec is not None else 1,
+            rollback=spec.config.rollback if spec is not None else None)
+        if prefill and self.decode_graphs is not None:
+            assert self.state_block is not None  # an engine's runner
+            self.prefill_graphs = capture_prefill_graphs(self.model, self.cache, max_pages, self.state_block,
+                                                         prefill_tokens)
+
+    def use_grammar(self, backend: GrammarBackend) -> None:
+        """Apply grammar masks from now on (sampling and speculative verification)."""
+        self.grammar = backend
+        if self.spec is not None:
+            self.spec.grammar = backend
+
+    def graph_stats(self) -> dict[str, int]:
+        return dict(vars(self.counts))
+
+    # ---- the forward ----------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states [N, hidden] of a packed batch, by the one path it takes (module docstring)."""
+        if self.tp is not None:
+            self.tp.send_forward(input_ids, batch)  # the followers run the same path on their shards
+        graphs, counts = self.decode_graphs, self.counts
+        if graphs is not None:
+            size = graphs.bucket_for(batch)
+            if size is not None:
+                counts.graph_decode_steps += 1
+                return graphs.replay(size, input_ids, batch)
+            if batch.num_decode == batch.num_seqs:
+                counts.eager_decode_steps += 1
+            elif self.split_mixed and batch.num_decode and batch.layer_done is None:
+                decodes = batch.decode_half()
+                size = graphs.bucket_for(decodes)
+                if size is not None:
+                    counts.graph_decode_steps += 1
+                    counts.split_mixed_steps += 1
+                    rows = batch.num_decode * batch.decode_len
+                    # [N, hidden]: the graphs' output buffers are rewritten by their next replays, so they are
+                    # copied now (decode and prefill graphs keep separate memory pools)
+                    decoded = graphs.replay(size, input_ids[:rows], decodes)
+                    return torch.cat([decoded, self._prefill_forward(input_ids[rows:], batch.prefill_half())])
+        if batch.num_decode == 0:
+            return self._prefill_forward(input_ids, batch)
+        return self.model(input_ids, batch, self.cache)
+
+    def _prefill_forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """A prefill-only batch: a prefill graph's replay where one takes it, else eagerly."""
+        if self.prefill_graphs is not None:
+            hidden = self.prefill_graphs.run(input_ids, batch)
+            if hidden is not None:
+                self.counts.graph_prefill_forwards += 1
+                return hidden
+            self.counts.eager_prefill_forwards += 1
+        return self.model(input_ids, batch, self.cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[M, hidden] -> [M, vocab] (under tensor parallelism every rank computes its vocabulary shard)."""
+        if self.tp is not None:
+            return self.tp.compute_logits(self.model, hidden)
+        return self.model.compute_logits(hidden)
+
+    def mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, batch: ForwardBatch,
+                    cache: StateCache) -> torch.Tensor:
+        """One pass of the MTP drafter ([N], [N, hidden] -> [N, hidden]), on every rank under tensor parallelism."""
+        if self.tp is not None:
+            self.tp.send_mtp_forward(self.model, input_ids, prev_hidden, batch)
+        return self.model.mtp_forward(input_ids, prev_hidden, batch, cache)
+
+    # ---- a step ---------------------------------------------------------------------------------
     def execute(
-        self, work: SchedulerOutput, checkpoint_slots: list[int] | None = None, verify: VerifyInputs | None = None,
-        layer_done: Callable[[int], None] | None = None, while_running: Callable[[], None] | None = None,
+        self, work: SchedulerOutput, checkpoint_slots: list[int] | None = None,
+        while_running: Callable[[], None] | None = None,
     ) -> StepOutput:
-        """Run the step and sample every request whose pending tokens are now computed (verify rows are
-        left to the acceptance step: their logits come back instead). `checkpoint_slots`: from
-        `StatePool.plan_checkpoints` for this step's prefill chunks; `layer_done`: `ForwardBatch.layer_done`;
-        `while_running`: host work to do once the forward is queued, before the host waits for its tokens."""
+        """Run the step and sample every request whose pending tokens are now computed; speculating, the decode rows
+        verify their drafts and keep the accepted ones. `checkpoint_slots`: from `StatePool.plan_checkpoints` for this
+        step's prefill chunks; `while_running`: host work to do once the forward is queued, before the host waits for
+        its tokens."""
         nd = len(work.decodes)
+        verify = self.spec.verify_inputs(work.decodes) if self.spec is not None else None
         tokens = len(verify.tokens[0]) if verify is not None and nd else 1
         chunks = [(r, tokens) for r in work.decodes] + [(c.request, c.num_tokens) for c in work.prefills]
-        model_nd = nd
-        if self.fold_decode_rows and nd and work.prefills and verify is None:
-            # the decode rows become one-token chunks resumed from their state slot: the model sees a prefill
-            model_nd, checkpoint_slots = 0, self._fold_boundaries(work.decodes, checkpoint_slots)
-            self.num_folded_steps += 1
         input_ids, batch = build_forward_batch(
-            chunks, model_nd, self.page_size, self.device, self.state_block, checkpoint_slots, verify, layer_done
+            chunks, nd, self.page_size, self.device, self.state_block, checkpoint_slots, verify
         )
-        hidden = self.model(input_ids, batch, self.cache)
+        hidden = self.forward(input_ids, batch)
         if while_running is not None:
             while_running()
+        output = self._sample(chunks, nd, verify, hidden, batch)
+        if self.spec is None:
+            return output
+        assert self.state_block is not None  # an engine's runner
+        write_checkpoint_hidden(self.cache, work.prefills, checkpoint_slots or [], output, nd, self.state_block)
+        return self.spec.accept(work.decodes, output)
+
+    def _sample(self, chunks: list[tuple[Request, int]], nd: int, verify: VerifyInputs | None, hidden: torch.Tensor,
+                batch: ForwardBatch) -> StepOutput:
+        """Verify logits for the verify rows; a token (and logprobs) for every other row whose prompt is done."""
+        tokens = len(verify.tokens[0]) if verify is not None and nd else 1
         verify_logits = None
         if verify is not None and nd:
-            verify_logits = self.model.compute_logits(hidden[: nd * tokens]).view(nd, tokens, -1)
+            verify_logits = self.compute_logits(hidden[: nd * tokens]).view(nd, tokens, -1)
         first_sampled = nd if verify is not None else 0
         due = [i for i in range(first_sampled, len(chunks)) if chunks[i][1] == chunks[i][0].num_pending_tokens]
         new_token_ids: list[list[int]] = [[] for _ in chunks]
@@ -184,7 +193,7 @@ class ModelRunner:
         rows = pack_to_device([[ends[i] - 1 for i in due]], torch.int64, self.device)[0]  # no stream sync
         last_hidden = hidden[rows]  # [num_due, hidden]
         requests = [chunks[i][0] for i in due]
-        raw_logits = self.model.compute_logits(last_hidden)  # [num_due, V]; logprobs report these (as vLLM)
+        raw_logits = self.compute_logits(last_hidden)  # [num_due, V]; logprobs report these (as vLLM)
         logits = process_logits(raw_logits, [r.params for r in requests],
                                 [(r.prompt_token_ids, r.output_token_ids) for r in requests],
                                 self.model.config.eos_token_ids)
@@ -206,16 +215,6 @@ class ModelRunner:
             for row, entry in zip(wanted, found):
                 logprobs[due[row]] = [entry]
         return StepOutput(hidden, batch, new_token_ids, verify_logits, first_sampled, logprobs, prompt_logprobs)
-
-    def _fold_boundaries(self, decodes: Sequence[Request], checkpoint_slots: list[int] | None) -> list[int] | None:
-        """The checkpoint slots of a folded step: a decode row whose token lands on a multiple of state_block
-        crosses a checkpoint boundary as a prefill chunk would; it keeps none (-1), ahead of the prefill chunks'
-        boundaries (boundaries are listed in row order, decode rows first)."""
-        block = self.state_block
-        if not checkpoint_slots or block is None:
-            return checkpoint_slots  # no boundary kept: the kernels look for none
-        crossing = sum(1 for r in decodes if (r.num_computed_tokens + 1) % block == 0)
-        return [-1] * crossing + checkpoint_slots
 
     def _prompt_logprobs(self, chunks: list[tuple[Request, int]], num_decode: int, hidden: torch.Tensor,
                          batch: ForwardBatch) -> dict[int, tuple[int, list[TokenLogprob]]] | None:
@@ -239,11 +238,11 @@ class ModelRunner:
             num_top.extend([request.params.prompt_logprobs or 0] * len(positions))
         if not targets:
             return None
-        logits = self.model.compute_logits(hidden[torch.tensor(sources, device=hidden.device)])  # [P, V]
+        logits = self.compute_logits(hidden[torch.tensor(sources, device=hidden.device)])  # [P, V]
         entries = gather_logprobs(torch.log_softmax(logits.float(), dim=-1), targets, num_top)
         return {i: (first, entries[offset : offset + n]) for i, (first, offset, n) in spans.items() if n}
 
     def prompt_logits(self, request: Request) -> torch.Tensor:
         """Logits at every prompt position [L, vocab] for a request holding its slot and pages (one pass)."""
         input_ids, batch = build_forward_batch([(request, request.num_tokens)], 0, self.page_size, self.device)
-        return self.model.compute_logits(self.model(input_ids, batch, self.cache))
+        return self.compute_logits(self.forward(input_ids, batch))

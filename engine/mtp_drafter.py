@@ -11,10 +11,11 @@ accepted tokens are overwritten by the next catch-up, like the target's rejected
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from hybridserve.engine.model_runner import PlacedRow, place_rows
+from hybridserve.engine.batch_builder import PlacedRow, place_rows
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampler import draw, params_probs
 from hybridserve.kernels.host_index import pack_to_device
@@ -34,6 +35,17 @@ class CatchUp:
     draft: bool
 
 
+class DrafterCalls(Protocol):
+    """The model calls the drafter makes (`ModelRunner`'s: they reach every rank under tensor parallelism)."""
+
+    model: HybridLM
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, batch: ForwardBatch,
+                    cache: StateCache) -> torch.Tensor: ...
+
+
 def _slot_batch(rows: list[tuple[Request, int, int]], page_size: int, device: torch.device) -> ForwardBatch:
     """A prefill-shaped batch placing `count` drafter slots of each request from position `start` (the drafter
     has no Mamba layers: no state slots)."""
@@ -43,7 +55,7 @@ def _slot_batch(rows: list[tuple[Request, int, int]], page_size: int, device: to
 class MTPDrafter:
     """Runs the drafter's catch-up and draft passes for a batch of requests."""
 
-    def __init__(self, model: HybridLM, cache: StateCache, page_size: int, num_drafts: int) -> None:
+    def __init__(self, model: DrafterCalls, cache: StateCache, page_size: int, num_drafts: int) -> None:
         if cache.hidden_states.shape[0] == 0:
             raise ValueError("MTP drafting needs a model with Mamba layers (the carried hidden state lives in its slots)")
         self.model = model

@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from hybridserve.engine.cuda_graphs import GraphedModel
 from hybridserve.kernels.ops import (
     INT32_FIELDS,
     PREFILL_BLOCK_M,
@@ -41,8 +40,7 @@ logger = logging.getLogger(__name__)
 
 # Token buckets, up to 1024: past that a prefill step is bound by the GPU, not by its launches (on the H200 a lone
 # 1100-token prompt took 39.0 ms padded to 1280 in a graph vs 35.2 ms eagerly, 2048 tokens 60.0 vs 59.3 ms; 128
-# tokens 10.9 vs 29.2 ms: bench/results/h200/serving/). The engine adds one bucket of the top
-# one plus its running batch, for a full prefill chunk with decode rows folded in (fold_decode_rows).
+# tokens 10.9 vs 29.2 ms: bench/results/h200/serving/).
 DEFAULT_TOKEN_BUCKETS = (64, 128, 256, 384, 512, 640, 768, 896, 1024)
 SEQS = 8  # sequences per captured prefill by default: up to 7 real ones, then the padding sequence (and empty ones)
 ALIGN = 16  # bytes: every static index array starts 16-byte aligned (Triton specializes on pointer alignment)
@@ -274,31 +272,22 @@ class PrefillGraphs:
     """Captured prefill forwards of `model` over `cache`, one per token bucket up to `max_tokens`."""
 
     def __init__(self, model: HybridLM, cache: StateCache, max_pages: int, chunk_size: int, state_block: int,
-                 max_tokens: int, buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS, seqs: int = SEQS,
-                 extra_rows: int = 0) -> None:
-        """`extra_rows` > 0 adds a bucket of the largest one plus that many one-token sequences (decode rows folded
-        into the prefill forward), which holds `extra_rows` more sequences than the others."""
+                 max_tokens: int, buckets: tuple[int, ...] = DEFAULT_TOKEN_BUCKETS, seqs: int = SEQS) -> None:
         if state_block % chunk_size:
             raise ValueError(f"state_block ({state_block}) must be a multiple of chunk_size ({chunk_size})")
         self.model = model
         self.cache = cache
         if max_tokens <= 0 or not buckets:
             raise ValueError(f"prefill graphs need token buckets and max_tokens > 0, got {buckets}, {max_tokens}")
-        # up to the step's prefill budget (itself a bucket), plus `extra_rows` one-token rows on top of the largest
-        # (decode rows folded into a prefill forward); past the largest bucket a prefill runs eagerly (a step that
-        # large is bound by the GPU, not by its launches)
+        # up to the step's prefill budget (itself a bucket); past the largest bucket a prefill runs eagerly (a step
+        # that large is bound by the GPU, not by its launches)
         top = min(max_tokens, max(buckets))
-        self.buckets = tuple(sorted({b for b in buckets if b < top} | {top, top + extra_rows}))
+        self.buckets = tuple(sorted({b for b in buckets if b < top} | {top}))
         device = next(model.parameters()).device
-        # every sequence costs a little memory in the captured scan ([H, P, N] states per chunk and sequence): only
-        # the fold bucket holds the running batch's rows
-        self.buffers = {b: PrefillBuffers(PrefillShape.for_bucket(b, seqs + (extra_rows if b > top else 0),
-                                                                  chunk_size, state_block),
+        self.buffers = {b: PrefillBuffers(PrefillShape.for_bucket(b, seqs, chunk_size, state_block),
                                           max_pages, chunk_size, state_block, device) for b in self.buckets}
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None
-        self.num_replays = 0  # prefill forwards served by a graph
-        self.num_eager = 0  # prefill-only forwards that ran eagerly (too large, too many sequences, staging)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -333,32 +322,23 @@ class PrefillGraphs:
         valid until its next replay), or None: the caller runs the model eagerly."""
         size = self.bucket_for(batch)
         if size is None or not self.buffers[size].load(input_ids, batch):
-            if batch.num_decode == 0:
-                self.num_eager += 1
             return None
-        self.num_replays += 1
         graph, hidden = self.graphs[size]
         graph.replay()
         return hidden[: batch.num_tokens]
 
 
-def enable_prefill_graphs(graphed: object, max_pages: int, state_block: int, max_tokens: int,
-                          fold_rows: int) -> PrefillGraphs | None:
-    """Capture prefill graphs for a runner's model when it is a GraphedModel (decode graphs captured: else None) and
-    route its prefill forwards through them; a model whose prefill cannot be captured keeps running it eagerly:
-    returns None. `fold_rows` (fold_decode_rows: the running batch size, else 0) adds the bucket that takes a full
-    prefill chunk beside that many folded decode rows."""
-    if not isinstance(graphed, GraphedModel):
-        return None
-    mamba = graphed.model.config.mamba
-    graphs = PrefillGraphs(graphed.model, graphed.graphs.cache, max_pages, mamba.chunk_size if mamba else state_block,
-                           state_block, max_tokens, extra_rows=fold_rows)
+def capture_prefill_graphs(model: HybridLM, cache: StateCache, max_pages: int, state_block: int,
+                           max_tokens: int) -> PrefillGraphs | None:
+    """Prefill graphs of `model` over `cache` on CUDA, or None: a model whose prefill cannot be captured keeps
+    running it eagerly."""
+    mamba = model.config.mamba
+    graphs = PrefillGraphs(model, cache, max_pages, mamba.chunk_size if mamba else state_block, state_block, max_tokens)
     try:
         graphs.capture()
     except Exception as exc:  # noqa: BLE001 - a capture failure of any kind leaves the eager prefill, which works
         logger.warning("prefill step not capturable as a CUDA graph, running it eagerly: %s", exc)
         torch.cuda.synchronize()
         return None
-    graphed.prefill = graphs
     logger.info("captured prefill CUDA graphs for %s-token buckets", ", ".join(map(str, graphs.buckets)))
     return graphs

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -61,13 +61,17 @@ class StepUpdate:
 
 class StepCommit(Protocol):
     """Speculative decoding's part of a step's commit: which rows verified, a state at a checkpoint boundary
-    inside the accepted tokens, and the state rollback to the last kept token."""
+    inside the accepted tokens, the state rollback to the last kept token, and the drafter's catch-up over the
+    step's tokens (`reserve` gives a request that goes on decoding pages for its next drafts)."""
 
     def begin_commit(self, decodes: list[Request], before: list[int]) -> None: ...
 
     def snapshot(self, request: Request, num_tokens: int, row: int) -> None: ...
 
     def rollback(self, decodes: list[Request], computed: list[int]) -> None: ...
+
+    def catch_up(self, rows: list[tuple[Request, int]], before: list[int], output: StepOutput,
+                 reserve: Callable[[Request], bool]) -> None: ...
 
 
 class Scheduler:
@@ -218,7 +222,7 @@ class Scheduler:
         """Append each row's new token ids (one list per row, speculative or not) up to the first stop, advance
         the computed counts (a verify row computed exactly the tokens it kept), commit the step to the pool
         (cached blocks, checkpoints; `spec` snapshots and rolls back), then finish (or detach, for a request
-        whose state is exported next) every request that stopped."""
+        whose state is exported next) every request that stopped; last, `spec`'s drafter catches up."""
         rows = [(r, 1) for r in work.decodes] + [(c.request, c.num_tokens) for c in work.prefills]
         before = [r.num_computed_tokens for r, _ in rows]
         stops: dict[int, str] = {}
@@ -261,7 +265,13 @@ class Scheduler:
             elif reason is not None:
                 self.finish(request, reason)
             updated.append(request)
+        if spec is not None:
+            spec.catch_up(rows, before, output, self._reserve_drafts)
         return StepUpdate(rows, before, updated)
+
+    def _reserve_drafts(self, request: Request) -> bool:
+        """Pages for a decoding request's next verify (its tokens and `decode_lookahead` drafts); False if short."""
+        return self.pool.reserve(request, request.num_tokens + self.decode_lookahead)
 
     def stop_reason(self, request: Request, token: int) -> str | None:
         """Why the request stops after appending `token` (called once per appended token, in order), or None:

@@ -21,13 +21,13 @@ from typing import cast
 import torch
 
 from hybridserve.common.outputs import TokenLogprob
+from hybridserve.engine.batch_builder import VerifyInputs
 from hybridserve.engine.logits_processors import needs_processing, process_row
 from hybridserve.engine.logprobs import sampled_logprobs
-from hybridserve.engine.model_runner import VerifyInputs
-from hybridserve.engine.mtp_drafter import CatchUp, MTPDrafter
+from hybridserve.engine.mtp_drafter import CatchUp, DrafterCalls, MTPDrafter
 from hybridserve.engine.ngram_drafter import NgramIndex
 from hybridserve.engine.rejection import Acceptance, accept_greedy, accept_sampled
-from hybridserve.engine.request import Request
+from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.engine.spec_config import SpeculativeConfig
 from hybridserve.engine.step_output import StepOutput
 from hybridserve.engine.structured_output import GrammarBackend, fill_verify_masks
@@ -114,8 +114,10 @@ class _VerifyStep:
 class SpecDecoder:
     """Owns the drafter, builds the verify inputs, accepts, rolls back and counts."""
 
-    def __init__(self, config: SpeculativeConfig, model: HybridLM, cache: StateCache, page_size: int) -> None:
+    def __init__(self, config: SpeculativeConfig, runner: DrafterCalls, cache: StateCache, page_size: int) -> None:
+        """`runner`: the ModelRunner whose forwards this decoder verifies (the MTP drafter runs through it)."""
         self.config = config
+        model = runner.model
         self.model = model
         self.cache = cache
         self.num_drafts = config.num_speculative_tokens
@@ -128,7 +130,7 @@ class SpecDecoder:
                     "speculative_config method 'mtp' needs a checkpoint with an MTP module (config "
                     "`num_nextn_predict_layers` and `mtp.*` weights); use method 'ngram' for this model"
                 )
-            self.mtp = MTPDrafter(model, cache, page_size, self.num_drafts)
+            self.mtp = MTPDrafter(runner, cache, page_size, self.num_drafts)
         self._step: _VerifyStep | None = None
         self._output: StepOutput | None = None
         self.grammar: GrammarBackend | None = None  # set by the engine on its first structured request
@@ -266,7 +268,28 @@ class SpecDecoder:
                 request.replay_pending = count
         self._step = None
 
-    def catch_up(self, work: list[CatchUp]) -> None:
-        """MTP: the drafter's slots for this step's tokens, then drafts for requests that keep decoding."""
+    def catch_up(self, rows: list[tuple[Request, int]], before: list[int], output: StepOutput,
+                 reserve: Callable[[Request], bool]) -> None:
+        """MTP: the drafter's slots for this step's tokens (every row that holds its slot and computed tokens),
+        then drafts for requests that keep decoding and got pages for them from `reserve`."""
+        if self.mtp is None:
+            return
+        work = []
+        cu = output.batch.cu_seqlens.tolist()
+        for index, (request, _) in enumerate(rows):
+            start, done = before[index], request.num_computed_tokens
+            if request.state_slot is None or done == start:
+                continue
+            hidden = output.hidden[cu[index] : cu[index] + done - start]
+            draft = request.status is RequestStatus.RUNNING and request.is_decoding and reserve(request)
+            work.append(CatchUp(request, start, done if draft else done - 1, hidden, draft))
+        self.mtp.run(work)
+
+    def draft_landed(self, request: Request) -> None:
+        """MTP: the drafts of a request whose prefill ran elsewhere, for its first verify (the drafter's slot of
+        its first token; its pages for them were reserved)."""
         if self.mtp is not None:
-            self.mtp.run(work)
+            last = request.last_hidden
+            assert last is not None  # set by the state commit
+            n = request.num_computed_tokens
+            self.mtp.run([CatchUp(request, n, n, last.new_zeros((0, last.shape[-1])), True)])

@@ -158,8 +158,6 @@ def commit(engine: TPEngine, request: Request, tensors: dict[str, torch.Tensor],
     num_tokens = len(request.prompt_token_ids)
     device = engine.config.torch_device
     on_device = {k: v.to(device) for k, v in tensors.items()}
-    if "kv_tail" in on_device:  # an early-sent state's layout (`split_kv_specs`): the ranks take the plain one
-        on_device["kv"] = torch.cat([on_device["kv"], on_device.pop("kv_tail")])
     leader.send_state_command(False, request.page_ids, request.state_slot, num_tokens)
     local = scatter_state(leader.tp, leader.global_config, on_device)
     handoff.commit(engine, request, {**local, "hidden": tensors["hidden"]}, first_token, num_cached_tokens)

@@ -9,7 +9,8 @@ stay one logical cache on rank 0. gloo on CPU, NCCL on CUDA.
 
 CUDA graphs: on CAPTURE every rank captures the same decode buckets in lockstep, so each graph holds the
 block's NCCL all-reduces; a FORWARD is still broadcast eagerly (its header and inputs), and every rank then
-picks the same bucket from the same batch and replays its own graph (engine/cuda_graphs.py).
+picks the same bucket from the same batch and replays its own graph (engine/cuda_graphs.py); rank 0's
+`ModelRunner.forward` sends the forward, then takes the path every follower takes in `follow`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch.multiprocessing as mp
 
 from hybridserve.common.model_config import ModelConfig
 from hybridserve.engine.config import DTYPES, EngineConfig
-from hybridserve.engine.cuda_graphs import DecodeGraphs, GraphedModel
+from hybridserve.engine.cuda_graphs import DecodeGraphs
 from hybridserve.engine.spec_decode import rollback_states, snapshot_state
 from hybridserve.engine.tp_handoff import follow_state_command
 from hybridserve.models.forward_batch import ForwardBatch
@@ -102,14 +103,33 @@ class Leader:
         for tensor in tensors:
             self.tp.broadcast(tensor.contiguous())
 
-    def capture_graphs(self, model: LeaderModel, cache: StateCache, max_batch: int, max_pages: int) -> DecodeGraphs:
-        """Capture rank 0's decode graphs with the followers capturing theirs (the all-reduces pair up);
-        rank 0's forwards then replay too. A capture error raises: ranks must not disagree on graphs."""
+    def capture_graphs(self, model: HybridLM, cache: StateCache, max_batch: int, max_pages: int) -> DecodeGraphs:
+        """Capture rank 0's decode graphs with the followers capturing theirs (the all-reduces pair up); mixed
+        steps stay whole under TP (every rank must take the same path). A capture error raises: ranks must not
+        disagree on graphs."""
         self.send([CAPTURE, max_batch, max_pages])
-        graphs = capture_rank_graphs(model.model, cache, max_batch, max_pages)
-        # mixed steps stay whole under TP (every rank must split alike; not measured on two GPUs yet)
-        model.model = cast(HybridLM, GraphedModel(model.model, graphs, split_mixed=False))
-        return graphs
+        return capture_rank_graphs(model, cache, max_batch, max_pages)
+
+    def send_forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> None:
+        """The followers run this forward on their shards (rank 0 then runs its own)."""
+        header, payload = pack_forward(input_ids, batch)
+        self.send(header, payload)
+
+    @torch.inference_mode()
+    def compute_logits(self, model: HybridLM, hidden: torch.Tensor) -> torch.Tensor:
+        """[M, hidden] -> [M, vocab] fp32: every rank computes its vocabulary shard, rank 0 gathers them."""
+        hidden = hidden.to(model.lm_head.weight.dtype)
+        self.send([LOGITS, hidden.shape[0], hidden.shape[1]], hidden)
+        logits = cast(VocabParallelLMHead, model.lm_head).gathered_logits(hidden)
+        assert logits is not None  # rank 0 receives the gather
+        return logits
+
+    def send_mtp_forward(self, model: HybridLM, input_ids: torch.Tensor, prev_hidden: torch.Tensor,
+                         batch: ForwardBatch) -> None:
+        """The followers run this pass of the sharded MTP drafter (its attention KV lives in each rank's pages)."""
+        header, payload = pack_forward(input_ids, batch)
+        prev_hidden = prev_hidden.to(model.lm_head.weight.dtype)
+        self.send([MTP_FORWARD, *header[1:], prev_hidden.shape[1]], payload, prev_hidden)
 
     def send_layout(self, layout: CacheLayout) -> None:
         self.send([LAYOUT, layout.num_pages, layout.page_size, layout.num_slots, layout.conv_width,
@@ -135,40 +155,6 @@ class Leader:
                 process.terminate()
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
-
-
-class LeaderModel:
-    """The rank-0 model: each call is sent to the followers first (they run the same collectives), then run
-    here; the engine uses it as it uses a HybridLM."""
-
-    def __init__(self, model: HybridLM, leader: Leader) -> None:
-        self.model = model
-        self.leader = leader
-        self.config = model.config
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.model, name)
-
-    def __call__(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: StateCache) -> torch.Tensor:
-        header, payload = pack_forward(input_ids, batch)
-        self.leader.send(header, payload)
-        return self.model(input_ids, batch, cache)
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, vocab] fp32
-        hidden = hidden.to(self.model.lm_head.weight.dtype)
-        self.leader.send([LOGITS, hidden.shape[0], hidden.shape[1]], hidden)
-        logits = cast(VocabParallelLMHead, self.model.lm_head).gathered_logits(hidden)
-        assert logits is not None  # rank 0 receives the gather
-        return logits
-
-    def mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, batch: ForwardBatch,
-                    cache: StateCache) -> torch.Tensor:  # [N], [N, hidden] -> [N, hidden]
-        """One pass of the sharded MTP drafter on every rank (its attention KV lives in each rank's pages)."""
-        header, payload = pack_forward(input_ids, batch)
-        prev_hidden = prev_hidden.to(self.model.lm_head.weight.dtype)
-        self.leader.send([MTP_FORWARD, *header[1:], prev_hidden.shape[1]], payload, prev_hidden)
-        return self.model.mtp_forward(input_ids, prev_hidden, batch, cache)
 
 
 class MirroredStateCache(StateCache):
@@ -244,7 +230,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_leader(model_dir: Path, config: EngineConfig) -> tuple[Leader, LeaderModel]:
+def start_leader(model_dir: Path, config: EngineConfig) -> tuple[Leader, HybridLM]:
     """Rank 0 of a TP group: joins torch.distributed's group when a launcher (torchrun) made one, else spawns
     ranks 1..N-1 on this host; returns the leader handle and rank 0's model."""
     size = config.tensor_parallel_size
@@ -279,7 +265,7 @@ def start_leader(model_dir: Path, config: EngineConfig) -> tuple[Leader, LeaderM
         leader.shutdown()
         raise
     logger.info("tensor-parallel engine: rank 0 of %d (%s)", size, backend)
-    return leader, LeaderModel(model, leader)
+    return leader, model
 
 
 def exit_with_parent(poll_s: float = 1.0) -> None:
@@ -325,7 +311,7 @@ def follow(model: HybridLM, tp: TPGroup, device: torch.device, config: EngineCon
     spec = config.speculative
     header = torch.zeros(HEADER, dtype=torch.int64, device=device)
     ssm_dtype = DTYPES[model.config.ssm_state_dtype]
-    forward: Any = model  # a GraphedModel once rank 0 asked for CUDA graphs
+    graphs: DecodeGraphs | None = None  # once rank 0 asked for CUDA graphs
     while True:
         fields = tp.broadcast(header).tolist()
         command = fields[0]
@@ -342,15 +328,19 @@ def follow(model: HybridLM, tp: TPGroup, device: torch.device, config: EngineCon
             payload = tp.broadcast(torch.empty(size, dtype=torch.int64, device=device))
             input_ids, batch = unpack_forward(fields, payload)
             assert cache is not None, "rank 0 sends the layout before any forward"
-            if command == FORWARD:
-                forward(input_ids, batch, cache)
+            if command == FORWARD:  # rank 0's path (`ModelRunner.forward`): a decode graph's bucket, or eager
+                size = graphs.bucket_for(batch) if graphs is not None else None
+                if graphs is not None and size is not None:
+                    graphs.replay(size, input_ids, batch)
+                else:
+                    model(input_ids, batch, cache)
                 states = batch.intermediate_states
             else:
                 prev = torch.empty(fields[1], fields[11], dtype=model.lm_head.weight.dtype, device=device)
                 model.mtp_forward(input_ids, tp.broadcast(prev), batch, cache)
         elif command == CAPTURE:
             assert cache is not None
-            forward = GraphedModel(model, capture_rank_graphs(model, cache, fields[1], fields[2]), split_mixed=False)
+            graphs = capture_rank_graphs(model, cache, fields[1], fields[2])
         elif command == LOGITS:
             hidden = tp.broadcast(torch.empty(fields[1], fields[2], dtype=model.lm_head.weight.dtype, device=device))
             cast(VocabParallelLMHead, model.lm_head).gathered_logits(hidden)

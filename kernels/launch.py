@@ -10,7 +10,7 @@ replaces the rest by one dict lookup keyed on that specialization and the launch
 compiled kernel's C launcher directly.
 
 The first launch of each specialization goes through Triton (compiling or autotuning it), as does every launch
-under the interpreter, while a launch hook is installed (profilers), when HYBRIDSERVE_LEAN_LAUNCH=0, or on a
+under the interpreter, while a launch hook is installed (profilers), or on a
 Triton release whose internals were not checked against this file (LEAN_TRITON_RELEASES). Triton's knobs
 (debug, instrumentation) are read when a specialization is first compiled, not on every launch. Hand-written:
 Triton has no public launch path without this per-call work (its `CompiledKernel[grid]` still builds launch
@@ -20,7 +20,6 @@ metadata and reads the current device per call).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -36,10 +35,59 @@ log = logging.getLogger(__name__)
 LEAN_TRITON_RELEASES = ("3.6",)
 
 
+def release_checked() -> bool:
+    """Whether the installed Triton is a release this file was checked against (LEAN_TRITON_RELEASES)."""
+    return triton.__version__.rsplit(".", 1)[0] in LEAN_TRITON_RELEASES
+
+
 def lean_enabled() -> bool:
     """Whether lean launches are on in this process (read once per kernel, at its first launch)."""
-    return (os.environ.get("HYBRIDSERVE_LEAN_LAUNCH", "1") != "0" and not interpreting()
-            and triton.__version__.rsplit(".", 1)[0] in LEAN_TRITON_RELEASES)
+    return not interpreting() and release_checked()
+
+
+# the call of the C launch function `LeanKernel.launch` stands in for (CudaLauncher.__call__'s, after scratch)
+LAUNCH_CALL = ("self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, "
+               "global_scratch, profile_scratch, *args)")
+
+
+def triton_internals_mismatches() -> list[str]:
+    """What `LeanKernel.launch` assumes of the installed Triton's internals and does not find (empty: all hold):
+    JITFunction.run's keywords, the binder as the last of a device cache's five entries, the autotuner's fields,
+    a compiled kernel's launcher fields, the CUDA launcher's call of the C launch function, the launch hooks."""
+    import inspect
+
+    from triton.backends.nvidia import driver as cuda_driver
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.jit import JITFunction
+
+    def source(obj: Any) -> str:
+        return " ".join(inspect.getsource(obj).split())  # whitespace-normalised
+
+    wanted = {
+        "JITFunction.run(*args, grid, warmup, **kwargs)": "grid" in inspect.signature(JITFunction.run).parameters
+        and "warmup" in inspect.signature(JITFunction.run).parameters,
+        "JITFunction.create_binder returns (..., binder) of 5": "return {}, {}, target, backend, binder"
+        in source(JITFunction.create_binder),
+        "JITFunction.device_caches": "self.device_caches" in source(JITFunction),
+        "Autotuner configs / keys / arg_names / cache / best_config": all(
+            f"self.{name}" in source(triton.runtime.Autotuner) for name in ("configs", "keys", "arg_names", "cache",
+                                                                            "best_config")),
+        "Config.all_kwargs / pre_hook": hasattr(triton.Config, "all_kwargs") and "pre_hook" in source(triton.Config),
+        "CompiledKernel run / function / packed_metadata": all(
+            name in source(CompiledKernel) for name in ("def run", "self.function", "self.packed_metadata")),
+        "CudaLauncher fields": all(f"self.{name} =" in source(cuda_driver.CudaLauncher) for name in (
+            "launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size")),
+        "CudaLauncher.__call__(gridX, gridY, gridZ, stream, function, *args)": list(
+            inspect.signature(cuda_driver.CudaLauncher.__call__).parameters) == [
+                "self", "gridX", "gridY", "gridZ", "stream", "function", "args"],
+        f"CudaLauncher calls {LAUNCH_CALL}": LAUNCH_CALL in source(cuda_driver.CudaLauncher.__call__),
+        "knobs.runtime launch hooks": hasattr(knobs.runtime, "launch_enter_hook")
+        and hasattr(knobs.runtime, "launch_exit_hook"),
+        # a CPU build of torch has neither, and launches nothing on CUDA
+        "torch's raw CUDA stream and device getters": not torch.cuda.is_available() or (
+            hasattr(torch._C, "_cuda_getCurrentRawStream") and hasattr(torch._C, "_cuda_getDevice")),
+    }
+    return [name for name, holds in wanted.items() if not holds]
 
 
 def _hooks_installed() -> bool:

@@ -101,13 +101,6 @@ def moe_align_ref(
     return sorted_pairs, block_expert, ends[-1:].to(torch.int32)
 
 
-def dequantize_rows(weight: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """[E, out, in] weights (fp8 or not) times per-channel scales [E, out] -> dtype."""
-    if scale is None:
-        return weight.to(dtype)
-    return (weight.float() * scale.float()[..., None]).to(dtype)
-
-
 def _expert_bmm(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None  # [E, C, in], [E, out, in], [E, out]
 ) -> torch.Tensor:

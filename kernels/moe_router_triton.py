@@ -13,7 +13,15 @@ import triton.language as tl
 
 from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.moe import RouterSpec, route_topk
-from hybridserve.kernels.triton_utils import cdiv, interpreting, next_pow2, pdl_gate, pdl_launch, prefetch_l2
+from hybridserve.kernels.triton_utils import (
+    cdiv,
+    gemv_fma,
+    interpreting,
+    next_pow2,
+    pdl_gate,
+    pdl_launch,
+    prefetch_l2,
+)
 
 
 @triton.jit
@@ -94,15 +102,8 @@ def _router_logits_kernel(x_ptr, w_ptr, logits_ptr, E, D, x_m, BLOCK_E: tl.const
         lines = tl.minimum(tl.arange(0, (BLOCK_K + 63) // 64) * 64, D - 1)  # >= 1 line for tiny rows
         prefetch_l2(w_ptr + tl.minimum(offs_e, E - 1).to(tl.int64)[:, None] * D + lines[None, :])
     pdl_gate(USE_PDL)
-    acc = tl.zeros([BLOCK_E, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < D
-        xv = tl.load(x_ptr + row * x_m + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + offs_e.to(tl.int64)[:, None] * D + k[None, :], mask=e_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        acc += w.to(tl.float32) * xv[None, :]
-    tl.store(logits_ptr + row * E + offs_e, tl.sum(acc, 1), mask=e_ok)
+    logits = gemv_fma(x_ptr + row * x_m, w_ptr + offs_e.to(tl.int64)[:, None] * D, e_ok, D, BLOCK_E, BLOCK_K)
+    tl.store(logits_ptr + row * E + offs_e, logits, mask=e_ok)
 
 
 # up to this many tokens the router logits come from `_router_logits_kernel` (one launch, no fp32 weight copy);

@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.env_switch import env_switch
 from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.moe import RouterSpec
 from hybridserve.kernels.moe_router_triton import groups_fit, route_topk_triton, router_logits, topk_choice
@@ -33,6 +32,8 @@ from hybridserve.kernels.triton_utils import (
     PERSIST_AUTOTUNE,
     cdiv,
     dot_launch,
+    gemv_dot,
+    gemv_fma,
     interpreting,
     last_to_arrive,
     next_pow2,
@@ -47,13 +48,6 @@ from hybridserve.kernels.triton_utils import (
 # so 8 is one token. On the H200 (bench/results/h200/kernels/moe.json) the small path ties the grouped
 # GEMMs at 1 token (59.2 vs 59.6 us) and loses from 8 tokens on (301 vs 220 us).
 SMALL_M_MAX_PAIRS = 8
-
-
-def early_shared_enabled() -> bool:
-    """Whether the up kernel's shared-expert programs run first and compute before waiting on the router kernel
-    (on by default: the 30B-A3B batch-1 step's router wait 118 -> 88 us, bench/results/h200/decode_step/;
-    HYBRIDSERVE_MOE_EARLY_SHARED=0 turns it off)."""
-    return env_switch("HYBRIDSERVE_MOE_EARLY_SHARED", True)
 
 
 def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -88,39 +82,6 @@ def _expert_rows(w_ptr, ws_ptr, expert, num_routed, offs_n, w_e, w_n, ws_e, ws_n
     return rows
 
 
-@triton.jit
-def _gemv_dot(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-              DOT_UPCAST: tl.constexpr):
-    """sum_k a[k] * W[n, k] for the tile's rows, fp32 [BLOCK_N]: a padded to the 16 rows a tl.dot takes (rows
-    1.. masked off, no bytes), so Triton pipelines the weight loads (fp8 weights cast exactly to a's dtype).
-    DOT_PRECISION / DOT_UPCAST: `triton_utils.dot_launch`."""
-    pad = tl.arange(0, 16)[:, None]
-    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        a = tl.load(a_row + pad * 0 + k[None, :], mask=(pad == 0) & k_ok[None, :], other=0.0)  # [16, BLOCK_K]
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        w = w.to(a.dtype)  # fp8 -> the activation dtype: exact
-        if DOT_UPCAST:  # the interpreter's bf16 dot is wrong; fp32 operands give the same exact products
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    return tl.sum(acc, 0)  # row 0 (the others are zeros)
-
-
-@triton.jit
-def _gemv(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """sum_k a[k] * W[n, k] for the tile's rows, fp32 (bf16 products are exact in fp32; fp8 casts exactly)."""
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        a = tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * a[None, :]
-    return tl.sum(acc, 1)
-
-
 @lean_launch
 @triton.autotune(configs=_configs(_UP_TILES), key=["N_OUT", "K", "WIDTH", "HAS_SCALE", "EARLY_SHARED"],
                  cache_results=PERSIST_AUTOTUNE)
@@ -151,7 +112,7 @@ def _small_up_kernel(
     ahead = EARLY_SHARED and slot >= TOP_K
     h = tl.zeros([BLOCK_N], dtype=tl.float32)
     if ahead:
-        h = _gemv(x_row, ws_ptr + (slot - TOP_K) * ws_e + offs_n.to(tl.int64)[:, None] * ws_n, n_ok, K,
+        h = gemv_fma(x_row, ws_ptr + (slot - TOP_K) * ws_e + offs_n.to(tl.int64)[:, None] * ws_n, n_ok, K,
                   BLOCK_N, BLOCK_K)
     elif USE_PDL and SHARED:
         if slot >= TOP_K:
@@ -173,7 +134,7 @@ def _small_up_kernel(
     if not ahead:
         expert = tl.sum(tl.where(mine, chosen, 0), 0)
         w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
-        h = _gemv(x_row, w_rows, n_ok, K, BLOCK_N, BLOCK_K)
+        h = gemv_fma(x_row, w_rows, n_ok, K, BLOCK_N, BLOCK_K)
         if HAS_SCALE:
             h *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
     h = tl.maximum(h.to(h_ptr.dtype.element_ty).to(tl.float32), 0.0)  # relu2 of the rounded projection
@@ -205,7 +166,7 @@ def _small_down_kernel(
     n_ok = offs_n < N_OUT
     expert = tl.load(ids_ptr + token * WIDTH + slot)
     w_rows = _expert_rows(w_ptr, ws_ptr, expert, E, offs_n, w_e, w_n, ws_e, ws_n, SHARED)
-    acc = _gemv_dot(h_ptr + (token * WIDTH + slot) * K, w_rows, n_ok, K, BLOCK_N, BLOCK_K, DOT_PRECISION, DOT_UPCAST)
+    acc = gemv_dot(h_ptr + (token * WIDTH + slot) * K, w_rows, n_ok, K, BLOCK_N, BLOCK_K, DOT_PRECISION, DOT_UPCAST)
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)
     route_w = tl.load(weights_ptr + token * WIDTH + slot)
@@ -252,7 +213,6 @@ def moe_small_triton(
     down_s = shared_down if fused and shared_down is not None else w_down
     scale_dummy = weights  # never read without HAS_SCALE
     pdl = pdl_launch(x.device)
-    early = early_shared_enabled()  # read (and checked) on every call
 
     n_arrive = cdiv(d, 16)  # per token, one count per down column tile (BLOCK_N >= 16); zeroed by the up kernel
     arrivals = torch.empty(n, n_arrive, dtype=torch.int32, device=x.device)
@@ -268,7 +228,9 @@ def moe_small_triton(
         TOP_K=spec.top_k, WIDTH=width, K_BLOCK=next_pow2(width), N_GROUP=spec.n_group,
         PER_GROUP=num_experts // spec.n_group, TOPK_GROUP=spec.topk_group, NORM=spec.norm_topk_prob,
         SHARED=spec.num_shared, HAS_SCALE=up_scale is not None,
-        EARLY_SHARED=early and fused and up_scale is None, **pdl,
+        # the shared chunks compute ahead of the router wait (the 30B-A3B batch-1 step's router wait 118 -> 88 us on
+        # the H200): with fused shared experts in half precision
+        EARLY_SHARED=fused and up_scale is None, **pdl,
     )
     out = torch.empty(n, d, dtype=expert_x.dtype, device=x.device)
 

@@ -25,11 +25,11 @@ from hybridserve.kernels.paged_attention import (
     query_block_lists,
     write_kv_pages,
 )
-from hybridserve.kernels.replay_state import advance_states, replay_state_update_ref
+from hybridserve.kernels.replay_state_update import advance_states, replay_state_update_ref
 from hybridserve.kernels.sampling import SEED_BITS, gumbel_sample_ref, pack_rows
-from hybridserve.kernels.ssd_scan import ssd_scan_varlen_ref
+from hybridserve.kernels.ssd_scan import NO_DT_LIMIT, DtLimit, ssd_scan_varlen_ref
 from hybridserve.kernels.ssd_scan_meta import INT32_FIELDS, WHOLE_SEQUENCE, ChunkMeta, chunk_lists
-from hybridserve.kernels.state_update import multi_token_state_update_ref, selective_state_update_ref
+from hybridserve.kernels.state_update import multi_token_state_update_ref
 
 # HYBRIDSERVE_KERNELS=reference forces the torch references everywhere (debugging, A/B checks);
 # HYBRIDSERVE_KERNELS=interpret runs the Triton kernels on CPU tensors under TRITON_INTERPRET=1, so the whole
@@ -105,13 +105,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 ssd_scan_varlen = _dispatch(ssd_scan_varlen_ref, "ssd_scan_triton", "ssd_scan_varlen_triton")
 causal_conv1d_varlen = _dispatch(causal_conv1d_varlen_ref, "causal_conv1d_triton", "causal_conv1d_varlen_triton")
 causal_conv1d_update = _dispatch(causal_conv1d_update_ref, "causal_conv1d_triton", "causal_conv1d_update_triton")
-selective_state_update = _dispatch(
-    selective_state_update_ref, "state_update_triton", "selective_state_update_triton"
-)
 multi_token_state_update = _dispatch(
     multi_token_state_update_ref, "state_update_triton", "multi_token_state_update_triton"
 )
-replay_state_update = _dispatch(replay_state_update_ref, "replay_state_update", "replay_state_update_triton")
+
+
+def selective_state_update(
+    state_pool: torch.Tensor,  # [num_slots, H, P, N]
+    slots: torch.Tensor,  # [B]
+    x: torch.Tensor,  # [B, H, P]
+    dt: torch.Tensor,  # [B, H] raw
+    A: torch.Tensor,  # [H]
+    B: torch.Tensor,  # [B, G, N]
+    C: torch.Tensor,  # [B, G, N]
+    D: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = True,
+    dt_limit: DtLimit = NO_DT_LIMIT,
+    z: torch.Tensor | None = None,  # [B, H, P]
+) -> torch.Tensor:
+    """One token per row (a decode step): `multi_token_state_update` with T = 1, on either path; y [B, H, P]."""
+    return multi_token_state_update(
+        state_pool, slots, x[:, None], dt[:, None], A, B[:, None], C[:, None], D=D, dt_bias=dt_bias,
+        dt_softplus=dt_softplus, dt_limit=dt_limit, z=None if z is None else z[:, None],
+    )[:, 0]
+
+
+replay_state_update = _dispatch(replay_state_update_ref, "replay_state_update_triton", "replay_state_update_triton")
 paged_attention = _dispatch(paged_attention_ref, "paged_attention_triton", "paged_attention_triton")
 write_kv = _dispatch(write_kv_pages, "paged_attention_triton", "write_kv_pages_triton")
 gated_rmsnorm = _dispatch(gated_rmsnorm_ref, "gated_rmsnorm_triton", "gated_rmsnorm_triton")

@@ -66,35 +66,3 @@ def multi_token_state_update_ref(
     if write_final_state and bool(valid.any()):
         state_pool[safe_slots[valid]] = state[valid].to(state_pool.dtype)
     return y.to(x.dtype)
-
-
-def selective_state_update_ref(
-    state_pool: torch.Tensor,  # [num_slots, H, P, N]
-    slots: torch.Tensor,  # [B]
-    x: torch.Tensor,  # [B, H, P]
-    dt: torch.Tensor,  # [B, H] raw
-    A: torch.Tensor,  # [H]
-    B: torch.Tensor,  # [B, G, N]
-    C: torch.Tensor,  # [B, G, N]
-    D: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    dt_softplus: bool = True,
-    dt_limit: DtLimit = NO_DT_LIMIT,
-    z: torch.Tensor | None = None,  # [B, H, P]
-) -> torch.Tensor:
-    """Single-token decode update; returns y [B, H, P]."""
-    y = multi_token_state_update_ref(
-        state_pool,
-        slots,
-        x[:, None],
-        dt[:, None],
-        A,
-        B[:, None],
-        C[:, None],
-        D=D,
-        dt_bias=dt_bias,
-        dt_softplus=dt_softplus,
-        dt_limit=dt_limit,
-        z=None if z is None else z[:, None],
-    )
-    return y[:, 0]

@@ -168,37 +168,3 @@ def multi_token_state_update_triton(
         num_warps=num_warps or 2,  # measured on H200: 2 warps per 16 x 128 tile moves the most bytes
     )
     return y
-
-
-def selective_state_update_triton(
-    state_pool: torch.Tensor,  # [num_slots, H, P, N]
-    slots: torch.Tensor,  # [B]
-    x: torch.Tensor,  # [B, H, P]
-    dt: torch.Tensor,  # [B, H] raw
-    A: torch.Tensor,  # [H]
-    B: torch.Tensor,  # [B, G, N]
-    C: torch.Tensor,  # [B, G, N]
-    D: torch.Tensor | None = None,
-    dt_bias: torch.Tensor | None = None,
-    dt_softplus: bool = True,
-    dt_limit: DtLimit = NO_DT_LIMIT,
-    z: torch.Tensor | None = None,  # [B, H, P]
-    out: torch.Tensor | None = None,  # [B, H, P]
-) -> torch.Tensor:
-    """Triton version of `selective_state_update_ref` (decode); returns y [B, H, P]."""
-    y = multi_token_state_update_triton(
-        state_pool,
-        slots,
-        x[:, None],
-        dt[:, None],
-        A,
-        B[:, None],
-        C[:, None],
-        D=D,
-        dt_bias=dt_bias,
-        dt_softplus=dt_softplus,
-        dt_limit=dt_limit,
-        z=None if z is None else z[:, None],
-        out=None if out is None else out[:, None],
-    )
-    return y[:, 0]

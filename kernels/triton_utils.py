@@ -70,7 +70,7 @@ def dot_launch(dtype: torch.dtype) -> dict[str, object]:
 
 def pdl_enabled(device: torch.device) -> bool:
     """Whether decode kernels launch with programmatic dependent launch (Hopper and later, not under the
-    interpreter, HYBRIDSERVE_PDL=0 turns it off for A/B runs): a kernel's programs may then start while the
+    interpreter): a kernel's programs may then start while the
     kernel before it finishes, stream weights that kernel cannot have written, and wait (`pdl_gate`) before
     touching anything else. Every kernel that opts in calls `pdl_gate` (or `pdl_wait`) first, so a chain stays
     ordered."""
@@ -87,7 +87,7 @@ def pdl_launch(device: torch.device) -> dict[str, bool]:
 
 @functools.cache  # asked at every launch: the answer for a device never changes within a process
 def _pdl_on_cuda_device(index: int) -> bool:
-    if interpreting() or os.environ.get("HYBRIDSERVE_PDL", "1") == "0":
+    if interpreting():
         return False
     return torch.cuda.get_device_capability(index)[0] >= 9
 
@@ -132,3 +132,39 @@ def prefetch_l2(ptrs):
     for. Used before `pdl_gate` on weights, which no earlier kernel writes."""
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
                               is_pure=False, pack=1)
+
+
+@triton.jit
+def gemv_dot(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              DOT_UPCAST: tl.constexpr):
+    """sum_k a[k] * W[n, k] for the tile's rows, fp32 [BLOCK_N]: a padded to the 16 rows a tl.dot takes (rows
+    1.. masked off, no bytes), so Triton pipelines the weight loads (fp8 weights cast exactly to a's dtype). Beside
+    `gemv_fma`: inside the 30B-A3B decode step the MoE down kernel gains by the pipelining, its up kernel loses.
+    DOT_PRECISION / DOT_UPCAST: `triton_utils.dot_launch`."""
+    pad = tl.arange(0, 16)[:, None]
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(a_row + pad * 0 + k[None, :], mask=(pad == 0) & k_ok[None, :], other=0.0)  # [16, BLOCK_K]
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        w = w.to(a.dtype)  # fp8 -> the activation dtype: exact
+        if DOT_UPCAST:  # the interpreter's bf16 dot is wrong; fp32 operands give the same exact products
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    return tl.sum(acc, 0)  # row 0 (the others are zeros)
+
+
+@triton.jit
+def gemv_fma(a_row, w_rows, n_ok, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum_k a[k] * W[n, k] for the tile's rows (`w_rows`: [BLOCK_N] row pointers, `n_ok` their mask), fp32
+    [BLOCK_N] by FMAs over [BLOCK_N, BLOCK_K] tiles (bf16 products are exact in fp32; fp8 casts exactly): the
+    decode GEMV of the router logits and the MoE up kernel."""
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        a = tl.load(a_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += w.to(tl.float32) * a[None, :]
+    return tl.sum(acc, 1)

@@ -35,7 +35,7 @@ class ForwardBatch:
     # (None when no boundary is kept)
     # Speculative verify of the decode rows: "intermediate" keeps every token's SSM state in
     # `intermediate_states` (layer -> [num_decode, decode_len, H, P, N]) and leaves the slot untouched;
-    # "replay" folds `num_replay` tokens of the previous verify into the slot first (kernels/replay_state.py).
+    # "replay" folds `num_replay` tokens of the previous verify into the slot first (kernels/replay_state_update.py).
     decode_len: int = 1
     spec_rollback: str | None = None
     num_replay: torch.Tensor | None = None  # [num_decode] int32

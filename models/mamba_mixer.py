@@ -13,7 +13,7 @@ from torch import nn
 
 from hybridserve.common.model_config import MambaConfig
 from hybridserve.kernels import ops
-from hybridserve.kernels.replay_state import ReplayCache
+from hybridserve.kernels.replay_state_update import ReplayCache
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.layers import Linear
 

@@ -22,18 +22,15 @@ from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.handoff import CapacityError
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.request import Request
 from hybridserve.models.fingerprint import model_fingerprint
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.proto.channels import start_server, worker_threads
 from hybridserve.proto.convert import sampling_from_proto
 from hybridserve.proto.internal_tls import InternalTlsConfig
-from hybridserve.transfer.early_state import EarlyState
-from hybridserve.transfer.layer_staging import LayerStager
 from hybridserve.transfer.manifest import StateHeader
-from hybridserve.transfer.planes import GRPC, TransferConfig
-from hybridserve.transfer.sender import PUSH_TIMEOUT_S, StagedState, StateSender
-from hybridserve.transfer.state_layout import StateTensorSpec, split_kv_specs, state_views
+from hybridserve.transfer.planes import TransferConfig
+from hybridserve.transfer.sender import StagedState, StateSender
+from hybridserve.transfer.state_layout import StateTensorSpec, state_views
 from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
 from hybridserve.worker_runtime.drain import DRAINING_STATUS, Drain
 from hybridserve.worker_runtime.engine_loop import EngineLoop
@@ -113,28 +110,13 @@ class PrefillWorker:
         specs = self.engine.state_specs(len(prompt))  # cache geometry only: safe off the loop thread
         header = StateHeader(ticket=request.ticket, request_id=request_id, model_fingerprint=self.fingerprint,
                              num_tokens=len(prompt), first_token=0, num_cached_tokens=0)
-        early: EarlyState | None = None
-        pushed: Future | None = None
-        # spec decoding's drafter KV and TP's gathered export are staged whole, at the end
-        if self.engine.spec is None and self.engine.tp is None and self.sender.sends_early(request.decode_address, specs):
-            early = EarlyState(self._early_specs(specs), digest_on_device=self.sender.device.type == "cuda")
-            pushed = self.sender.push_early(request.decode_address, header, early)
-        try:
-            first, staged = self._prefill_and_stage(prompt, params, request_id, specs, early)
-        except BaseException as exc:
-            if early is not None:
-                self._end_early(early, pushed, exc)
-            raise
+        first, staged = self._prefill_and_stage(prompt, params, request_id, specs)
         header = dataclasses.replace(header, first_token=first.token_ids[0], num_cached_tokens=first.num_cached_tokens)
         self.metrics.observe_finished(len(prompt), 1, first.finish_reason or "")
-        start = time.perf_counter()  # early: what is left of the transfer once the first token is known
+        start = time.perf_counter()
         logger.info("first token of %s at %.3f", request_id, time.time())
         try:
-            if early is not None and pushed is not None and early.streaming:
-                early.finish(header.first_token, header.num_cached_tokens)
-                plane, num_bytes = GRPC, self._end_early(early, pushed, None)
-            else:
-                plane, num_bytes = self.sender.send(request.decode_address, header, staged)
+            plane, num_bytes = self.sender.send(request.decode_address, header, staged)
         except BaseException:
             self.metrics.observe_transfer(0, 0.0, ok=False)
             raise
@@ -148,79 +130,17 @@ class PrefillWorker:
             plane=plane,
         )
 
-    def _early_specs(self, specs: list[StateTensorSpec]) -> list[StateTensorSpec]:
-        """The layout of an early-sent state: with the layer path, the KV rows one prefill chunk may hold go
-        behind the Mamba states (`split_kv_specs`): the rows before them are final before the last chunk's forward
-        (no chunk is longer), so its Mamba states follow them at once instead of waiting for the last attention
-        layer. The usual send (declined early) keeps `specs`."""
-        head = specs[0].shape[0] - self.engine.scheduler.prefill_chunk_size
-        if not self.sender.config.grpc_layer_send or head <= 0 or all(s.name != "ssm" for s in specs):
-            return specs
-        return split_kv_specs(specs, head)
-
-    def _end_early(self, early: EarlyState, pushed: Future | None, error: BaseException | None) -> int:
-        """Wait for an early send to end (cancelled first if `error`: the prefill failed), free its block;
-        the bytes sent."""
-        if error is not None:
-            early.fail(error)
-        try:
-            if pushed is None:
-                return 0
-            if error is not None:
-                try:
-                    pushed.result(timeout=PUSH_TIMEOUT_S)
-                except Exception:  # noqa: BLE001 - the prefill's own error is the one reported
-                    logger.debug("early send of a failed prefill ended", exc_info=True)
-                return 0
-            sent = int(pushed.result())
-            logger.info("early send of %.1f MiB: %.1f MiB handed to the streams before the last prefill step "
-                        "staged the rest, %.1f MiB before the first token", early.total_bytes / 2**20,
-                        (early.handed_before_last or 0) / 2**20, (early.handed_before_tail or 0) / 2**20)
-            return sent
-        finally:
-            self.sender.release_block(early.block)
-
     def _prefill_and_stage(
         self, prompt: list[int], params: SamplingParams, request_id: str, specs: list[StateTensorSpec],
-        early: EarlyState | None = None,
     ) -> tuple[RequestOutput, StagedState]:
         """Prefill, then stage the state. At the end of the step the prompt finishes in, the engine exports it
         into an arena block if one is free right then (pages and slot free in that step, no extra trip to the
         loop); otherwise the state stays held and is staged here, waiting for room as `TransferConfig` says.
         No block is taken before the prompt computed its first chunk: a queued request holding one could starve
-        finished ones that hold the engine's slots while they wait for arena room. With `early`, the KV of each
-        finished chunk is staged at the end of its step (into a block taken at the first chunk boundary, if one
-        is free then), the last step's forward stages the rest of the KV and each Mamba layer's state as its
-        layer finishes (`LayerStager`, with `grpc_layer_send`) and the step's end what is left."""
+        finished ones that hold the engine's slots while they wait for arena room."""
         exported: Future[StagedState | None] = Future()
 
-        def progress_on_loop(request: Request) -> None:  # on the loop thread, after each unfinished chunk
-            assert early is not None  # registered only with an early state
-            if early.block is None:
-                block = self.sender.reserve_block(early.specs, timeout=0.0)
-                if block is None:
-                    early.decline()  # no room now: sent the usual way once the prompt is done
-                    return
-                early.begin(block)
-            done = min(request.num_computed_tokens, early.num_tokens)
-            if done > early.staged_tokens:
-                early.stage_kv(self.engine.cache, request.page_ids, done)
-                early.advance(done, self.sender.mark_staged())
-
         def export_on_loop(rid: str) -> None:  # on the loop thread; never waits
-            if early is not None and early.block is not None:
-                try:
-                    self.engine.export_state(rid, early.rest_views())
-                    ready = self.sender.mark_staged()
-                    early.staged(ready)
-                    views = early.views
-                    exported.set_result(StagedState(early.specs, [views[s.name] for s in early.specs], early.block,
-                                                    ready))
-                except BaseException as exc:
-                    exported.set_exception(exc)
-                return
-            if early is not None:
-                early.decline()  # the prompt finished in its first step
             block = None
             try:
                 block = self.sender.reserve_block(specs, timeout=0.0)
@@ -236,11 +156,7 @@ class PrefillWorker:
         first = None
         staged: StagedState | None = None
         try:
-            on_progress = progress_on_loop if early is not None else None
-            on_layer = (LayerStager(early, self.engine.cache, self.engine.model_config, self.sender.device)
-                        if early is not None and self.sender.config.grpc_layer_send else None)
-            for out in self.loop.generate(prompt, params, request_id, hold_state=True, on_held=export_on_loop,
-                                          on_progress=on_progress, on_layer=on_layer):
+            for out in self.loop.generate(prompt, params, request_id, hold_state=True, on_held=export_on_loop):
                 first = out
             if first is None or first.finish_reason == "abort":
                 raise RuntimeError(f"prefill of {request_id} was aborted")
@@ -255,7 +171,7 @@ class PrefillWorker:
             self.loop.call(lambda: self.engine.abort(request_id))  # never leave a held state behind
             if staged is None and exported.done() and exported.exception() is None:
                 done = exported.result()
-                if done is not None and (early is None or done.block is not early.block):  # early's: freed by it
+                if done is not None:
                     self.sender.release_block(done.block)  # staged, but nobody will send it
             raise
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridserve.common.model_config import ModelConfig
-from hybridserve.kernels.replay_state import ReplayCache
+from hybridserve.kernels.replay_state_update import ReplayCache
 
 logger = logging.getLogger(__name__)
 

@@ -4,10 +4,8 @@ A state may arrive striped over several parallel streams (stream s carries chunk
 one `StateAssembly`. Checks: each stream starts with a manifest that matches what the reservation expects
 (ticket, model fingerprint, tensor names / dtypes / shapes, token count) and the other streams' manifests;
 chunks arrive in the stream's order with intact crc32c and the right sizes; each trailer's digest matches
-its stream's chunks; the state is complete only when every stream checked out. A stream opened while its
-prompt was still prefilling (`tail_in_trailer`) gets first token, cached tokens and device digest in every
-trailer; they must agree, and the assembly's manifest takes them once the last stream checked out. Any failure
-raises a `TransferError` and nothing is written to the engine.
+its stream's chunks; the state is complete only when every stream checked out. Any failure raises a
+`TransferError` and nothing is written to the engine.
 """
 
 from __future__ import annotations
@@ -80,7 +78,6 @@ class StateAssembly:
         self.buffer = storage[: manifest.total_bytes]
         self._address = self.buffer.data_ptr()
         self._done: set[int] = set()
-        self._tail: worker_pb2.StateTail | None = None
         self._lock = threading.Lock()
 
     def same_state(self, manifest: worker_pb2.StateManifest) -> bool:
@@ -98,26 +95,13 @@ class StateAssembly:
             raise TransferError("DATA_LOSS", f"chunk {index} has {len(payload)} bytes, expected {expected}")
         copy_bytes(self._address + index * m.chunk_bytes, payload)  # bounds: checked above; GIL released
 
-    def finish_stream(self, stream_index: int, tail: worker_pb2.StateTail | None = None) -> bool:
-        """Mark a stream complete (`tail`: its trailer's, for a `tail_in_trailer` state); True when it was the
-        last one, and then the manifest holds the tail's first token, cached tokens and device digest."""
+    def finish_stream(self, stream_index: int) -> bool:
+        """Mark a stream complete; True when it was the last one."""
         with self._lock:
             if stream_index in self._done:
                 raise TransferError("INVALID_ARGUMENT", f"stream {stream_index} was sent twice")
-            if self.manifest.tail_in_trailer != (tail is not None):
-                raise TransferError("INVALID_ARGUMENT", "a trailer's tail must be there exactly when the manifest "
-                                    "says tail_in_trailer")
-            if tail is not None:
-                if self._tail is not None and self._tail != tail:
-                    raise TransferError("INVALID_ARGUMENT", "the streams of one state end with different tails")
-                self._tail = tail
             self._done.add(stream_index)
-            complete = len(self._done) == self.num_streams
-            if complete and self._tail is not None:
-                self.manifest.first_token = self._tail.first_token
-                self.manifest.num_cached_tokens = self._tail.num_cached_tokens
-                self.manifest.device_digest = self._tail.device_digest
-            return complete
+            return len(self._done) == self.num_streams
 
     def release(self) -> None:
         """Hand the buffer back for reuse (after the received tensors were copied out)."""
@@ -179,11 +163,12 @@ def receive_stream(
         raise TransferError("DATA_LOSS", f"stream carried {count} chunks, its share is {len(own_chunks)}")
     if trailer.digest != digest.value:
         raise TransferError("DATA_LOSS", "the stream digest does not match the payloads")
-    tail = trailer.tail if trailer.HasField("tail") else None
+    if trailer.HasField("tail") or manifest.tail_in_trailer:  # the wire's field for states sent before they were whole
+        raise TransferError("INVALID_ARGUMENT", "this worker takes whole states only: no tail in the trailer")
     logger.info("state stream %d/%d of %s: %.1f MiB in %.1f ms (opened at %.3f, trailer at %.3f)",
                 manifest.stream_index, streams, manifest.request_id, received / 2**20, (time.time() - opened) * 1e3,
                 opened, time.time())
-    return assembly, assembly.finish_stream(manifest.stream_index, tail), received
+    return assembly, assembly.finish_stream(manifest.stream_index), received
 
 
 def receive_state(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import crc32c
@@ -31,10 +31,6 @@ class ReadyPart:
 
     tensor: torch.Tensor
     ready: torch.cuda.Event | None
-
-
-# the trailer's tail of a stream opened before its state was complete: called once every part was read
-TailFn = Callable[[], worker_pb2.StateTail]
 
 
 def _as_bytes(host: torch.Tensor) -> memoryview:
@@ -135,21 +131,15 @@ def encode_state_streams(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     pre_encoded: bool = False,
     num_streams: int = 1,
-    tail: TailFn | None = None,
 ) -> list[Iterator[worker_pb2.StateChunk | bytes]]:
     """`num_streams` PushState streams striping the chunks (stream s carries chunks s, s + n, ...), sent in
     parallel over separate connections: one gRPC stream in Python tops out well below the socket's rate.
-    A producer thread reads the parts once and deals the chunks out; its failure fails every stream.
-    With `tail` the stream opens before the state is complete: the manifest says `tail_in_trailer` and every
-    trailer carries `tail()` (first token, cached tokens, device digest), asked once all parts were read."""
+    A producer thread reads the parts once and deals the chunks out; its failure fails every stream."""
     if chunk_bytes <= 0 or num_streams <= 0:
         raise ValueError(f"chunk_bytes and num_streams must be positive, got {chunk_bytes}, {num_streams}")
     manifest = build_manifest(header, specs, chunk_bytes, num_streams)
-    if tail is not None:
-        manifest.tail_in_trailer = True
-        manifest.first_token = manifest.num_cached_tokens = manifest.device_digest = 0
     if num_streams == 1:
-        return [_single_stream(manifest, _data_messages(specs, parts, chunk_bytes, pre_encoded), tail)]
+        return [_single_stream(manifest, _data_messages(specs, parts, chunk_bytes, pre_encoded))]
     queues: list[queue.Queue] = [queue.Queue(maxsize=_STRIPE_QUEUE) for _ in range(num_streams)]
     abandoned = threading.Event()
 
@@ -158,7 +148,7 @@ def encode_state_streams(
             for index, crc, message in _data_messages(specs, parts, chunk_bytes, pre_encoded):
                 if not _put(queues[index % num_streams], (crc, message), abandoned):
                     return
-            end = _End(tail() if tail is not None else None)
+            end = _End()
             for q in queues:
                 _put(q, end, abandoned)
         except BaseException as exc:  # handed to every stream
@@ -172,11 +162,8 @@ def encode_state_streams(
 _STRIPE_QUEUE = 8
 
 
-@dataclass(frozen=True)
 class _End:
-    """The last item of a stripe's queue: its trailer's tail, if the stream carries one."""
-
-    tail: worker_pb2.StateTail | None
+    """The last item of a stripe's queue."""
 
 
 def _put(q: queue.Queue, item: object, abandoned: threading.Event) -> bool:
@@ -189,20 +176,19 @@ def _put(q: queue.Queue, item: object, abandoned: threading.Event) -> bool:
     return False
 
 
-def _trailer(digest: StreamDigest, tail: worker_pb2.StateTail | None) -> worker_pb2.StateChunk:
-    return worker_pb2.StateChunk(trailer=worker_pb2.StateTrailer(digest=digest.value, tail=tail))
+def _trailer(digest: StreamDigest) -> worker_pb2.StateChunk:
+    return worker_pb2.StateChunk(trailer=worker_pb2.StateTrailer(digest=digest.value))
 
 
 def _single_stream(
     manifest: worker_pb2.StateManifest, data: Iterator[tuple[int, int, worker_pb2.StateChunk | bytes]],
-    tail: TailFn | None,
 ) -> Iterator[worker_pb2.StateChunk | bytes]:
     yield worker_pb2.StateChunk(manifest=manifest)
     digest = StreamDigest()
     for _, crc, message in data:
         digest.add(crc)
         yield message
-    yield _trailer(digest, tail() if tail is not None else None)
+    yield _trailer(digest)
 
 
 def _stripe(
@@ -221,7 +207,7 @@ def _stripe(
             crc, message = item
             digest.add(crc)
             yield message
-        yield _trailer(digest, item.tail)
+        yield _trailer(digest)
         completed = True
     finally:
         if not completed:  # the call was cancelled or failed: stop the producer

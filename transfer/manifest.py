@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridserve.proto import worker_pb2
-from hybridserve.transfer.state_layout import StateTensorSpec, split_kv_specs
+from hybridserve.transfer.state_layout import StateTensorSpec
 
 
 class TransferError(Exception):
@@ -62,8 +62,7 @@ def check_manifest(
     specs: list[StateTensorSpec],
     chunked: bool = True,
 ) -> list[StateTensorSpec]:
-    """Raise TransferError unless the manifest describes exactly the state the reservation expects; its specs
-    (`specs`, or their `split_kv_specs` layout where the manifest splits the KV as an early-sent state does)."""
+    """Raise TransferError unless the manifest describes exactly the state the reservation expects; its specs."""
     if manifest.ticket != ticket:
         raise TransferError("FAILED_PRECONDITION", f"manifest ticket {manifest.ticket!r} is not {ticket!r}")
     if manifest.model_fingerprint != fingerprint:
@@ -74,10 +73,6 @@ def check_manifest(
     if manifest.num_tokens != num_tokens:
         raise TransferError("INVALID_ARGUMENT", f"manifest has {manifest.num_tokens} tokens, reserved {num_tokens}")
     got = [(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in manifest.tensors]
-    if specs and specs[0].name == "kv" and any(t.name == "kv_tail" for t in manifest.tensors):
-        head = manifest.tensors[0].shape[0] if manifest.tensors[0].shape else 0
-        if 0 < head < specs[0].shape[0]:  # an early-sent state's layout (`split_kv_specs`)
-            specs = split_kv_specs(specs, head)
     want = [(s.name, s.dtype_name, s.shape, s.nbytes) for s in specs]
     if got != want:
         raise TransferError(

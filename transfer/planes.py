@@ -40,15 +40,6 @@ class TransferConfig:
     grpc_streams: int = 2  # parallel PushState streams per transfer (bench/system/transfer_gpu.sh sweeps 1, 2, 4)
     grpc_chunk_bytes: int = 1 << 20  # the least CPU per GB on CPU (0.25-4 MiB tried); under gRPC's 4 MiB limit
     arena_wait_s: float = 30.0  # how long a transfer waits for arena room before it fails as RESOURCE_EXHAUSTED
-    # gRPC plane: open the stream at the prompt's first prefill-chunk boundary and send the KV of finished
-    # chunks while later chunks compute. Off by default: on one H200 it cut the transfer after the first token
-    # by 25-70 ms but slowed the prefill as much (the send threads take the GIL from the engine loop), so TTFT
-    # did not move (bench/results/h200/transfer/)
-    grpc_early_send: bool = False
-    # with grpc_early_send: in the forward of the prompt's last chunk, stage and send the rest of the KV once
-    # the last attention layer ran and each Mamba layer's SSM state / conv window once that layer ran (instead
-    # of all of it after the forward)
-    grpc_layer_send: bool = True
 
     def __post_init__(self) -> None:
         planes = (self.planes,) if isinstance(self.planes, str) else tuple(self.planes)
@@ -66,10 +57,6 @@ class TransferConfig:
             raise ValueError(f"staging_mb must be a positive integer or None, got {self.staging_mb!r}")
         if self.grpc_streams <= 0 or self.grpc_chunk_bytes <= 0:
             raise ValueError("grpc_streams and grpc_chunk_bytes must be positive")
-        if not isinstance(self.grpc_early_send, bool):
-            raise ValueError(f"grpc_early_send must be true or false, got {self.grpc_early_send!r}")
-        if not isinstance(self.grpc_layer_send, bool):
-            raise ValueError(f"grpc_layer_send must be true or false, got {self.grpc_layer_send!r}")
         if not self.arena_wait_s >= 0:
             raise ValueError(f"arena_wait_s must be >= 0, got {self.arena_wait_s}")
 

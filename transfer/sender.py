@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -24,8 +23,7 @@ from hybridserve.proto.channels import internal_channel
 from hybridserve.proto.internal_tls import InternalTlsConfig
 from hybridserve.transfer.arena import Arena, ArenaFull, ArenaRange
 from hybridserve.transfer.digest import device_digest
-from hybridserve.transfer.early_state import EarlyState
-from hybridserve.transfer.grpc_sender import TailFn, encode_state_streams
+from hybridserve.transfer.grpc_sender import encode_state_streams
 from hybridserve.transfer.grpc_wire import push_state_stub
 from hybridserve.transfer.host_copy import keep_freed_host_memory
 from hybridserve.transfer.manifest import StateHeader, build_manifest
@@ -226,48 +224,14 @@ class StateSender:
                 after.record(self._stream)
             self.arena.free(staged.block, after=after)
 
-    # ---- early send (gRPC plane): the stream opens while the prompt still prefills -------------------
-    def sends_early(self, address: str, specs: list[StateTensorSpec]) -> bool:
-        """Whether a state of `specs` for `address` goes out while its prompt prefills: configured, KV first
-        in the layout, the pair's plane is gRPC and the whole state fits the arena."""
-        if not self.config.grpc_early_send or not specs or specs[0].name != "kv":
-            return False
-        if not self.arena.fits(state_nbytes(specs)):
-            return False
-        info, _, _ = self.peer(address)
-        return choose_plane(self.info, info) == GRPC
-
-    def push_early(self, address: str, header: StateHeader, early: EarlyState) -> Future:
-        """Start a thread that opens the PushState streams once `early` took its block and sends its bytes as
-        they are staged. The future: the bytes sent, or None when the early send was declined."""
-        result: Future = Future()
-
-        def run() -> None:
-            try:
-                if not early.wait_streaming():
-                    result.set_result(None)
-                    return
-                _, calls, _ = self.peer(address)
-                result.set_result(self._push(calls, header, early.specs, early.parts(), tail=early.tail,
-                                             watch=early.watch))
-            except BaseException as exc:
-                self.forget(address, exc)
-                result.set_exception(exc)
-
-        threading.Thread(target=run, name=f"early-push-{header.request_id}", daemon=True).start()
-        return result
-
-    def _push(self, calls: list, header: StateHeader, specs: list[StateTensorSpec], parts: Iterable,
-              tail: TailFn | None = None, watch: Callable[[list], None] | None = None) -> int:
-        """Send a state over `calls` (one stream each); `watch` is given the calls' futures (to cancel them)."""
+    def _push(self, calls: list, header: StateHeader, specs: list[StateTensorSpec], parts: Iterable) -> int:
+        """Send a state over `calls` (one stream each)."""
         streams = encode_state_streams(header, specs, parts, self.config.grpc_chunk_bytes,
-                                       pre_encoded=True, num_streams=len(calls), tail=tail)
-        if len(calls) == 1 and watch is None:
+                                       pre_encoded=True, num_streams=len(calls))
+        if len(calls) == 1:
             replies = [calls[0](streams[0], timeout=PUSH_TIMEOUT_S)]
         else:
             pending = [call.future(stream, timeout=PUSH_TIMEOUT_S) for call, stream in zip(calls, streams)]
-            if watch is not None:
-                watch(pending)
             replies, errors = [], []
             for future in pending:
                 try:

@@ -5,14 +5,8 @@
   ssm    : [n_mamba_layers, H, P, N]              SSM states after the prompt
   conv   : [n_mamba_layers, conv_dim, W]          conv windows after the prompt
   hidden : [hidden_size]                          last prompt token's final hidden state (for MTP drafting)
-KV comes first and token-major so that the bytes final early form a prefix: once the first t prompt tokens are
-computed, the first t rows of `kv` never change, and a prefill worker streams them while later chunks compute
-(`transfer.early_state`). SSM states follow, layer-major: in the forward of the prompt's last chunk layer i's
-state is final once layer i ran, so the bytes final early keep forming a prefix layer by layer (the few MiB of
-conv windows come after them; every layer's is final once the last Mamba layer ran). An early-sent state moves
-the last KV rows (as many as one prefill chunk) behind them as `kv_tail` (`split_kv_specs`): those rows are final
-only once the last attention layer ran, and would hold back every Mamba layer before it. Loose parts are cut in
-pieces so copying piece i+1 overlaps sending piece i.
+KV comes first and token-major, then the SSM states layer-major, the conv windows and the hidden state. Loose
+parts are cut in pieces so copying piece i+1 overlaps sending piece i.
 """
 
 from __future__ import annotations
@@ -56,17 +50,6 @@ def request_state_specs(
         specs.append(StateTensorSpec("conv", cache.conv_states.dtype, tuple(cache.conv_states.shape[1:])))
     specs.append(StateTensorSpec("hidden", hidden_dtype, (hidden_size,)))
     return specs
-
-
-def split_kv_specs(specs: list[StateTensorSpec], head_rows: int) -> list[StateTensorSpec]:
-    """The layout of an early-sent state: KV rows [0, head_rows) first, rows [head_rows, L) as `kv_tail` just
-    before `hidden` (the last tensor)."""
-    kv = specs[0] if specs else None
-    if kv is None or kv.name != "kv" or specs[-1].name != "hidden" or not 0 < head_rows < kv.shape[0]:
-        raise ValueError(f"cannot split the KV of {[s.name for s in specs]} at row {head_rows}")
-    head = StateTensorSpec("kv", kv.dtype, (head_rows, *kv.shape[1:]))
-    tail = StateTensorSpec("kv_tail", kv.dtype, (kv.shape[0] - head_rows, *kv.shape[1:]))
-    return [head, *specs[1:-1], tail, specs[-1]]
 
 
 def _token_index(page_ids: list[int], num_tokens: int, page_size: int, device: torch.device,
@@ -116,16 +99,11 @@ def write_request_state(
     cache: StateCache, page_ids: list[int], slot: int | None, num_tokens: int, tensors: dict[str, torch.Tensor]
 ) -> None:
     """Copy received tensors into the request's reserved pages and slot (the commit of a transfer)."""
-    start = 0
-    for name in ("kv", "kv_tail"):  # kv_tail: the rows after kv's (`split_kv_specs`)
-        if name not in tensors:
-            continue
-        rows = tensors[name].shape[0]
-        pages, offsets = _token_index(page_ids, start + rows, cache.layout.page_size, cache.k_pages.device, start)
-        source = tensors[name].to(device=cache.k_pages.device, dtype=cache.k_pages.dtype)  # [rows, 2, n_attn, Hkv, Dh]
-        cache.k_pages[pages, :, offsets] = source[:, 0]  # [rows, n_attn, Hkv, Dh] scattered into the pages
+    if "kv" in tensors:
+        pages, offsets = _token_index(page_ids, tensors["kv"].shape[0], cache.layout.page_size, cache.k_pages.device)
+        source = tensors["kv"].to(device=cache.k_pages.device, dtype=cache.k_pages.dtype)  # [L, 2, n_attn, Hkv, Dh]
+        cache.k_pages[pages, :, offsets] = source[:, 0]  # [L, n_attn, Hkv, Dh] scattered into the pages
         cache.v_pages[pages, :, offsets] = source[:, 1]
-        start += rows
     if "conv" in tensors:
         if slot is None:
             raise ValueError("the model has Mamba layers but the request holds no state slot")
@@ -159,15 +137,9 @@ def stage_request_state(
     out: dict[str, torch.Tensor],
 ) -> None:
     """Copy a request's state into `out` (views of a staging buffer, from `state_views`): queued device
-    copies, no host sync; the pages and slot may be released right after (later writes queue behind).
-    `out["kv"]` (then `out["kv_tail"]`, if split) may hold only the prompt's last rows (the rest staged earlier,
-    chunk by chunk), and
-    `ssm` / `conv` may be left out (staged layer by layer in the last chunk's forward)."""
-    end = num_tokens
-    for name in ("kv_tail", "kv"):  # the last rows of the prompt: kv_tail's, then kv's before them
-        if name in out:
-            stage_kv_rows(cache, page_ids, end - out[name].shape[0], end, out[name])
-            end -= out[name].shape[0]
+    copies, no host sync; the pages and slot may be released right after (later writes queue behind)."""
+    if "kv" in out:
+        stage_kv_rows(cache, page_ids, 0, num_tokens, out["kv"])
     if ("conv" in out or "ssm" in out) and slot is None:
         raise ValueError("the model has Mamba layers but the request holds no state slot")
     if "ssm" in out:

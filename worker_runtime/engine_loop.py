@@ -18,8 +18,6 @@ from typing import Any, Protocol, TypeVar
 from hybridserve.common.outputs import RequestOutput
 from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.request import Request
-from hybridserve.env_switch import env_switch
 from hybridserve.worker_runtime.loop_stats import LoopStats
 from hybridserve.worker_runtime.step_profiler import StepProfileConfig, StepProfiler
 
@@ -69,13 +67,14 @@ class RedirectableStream(queue.Queue):
 class EngineLoop:
     """`step()`s the engine while it has work; runs submitted calls between steps."""
 
-    def __init__(self, engine: LLMEngine, name: str = "engine-loop", late_handoff: bool | None = None) -> None:
+    def __init__(self, engine: LLMEngine, name: str = "engine-loop", late_handoff: bool = True) -> None:
         self.engine = engine
         # late hand-off: a step's outputs reach their streams once the next step's forward is queued, so the threads
         # that send them run while the GPU computes instead of contending with the loop while it builds and
         # launches the step (each token then leaves one launch later). On by default: served TPOT -6 %, the decode
-        # step's launch phase -36 % on the H200 (bench/results/h200/serving/); HYBRIDSERVE_LATE_HANDOFF=0 is off
-        self.late_handoff = _late_handoff_from_env() if late_handoff is None else late_handoff
+        # step's launch phase -36 % on the H200 (bench/results/h200/serving/). Off for a prefill worker, whose
+        # one-token outputs start transfers that should not wait a step
+        self.late_handoff = late_handoff
         self._pending: list[RequestOutput] = []  # outputs of the last step, not yet handed off (late hand-off)
         # host work that must not land on a step's launch: run on the loop thread once each forward is queued, while
         # the GPU computes (task(False)), and each time the loop finds itself idle (task(True)); owned by the loop.
@@ -85,7 +84,7 @@ class EngineLoop:
         self._streams: dict[str, OutputSink] = {}
         self._stop = threading.Event()
         self.stats = LoopStats(name)
-        profile = StepProfileConfig.from_env()  # HYBRIDSERVE_PROFILE_DIR: a trace of a window of busy steps
+        profile = StepProfileConfig.from_engine(engine.config)  # profile_dir: a trace of a window of busy steps
         self.profiler = StepProfiler(profile, name) if profile is not None else None
         # monotonic start of the step running now (None between steps): how long the engine has made no progress
         self._step_started: float | None = None
@@ -182,16 +181,14 @@ class EngineLoop:
 
     def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, hold_state: bool = False,
-        on_held: Callable[[str], None] | None = None, on_progress: Callable[[Request], None] | None = None,
-        on_layer: Callable[[Request, int], None] | None = None,
+        on_held: Callable[[str], None] | None = None,
     ) -> Iterator[RequestOutput]:
-        """Add a request and yield its outputs until it finishes (`on_held`, `on_progress`, `on_layer`: see
-        `LLMEngine.add_request`); CapacityError when the engine's waiting queue is full."""
+        """Add a request and yield its outputs until it finishes (`on_held`: see `LLMEngine.add_request`);
+        CapacityError when the engine's waiting queue is full."""
         hashes = self.engine.pool.prompt_hashes(prompt_token_ids)  # on the caller's thread, not the loop
         stream = self.submit(request_id, lambda: self.engine.add_request(prompt_token_ids, params, request_id,
                                                                           hold_state, on_held, bounded=True,
-                                                                          on_progress=on_progress,
-                                                                          on_layer=on_layer, block_hashes=hashes))
+                                                                          block_hashes=hashes))
         yield from self.iterate(request_id, stream)
 
     def iterate(self, request_id: str, stream: queue.Queue[RequestOutput | BaseException]) -> Iterator[RequestOutput]:
@@ -302,11 +299,6 @@ class EngineLoop:
             if not (self.late_handoff and self.engine.has_unfinished()):
                 self._hand_off()  # no next step to overlap with: now
             self.stats.record(start, stepped, len(outputs), self.engine.last_step)
-
-
-def _late_handoff_from_env() -> bool:
-    """HYBRIDSERVE_LATE_HANDOFF: 1 (default) hands a step's outputs off once the next forward is queued, 0 at once."""
-    return env_switch("HYBRIDSERVE_LATE_HANDOFF", True)
 
 
 def _latest(

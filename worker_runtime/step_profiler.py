@@ -1,6 +1,6 @@
 """A torch.profiler trace of a window of a worker's engine steps, for finding where a served step's time goes.
 
-HYBRIDSERVE_PROFILE_DIR=DIR HYBRIDSERVE_PROFILE_STEPS=FIRST:COUNT[:stack] profiles busy steps FIRST .. FIRST+COUNT-1
+EngineConfig.profile_dir=DIR (--profile-dir) with profile_steps=FIRST:COUNT[:stack] profiles busy steps FIRST .. FIRST+COUNT-1
 of each engine loop in the process (steps counted from 0 after start-up) and writes DIR/<loop>-steps<A>-<B>.json
 (a Chrome / Perfetto trace: CPU ops per thread, CUDA kernels, each step marked "engine_step") and a .txt table of the
 ops by time; `stack` adds Python frames of every thread (the loop's and the threads sending outputs, so a step
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from hybridserve.engine.config import EngineConfig, parse_profile_steps
 
 logger = logging.getLogger(__name__)
 
@@ -36,22 +37,12 @@ class StepProfileConfig:
             raise ValueError(f"profile steps need FIRST >= 0 and COUNT > 0, got {self.first_step}:{self.num_steps}")
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> StepProfileConfig | None:
-        """HYBRIDSERVE_PROFILE_DIR and HYBRIDSERVE_PROFILE_STEPS (FIRST:COUNT[:stack]); None when the directory is
-        not set; ValueError naming the variable when the steps are malformed."""
-        env = os.environ if environ is None else environ
-        directory = env.get("HYBRIDSERVE_PROFILE_DIR")
-        if not directory:
+    def from_engine(cls, config: EngineConfig) -> StepProfileConfig | None:
+        """The window an engine's config asks for (`profile_dir`, `profile_steps`); None when it profiles nothing."""
+        if config.profile_dir is None:
             return None
-        spec = env.get("HYBRIDSERVE_PROFILE_STEPS", "100:20")
-        parts = spec.split(":")
-        try:
-            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "stack"):
-                raise ValueError
-            return cls(Path(directory), int(parts[0]), int(parts[1]), len(parts) == 3)
-        except ValueError as exc:
-            raise ValueError(f"HYBRIDSERVE_PROFILE_STEPS must be FIRST:COUNT or FIRST:COUNT:stack with FIRST >= 0 and "
-                             f"COUNT > 0, got {spec!r}") from exc
+        first, count, stack = parse_profile_steps(config.profile_steps)
+        return cls(Path(config.profile_dir), first, count, stack)
 
 
 class StepProfiler:

@@ -29,7 +29,9 @@ from peer import load_peer  # noqa: E402
 from sections import run_sections, write_json  # noqa: E402
 from skinny_linear import bench_skinny_linear  # noqa: E402
 
-from hybridserve.kernels.replay_state_update import ReplayCache, replay_state_update_triton  # noqa: E402
+from hybridserve.kernels.ops import selective_state_update  # noqa: E402
+from hybridserve.kernels.replay_state_update import ReplayCache  # noqa: E402
+from hybridserve.kernels.replay_state_update_triton import replay_state_update_triton  # noqa: E402
 from hybridserve.kernels.ssd_scan_meta import chunk_metadata  # noqa: E402
 from hybridserve.kernels.ssd_scan_triton import (  # noqa: E402
     OUTPUT_KERNELS,
@@ -38,7 +40,6 @@ from hybridserve.kernels.ssd_scan_triton import (  # noqa: E402
 )
 from hybridserve.kernels.state_update_triton import (  # noqa: E402
     multi_token_state_update_triton,
-    selective_state_update_triton,
 )
 
 CONFIGS = {  # heads, head_dim, groups, state, chunk
@@ -185,7 +186,7 @@ def bench_state_update(peer: dict | None, ceil: dict, quick: bool) -> list[dict]
         for batch in (1, 8, 32, 128, 256):
             t = _ssu_inputs(batch, 1, state_dtype, gen)
             state_bytes = 2 * t["pool"].numel() * t["pool"].element_size()
-            ms = graph_ms(lambda: selective_state_update_triton(
+            ms = graph_ms(lambda: selective_state_update(
                 t["pool"], t["slots"], t["x"][:, 0], t["dt"][:, 0], t["A"], t["B"][:, 0], t["C"][:, 0], D=t["D"],
                 dt_bias=t["bias"], z=t["z"][:, 0]), quick)
             row = {"state_dtype": str(state_dtype).replace("torch.", ""), "batch": batch, "ours_us": ms * 1e3,

@@ -32,13 +32,13 @@ from kernel_table import CONFIGS, STATE_BLOCK, _peer_step, _ssu_inputs, ssd_inpu
 from peer import load_peer  # noqa: E402
 from sections import write_json  # noqa: E402
 
-from hybridserve.kernels.replay_state import ReplayCache  # noqa: E402
-from hybridserve.kernels.replay_state_update import replay_state_update_triton  # noqa: E402
+from hybridserve.kernels.ops import selective_state_update  # noqa: E402
+from hybridserve.kernels.replay_state_update import ReplayCache  # noqa: E402
+from hybridserve.kernels.replay_state_update_triton import replay_state_update_triton  # noqa: E402
 from hybridserve.kernels.ssd_scan_meta import chunk_metadata  # noqa: E402
 from hybridserve.kernels.ssd_scan_triton import ssd_scan_varlen_triton  # noqa: E402
 from hybridserve.kernels.state_update_triton import (  # noqa: E402
     multi_token_state_update_triton,
-    selective_state_update_triton,
 )
 
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats", "SchedulerStats")
@@ -72,7 +72,7 @@ def case_fn(case: str) -> Callable[[], Any]:
         state_dtype, batch = SSU_CASES[name]
         t = _ssu_inputs(batch, 1, state_dtype, gen)
         if peer is None:
-            return lambda: selective_state_update_triton(
+            return lambda: selective_state_update(
                 t["pool"], t["slots"], t["x"][:, 0], t["dt"][:, 0], t["A"], t["B"][:, 0], t["C"][:, 0], D=t["D"],
                 dt_bias=t["bias"], z=t["z"][:, 0])
         return _peer_step(peer, t, 0)

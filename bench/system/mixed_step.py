@@ -240,9 +240,9 @@ def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path)
     gc_pauses = GcPauses()
     results = []
     runner = engine.runner
-    graphed = runner.model
-    # split: decode rows replay their graph beside an eager prefill; whole: one eager forward with recurrent decode rows
-    modes = ("split", "whole") if hasattr(graphed, "split_mixed") else ("whole",)
+    # split: decode rows replay their graph beside an eager prefill; whole: one eager forward with recurrent
+    # decode rows
+    modes = ("split", "whole") if runner.decode_graphs is not None else ("whole",)
     try:
         for length in [int(n) for n in args.timeline_lens.split(",")]:
             hosts: dict[str, list[float]] = {m: [] for m in modes}
@@ -251,8 +251,7 @@ def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path)
             walls: dict[str, list[float]] = {m: [] for m in modes}
             for i in range(args.repeats):
                 for split in modes:  # alternated step for step, so drift hits all alike
-                    if hasattr(graphed, "split_mixed"):
-                        graphed.split_mixed = split == "split"
+                    runner.split_mixed = split == "split"
                     sync(engine)
                     rid = inject(engine, length, 7000 + i)
                     if torch.cuda.is_available():
@@ -296,8 +295,7 @@ def host_time(engine: LLMEngine, rows: int, args: argparse.Namespace, out: Path)
                                 "wall_ms": [round(w, 2) for w in walls[split]]})
                 print({k: v for k, v in results[-1].items() if not isinstance(v, list)})
     finally:
-        if hasattr(graphed, "split_mixed"):
-            graphed.split_mixed = engine.config.split_mixed_steps
+        runner.split_mixed = engine.config.split_mixed_steps and engine.tp is None
         model_runner.sample = original  # type: ignore[assignment]
         gc_pauses.close()
     for rid in decoders:

@@ -1,6 +1,6 @@
 """How long a worker's CUDA graph launches keep the GPU idle, from a step-profiler trace.
 
-Reads the Chrome / Perfetto JSON that `HYBRIDSERVE_PROFILE_DIR` makes a worker write (worker_runtime/step_profiler.py)
+Reads the Chrome / Perfetto JSON that `--profile-dir` makes a worker write (worker_runtime/step_profiler.py)
 and, per cudaGraphLaunch call, reports its host duration and the delay from the call's start to the first GPU
 activity after it: when the two match, the GPU waits for the whole launch call before the graph's first kernel runs,
 so the call's host time is added to every replayed step.

@@ -72,26 +72,22 @@ class PaddedCheck:
 
 
 def main(kind: str) -> None:
-    """kind: "nemotron_h", "mamba2", or "fold" (nemotron_h with decode rows folded into the prefill forwards, in
-    buffers that hold the running batch's rows as well, as the engine's fold bucket)."""
+    """kind: "nemotron_h" or "mamba2"."""
     model_dir = mamba2()[0] if kind == "mamba2" else nemotron_h("M*-M*")[0]
     system, *tails = random_prompts([40, 3, 21, 57, 9], vocab=128, seed=12)
     prompts = [system + t for t in tails] + [tails[2]]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    options = dict(prefill_chunk_size=50, state_block=16, page_size=8, max_model_len=256, max_num_seqs=4,
-                   fold_decode_rows=kind == "fold")
+    options = dict(prefill_chunk_size=50, state_block=16, page_size=8, max_model_len=256, max_num_seqs=4)
     llm = LLM(model_dir, **options)  # every forward is checked against the eager one as it runs (no second run:
     # the interpreter is slow, and the eager forwards are checked against transformers elsewhere)
     engine = llm.engine
     mamba = engine.model_config.mamba
-    check = PaddedCheck(engine.runner.model, mamba.chunk_size, engine.state_block, -(-256 // 8),
-                        SEQS + (engine.max_running if kind == "fold" else 0))
+    check = PaddedCheck(engine.runner.model, mamba.chunk_size, engine.state_block, -(-256 // 8))
     engine.runner.model = check
     llm.generate(prompt_token_ids=[system + tails[0]], sampling_params=params)  # caches the system prompt
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     print(json.dumps({"tokens": [o.token_ids for o in outs],
-                      "checked": check.checked, "resumed": check.resumed, "multi": check.multi, "kept": check.kept,
-                      "folded": engine.runner.num_folded_steps}))
+                      "checked": check.checked, "resumed": check.resumed, "multi": check.multi, "kept": check.kept}))
 
 
 if __name__ == "__main__":

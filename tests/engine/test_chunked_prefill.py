@@ -123,7 +123,7 @@ def test_mixed_verify_step_split_into_verify_rows_and_prefill_matches_whole(roll
 
 
 def test_batch_halves_refuse_a_batch_that_does_not_split() -> None:
-    from hybridserve.engine.model_runner import PlacedRow, place_rows
+    from hybridserve.engine.batch_builder import PlacedRow, place_rows
 
     batch, _ = place_rows([PlacedRow([0], 3, 1, 0), PlacedRow([1], 0, 4, 1)], 1, 16, torch.device("cpu"))
     decodes, prefills = batch.decode_half(), batch.prefill_half()
@@ -134,74 +134,3 @@ def test_batch_halves_refuse_a_batch_that_does_not_split() -> None:
         only_decodes.prefill_half()
 
 
-class StepRecorder:
-    """Stands in for the runner's model: keeps every forward's batch shape and hidden states."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-        self.steps: list[tuple[int, tuple[int, ...], torch.Tensor]] = []
-
-    def __call__(self, input_ids, batch, cache):
-        hidden = self.model(input_ids, batch, cache)
-        self.steps.append((batch.num_decode, batch.query_lens, hidden.clone()))
-        return hidden
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-
-@pytest.mark.parametrize("caching", [False, True], ids=["cache_off", "cache_on"])
-def test_folded_decode_rows_match_decode_rows(caching) -> None:
-    """Mixed steps with their decode rows folded into the prefill forward as one-token chunks: every step's
-    hidden states equal those of the same step with recurrent decode rows, and so do the tokens. With the cache
-    on, decode tokens land on checkpoint boundaries (state_block 16) beside prefill chunks that keep theirs."""
-    model_dir, _ = nemotron_h("M*-M*")
-    prompts = random_prompts([5, 60, 40, 9], vocab=128, seed=9)
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    runs = {}
-    hits: dict[bool, tuple[list[list[int]], int]] = {}
-    crossings: list[int] = []
-    for fold in (False, True):
-        llm = LLM(model_dir, prefill_chunk_size=7, max_num_seqs=3, enable_prefix_caching=caching,
-                  state_block=16 if caching else None, fold_decode_rows=fold)
-        recorder = StepRecorder(llm.engine.runner.model)
-        llm.engine.runner.model = recorder
-        if fold and caching:
-            runner = llm.engine.runner
-            plain = runner._fold_boundaries
-
-            def spy(decodes, slots, plain=plain):
-                found = plain(decodes, slots)
-                crossings.append(0 if found is None or slots is None else len(found) - len(slots))
-                return found
-
-            runner._fold_boundaries = spy
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        runs[fold] = ([o.token_ids for o in outs], recorder.steps)
-        if caching:  # the checkpoints the folded steps kept serve hits: a misfiled one would change the tokens
-            again = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-            hits[fold] = ([o.token_ids for o in again], sum(o.num_cached_tokens for o in again))
-    (tokens, steps), (folded_tokens, folded_steps) = runs[False], runs[True]
-    assert folded_tokens == tokens
-    if caching:
-        assert hits[True] == hits[False] and hits[True][0] == tokens
-        assert hits[True][1] > 0, "the second pass hit no checkpoint"
-    assert len(folded_steps) == len(steps)
-    folded = 0
-    for (nd, lens, hidden), (fold_nd, fold_lens, fold_hidden) in zip(steps, folded_steps):
-        assert fold_lens == lens
-        if 0 < nd < len(lens):
-            assert fold_nd == 0  # the model saw a prefill
-            folded += 1
-        torch.testing.assert_close(fold_hidden, hidden, rtol=1e-4, atol=1e-4)
-    assert folded > 0, "no mixed step was scheduled"
-    if caching:
-        assert any(crossings), "no folded decode row crossed a kept checkpoint boundary"
-
-
-def test_fold_decode_rows_config() -> None:
-    from hybridserve.engine.config import EngineConfig
-
-    assert not EngineConfig().fold_decode_rows  # off by default (ties the split on the GPU)
-    with pytest.raises(ValueError, match="fold_decode_rows must be a bool"):
-        EngineConfig(fold_decode_rows="yes")  # type: ignore[arg-type]

@@ -34,7 +34,7 @@ def test_graph_prefill_equals_eager(family: str, chunk: int | None) -> None:
     warm_eager = _tokens(eager, prompts[:1])
     expected = _tokens(eager, prompts)  # the second call hits the cached system prompt
     llm = LLM(model_dir, **options)
-    assert llm.engine.runner.model.prefill is not None
+    assert llm.engine.runner.prefill_graphs is not None
     assert _tokens(llm, prompts[:1]) == warm_eager
     assert _tokens(llm, prompts) == expected
     stats = llm.engine.graph_stats()
@@ -47,10 +47,10 @@ def test_prefill_graphs_off_and_oversized_prefills_run_eagerly() -> None:
     prompts = [p[:130] for p in _prompts()]
     expected = _tokens(LLM(model_dir, device="cuda", dtype="float32", cuda_graphs=False), prompts)
     off = LLM(model_dir, device="cuda", dtype="float32", prefill_cuda_graphs=False)
-    assert off.engine.runner.model.prefill is None
+    assert off.engine.runner.prefill_graphs is None
     assert _tokens(off, prompts) == expected
     assert off.engine.graph_stats()["graph_prefill_forwards"] == 0
-    # a prefill chunk past the largest bucket (1024 + the running batch) runs eagerly, tokens unchanged
+    # a prefill chunk past the largest bucket (1024) runs eagerly, tokens unchanged
     long_prompt = random_prompts([1500], vocab=128, seed=3)[0]
     options = dict(device="cuda", dtype="float32", max_model_len=2048, prefill_chunk_size=2048)
     long_expected = _tokens(LLM(model_dir, cuda_graphs=False, **options), [long_prompt] + prompts)

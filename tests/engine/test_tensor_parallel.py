@@ -48,8 +48,6 @@ def _check_engine(model_dir, hf, prompt_lengths: list[int], **options: object) -
         outs = llm.generate(prompt_token_ids=repeat, sampling_params=GREEDY)
         assert [o.token_ids for o in outs] == expected_repeat[1:]
         assert all(o.num_cached_tokens >= 32 for o in outs)  # prefix-cache hits, state copied on both ranks
-        if options.get("fold_decode_rows"):
-            assert llm.engine.graph_stats()["folded_mixed_steps"] > 0, "no mixed step was folded"
     finally:
         llm.engine.close()
 
@@ -61,9 +59,8 @@ def test_nemotron_h_tp2_matches_tp1_and_transformers() -> None:
 
 def test_nemotron_h_tp2_with_one_group_and_one_kv_head() -> None:
     """n_groups=1 < TP: the group is replicated and the gated norm's group spans both ranks (all-reduced
-    sums of squares); num_kv_heads=1 < TP: the KV head is replicated. Mixed steps fold their decode rows into
-    the prefill forward on every rank (fold_decode_rows)."""
-    _check_engine(*nemotron_h("M*-M", n_groups=1, num_key_value_heads=1), [11, 26], fold_decode_rows=True)
+    sums of squares); num_kv_heads=1 < TP: the KV head is replicated."""
+    _check_engine(*nemotron_h("M*-M", n_groups=1, num_key_value_heads=1), [11, 26])
 
 
 def test_mamba2_tp2_with_one_group() -> None:
@@ -158,10 +155,8 @@ def test_speculative_verify_tp2_rolls_back_on_every_rank(rollback: str) -> None:
         llm.engine.close()
 
 
-def _prefill_then_decode(prefill, decode, prompt: list[int], max_tokens: int, request_id: str,
-                         kv_split: int | None = None) -> list[int]:
-    """P/D in process: prefill exports the held state as bytes, decode reserves, lands them and decodes.
-    `kv_split`: the KV arrives as an early-sent state's `kv` + `kv_tail` (state_layout.split_kv_specs)."""
+def _prefill_then_decode(prefill, decode, prompt: list[int], max_tokens: int, request_id: str) -> list[int]:
+    """P/D in process: prefill exports the held state as bytes, decode reserves, lands them and decodes."""
     prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id, hold_state=True)
     first = None
     while prefill.has_unfinished():
@@ -171,8 +166,6 @@ def _prefill_then_decode(prefill, decode, prompt: list[int], max_tokens: int, re
     assert exported.specs == decode.state_specs(len(prompt))  # one wire layout, whatever the TP sizes
     wire = torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in exported.parts])
     tensors = state_views(wire, exported.specs)
-    if kv_split is not None:
-        tensors["kv"], tensors["kv_tail"] = tensors["kv"][:kv_split], tensors["kv"][kv_split:]
     decode.reserve(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     tokens = decode.commit_reservation(request_id, tensors, first, 0).token_ids
     while decode.has_unfinished():
@@ -197,7 +190,7 @@ def test_prefill_decode_across_tp_sizes(case: str) -> None:
         assert _prefill_then_decode(one, two, prompts[0], 16, "a") == expected[0]
         assert _prefill_then_decode(two, one, prompts[1], 16, "b") == expected[1]
         if case == "sharded":  # an early-sent layout (KV split around the Mamba states) into TP=2
-            assert _prefill_then_decode(one, two, prompts[1], 16, "c", kv_split=29) == expected[1]
+            assert _prefill_then_decode(one, two, prompts[1], 16, "c") == expected[1]
     finally:
         two.close()
 

@@ -9,8 +9,8 @@ import torch
 from checkpoints import nemotron_h_mtp
 
 from hybridserve import LLM
+from hybridserve.engine.batch_builder import PlacedRow, place_rows
 from hybridserve.engine.cuda_graphs import DecodeGraphs
-from hybridserve.engine.model_runner import PlacedRow, place_rows
 
 
 @pytest.mark.parametrize("rollback", ["intermediate", "replay"])

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridserve.engine.model_runner import PlacedRow, place_rows
+from hybridserve.engine.batch_builder import PlacedRow, place_rows
 from hybridserve.kernels.causal_conv1d import conv_varlen_metadata
 from hybridserve.kernels.host_index import pack_to_device
 from hybridserve.kernels.paged_attention import DECODE_MAX_QUERY, PREFILL_BLOCK_M

@@ -139,3 +139,18 @@ def test_installed_launch_hook_takes_tritons_path() -> None:
         hook.remove(seen.append)
     assert seen  # a profiler's hook saw the launch
     torch.testing.assert_close(out, x + y)
+
+
+def test_the_launchers_assumptions_hold_for_the_installed_triton() -> None:
+    """The lean path calls Triton's internals directly, so a Triton upgrade can break it silently: on a release
+    it was checked against every assumption must hold against the installed Triton; on any other release the lean
+    path must stay off (Triton's own launch path runs), whatever still matches."""
+    mismatches = launch.triton_internals_mismatches()
+    release = triton.__version__.rsplit(".", 1)[0]
+    if launch.release_checked():
+        assert mismatches == [], f"triton {triton.__version__} no longer matches kernels/launch.py: {mismatches}"
+    else:
+        assert not launch.lean_enabled()
+        if not mismatches:
+            pytest.skip(f"triton {release} is not in LEAN_TRITON_RELEASES {launch.LEAN_TRITON_RELEASES} yet every "
+                        "assumption holds: check the lean path on a GPU and add the release")

@@ -57,30 +57,6 @@ def test_small_path_matches_the_reference_layer(shape, dtype):
 
 
 @ku.interp_only
-@pytest.mark.parametrize("shape", [s for s in SHAPES if s[-1]])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_early_shared_programs_give_the_same_bits(monkeypatch, shape, dtype):
-    """HYBRIDSERVE_MOE_EARLY_SHARED=1: the shared chunks' programs first in launch order, their products computed
-    before the router wait; same output, ids and weights to the bit."""
-    tokens, experts, k, n_group, topk_group, d, inter, shared = shape
-    inputs = _layer(tokens, experts, k, n_group, topk_group, d, inter, shared, dtype, seed=7 + tokens)
-    monkeypatch.setenv("HYBRIDSERVE_MOE_EARLY_SHARED", "0")
-    plain = moe_layer_triton(**inputs, small_max_pairs=1 << 20)
-    monkeypatch.setenv("HYBRIDSERVE_MOE_EARLY_SHARED", "1")
-    early = moe_layer_triton(**inputs, small_max_pairs=1 << 20)
-    assert torch.equal(early, plain)
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    ku.assert_close(early, moe_layer_ref(**inputs), tol, "early shared programs vs reference")
-
-
-@ku.interp_only
-def test_early_shared_switch_rejects_other_values(monkeypatch):
-    monkeypatch.setenv("HYBRIDSERVE_MOE_EARLY_SHARED", "on")
-    with pytest.raises(ValueError, match="HYBRIDSERVE_MOE_EARLY_SHARED must be 0 or 1"):
-        moe_layer_triton(**_layer(1, 8, 2, 1, 1, 16, 16, 0, torch.float32), small_max_pairs=1 << 20)
-
-
-@ku.interp_only
 def test_router_logits_gemv_matches_fp32_linear():
     gen = torch.Generator().manual_seed(2)
     x, w = torch.randn(5, 70, generator=gen).bfloat16(), torch.randn(12, 70, generator=gen).bfloat16()
@@ -137,12 +113,10 @@ def test_bad_inputs_name_what_to_change():
 @ku.cuda_only
 @pytest.mark.parametrize("tokens", [1, 8, 16])
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("early", [False, True])
-def test_cuda_small_path_matches_the_reference_and_replays_as_a_graph(monkeypatch, tokens, fp8, early):
+def test_cuda_small_path_matches_the_reference_and_replays_as_a_graph(tokens, fp8):
     """Nano's routing (128 experts, top 6, 2 shared chunks or fp8 experts) at reduced widths on the GPU: the
-    small path (shared programs early or not) equals the reference layer and the grouped path, and a CUDA-graph
+    small path (shared programs ahead of the router wait) equals the reference layer and the grouped path, and a CUDA-graph
     replay gives the same bits."""
-    monkeypatch.setenv("HYBRIDSERVE_MOE_EARLY_SHARED", str(int(early)))
     inputs = _layer(tokens, 128, 6, 1, 1, 256, 128, 0 if fp8 else 2, torch.bfloat16, seed=tokens)
     inputs = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     inputs["correction_bias"] = inputs["correction_bias"].float()

@@ -14,10 +14,10 @@ from hybridserve.kernels import (
     gated_rmsnorm_ref,
     multi_token_state_update_ref,
     paged_attention_ref,
-    selective_state_update_ref,
     ssd_scan_varlen_ref,
     write_kv_pages,
 )
+from hybridserve.kernels.ops import selective_state_update
 
 H, P, N, G = 4, 8, 6, 2
 TOL = dict(rtol=1e-5, atol=1e-5)  # the references compute in fp32; the definitions here run in fp64
@@ -144,7 +144,7 @@ def test_multi_token_update_matches_recurrence_and_single_steps() -> None:
         torch.testing.assert_close(inter[row], torch.stack(ref_states), **TOL)
         torch.testing.assert_close(pool[slot], ref_states[-1], **TOL)
         for t in range(T):  # the single-token update, T times, is the same thing
-            one = selective_state_update_ref(
+            one = selective_state_update(
                 step_pool, torch.tensor([slot]), x[row, t][None], dt[row, t][None], A, B[row, t][None],
                 C[row, t][None], D, bias,
             )

@@ -1,4 +1,4 @@
-"""The torch replay rollback (`kernels/replay_state.py`) against the per-token recurrence: folding k accepted
+"""The torch replay rollback (`kernels/replay_state_update.py`) against the per-token recurrence: folding k accepted
 tokens of the previous step gives the state after those tokens, the outputs equal the intermediate-state
 method's, and `advance_states` rebuilds any prefix of a step into another row (prefix-cache checkpoints)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridserve.kernels.replay_state import ReplayCache, advance_states, replay_state_update_ref
+from hybridserve.kernels.replay_state_update import ReplayCache, advance_states, replay_state_update_ref
 from hybridserve.kernels.state_update import multi_token_state_update_ref
 
 SLOTS, T, H, P, G, N = 5, 4, 4, 8, 2, 6

@@ -3,17 +3,38 @@ through the accepted tokens and scoring the new ones, over several steps with va
 
 from __future__ import annotations
 
+from typing import Any
+
 import ktest_utils as ku  # noqa: I001  (sets TRITON_INTERPRET before triton is imported)
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from hybridserve.kernels.replay_state_update import (  # noqa: E402
-    ReplayCache,
-    replay_reference,
-    replay_state_update_triton,
-)
+from hybridserve.kernels.replay_state_update import ReplayCache  # noqa: E402
+from hybridserve.kernels.replay_state_update_triton import replay_state_update_triton  # noqa: E402
+from hybridserve.kernels.state_update import multi_token_state_update_ref  # noqa: E402
+
+
+def replay_reference(
+    state_pool: torch.Tensor, history: dict, slots: torch.Tensor, num_accepted: torch.Tensor, x: torch.Tensor,
+    dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, **kw: Any
+) -> torch.Tensor:
+    """The oracle: advance each slot through its accepted previous tokens (kept in `history`, keyed by slot),
+    then score the new tokens without writing the state; records the new tokens in `history`."""
+    for row, slot in enumerate(slots.tolist()):
+        if slot < 0 or slot not in history or int(num_accepted[row]) == 0:
+            continue
+        k = int(num_accepted[row])
+        hx, hdt, hB, hC, hz = history[slot]
+        sl = torch.tensor([slot], device=x.device)
+        multi_token_state_update_ref(state_pool, sl, hx[None, :k], hdt[None, :k], A, hB[None, :k], hC[None, :k],
+                                     **{**kw, "z": None})
+    y = multi_token_state_update_ref(state_pool, slots, x, dt, A, B, C, write_final_state=False, **kw)
+    for row, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            history[slot] = (x[row], dt[row], B[row], C[row], None)
+    return y
 
 
 def _run(batch, tokens, heads, head_dim, groups, state, state_dtype, dtype, device, gen, tol, dot_outputs=True):

@@ -11,7 +11,6 @@ pytest.importorskip("triton")
 from hybridserve.kernels.state_update import multi_token_state_update_ref  # noqa: E402
 from hybridserve.kernels.state_update_triton import (  # noqa: E402
     multi_token_state_update_triton,
-    selective_state_update_triton,
 )
 
 
@@ -43,15 +42,9 @@ def _check(batch, tokens, heads, head_dim, groups, state, state_dtype, dtype, de
     out = ku.poisoned(tuple(x.shape), dtype, device)
     got_inter = ku.poisoned((batch, tokens, heads, head_dim, state), torch.float32, device) if inter else None
     before = pool.clone()
-    if tokens == 1 and not inter:
-        y = selective_state_update_triton(
-            pool, slots, x[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], out=out[:, 0],
-            **{**kw, "z": z[:, 0] if use_z else None},
-        )[:, None]
-    else:
-        y = multi_token_state_update_triton(
-            pool, slots, x, dt, A, B, C, intermediate_states=got_inter, out=out, **kw, **launch
-        )
+    y = multi_token_state_update_triton(
+        pool, slots, x, dt, A, B, C, intermediate_states=got_inter, out=out, **kw, **launch
+    )
     tol = ku.TOL[dtype] if state_dtype == torch.float32 else ku.TOL[torch.bfloat16]
     ku.assert_close(y, y_ref, tol, "y")
     valid = slots >= 0

@@ -1,4 +1,4 @@
-"""Late hand-off (HYBRIDSERVE_LATE_HANDOFF, on by default): a step's outputs reach their streams once the next step's forward is
+"""Late hand-off (on by default): a step's outputs reach their streams once the next step's forward is
 queued, never lost, in order, and the last ones at once when no step follows."""
 
 from __future__ import annotations
@@ -67,22 +67,6 @@ def test_late_hand_off_delivers_every_output_one_launch_later() -> None:
             # early: handed off before the next step starts; late: once the next step runs, or at once after the
             # last step (no step follows it)
             assert late_steps == early_steps + (early_steps != last_step)
-
-
-def test_late_hand_off_is_the_default_and_the_switch_is_checked(monkeypatch, tmp_path) -> None:
-    from hybridserve.worker_runtime.engine_loop import _late_handoff_from_env
-
-    monkeypatch.delenv("HYBRIDSERVE_LATE_HANDOFF", raising=False)
-    assert _late_handoff_from_env()
-    monkeypatch.setenv("HYBRIDSERVE_LATE_HANDOFF", "0")
-    assert not _late_handoff_from_env()
-    monkeypatch.setenv("HYBRIDSERVE_LATE_HANDOFF", "yes")
-    try:
-        _late_handoff_from_env()
-    except ValueError as exc:
-        assert "HYBRIDSERVE_LATE_HANDOFF must be 0 or 1" in str(exc)
-    else:
-        raise AssertionError("a malformed HYBRIDSERVE_LATE_HANDOFF was accepted")
 
 
 def test_overlap_tasks_run_while_forwards_compute_and_when_idle(caplog) -> None:
