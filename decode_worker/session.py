@@ -121,7 +121,13 @@ class WorkerSession:
                 grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, ValueError) else grpc.StatusCode.INTERNAL)
             self._refuse(rid, code, str(exc), opened=True)
 
-        worker.loop.submit_later(rid, add, sink, refused)
+        def compiled(error: BaseException | None) -> None:  # the grammar's compile must not hold up this reader
+            if error is None:
+                worker.loop.submit_later(rid, add, sink, refused)
+            else:
+                refused(error)
+
+        worker.engine.grammars.prepare(params, compiled)
 
     def _follow(self, request: worker_pb2.StreamTokensRequest) -> None:
         """Take over a reservation's token stream: what it output so far and all that follows comes here."""

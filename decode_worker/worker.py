@@ -141,6 +141,7 @@ class DecodeWorker:
     # ---- reservations --------------------------------------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: list[int], sampling, timeout_s: float) -> Reservation:
         params = sampling_from_proto(sampling)
+        self.engine.grammars.prepare(params)  # compiled off the loop, before the reservation takes pages
         stream = self.loop.submit(request_id, lambda: self.engine.reserve(request_id, prompt_token_ids, params))
         reservation = Reservation(uuid.uuid4().hex, request_id, len(prompt_token_ids), time.monotonic() + timeout_s, stream)
         with self._lock:
@@ -319,6 +320,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.worker.drain_state.refuse_new(context)
         try:
             params = sampling_from_proto(request.sampling)
+            self.worker.engine.grammars.prepare(params)  # compiled off the loop; this call waits for it
             prompt = list(request.prompt_token_ids)
             hashes = self.worker.engine.pool.prompt_hashes(prompt)  # on this thread, not the engine loop
             stream = self.worker.loop.submit(

@@ -26,7 +26,7 @@ from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.engine.spec_memory import write_checkpoint_hidden
 from hybridserve.engine.step_timing import NO_STEP, StepClock
-from hybridserve.engine.structured_output import GrammarBackend
+from hybridserve.engine.structured_output import Grammars
 from hybridserve.engine.warmup import WarmupReport, warm_up
 from hybridserve.models.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
 from hybridserve.models.hybrid_model import HybridLM
@@ -116,6 +116,9 @@ class LLMEngine:
             if config.prefill_cuda_graphs:  # beside decode graphs (not under tensor parallelism)
                 enable_prefill_graphs(self.runner.model, max_pages, self.state_block, config.prefill_chunk_tokens,
                                       self.max_running if config.fold_decode_rows else 0)
+        # structured outputs' compile pool: callers prepare a request's grammar on their thread, off the loop
+        self.grammars = Grammars(self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids,
+                                 self.tokenizer is not None, config)
         self._requests: dict[str, Request] = {}
         self._held: dict[str, Request] = {}  # finished, state kept for export
         self.last_step = NO_STEP  # the last step's shape and phase times (a worker loop's metrics read it)
@@ -210,18 +213,16 @@ class LLMEngine:
         return request
 
     def _grammar_matcher(self, params: SamplingParams):  # noqa: ANN202 - xgrammar GrammarMatcher | None
-        """The request's grammar matcher (the backend is built on the first structured request)."""
+        """The request's grammar matcher; its grammar compiles off the loop (`grammars.prepare`, which served
+        callers run on their own thread first), so here it is a cache hit."""
         if params.structured is None:
             return None
-        if self.tokenizer is None:
-            raise ValueError(f"{params.structured.field}: structured outputs need the model's tokenizer; "
-                             f"{self.model_dir} ships none")
+        backend = self.grammars.backend()
         if self.runner.grammar is None:
-            backend = GrammarBackend(self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids)
             self.runner.grammar = backend
             if self.spec is not None:
                 self.spec.grammar = backend
-        return self.runner.grammar.matcher(params.structured)
+        return backend.matcher(params.structured)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (queued, running, reserved, held); False if it is unknown."""
@@ -240,6 +241,7 @@ class LLMEngine:
         """Stop the tensor-parallel follower ranks (nothing to do at tensor_parallel_size=1)."""
         if self.tp is not None:
             self.tp.shutdown()
+        self.grammars.close()
 
     # ---- state handoff between a prefill and a decode engine --------------------------------------
     def state_specs(self, num_tokens: int) -> list[StateTensorSpec]:

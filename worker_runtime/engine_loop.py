@@ -179,6 +179,7 @@ class EngineLoop:
     ) -> Iterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes (`on_held`, `on_progress`, `on_layer`: see
         `LLMEngine.add_request`); CapacityError when the engine's waiting queue is full."""
+        self.engine.grammars.prepare(params)  # its grammar compiles off the loop; the request waits here for it
         hashes = self.engine.pool.prompt_hashes(prompt_token_ids)  # on the caller's thread, not the loop
         stream = self.submit(request_id, lambda: self.engine.add_request(prompt_token_ids, params, request_id,
                                                                           hold_state, on_held, bounded=True,
