@@ -16,6 +16,7 @@ import collections
 import concurrent.futures
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ from hybridserve.engine.sampling_params import StructuredOutput
 
 logger = logging.getLogger(__name__)
 
+_SOURCE_PREFIX = re.compile(r"\[[\d:]+\]\s*\S+:\d+:\s*")  # xgrammar's log prefix: time, C++ file and line
 Ready = Callable[[BaseException | None], None]  # called once: None when the grammar is compiled, else the error
 
 
@@ -87,7 +89,8 @@ class GrammarPool:
         try:
             return self._compile_fn(spec)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the parser's message
-            raise ValueError(f"{spec.field} does not compile to a grammar: {exc}") from exc
+            message = _SOURCE_PREFIX.sub("", str(exc)).strip()  # "[12:00:00] /project/cpp/x.cc:94: " is no help
+            raise ValueError(f"{spec.field} does not compile to a grammar: {message}") from exc
 
     def _settled(self, spec: StructuredOutput, future: concurrent.futures.Future) -> None:
         with self._lock:

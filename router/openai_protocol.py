@@ -323,4 +323,6 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid request")
+    if first.get("type") == "value_error" and msg.startswith("Value error, "):  # our validators' own words
+        msg = msg[len("Value error, "):]
     return (f"{param}: {msg}" if param else msg), param
