@@ -123,7 +123,10 @@ class WorkerSession:
 
         def compiled(error: BaseException | None) -> None:  # the grammar's compile must not hold up this reader
             if error is None:
-                worker.loop.submit_later(rid, add, sink, refused)
+                with self._lock:
+                    still_open = rid in self._open  # not aborted while its grammar compiled
+                if still_open:
+                    worker.loop.submit_later(rid, add, sink, refused)
             else:
                 refused(error)
 
@@ -165,8 +168,10 @@ class WorkerSession:
         then through the worker here, on a thread of its own (it waits for a step boundary)."""
         with self._lock:
             remote = request_id in self._remote
+            sent = self._open.get(request_id, 0)
         if not self._forget(request_id):
             return
+        self._worker.metrics.observe_finished(0, sent, "abort")  # a client that left, or the router's abort
         if not remote:
             engine = self._worker.engine
             self._worker.loop.post(lambda: engine.abort(request_id))

@@ -371,9 +371,11 @@ def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context:
             local: bool):
     """TokenEvents from a request's output stream; a client that goes away aborts the request."""
     sent = 0
+    finished = False
     worker.drain_state.begin(request_id)
     try:
         for out in worker.loop.iterate(request_id, stream):
+            finished = out.finished
             # counted before the last event goes out: a client that stops reading after it cancels the call,
             # and the generator is not resumed past that yield
             if out.finished:  # prompt tokens only for prompts this worker prefilled itself
@@ -382,6 +384,9 @@ def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context:
             yield token_event(out, sent)
             sent = max(sent, len(out.token_ids))
     except (TransferError, TimeoutError, ConnectionError, RuntimeError, ValueError) as exc:
+        finished = True
         yield common_pb2.TokenEvent(request_id=request_id, finish_reason="error", error=str(exc))
     finally:
+        if not finished:  # the caller went away (or aborted) before the end: counted as an abort
+            worker.metrics.observe_finished(0, sent, "abort")
         worker.drain_state.end(request_id)

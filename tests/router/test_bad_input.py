@@ -38,7 +38,7 @@ def openai_error(response: httpx.Response, status: int) -> dict:
 
 def test_deep_nesting_is_400_not_a_recursion_error(http: httpx.Client) -> None:
     for depth in (100_000, 200):
-        raw = '{"model": "%s", "prompt": "hi", "user": %s}' % (MODEL_NAME, "[" * depth + "]" * depth)
+        raw = '{"model": "' + MODEL_NAME + '", "prompt": "hi", "user": ' + "[" * depth + "]" * depth + "}"
         error = openai_error(http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}),
                              400)
         assert "nests JSON deeper than" in error["message"]
@@ -58,7 +58,7 @@ def test_lone_surrogates_are_400(http: httpx.Client, path: str, body: dict) -> N
 
 
 def test_nan_and_infinity_are_400(http: httpx.Client) -> None:
-    raw = '{"model": "%s", "prompt": "hi", "temperature": NaN}' % MODEL_NAME
+    raw = '{"model": "' + MODEL_NAME + '", "prompt": "hi", "temperature": NaN}'
     error = openai_error(http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}), 400)
     assert "NaN is not a JSON number" in error["message"]
 
