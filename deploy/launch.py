@@ -105,7 +105,11 @@ def serve_worker(role: str, worker_id: str, options: WorkerOptions, port: int, r
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    done.wait()
+    while not done.wait(1.0):
+        if worker.loop.stopped:  # a tensor-parallel rank died: this worker cannot serve; exit to be restarted
+            print(f"{role} worker {worker_id}: engine loop stopped ({worker.loop.fatal}); exiting", flush=True)
+            worker.stop()
+            return 3
     aborted = worker.drain(options.drain_timeout_s)  # health says "draining": the router routes elsewhere
     print(f"{role} worker {worker_id} drained ({len(aborted)} requests aborted at the timeout)", flush=True)
     worker.stop()

@@ -19,6 +19,7 @@ from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.engine.tp_watch import RankError
 from hybridserve.env_switch import env_switch
 from hybridserve.worker_runtime.loop_stats import LoopStats
 from hybridserve.worker_runtime.step_profiler import StepProfileConfig, StepProfiler
@@ -84,6 +85,7 @@ class EngineLoop:
         self._calls: queue.Queue[tuple[Callable[[], Any], Future | None]] = queue.Queue()  # None: posted
         self._streams: dict[str, OutputSink] = {}
         self._stop = threading.Event()
+        self.fatal: BaseException | None = None  # what stopped the loop for good (a dead tensor-parallel rank)
         self.stats = LoopStats(name)
         profile = StepProfileConfig.from_env()  # HYBRIDSERVE_PROFILE_DIR: a trace of a window of busy steps
         self.profiler = StepProfiler(profile, name) if profile is not None else None
@@ -95,6 +97,8 @@ class EngineLoop:
         """Run fn on the loop thread between steps and return its result (or raise its exception)."""
         if threading.current_thread() is self._thread:
             return fn()
+        if self._stop.is_set():
+            raise RuntimeError(f"the engine loop stopped{f': {self.fatal}' if self.fatal else ''}")
         future: Future = Future()
         self._calls.put((fn, future))
         return future.result(timeout=timeout)
@@ -285,6 +289,9 @@ class EngineLoop:
                     stream.put(RuntimeError(f"engine step failed: {exc}"))
                     self.engine.abort(request_id)
                 self.stats.idle()
+                if isinstance(exc, RankError):  # ... unless a tensor-parallel rank is gone: no step can run again
+                    self.fatal = exc
+                    self._stop.set()  # calls now fail at once (health too), and the worker process exits
                 continue
             stepped = time.perf_counter()
             self._hand_off()  # the previous step's outputs, where this step queued no forward
