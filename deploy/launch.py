@@ -104,7 +104,9 @@ def serve_worker(role: str, worker_id: str, options: WorkerOptions, port: int, r
     print(f"{role} worker {worker_id} serving on {address}{group}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
+        # set from a thread: Event.set() inside a handler deadlocks when the signal lands while this (main) thread
+        # holds the Event's lock inside wait()
+        signal.signal(sig, lambda *_: threading.Thread(target=done.set).start())
     while not done.wait(1.0):
         if worker.loop.stopped:  # a tensor-parallel rank died: this worker cannot serve; exit to be restarted
             print(f"{role} worker {worker_id}: engine loop stopped ({worker.loop.fatal}); exiting", flush=True)

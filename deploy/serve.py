@@ -118,7 +118,8 @@ def serve(options: ServeOptions, stop: threading.Event | None = None) -> int:
     stop = stop or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stop.set())
+            signal.signal(sig, lambda *_: threading.Thread(target=stop.set).start())  # not set() in the handler:
+            # it deadlocks when the signal lands while this thread holds the Event's lock inside stop.wait()
     while not stop.wait(ADDRESS_REFRESH_S):
         try:
             router.update_workers(*deployment.addresses())

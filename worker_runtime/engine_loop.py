@@ -101,6 +101,8 @@ class EngineLoop:
             raise RuntimeError(f"the engine loop stopped{f': {self.fatal}' if self.fatal else ''}")
         future: Future = Future()
         self._calls.put((fn, future))
+        if self._stop.is_set() and not self._thread.is_alive():  # stopped meanwhile: nobody will run it
+            self._fail_calls()
         return future.result(timeout=timeout)
 
     def post(self, fn: Callable[[], Any]) -> None:
@@ -244,6 +246,17 @@ class EngineLoop:
             except queue.Empty:
                 return
 
+    def _fail_calls(self) -> None:
+        """The loop is ending: a call still queued fails instead of leaving its caller (a gRPC handler thread,
+        which the interpreter joins at exit) waiting for ever."""
+        while True:
+            try:
+                _, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError("the engine loop stopped"))
+
     def _hand_off(self) -> None:
         """Put the held outputs into their requests' streams (a stream closed meanwhile drops its output)."""
         outputs, self._pending = self._pending, []
@@ -267,6 +280,7 @@ class EngineLoop:
         try:
             self._loop()
         finally:
+            self._fail_calls()
             self._hand_off()
             if self.profiler is not None:
                 self.profiler.finish()
