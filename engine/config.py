@@ -85,7 +85,7 @@ class EngineConfig:
     # structured outputs: a grammar not compiled within this many seconds is refused (400) and its compile abandoned
     grammar_compile_timeout_s: float = 10.0
     grammar_max_spec_bytes: int = 256 * 1024  # a JSON schema or regex over this many bytes is refused (400)
-    grammar_max_properties: int = 4096  # a JSON schema with more object properties in all is refused (400)
+    grammar_max_properties: int = 2048  # a JSON schema with more object properties in all is refused (400)
     # a regex larger than this with its counted repetitions expanded (a{100}{100}: 10,000) is refused (400)
     grammar_max_regex_states: int = 10_000
 

@@ -28,7 +28,7 @@ class GrammarLimits:
     """What a request's grammar may cost before it is compiled (engine config fields of the same names)."""
 
     max_spec_bytes: int = 256 * 1024  # the JSON schema / regex text, UTF-8 bytes
-    max_properties: int = 4096  # object properties over the whole schema (each compiles to grammar rules)
+    max_properties: int = 2048  # object properties over the whole schema (each compiles to grammar rules)
     max_depth: int = 64  # nesting of the schema's JSON objects and arrays
     max_regex_states: int = 10_000  # a regex's size with its counted repetitions expanded, e.g. a{100}: 100
 

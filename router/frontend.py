@@ -24,7 +24,7 @@ from hybridserve.router.chat_template import ChatTemplate
 from hybridserve.router.metrics import RouterMetrics
 from hybridserve.router.openai_protocol import ApiError
 from hybridserve.router.orchestrator import Orchestrator, WorkerError
-from hybridserve.router.request_checks import check_text
+from hybridserve.router.request_checks import check_sampling, check_text
 
 logger = logging.getLogger(__name__)
 
@@ -127,13 +127,15 @@ class Frontend:
             raise ApiError(400, f"logit_bias token ids must be below the vocabulary size {self.vocab_size}",
                            param="logit_bias")
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                  seed=None if seed is None else seed + choice,
-                                  stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos, **extras)
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    seed=None if seed is None else seed + choice,
+                                    stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos, **extras)
         except ValueError as exc:
             message = str(exc)
             param = next((name for name in ("min_tokens", *extras) if message.startswith(name)), None)
             raise ApiError(400, message, param=param) from exc
+        check_sampling(params)  # the gRPC door's checks too (router/request_checks.py)
+        return params
 
     # ---- one generation --------------------------------------------------------------------------
     async def deltas(self, index: int, prompt: list[int], params: SamplingParams, request_id: str,

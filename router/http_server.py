@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DISCONNECT_POLL_S = 0.05
+BIG_BODY_BYTES = 64 * 1024  # bodies above this are parsed and validated on a thread, off the router's loop
 _STATUS_KIND = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
                 409: "conflict", 413: "too_large", 500: "internal",
                 429: "overloaded", 499: "cancelled", 503: "unavailable", 504: "timeout"}
@@ -156,6 +157,19 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         return internal_error(request.url.path, exc)
 
+    def validate(raw: bytearray, model):  # noqa: ANN202 - the pydantic model given
+        data = parse_json_body(raw)  # bounded nesting, no NaN, valid Unicode: 400 otherwise
+        if not isinstance(data, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        try:
+            req = model.model_validate(data)
+        except ValidationError as exc:
+            message, param = validation_message(exc.errors())
+            raise ApiError(400, message, param=param) from exc
+        if len(raw) > BIG_BODY_BYTES and hasattr(req, "grammar"):
+            req.grammar()  # a large schema's serialization: here, on the thread, not on the loop
+        return req
+
     async def parse(request: Request, model):
         """The body as `model`, or ApiError 400 (malformed JSON, wrong types, unsupported values)."""
         declared = request.headers.get("content-length")
@@ -166,14 +180,8 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
             raw += piece
             if len(raw) > max_body_bytes:
                 raise ApiError(413, f"the request body is over {max_body_bytes} bytes, this server's limit")
-        data = parse_json_body(raw)  # bounded nesting, no NaN, valid Unicode: 400 otherwise
-        if not isinstance(data, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        try:
-            req = model.model_validate(data)
-        except ValidationError as exc:
-            message, param = validation_message(exc.errors())
-            raise ApiError(400, message, param=param) from exc
+        # a big body (a large schema) is parsed on a thread: on this loop it would hold up every stream it relays
+        req = validate(raw, model) if len(raw) <= BIG_BODY_BYTES else await asyncio.to_thread(validate, raw, model)
         if req.model != frontend.model_name:
             raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {frontend.model_name!r}",
                            param="model", code="model_not_found")

@@ -36,7 +36,7 @@ def test_big_object_schemas_are_refused_before_compiling(objects: int) -> None:
 
 
 def test_a_schema_within_the_limits_passes_and_sizes_are_counted() -> None:
-    GrammarLimits().check(StructuredOutput("json", objects_schema(100, 20), field="guided_json"))
+    GrammarLimits().check(StructuredOutput("json", objects_schema(95, 20), field="guided_json"))
     assert schema_size(json.loads(objects_schema(3, 4))) == (5, 15)  # root, properties, o0, properties, p0
 
 
