@@ -8,17 +8,18 @@ cost too much with a ValueError that names the limit; the compile pool's deadlin
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from hybridserve.engine.sampling_params import StructuredOutput
 
-try:  # Python's own regex parser: the syntax xgrammar takes is a subset of it for what these limits count
-    from re import _parser as _regex_parser  # type: ignore[attr-defined]
-except ImportError:  # pragma: no cover - Python < 3.11
-    import sre_parse as _regex_parser  # type: ignore[no-redef]
+# Python's own regex parser (re._parser; sre_parse before Python 3.11): for what these limits count, the syntax
+# xgrammar takes parses alike there
+_regex_parser: Any = importlib.import_module("re._parser" if sys.version_info >= (3, 11) else "sre_parse")
 
 _UNBOUNDED = 65535  # sre's MAXREPEAT and beyond: a loop, one copy of its body
 

@@ -110,19 +110,19 @@ class Grammars:
         (ValueError when over a limit, invalid or past the deadline; CapacityError when the pool is full), or with
         `ready`, returns at once and calls `ready(error or None)` when known."""
         spec = params.structured
+        if spec is None:
+            if ready is not None:
+                ready(None)
+            return
         try:
-            if spec is not None:
-                pool = self.backend().pool
+            pool = self.backend().pool
         except ValueError as exc:
             error = ValueError(f"{spec.field}: {exc}")
             if ready is None:
                 raise error from None
             ready(error)
             return
-        if spec is None:
-            if ready is not None:
-                ready(None)
-        elif ready is None:
+        if ready is None:
             pool.wait(spec)
         else:
             pool.when_ready(spec, ready)

@@ -69,7 +69,7 @@ def guarded_protocol(limits: ConnectionLimits, metrics: RouterMetrics | None = N
                 self._guard_timer.cancel()
                 self._guard_timer = None
 
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             peer = self.client[0] if self.client else "?"
             if open_.total >= limits.max_connections or open_.per_peer[peer] >= limits.max_connections_per_peer:

@@ -125,9 +125,9 @@ class RouterServicer:
             prompt, params = self._checked(request)
             text = TextStream(self.frontend.tokenizer, params.stop, params.include_stop_str_in_output)
         except (ApiError, ValueError) as exc:
-            status, message = (exc.status, exc.message) if isinstance(exc, ApiError) else (400, str(exc))
-            metrics.count_request("grpc/Generate", str(status))
-            await context.abort(_HTTP_TO_GRPC.get(status, grpc.StatusCode.INVALID_ARGUMENT), message)
+            code, message = (exc.status, exc.message) if isinstance(exc, ApiError) else (400, str(exc))
+            metrics.count_request("grpc/Generate", str(code))
+            await context.abort(_HTTP_TO_GRPC.get(code, grpc.StatusCode.INVALID_ARGUMENT), message)
         client = self.identity(context)
         request_id = uuid.uuid4().hex  # never the client's: two clients may send the same label
         label = request.request_id or request_id
