@@ -58,3 +58,31 @@ def test_a_call_on_a_stopped_loop_fails_at_once() -> None:
     with pytest.raises(RuntimeError, match="the engine loop stopped"):
         loop.call(lambda: 8)
     assert time.monotonic() - start < 1.0
+
+
+def test_a_dead_tensor_parallel_rank_stops_the_loop_and_fails_its_requests() -> None:
+    """A step that raises RankError fails the streams, stops the loop for good (health calls fail at once, so the
+    router sees the worker unhealthy) and leaves the reason for the worker process, which then exits."""
+    import queue
+    from types import SimpleNamespace
+
+    from hybridserve.engine.tp_watch import RankError
+    from hybridserve.worker_runtime.engine_loop import EngineLoop
+
+    busy = {"on": False}
+
+    def step(**kw):  # type: ignore[no-untyped-def]
+        raise RankError("tensor-parallel rank 1 (pid 1) was killed by SIGKILL")
+
+    engine = SimpleNamespace(has_unfinished=lambda: busy["on"], step=step, abort=lambda rid: True)
+    loop = EngineLoop(engine, late_handoff=False)  # type: ignore[arg-type]
+    stream: queue.Queue = queue.Queue()
+    loop.submit_to("r1", lambda: busy.update(on=True), stream)
+    error = stream.get(timeout=10)
+    assert isinstance(error, RuntimeError) and "rank 1" in str(error)
+    deadline = time.monotonic() + 5
+    while not loop.stopped and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loop.stopped and isinstance(loop.fatal, RankError)
+    with pytest.raises(RuntimeError, match="rank 1"):
+        loop.call(lambda: 1)
