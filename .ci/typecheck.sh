@@ -8,7 +8,7 @@ tree=$(mktemp -d)
 trap 'rm -rf "$tree"' EXIT
 mkdir -p "$tree/hybridserve"
 cp hybridserve/*.py "$tree/hybridserve/"
-for d in kernels models engine statepool prefill_worker decode_worker router deploy proto transfer worker_runtime; do
+for d in common kernels models engine statepool prefill_worker decode_worker router deploy proto transfer worker_runtime; do
   ln -s "$PWD/$d" "$tree/hybridserve/$d"
 done
 packages=$(python - <<'PY'

@@ -38,8 +38,8 @@ from cuda_graph import capture  # noqa: E402
 from moe import LAYER_COPIES, Timer, ceilings  # noqa: E402
 from step_profile import replay_ms  # noqa: E402
 
+from hybridserve.common.model_config import ModelConfig  # noqa: E402
 from hybridserve.kernels.triton_utils import cdiv, pdl_gate, prefetch_l2  # noqa: E402
-from hybridserve.models.config import ModelConfig  # noqa: E402
 
 CONTEXT = 512  # tokens of KV per attention layer, as bench/step_profile.py
 ROWS, BLOCK = 8, 1024  # elements per program and loop step: [8, 1024] bf16 = 16 KB in flight

@@ -19,9 +19,9 @@ import torch
 from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_prompts, sync
 from sections import write_json
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.cuda_graphs import DecodeGraphs
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.sampling_params import SamplingParams
 
 
 def timed_steps(engine: LLMEngine, steps: int) -> tuple[list[float], list[float]]:

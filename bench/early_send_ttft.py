@@ -46,10 +46,10 @@ from pathlib import Path
 import grpc
 import torch
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.deploy.launch import WorkerProcess, start_worker_process
 from hybridserve.deploy.options import WorkerOptions
 from hybridserve.engine.config import EngineConfig
-from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.router.config import OrchestratorConfig
 from hybridserve.router.orchestrator import Orchestrator
 from hybridserve.transfer.planes import GRPC, TransferConfig

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from one_batch import CompileCounter, add_engine_flags, dummy_model_dir, engine_config, random_prompts
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.deploy.process_heap import freeze_startup_heap
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.worker_runtime.gc_pauses import GcPauses
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_prompts, sync
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.sampling_params import SamplingParams
 
 
 def sm_clock_mhz() -> int | None:

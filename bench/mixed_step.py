@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_prompts, sync
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.worker_runtime.gc_pauses import GcPauses
 
 

@@ -21,8 +21,8 @@ import torch
 from mixed_step import StepTimer, start_decoders
 from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_prompts
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.sampling_params import SamplingParams
 
 
 def pair_rows(engines: dict[str, LLMEngine], rows: int, args: argparse.Namespace, seed: int) -> dict[str, Any]:

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sections import run_sections, write_json  # noqa: E402
 
-from hybridserve.models.config import ModelConfig, MoEConfig  # noqa: E402
+from hybridserve.common.model_config import ModelConfig, MoEConfig  # noqa: E402
 from hybridserve.models.forward_batch import ForwardBatch  # noqa: E402
 from hybridserve.models.moe import MoE  # noqa: E402
 from hybridserve.models.weights import dummy_model  # noqa: E402

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.engine.step_timing import PHASES
 
 CONFIG = Path(__file__).resolve().parent / "configs" / "nemotron-nano-9b-v2.json"

@@ -22,8 +22,8 @@ import torch
 from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_prompts, sync
 from sections import write_json
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.sampling_params import SamplingParams
 
 # mode -> engine settings that differ from the baseline (prefill graphs, split mixed steps, prefix cache off)
 MODES: dict[str, dict[str, bool]] = {

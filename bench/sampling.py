@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.sampler import draw, params_probs, sample
-from hybridserve.engine.sampling_params import SamplingParams
 
 
 def inverse_cdf(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:

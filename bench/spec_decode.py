@@ -30,12 +30,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_step import CONFIG, random_model  # noqa: E402
 
+from hybridserve.common.model_config import ModelConfig  # noqa: E402
+from hybridserve.common.sampling_params import SamplingParams  # noqa: E402
 from hybridserve.engine import llm_engine  # noqa: E402
 from hybridserve.engine.config import EngineConfig  # noqa: E402
 from hybridserve.engine.llm_engine import LLMEngine  # noqa: E402
 from hybridserve.engine.rejection import Acceptance  # noqa: E402
-from hybridserve.engine.sampling_params import SamplingParams  # noqa: E402
-from hybridserve.models.config import ModelConfig  # noqa: E402
 
 PROMPT_LEN = 128
 MAX_LEN = 1024

@@ -25,8 +25,8 @@ from one_batch import add_engine_flags, dummy_model_dir, engine_config, random_p
 from prefill_graph_ab import MODES
 from sections import write_json
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.sampling_params import SamplingParams
 
 
 class _GpuTimedModel:

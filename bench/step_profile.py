@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from cuda_graph import capture  # noqa: E402
 
+from hybridserve.common.model_config import ModelConfig  # noqa: E402
 from hybridserve.kernels import ops  # noqa: E402
-from hybridserve.models.config import ModelConfig  # noqa: E402
 from hybridserve.models.forward_batch import ForwardBatch  # noqa: E402
 from hybridserve.models.weights import dummy_model  # noqa: E402
 from hybridserve.statepool.state_cache import CacheLayout, StateCache  # noqa: E402

@@ -42,9 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.sampling_params import SamplingParams
 
 NANO_9B = Path(__file__).resolve().parent / "configs" / "nemotron-nano-9b-v2.json"
 PROMPT = 64  # tokens of context before the timed decode steps

@@ -19,23 +19,38 @@ import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
+from hybridserve.common.outputs import RequestOutput
+from hybridserve.decode_worker.reservation import Reservation
 from hybridserve.engine.handoff import CapacityError
-from hybridserve.engine.outputs import RequestOutput
+from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.proto import common_pb2, worker_pb2
 from hybridserve.proto.convert import sampling_from_proto, token_event
-from hybridserve.worker_runtime.engine_loop import OutputSink
-
-if TYPE_CHECKING:
-    from hybridserve.decode_worker.worker import DecodeWorker
+from hybridserve.worker_runtime.drain import Drain
+from hybridserve.worker_runtime.engine_loop import EngineLoop, OutputSink
+from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 1.0  # how often an idle session checks that its router and engine loop are still there
 _MAX_BATCH = 4096  # items taken off the shared queue for one message
+
+
+class SessionHost(Protocol):
+    """The decode worker as its sessions see it (decode_worker/worker.py's DecodeWorker, which imports this
+    module: a Protocol keeps the two files from importing each other)."""
+
+    engine: LLMEngine
+    loop: EngineLoop
+    metrics: WorkerMetrics
+    drain_state: Drain
+
+    def take(self, ticket: str) -> Reservation: ...
+
+    def abort(self, request_id: str) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -68,7 +83,7 @@ class _Tagged:
 class WorkerSession:
     """One router's session with a decode worker; `run()` is the gRPC handler's response iterator."""
 
-    def __init__(self, worker: DecodeWorker, context: grpc.ServicerContext) -> None:
+    def __init__(self, worker: SessionHost, context: grpc.ServicerContext) -> None:
         self._worker = worker
         self._context = context
         self._outbound: queue.SimpleQueue[tuple[str, _Item]] = queue.SimpleQueue()

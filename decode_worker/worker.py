@@ -14,11 +14,11 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from hybridserve.decode_worker.reservation import Reservation
 from hybridserve.decode_worker.session import WorkerSession
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.handoff import CapacityError
@@ -35,7 +35,7 @@ from hybridserve.transfer.planes import TransferConfig
 from hybridserve.transfer.receiver import LandedState, StateReceiver
 from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
 from hybridserve.worker_runtime.drain import DRAINING_STATUS, Drain
-from hybridserve.worker_runtime.engine_loop import EngineLoop, RedirectableStream
+from hybridserve.worker_runtime.engine_loop import EngineLoop
 from hybridserve.worker_runtime.health import health_response
 from hybridserve.worker_runtime.session_socket import SessionSocketServer
 from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
@@ -45,16 +45,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_RESERVATION_TIMEOUT_S = 60.0
 CANCELLED_KEPT = 1024  # causes of recently cancelled reservations kept for their late streams
 
-
-@dataclass
-class Reservation:
-    ticket: str
-    request_id: str
-    num_tokens: int
-    deadline: float
-    stream: RedirectableStream = field(repr=False)  # its outputs: read by StreamTokens, or handed to a session
-    committed: bool = False
-    assembly: StateAssembly | None = field(default=None, repr=False)
 
 
 class DecodeWorker:

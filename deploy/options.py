@@ -19,7 +19,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from hybridserve.config_flags import config_argv, from_jsonable, to_jsonable
+from hybridserve.common.config_flags import config_argv, from_jsonable, to_jsonable
 from hybridserve.engine.config import EngineConfig
 from hybridserve.proto.internal_tls import InternalTlsConfig
 from hybridserve.router.config import RouterOptions

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.spec_memory import spec_working_bytes
-from hybridserve.models.config import ModelConfig
 from hybridserve.statepool.sizing import PoolRequest, memory_budget_bytes, plan_cache_layout
 from hybridserve.statepool.state_cache import CacheLayout
 

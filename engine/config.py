@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hybridserve.common.model_config import KV_CACHE_DTYPES, SSM_CACHE_DTYPES, ModelConfig
 from hybridserve.engine.grammar_limits import GrammarLimits
 from hybridserve.engine.spec_config import SpeculativeConfig
 
@@ -70,6 +72,12 @@ class EngineConfig:
     # {"method": "mtp" | "ngram", "num_speculative_tokens": K, "rollback": "intermediate" | "replay"}
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
     load_format: str = "safetensors"  # "dummy": random weights from config.json alone (benchmarks)
+    # Mamba SSM state cache dtype: auto (the checkpoint's `mamba_ssm_cache_dtype`), float32, bfloat16 or float16;
+    # bfloat16 halves the state bytes every decode step reads and writes (most of a large batch's step)
+    mamba_ssm_cache_dtype: str = "auto"
+    # attention KV cache dtype: auto (the model dtype) or fp8 (float8_e4m3fn pages with per-layer scales, as
+    # vLLM's fp8 KV cache: half the KV memory and the bytes attention reads)
+    kv_cache_dtype: str = "auto"
     # compile / autotune every kernel before serving (engine/warmup.py); None: on for CUDA, off on CPU (where
     # the kernels are torch references and nothing compiles)
     warmup: bool | None = None
@@ -96,6 +104,11 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
+        if self.mamba_ssm_cache_dtype not in ("auto", *SSM_CACHE_DTYPES):
+            raise ValueError(f"mamba_ssm_cache_dtype must be auto or one of {', '.join(SSM_CACHE_DTYPES)}, "
+                             f"got {self.mamba_ssm_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         try:
@@ -166,6 +179,11 @@ class EngineConfig:
         if page_size is not None and self.state_block % page_size:
             raise ValueError(f"state_block={self.state_block} must be a multiple of page_size={page_size}")
         return self.state_block
+
+    def cache_dtypes(self, model_config: ModelConfig) -> ModelConfig:
+        """`model_config` with this engine's state cache dtypes (`auto` keeps the checkpoint's)."""
+        ssm = model_config.ssm_state_dtype if self.mamba_ssm_cache_dtype == "auto" else self.mamba_ssm_cache_dtype
+        return dataclasses.replace(model_config, ssm_state_dtype=ssm, kv_cache_dtype=self.kv_cache_dtype)
 
     @property
     def prefill_chunk_tokens(self) -> int:

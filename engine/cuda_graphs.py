@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -26,14 +26,12 @@ from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.state_cache import StateCache
 
-if TYPE_CHECKING:
-    from hybridserve.engine.prefill_graphs import PrefillGraphs
-
 logger = logging.getLogger(__name__)
 
 # powers of two up to 8: a padded row costs ~nothing (a batch of 5 or 6 on the 8-row graph: +0.6 / +1.8 % of a
-# 9B step, bench/results/h200/session42/), so per-size buckets were not kept
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# 9B step, bench/results/h200/session42/), so per-size buckets were not kept; steps of 64 rows up to 512 and
+# 128 up to 1,024 keep a large batch's padding under 25 % (production concurrency runs hundreds of rows)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
 
 def stage_cuts(num_layers: int) -> tuple[int, ...]:
@@ -209,6 +207,13 @@ class DecodeGraphs:
         return hidden[: n * t]
 
 
+class PrefillReplay(Protocol):
+    """What a GraphedModel calls on its prefill graphs (engine/prefill_graphs.py's PrefillGraphs, which imports
+    this module, so this one names only the method it needs)."""
+
+    def run(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | None: ...
+
+
 class GraphedModel:
     """Stands in for a HybridLM: decode-only batches replay a captured graph, mixed batches replay their decode
     rows' graph beside an eager prefill (`split_mixed`), everything else runs eagerly."""
@@ -217,7 +222,7 @@ class GraphedModel:
         self.model = model
         self.graphs = graphs
         self.split_mixed = split_mixed
-        self.prefill: PrefillGraphs | None = None  # set by engine/prefill_graphs.py's enable_prefill_graphs
+        self.prefill: PrefillReplay | None = None  # set by engine/prefill_graphs.py's enable_prefill_graphs
         self.num_split_steps = 0  # mixed steps whose decode rows replayed a graph
 
     def __call__(self, input_ids: torch.Tensor, batch: ForwardBatch, cache: StateCache) -> torch.Tensor:

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from hybridserve.engine.sampling_params import StructuredOutput
+from hybridserve.common.sampling_params import StructuredOutput
 
 # Python's own regex parser (re._parser; sre_parse before Python 3.11): for what these limits count, the syntax
 # xgrammar takes parses alike there

@@ -21,9 +21,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from hybridserve.common.sampling_params import StructuredOutput
 from hybridserve.engine.grammar_limits import GrammarLimits
 from hybridserve.engine.handoff import CapacityError
-from hybridserve.engine.sampling_params import StructuredOutput
 
 logger = logging.getLogger(__name__)
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from hybridserve.common.generation_defaults import load_generation_defaults
+from hybridserve.common.outputs import RequestOutput
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.config import EngineConfig
-from hybridserve.engine.generation_defaults import load_generation_defaults
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.outputs import RequestOutput
-from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.models.default_model import default_model_dir
 
 

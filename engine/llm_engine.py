@@ -12,28 +12,29 @@ from typing import cast
 
 import torch
 
+from hybridserve.common.block_hash import BlockHash
+from hybridserve.common.model_config import DEFAULT_MAX_MODEL_LEN, ModelConfig
+from hybridserve.common.outputs import RequestOutput
+from hybridserve.common.sampling_params import SamplingParams
+from hybridserve.common.text_stream import TextStream
+from hybridserve.common.tokenizer import load_tokenizer
 from hybridserve.engine import handoff, tp_handoff, tp_worker
 from hybridserve.engine.cache_plan import plan_engine_cache
 from hybridserve.engine.config import DTYPES, EngineConfig
 from hybridserve.engine.cuda_graphs import enable_decode_graphs, graph_stats
-from hybridserve.engine.model_runner import ModelRunner, StepOutput
+from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.mtp_drafter import CatchUp
-from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.prefill_graphs import enable_prefill_graphs
 from hybridserve.engine.request import Request, RequestStatus
-from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.engine.scheduler import Scheduler
 from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.engine.spec_memory import write_checkpoint_hidden
+from hybridserve.engine.step_output import StepOutput
 from hybridserve.engine.step_timing import NO_STEP, StepClock
 from hybridserve.engine.structured_output import Grammars
 from hybridserve.engine.warmup import WarmupReport, warm_up
-from hybridserve.models.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
 from hybridserve.models.hybrid_model import HybridLM
-from hybridserve.models.text_stream import TextStream
-from hybridserve.models.tokenizer import load_tokenizer
 from hybridserve.models.weights import dummy_model, load_model
-from hybridserve.statepool.block_hash import BlockHash
 from hybridserve.statepool.events import CacheEvent
 from hybridserve.statepool.pool import NO_HIT, StatePool
 from hybridserve.statepool.state_cache import StateCache
@@ -50,7 +51,7 @@ class LLMEngine:
         device = config.torch_device
         spec = config.speculative
         with_mtp = spec is not None and spec.method == "mtp"  # else the drafter and its KV are left out
-        model_config = ModelConfig.from_dir(self.model_dir)
+        model_config = config.cache_dtypes(ModelConfig.from_dir(self.model_dir))
         self.tp: tp_worker.Leader | None = None  # rank 0 of a tensor-parallel group (engine/tp_worker.py)
         if config.tensor_parallel_size > 1:
             self.tp, model = tp_worker.start_leader(self.model_dir, config)

@@ -12,7 +12,7 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.common.sampling_params import SamplingParams
 
 
 def needs_processing(params: SamplingParams) -> bool:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.engine.outputs import TokenLogprob
+from hybridserve.common.outputs import TokenLogprob
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.sampler import params_probs
-from hybridserve.engine.sampling_params import SamplingParams
 
 LOGPROB_FLOOR = -9999.0  # -inf (a token top-k / top-p removed) is not valid JSON; vLLM's server uses the same floor
 

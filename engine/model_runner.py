@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.common.outputs import TokenLogprob
 from hybridserve.engine.logits_processors import process_logits
 from hybridserve.engine.logprobs import gather_logprobs, sampled_logprobs
-from hybridserve.engine.outputs import TokenLogprob
 from hybridserve.engine.request import Request
 from hybridserve.engine.sampler import sample
 from hybridserve.engine.scheduler import SchedulerOutput
+from hybridserve.engine.step_output import StepOutput
 from hybridserve.engine.structured_output import GrammarBackend
 from hybridserve.kernels.host_index import pack_to_device
 from hybridserve.models.forward_batch import ForwardBatch
@@ -30,22 +31,6 @@ class VerifyInputs:
     rollback: str  # "intermediate" | "replay"
     num_replay: list[int]  # per decode row, tokens of its previous verify to fold in (replay)
 
-
-@dataclass(frozen=True)
-class StepOutput:
-    """What one step produced, vLLM v1's ModelRunnerOutput shape: per scheduled row (decodes first, then
-    prefill chunks) the list of its new token ids: one sampled token for a plain decode or a prefill chunk
-    that finished the prompt, none for a chunk short of it, and after speculative acceptance the accepted
-    drafts plus one for a verify row (`num_verify_rows` rows, filled by `SpecDecoder.accept`). Beside them
-    the final hidden states of every computed token, the batch that placed them and the verify logits."""
-
-    hidden: torch.Tensor  # [N, hidden]
-    batch: ForwardBatch
-    new_token_ids: list[list[int]]  # per scheduled row
-    verify_logits: torch.Tensor | None = None  # [num_decode, T, vocab] fp32
-    num_verify_rows: int = 0  # the first rows are verify rows: they computed exactly the tokens they keep
-    logprobs: list[list[TokenLogprob]] | None = None  # per row, one per new token of requests that asked
-    prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] | None = None  # row -> (first prompt position, ...)
 
 
 def build_forward_batch(

@@ -22,9 +22,17 @@ from typing import Any
 
 import torch
 
-from hybridserve.kernels.causal_conv1d import ConvVarlenMeta
-from hybridserve.kernels.paged_attention import PREFILL_BLOCK_M, QueryBlocks, query_block_lists
-from hybridserve.kernels.ssd_scan_meta import INT32_FIELDS, WHOLE_SEQUENCE, ChunkMeta, chunk_lists
+from hybridserve.engine.cuda_graphs import GraphedModel
+from hybridserve.kernels.ops import (
+    INT32_FIELDS,
+    PREFILL_BLOCK_M,
+    WHOLE_SEQUENCE,
+    ChunkMeta,
+    ConvVarlenMeta,
+    QueryBlocks,
+    chunk_lists,
+    query_block_lists,
+)
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.state_cache import StateCache
@@ -340,8 +348,6 @@ def enable_prefill_graphs(graphed: object, max_pages: int, state_block: int, max
     route its prefill forwards through them; a model whose prefill cannot be captured keeps running it eagerly:
     returns None. `fold_rows` (fold_decode_rows: the running batch size, else 0) adds the bucket that takes a full
     prefill chunk beside that many folded decode rows."""
-    from hybridserve.engine.cuda_graphs import GraphedModel
-
     if not isinstance(graphed, GraphedModel):
         return None
     mamba = graphed.model.config.mamba

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.sampler import draw, target_probs
-from hybridserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridserve.common.block_hash import BlockHash
+from hybridserve.common.outputs import RequestOutput, TokenLogprob
+from hybridserve.common.sampling_params import SamplingParams
+from hybridserve.common.text_stream import TextStream
 from hybridserve.engine.ngram_drafter import NgramIndex
-from hybridserve.engine.outputs import RequestOutput, TokenLogprob
-from hybridserve.engine.sampling_params import SamplingParams
-from hybridserve.models.text_stream import TextStream
-from hybridserve.statepool.block_hash import BlockHash
 
 if TYPE_CHECKING:
     from hybridserve.statepool.radix_cache import Node

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.kernels.host_index import pack_to_device
-from hybridserve.kernels.ops import gumbel_sample
-from hybridserve.kernels.sampling import SEED_BITS, pack_rows
+from hybridserve.kernels.ops import SEED_BITS, gumbel_sample, pack_rows
 
 
 def processed_probs(

@@ -21,7 +21,7 @@ from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.statepool.pool import NO_HIT, StatePool, StateSnapshot
 
 if TYPE_CHECKING:
-    from hybridserve.engine.model_runner import StepOutput
+    from hybridserve.engine.step_output import StepOutput
 
 
 PREPARE_WAITING = 4  # waiting requests whose prompt hashes are computed ahead, while a forward runs

@@ -20,18 +20,19 @@ from typing import cast
 
 import torch
 
+from hybridserve.common.outputs import TokenLogprob
 from hybridserve.engine.logits_processors import needs_processing, process_row
 from hybridserve.engine.logprobs import sampled_logprobs
-from hybridserve.engine.model_runner import StepOutput, VerifyInputs
+from hybridserve.engine.model_runner import VerifyInputs
 from hybridserve.engine.mtp_drafter import CatchUp, MTPDrafter
 from hybridserve.engine.ngram_drafter import NgramIndex
-from hybridserve.engine.outputs import TokenLogprob
 from hybridserve.engine.rejection import Acceptance, accept_greedy, accept_sampled
 from hybridserve.engine.request import Request
 from hybridserve.engine.spec_config import SpeculativeConfig
+from hybridserve.engine.step_output import StepOutput
 from hybridserve.engine.structured_output import GrammarBackend, fill_verify_masks
 from hybridserve.kernels.host_index import pack_to_device
-from hybridserve.kernels.replay_state import advance_states
+from hybridserve.kernels.ops import advance_states
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.models.mamba_mixer import Mamba2Mixer
 from hybridserve.statepool.state_cache import StateCache

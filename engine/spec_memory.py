@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.engine.model_runner import StepOutput
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.engine.scheduler import ScheduledChunk
 from hybridserve.engine.spec_config import SpeculativeConfig
-from hybridserve.models.config import ModelConfig
+from hybridserve.engine.step_output import StepOutput
 from hybridserve.statepool.state_cache import StateCache
 
 

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridserve.common.sampling_params import SamplingParams, StructuredOutput
 from hybridserve.engine.grammar_limits import GrammarLimits
 from hybridserve.engine.grammar_pool import GrammarPool, Ready
-from hybridserve.engine.sampling_params import SamplingParams, StructuredOutput
 
 if TYPE_CHECKING:
     from hybridserve.engine.config import EngineConfig

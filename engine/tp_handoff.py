@@ -10,20 +10,43 @@ its slice into the reserved pages and slot, which have the same indices on every
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.engine import handoff
+from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.request import Request
-from hybridserve.models.config import ModelConfig
 from hybridserve.models.parallel import TPGroup
 from hybridserve.models.tp_shard import attention_heads, mamba_shards
+from hybridserve.statepool.pool import StatePool
 from hybridserve.statepool.state_cache import StateCache
 from hybridserve.transfer.state_layout import StateTensorSpec, iter_request_state, write_request_state
 
-if TYPE_CHECKING:
-    from hybridserve.engine.llm_engine import LLMEngine
+
+class TPLeader(Protocol):
+    """Rank 0's side of the group as a handoff uses it (engine/tp_worker.py's Leader, which imports this module)."""
+
+    @property
+    def tp(self) -> TPGroup: ...
+    @property
+    def global_config(self) -> ModelConfig: ...
+
+    def send_state_command(self, export: bool, page_ids: list[int], slot: int | None, num_tokens: int) -> None: ...
+
+
+class TPEngine(Protocol):
+    """The parts of `LLMEngine` a tensor-parallel handoff uses (a Protocol: the engine imports this module)."""
+
+    @property
+    def tp(self) -> TPLeader | None: ...
+    @property
+    def cache(self) -> StateCache: ...
+    @property
+    def pool(self) -> StatePool: ...
+    @property
+    def config(self) -> EngineConfig: ...
 
 SHARDED = ("kv", "conv", "ssm")
 
@@ -105,7 +128,7 @@ def scatter_state(tp: TPGroup, config: ModelConfig, tensors: dict[str, torch.Ten
     return local
 
 
-def export_state(engine: LLMEngine, request: Request, into: dict[str, torch.Tensor] | None) -> handoff.ExportedState:
+def export_state(engine: TPEngine, request: Request, into: dict[str, torch.Tensor] | None) -> handoff.ExportedState:
     """The held request's unsharded state (one part per tensor) on rank 0; releases its pages and slot."""
     leader = engine.tp
     assert leader is not None
@@ -127,7 +150,7 @@ def export_state(engine: LLMEngine, request: Request, into: dict[str, torch.Tens
         engine.pool.release(request)
 
 
-def commit(engine: LLMEngine, request: Request, tensors: dict[str, torch.Tensor], first_token: int,
+def commit(engine: TPEngine, request: Request, tensors: dict[str, torch.Tensor], first_token: int,
            num_cached_tokens: int) -> None:
     """Install an unsharded received state: every rank writes its slice, then the request decodes."""
     leader = engine.tp
@@ -142,7 +165,7 @@ def commit(engine: LLMEngine, request: Request, tensors: dict[str, torch.Tensor]
     handoff.commit(engine, request, {**local, "hidden": tensors["hidden"]}, first_token, num_cached_tokens)
 
 
-def state_specs(engine: LLMEngine, num_tokens: int) -> list[StateTensorSpec]:
+def state_specs(engine: TPEngine, num_tokens: int) -> list[StateTensorSpec]:
     """The unsharded tensors a request with `num_tokens` computed tokens exchanges."""
     assert engine.tp is not None
     return global_specs(engine.cache, engine.tp.global_config, num_tokens, engine.config.torch_dtype,

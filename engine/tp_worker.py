@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.engine.config import DTYPES, EngineConfig
 from hybridserve.engine.cuda_graphs import DecodeGraphs, GraphedModel
 from hybridserve.engine.spec_decode import rollback_states, snapshot_state
 from hybridserve.engine.tp_handoff import follow_state_command
 from hybridserve.engine.tp_watch import RankError, RankWatch
-from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.models.parallel import TPGroup, VocabParallelLMHead
@@ -238,7 +238,7 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 def rank_model_config(model_dir: Path, config: EngineConfig) -> ModelConfig:
     """The checkpoint's config, with its MTP drafter only when the engine drafts with it and it ships weights
     (as `weights.load_model` decides at TP=1)."""
-    model_config = ModelConfig.from_dir(model_dir)
+    model_config = config.cache_dtypes(ModelConfig.from_dir(model_dir))
     spec = config.speculative
     keep = spec is not None and spec.method == "mtp" and model_config.has_mtp and (
         config.load_format == "dummy" or has_mtp_weights(model_dir))
@@ -270,7 +270,7 @@ def start_leader(model_dir: Path, config: EngineConfig) -> tuple[Leader, LeaderM
     """Rank 0 of a TP group: joins torch.distributed's group when a launcher (torchrun) made one, else spawns
     ranks 1..N-1 on this host; returns the leader handle and rank 0's model."""
     size = config.tensor_parallel_size
-    model_config = ModelConfig.from_dir(model_dir)
+    model_config = config.cache_dtypes(ModelConfig.from_dir(model_dir))
     for rank in range(size):  # shape errors before any process starts
         local_config(rank_model_config(model_dir, config), TPGroup(rank, size, None, config.enable_expert_parallel))
     backend = "nccl" if config.torch_device.type == "cuda" else "gloo"

@@ -17,15 +17,17 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from tqdm import tqdm
 
-from hybridserve.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:  # the engine imports this module
-    from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.common.model_config import ModelConfig
+from hybridserve.common.outputs import RequestOutput
+from hybridserve.common.sampling_params import SamplingParams
+from hybridserve.engine.config import EngineConfig
+from hybridserve.statepool.events import CacheEvent
+from hybridserve.statepool.pool import StatePool
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,34 @@ class WarmupReport:
     skipped: tuple[int, ...] = ()  # prompt lengths the pool or max_model_len could not take
 
 
-def warmup_rounds(engine: LLMEngine) -> list[list[int]]:
+class WarmupEngine(Protocol):
+    """The parts of `LLMEngine` the warm-up drives (a Protocol: the engine imports this module, not the reverse)."""
+
+    @property
+    def config(self) -> EngineConfig: ...
+    @property
+    def model_config(self) -> ModelConfig: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def lookahead(self) -> int: ...
+    @property
+    def state_block(self) -> int: ...
+    @property
+    def pool(self) -> StatePool: ...
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def drain_cache_events(self) -> list[CacheEvent]: ...
+
+
+def warmup_rounds(engine: WarmupEngine) -> list[list[int]]:
     """Prompt lengths per round; a round's requests are added together and run to completion.
 
     1. many sequences at once, of lengths 1, 16, 17, ... up to two prefill chunks and a checkpoint boundary:
@@ -67,7 +96,7 @@ def warmup_rounds(engine: LLMEngine) -> list[list[int]]:
     return rounds
 
 
-def warm_up(engine: LLMEngine, show_progress: bool = True) -> WarmupReport:
+def warm_up(engine: WarmupEngine, show_progress: bool = True) -> WarmupReport:
     """Run the warm-up rounds through `engine` and leave it clean; returns what ran."""
     start = time.perf_counter()
     vocab = engine.model_config.vocab_size

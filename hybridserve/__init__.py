@@ -8,9 +8,9 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
 
 if TYPE_CHECKING:
+    from hybridserve.common.outputs import RequestOutput
+    from hybridserve.common.sampling_params import SamplingParams
     from hybridserve.engine.llm import LLM
-    from hybridserve.engine.outputs import RequestOutput
-    from hybridserve.engine.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
@@ -20,11 +20,11 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from hybridserve.engine.sampling_params import SamplingParams
+        from hybridserve.common.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "RequestOutput":
-        from hybridserve.engine.outputs import RequestOutput
+        from hybridserve.common.outputs import RequestOutput
 
         return RequestOutput
     raise AttributeError(f"module 'hybridserve' has no attribute {name!r}")

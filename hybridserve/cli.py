@@ -22,7 +22,7 @@ from hybridserve.cli_options import (
     resolved_model_dir,
     transfer_config,
 )
-from hybridserve.config_flags import json_object
+from hybridserve.common.config_flags import json_object
 
 
 def _parse_ids(text: str) -> list[int]:

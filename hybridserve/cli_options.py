@@ -76,14 +76,14 @@ def add_internal_flags(p: argparse.ArgumentParser, worker_host: str | None) -> N
 
 
 def add_internal_tls_options(p: argparse.ArgumentParser) -> None:
-    from hybridserve.config_flags import add_config_flags
+    from hybridserve.common.config_flags import add_config_flags
     from hybridserve.proto.internal_tls import InternalTlsConfig
 
     add_config_flags(p, InternalTlsConfig, "mutual TLS on internal gRPC (InternalTlsConfig)", prefix="internal-tls-")
 
 
 def internal_tls(args: argparse.Namespace):  # noqa: ANN202 - InternalTlsConfig, imported lazily
-    from hybridserve.config_flags import config_from_args
+    from hybridserve.common.config_flags import config_from_args
     from hybridserve.proto.internal_tls import InternalTlsConfig
 
     return config_from_args(InternalTlsConfig, args, prefix="internal-tls-")
@@ -131,14 +131,14 @@ def cluster_options(args: argparse.Namespace) -> dict:
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
-    from hybridserve.config_flags import add_config_flags
+    from hybridserve.common.config_flags import add_config_flags
     from hybridserve.engine.config import EngineConfig
 
     add_config_flags(p, EngineConfig, "engine (EngineConfig)", aliases={"enable_prefix_caching": ["--prefix-caching"]})
 
 
 def engine_config(args: argparse.Namespace):  # noqa: ANN202 - EngineConfig, imported lazily
-    from hybridserve.config_flags import config_from_args
+    from hybridserve.common.config_flags import config_from_args
     from hybridserve.engine.config import EngineConfig
 
     return config_from_args(EngineConfig, args)
@@ -150,14 +150,14 @@ def resolved_model_dir(args: argparse.Namespace) -> str:
     return str(args.model) if args.model else str(default_model_dir())
 
 def add_transfer_options(p: argparse.ArgumentParser) -> None:
-    from hybridserve.config_flags import add_config_flags
+    from hybridserve.common.config_flags import add_config_flags
     from hybridserve.transfer.planes import TransferConfig
 
     add_config_flags(p, TransferConfig, "state transfer, prefill -> decode (TransferConfig)", prefix="transfer-")
 
 
 def transfer_config(args: argparse.Namespace):  # noqa: ANN202 - TransferConfig, imported lazily
-    from hybridserve.config_flags import config_from_args
+    from hybridserve.common.config_flags import config_from_args
     from hybridserve.transfer.planes import TransferConfig
 
     return config_from_args(TransferConfig, args, prefix="transfer-")

@@ -15,13 +15,20 @@ from typing import Any
 
 import torch
 
-from hybridserve.kernels.causal_conv1d import causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from hybridserve.kernels.causal_conv1d import ConvVarlenMeta, causal_conv1d_update_ref, causal_conv1d_varlen_ref
 from hybridserve.kernels.gated_rmsnorm import add_rmsnorm_ref, gated_rmsnorm_ref, relu2_ref, rmsnorm_ref
 from hybridserve.kernels.moe import moe_experts_ref, moe_layer_ref, route_topk
-from hybridserve.kernels.paged_attention import paged_attention_ref, write_kv_pages
-from hybridserve.kernels.replay_state import replay_state_update_ref
-from hybridserve.kernels.sampling import gumbel_sample_ref
+from hybridserve.kernels.paged_attention import (
+    PREFILL_BLOCK_M,
+    QueryBlocks,
+    paged_attention_ref,
+    query_block_lists,
+    write_kv_pages,
+)
+from hybridserve.kernels.replay_state import advance_states, replay_state_update_ref
+from hybridserve.kernels.sampling import SEED_BITS, gumbel_sample_ref, pack_rows
 from hybridserve.kernels.ssd_scan import ssd_scan_varlen_ref
+from hybridserve.kernels.ssd_scan_meta import INT32_FIELDS, WHOLE_SEQUENCE, ChunkMeta, chunk_lists
 from hybridserve.kernels.state_update import multi_token_state_update_ref, selective_state_update_ref
 
 # HYBRIDSERVE_KERNELS=reference forces the torch references everywhere (debugging, A/B checks);
@@ -120,10 +127,21 @@ moe_layer = _dispatch(moe_layer_ref, "moe_small_triton", "moe_layer_triton")
 # a token per row by Gumbel-max (greedy rows: argmax): two launches for the step's sampling tail
 gumbel_sample = _dispatch(gumbel_sample_ref, "sampling_triton", "gumbel_sample_triton")
 
+# the engine reaches kernels through this file only: beside the ops, the metadata types and host-side helpers
+# its graph capture, sampler and speculative rollback use are exported from here
 __all__ = [
+    "ChunkMeta",
+    "ConvVarlenMeta",
+    "INT32_FIELDS",
+    "PREFILL_BLOCK_M",
+    "QueryBlocks",
+    "SEED_BITS",
+    "WHOLE_SEQUENCE",
     "add_rmsnorm",
+    "advance_states",
     "causal_conv1d_update",
     "causal_conv1d_varlen",
+    "chunk_lists",
     "gated_rmsnorm",
     "gumbel_sample",
     "linear",
@@ -131,7 +149,9 @@ __all__ = [
     "moe_layer",
     "moe_route",
     "multi_token_state_update",
+    "pack_rows",
     "paged_attention",
+    "query_block_lists",
     "relu2",
     "replay_state_update",
     "rmsnorm",

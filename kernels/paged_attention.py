@@ -16,6 +16,7 @@ from hybridserve.kernels.host_index import pack_to_device
 
 PREFILL_BLOCK_M = 64  # query rows per program of the Triton prefill kernel
 DECODE_MAX_QUERY = 16  # sequences with at most this many new tokens take the decode / verify kernel
+FP8_MAX = 448.0  # largest finite float8_e4m3fn: fp8 KV writes saturate here (a plain cast would give NaN)
 
 
 @dataclass(frozen=True)
@@ -52,14 +53,24 @@ def write_kv_pages(
     k_pages: torch.Tensor,  # [num_pages, page_size, Hkv, Dh]
     v_pages: torch.Tensor,
     slot_mapping: torch.Tensor,  # [N] page * page_size + offset; -1 = padded token, skipped
+    k_scale: float = 1.0,  # fp8 pages hold key / k_scale (and value / v_scale); 1.0 for half-precision pages
+    v_scale: float = 1.0,
 ) -> None:
-    """Scatter new keys / values into their page slots (works on strided per-layer views too)."""
+    """Scatter new keys / values into their page slots (works on strided per-layer views too); fp8 pages get
+    the scaled values, saturated to the fp8 range."""
     page_size = k_pages.shape[1]
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     pages, offsets = slots // page_size, slots % page_size
-    k_pages[pages, offsets] = key[valid].to(k_pages.dtype)
-    v_pages[pages, offsets] = value[valid].to(v_pages.dtype)
+    k_pages[pages, offsets] = to_page_dtype(key[valid], k_pages.dtype, k_scale)
+    v_pages[pages, offsets] = to_page_dtype(value[valid], v_pages.dtype, v_scale)
+
+
+def to_page_dtype(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x as the KV pages store it: x / scale, saturated to +-FP8_MAX, for fp8 pages; a plain cast otherwise."""
+    if dtype == torch.float8_e4m3fn:
+        return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(dtype)  # as the Triton write kernel
+    return x.to(dtype)
 
 
 def gather_kv(
@@ -83,8 +94,10 @@ def paged_attention_ref(
     kv_start: int = 0,  # keys before this position are masked (the MTP drafter's slot 0); a query that
     # sees no key at all gets zeros
     blocks: QueryBlocks | None = None,  # the Triton prefill kernel's work list; the reference needs none
+    k_scale: float = 1.0,  # pages hold key / k_scale, value / v_scale (fp8 KV; 1.0 otherwise)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """Reference attention in fp32; returns [N, Hq, Dh] in q's dtype."""
+    """Reference attention in fp32 (fp8 pages dequantized); returns [N, Hq, Dh] in q's dtype."""
     num_q_heads = q.shape[1]
     num_kv_heads = k_pages.shape[2]
     if num_q_heads % num_kv_heads != 0:
@@ -97,8 +110,8 @@ def paged_attention_ref(
         q_len, kv_len = end - begin, int(lens[seq])
         if q_len == 0:
             continue
-        keys = gather_kv(k_pages, block_tables[seq], kv_len).float()  # [kv_len, Hkv, Dh]
-        values = gather_kv(v_pages, block_tables[seq], kv_len).float()
+        keys = gather_kv(k_pages, block_tables[seq], kv_len).float() * k_scale  # [kv_len, Hkv, Dh]
+        values = gather_kv(v_pages, block_tables[seq], kv_len).float() * v_scale
         keys = keys.repeat_interleave(num_q_heads // num_kv_heads, dim=1)
         values = values.repeat_interleave(num_q_heads // num_kv_heads, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[begin:end].float(), keys) * scale

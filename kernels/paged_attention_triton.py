@@ -52,7 +52,7 @@ def _online_softmax_step(s, v, offs_n, q_pos, kv_start, mask_n, m_i, l_i, acc):
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_q_ptr, kv_lens_ptr, tables_ptr, block_seq_ptr, block_row_ptr,
-    scale, page_size, heads_per_kv, Dh, kv_start,
+    scale, v_scale, page_size, heads_per_kv, Dh, kv_start,
     q_n, q_h, q_d, k_p, k_o, k_h, k_d, v_p, v_o, v_h, v_d, o_n, o_h, o_d, t_s, t_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -85,10 +85,10 @@ def _paged_attention_kernel(
         kT = tl.load(k_ptr + page[None, :] * k_p + within[None, :] * k_o + kvh * k_h + offs_d[:, None] * k_d,
                      mask=kv_mask, other=0.0)  # [BLOCK_D, BLOCK_N]
         v = tl.load(v_ptr + page[:, None] * v_p + within[:, None] * v_o + kvh * v_h + offs_d[None, :] * v_d,
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         m_i, l_i, acc = _online_softmax_step(tl.dot(q, kT.to(q.dtype)) * qk_scale, v, offs_n, q_pos, kv_start,
                                              mask_n, m_i, l_i, acc)
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * v_scale / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (q_begin + offs_m[:, None]) * o_n + h * o_h + offs_d[None, :] * o_d,
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
@@ -97,7 +97,7 @@ def _paged_attention_kernel(
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, cu_q_ptr, kv_lens_ptr, tables_ptr,
-    scale, page_size, heads_per_kv, num_q_heads, Dh, kv_start, num_splits, row_blocks,
+    scale, v_scale, page_size, heads_per_kv, num_q_heads, Dh, kv_start, num_splits, row_blocks,
     q_n, q_h, q_d, k_p, k_o, k_h, k_d, v_p, v_o, v_h, v_d, o_n, o_h, o_d, t_s, t_p,
     T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -136,9 +136,10 @@ def _paged_decode_kernel(
         k = tl.load(k_ptr + page[:, None] * k_p + within[:, None] * k_o + kvh * k_h + offs_d[None, :] * k_d,
                     mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptr + page[:, None] * v_p + within[:, None] * v_o + kvh * v_h + offs_d[None, :] * v_d,
-                    mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+                    mask=kv_mask, other=0.0).to(q.dtype)  # [BLOCK_N, BLOCK_D] (fp8 pages: widened here)
         m_i, l_i, acc = _online_softmax_step(tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale, v, offs_n, q_pos,
                                              kv_start, mask_n, m_i, l_i, acc)
+    acc = acc * v_scale  # fp8 pages hold value / v_scale (k_scale is folded into `scale` by the caller)
     if SPLIT:  # partial result of this split: unnormalised acc, running max (log2 units) and sum, fp32
         idx = ((seq * num_splits + split) * num_q_heads + h) * T + t  # [BLOCK_M] into [S, splits, Hq, T]
         tl.store(m_ptr + idx, m_i, mask=mask_m)
@@ -217,6 +218,8 @@ def paged_decode_attention_triton(
     block_n: int = DECODE_BLOCK_N,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: float = 1.0,  # fp8 pages hold key / k_scale, value / v_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Decode / verify attention: one program per (sequence, KV head, KV split) with all its query heads x
     tokens packed into the rows of one tl.dot, so K/V are read once per KV head; flash-decoding splits fill
@@ -247,7 +250,7 @@ def paged_decode_attention_triton(
         m_part = l_part = acc_part = out  # unused
     _paged_decode_kernel[(num_seqs, num_kv_heads * row_blocks, num_splits)](
         q, k_pages, v_pages, out, m_part, l_part, acc_part, cu_seqlens_q, kv_lens, block_tables,
-        scale, page_size, heads_per_kv, num_q_heads, head_dim, kv_start, num_splits, row_blocks,
+        scale * k_scale, v_scale, page_size, heads_per_kv, num_q_heads, head_dim, kv_start, num_splits, row_blocks,
         *q.stride(), *k_pages.stride(), *v_pages.stride(), *out.stride(), *block_tables.stride(),
         T=max_query_len, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=split,
         num_warps=num_warps, num_stages=num_stages, **pdl,
@@ -271,6 +274,8 @@ def paged_attention_triton(
     max_query_len: int | None = None,  # host-known bound on new tokens per sequence; <= 16 skips a host sync
     kv_start: int = 0,  # keys before this position are masked
     blocks: QueryBlocks | None = None,  # the prefill work list (from the host's query lengths: no sync)
+    k_scale: float = 1.0,  # fp8 pages hold key / k_scale, value / v_scale
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Triton version of `paged_attention_ref`; returns [N, Hq, Dh] in q's dtype.
 
@@ -290,7 +295,7 @@ def paged_attention_triton(
             blocks = query_blocks(lens, q.device)
     if max_query_len <= DECODE_MAX_QUERY:
         return paged_decode_attention_triton(q, k_pages, v_pages, cu_seqlens_q, kv_lens, block_tables, scale,
-                                             max_query_len, kv_start)
+                                             max_query_len, kv_start, k_scale=k_scale, v_scale=v_scale)
     assert blocks is not None  # built above for every prefill batch
     out = torch.empty_like(q)
     block_m = PREFILL_BLOCK_M
@@ -299,7 +304,7 @@ def paged_attention_triton(
     block_seq_t, block_row_t = blocks.seq, blocks.row
     _paged_attention_kernel[(block_seq_t.numel(), num_q_heads)](
         q, k_pages, v_pages, out, cu_seqlens_q, kv_lens, block_tables, block_seq_t, block_row_t,
-        scale, k_pages.shape[1], num_q_heads // num_kv_heads, head_dim, kv_start,
+        scale * k_scale, v_scale, k_pages.shape[1], num_q_heads // num_kv_heads, head_dim, kv_start,
         *q.stride(), *k_pages.stride(), *v_pages.stride(), *out.stride(), *block_tables.stride(),
         BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=max(16, next_pow2(head_dim)), num_warps=4, num_stages=2,
     )
@@ -309,9 +314,9 @@ def paged_attention_triton(
 @lean_launch
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ptr, page_size, Hkv, Dh,
+    k_ptr, v_ptr, kp_ptr, vp_ptr, slot_ptr, page_size, Hkv, Dh, inv_k_scale, inv_v_scale,
     k_n, k_h, k_d, v_n, v_h, v_d, kp_p, kp_o, kp_h, kp_d, vp_p, vp_o, vp_h, vp_d,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pdl_gate(USE_PDL)
     n = tl.program_id(0)
@@ -323,6 +328,11 @@ def _write_kv_kernel(
     within = tl.maximum(slot, 0) % page_size
     k = tl.load(k_ptr + n * k_n + offs_h[:, None] * k_h + offs_d[None, :] * k_d, mask=mask)
     v = tl.load(v_ptr + n * v_n + offs_h[:, None] * v_h + offs_d[None, :] * v_d, mask=mask)
+    if FP8:  # scaled, saturated (a plain cast past the fp8 range gives NaN), rounded to nearest even as torch
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * inv_k_scale, -448.0), 448.0)  # FP8_MAX
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * inv_v_scale, -448.0), 448.0)
+        k = k.to(kp_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        v = v.to(vp_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     tl.store(kp_ptr + page * kp_p + within * kp_o + offs_h[:, None] * kp_h + offs_d[None, :] * kp_d,
              k.to(kp_ptr.dtype.element_ty), mask=mask)
     tl.store(vp_ptr + page * vp_p + within * vp_o + offs_h[:, None] * vp_h + offs_d[None, :] * vp_d,
@@ -335,13 +345,16 @@ def write_kv_pages_triton(
     k_pages: torch.Tensor,  # [num_pages, page_size, Hkv, Dh] (any strides)
     v_pages: torch.Tensor,
     slot_mapping: torch.Tensor,  # [N], -1 = padded token, skipped
+    k_scale: float = 1.0,  # fp8 pages hold key / k_scale, value / v_scale
+    v_scale: float = 1.0,
 ) -> None:
     """Triton version of `write_kv_pages`: one program per token, no host sync (graph-capturable)."""
     check_same_device(key, value, k_pages, v_pages, slot_mapping)
     if key.shape[0] == 0:
         return
     _write_kv_kernel[(key.shape[0],)](
-        key, value, k_pages, v_pages, slot_mapping, k_pages.shape[1], key.shape[1], key.shape[2],
-        *key.stride(), *value.stride(), *k_pages.stride(), *v_pages.stride(),
-        BLOCK_H=next_pow2(key.shape[1]), BLOCK_D=next_pow2(key.shape[2]), num_warps=2, **pdl_launch(key.device),
+        key, value, k_pages, v_pages, slot_mapping, k_pages.shape[1], key.shape[1], key.shape[2], 1.0 / k_scale,
+        1.0 / v_scale, *key.stride(), *value.stride(), *k_pages.stride(), *v_pages.stride(),
+        BLOCK_H=next_pow2(key.shape[1]), BLOCK_D=next_pow2(key.shape[2]), FP8=k_pages.dtype == torch.float8_e4m3fn,
+        num_warps=2, **pdl_launch(key.device),
     )

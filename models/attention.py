@@ -7,8 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridserve.common.model_config import AttentionConfig
 from hybridserve.kernels import ops
-from hybridserve.models.config import AttentionConfig
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.layers import Linear
 
@@ -26,6 +26,10 @@ class Attention(nn.Module):
         self.k_proj = Linear(hidden_size, config.num_kv_heads * config.head_dim, bias=config.bias)
         self.v_proj = Linear(hidden_size, config.num_kv_heads * config.head_dim, bias=config.bias)
         self.o_proj = Linear(config.num_heads * config.head_dim, hidden_size, bias=config.bias)
+        # fp8 KV pages hold key / k_scale and value / v_scale; 1.0 as vLLM uses without calibrated scales
+        # (half-precision pages ignore them)
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def _qkv(self) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
         """q/k/v's weights as one [Nq + 2 Nkv, hidden] tensor (and biases as one [Nq + 2 Nkv]), plus its split-K
@@ -61,10 +65,11 @@ class Attention(nn.Module):
         q = q.view(tokens, cfg.num_heads, cfg.head_dim)
         k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
-        ops.write_kv(k, v, k_pages, v_pages, batch.slot_mapping)
+        ops.write_kv(k, v, k_pages, v_pages, batch.slot_mapping, self.k_scale, self.v_scale)
         out = ops.paged_attention(
             q, k_pages, v_pages, batch.cu_seqlens, batch.kv_lens, batch.block_tables, self.scale,
             max_query_len=max(batch.query_lens, default=0), kv_start=self.kv_start, blocks=batch.attention_blocks(),
+            k_scale=self.k_scale, v_scale=self.v_scale,
         )
         return self.o_proj(out.reshape(tokens, -1))
 

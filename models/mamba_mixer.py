@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridserve.common.model_config import MambaConfig
 from hybridserve.kernels import ops
 from hybridserve.kernels.replay_state import ReplayCache
-from hybridserve.models.config import MambaConfig
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.layers import Linear
 

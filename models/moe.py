@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hybridserve.common.model_config import MoEConfig
 from hybridserve.kernels import ops
 from hybridserve.kernels.moe import RouterSpec
-from hybridserve.models.config import MoEConfig
 from hybridserve.models.layers import MLP, Linear
 
 

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.models.attention import Attention
-from hybridserve.models.config import ModelConfig
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.layers import MLP, Linear, RMSNorm, residual_stack
 from hybridserve.models.moe import MoE

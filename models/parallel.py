@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hybridserve.common.model_config import MoEConfig
 from hybridserve.kernels import ops
-from hybridserve.models.config import MoEConfig
 from hybridserve.models.layers import Linear
 from hybridserve.models.moe import MoE, TopkRouter
 

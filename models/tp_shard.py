@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from hybridserve.models.config import ModelConfig, MoEConfig
+from hybridserve.common.model_config import ModelConfig, MoEConfig
 from hybridserve.models.fp8_weights import set_expert_precision
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.models.parallel import (

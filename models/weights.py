@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from hybridserve.models.config import ModelConfig
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.models.fp8_weights import FP8, channel_scales, dequantize_dense, set_expert_precision
 from hybridserve.models.hybrid_model import HybridLM
 

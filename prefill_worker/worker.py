@@ -17,12 +17,12 @@ from pathlib import Path
 
 import grpc
 
+from hybridserve.common.outputs import RequestOutput
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.handoff import CapacityError
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.request import Request
-from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.models.fingerprint import model_fingerprint
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.proto.channels import start_server, worker_threads

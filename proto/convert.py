@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from hybridserve.engine.outputs import RequestOutput, TokenLogprob
-from hybridserve.engine.sampling_params import SamplingParams, StructuredOutput
+from hybridserve.common.outputs import RequestOutput, TokenLogprob
+from hybridserve.common.sampling_params import SamplingParams, StructuredOutput
 from hybridserve.proto import common_pb2
 
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 
-from hybridserve.engine.generation_defaults import load_generation_defaults
-from hybridserve.models.config import DEFAULT_MAX_MODEL_LEN, ModelConfig
-from hybridserve.models.tokenizer import load_tokenizer
+from hybridserve.common.generation_defaults import load_generation_defaults
+from hybridserve.common.model_config import DEFAULT_MAX_MODEL_LEN, ModelConfig
+from hybridserve.common.tokenizer import load_tokenizer
 from hybridserve.router.admission import AdmissionController
 from hybridserve.router.chat_template import ChatTemplate
 from hybridserve.router.config import RouterOptions

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridserve.engine.generation_defaults import load_generation_defaults
+from hybridserve.common.generation_defaults import load_generation_defaults
 from hybridserve.proto.internal_tls import InternalTlsConfig
 from hybridserve.router.auth import ApiKeys
 

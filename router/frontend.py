@@ -14,10 +14,10 @@ from typing import Any
 
 import grpc
 
-from hybridserve.engine.outputs import TokenLogprob
-from hybridserve.engine.sampling_params import SamplingParams
-from hybridserve.models.text_stream import TextStream
-from hybridserve.models.tokenizer import Tokenizer
+from hybridserve.common.outputs import TokenLogprob
+from hybridserve.common.sampling_params import SamplingParams
+from hybridserve.common.text_stream import TextStream
+from hybridserve.common.tokenizer import Tokenizer
 from hybridserve.proto.convert import logprob_from_proto
 from hybridserve.router.admission import AdmissionController
 from hybridserve.router.chat_template import ChatTemplate

@@ -25,8 +25,8 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from grpc_reflection.v1alpha import reflection
 
-from hybridserve.engine.sampling_params import SamplingParams
-from hybridserve.models.text_stream import TextStream
+from hybridserve.common.sampling_params import SamplingParams
+from hybridserve.common.text_stream import TextStream
 from hybridserve.proto import common_pb2, router_pb2
 from hybridserve.proto.channels import OWN_PORT, bind_port
 from hybridserve.proto.convert import sampling_from_proto

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hybridserve.engine.outputs import TokenLogprob
-from hybridserve.models.tokenizer import Tokenizer
+from hybridserve.common.outputs import TokenLogprob
+from hybridserve.common.tokenizer import Tokenizer
 
 
 def token_string(tokenizer: Tokenizer | None, token_id: int) -> str:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from hybridserve.engine.sampling_params import MAX_NO_REPEAT_NGRAM, StructuredOutput
+from hybridserve.common.sampling_params import MAX_NO_REPEAT_NGRAM, StructuredOutput
 from hybridserve.router.tool_calls import forced_call_schema
 
 MAX_N = 16

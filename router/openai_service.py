@@ -15,7 +15,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridserve.engine.outputs import TokenLogprob
+from hybridserve.common.outputs import TokenLogprob
 from hybridserve.router.frontend import Delta, Frontend
 from hybridserve.router.openai_logprobs import chat_logprobs, completion_logprobs
 from hybridserve.router.openai_protocol import (

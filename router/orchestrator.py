@@ -29,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.proto import common_pb2, worker_pb2
 from hybridserve.proto.convert import sampling_to_proto
 from hybridserve.proto.internal_tls import InternalTlsConfig

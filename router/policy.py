@@ -21,10 +21,10 @@ import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from hybridserve.common.block_hash import block_hashes
 from hybridserve.router.config import RoutingConfig
 from hybridserve.router.prefix_index import PrefixIndex, WorkerHit
 from hybridserve.router.workers import WorkerHandle
-from hybridserve.statepool.block_hash import block_hashes
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The router's global prefix index: which worker caches which token blocks, and where Mamba checkpoints are.
 
-A radix tree over chained block hashes (each hash names a whole prefix, see `statepool/block_hash.py`),
+A radix tree over chained block hashes (each hash names a whole prefix, see `common/block_hash.py`),
 built from every worker's cache events. Each node records the workers holding the block (KV, for models with
 attention) and, separately, the workers holding the Mamba checkpoint at the block's end. A recurrent state
 cannot be rebuilt from KV, so a worker's usable hit is the deepest checkpointed node on a path it holds

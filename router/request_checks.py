@@ -14,7 +14,7 @@ import math
 import re
 from typing import Any
 
-from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.router.openai_protocol import MAX_STOP_STRINGS, ApiError
 
 MAX_STOP_CHARS = 1024  # characters per stop string

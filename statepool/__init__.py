@@ -1,24 +1,20 @@
 """Per-request state of the hybrid models: paged attention KV, Mamba conv/SSM slots, checkpoint slots, the
 radix prefix cache over them, cache events, and sizing from a memory budget.
 
-Names are imported on first use (PEP 562), so importing one torch-free module of this package (as the router
-does) does not load the rest of it.
+Names are imported on first use (PEP 562), so importing one module of this package does not load the rest
+of it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hybridserve.lazy_exports import lazy_getattr
+from hybridserve.common.lazy_exports import lazy_getattr
 
 _EXPORTS = {
     "CheckpointAllocator": "hybridserve.statepool.allocators",
     "PageAllocator": "hybridserve.statepool.allocators",
     "SlotAllocator": "hybridserve.statepool.allocators",
-    "ROOT_HASH": "hybridserve.statepool.block_hash",
-    "BlockHash": "hybridserve.statepool.block_hash",
-    "block_hashes": "hybridserve.statepool.block_hash",
-    "hash_block": "hybridserve.statepool.block_hash",
     "CacheEvent": "hybridserve.statepool.events",
     "EventKind": "hybridserve.statepool.events",
     "EventLog": "hybridserve.statepool.events",
@@ -31,7 +27,6 @@ _EXPORTS = {
     "StateCache": "hybridserve.statepool.state_cache",
 }
 __all__ = [
-    "BlockHash",
     "CacheEvent",
     "CacheHit",
     "CacheLayout",
@@ -41,18 +36,14 @@ __all__ = [
     "Node",
     "PageAllocator",
     "PoolIntegrityError",
-    "ROOT_HASH",
     "RadixCache",
     "SlotAllocator",
     "StateCache",
     "StatePool",
-    "block_hashes",
-    "hash_block",
 ]
 
 if TYPE_CHECKING:
     from hybridserve.statepool.allocators import CheckpointAllocator, PageAllocator, SlotAllocator
-    from hybridserve.statepool.block_hash import ROOT_HASH, BlockHash, block_hashes, hash_block
     from hybridserve.statepool.events import CacheEvent, EventKind, EventLog
     from hybridserve.statepool.pool import CacheHit, PoolIntegrityError, StatePool
     from hybridserve.statepool.radix_cache import Node, RadixCache

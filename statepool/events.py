@@ -10,7 +10,7 @@ import enum
 from collections import deque
 from typing import NamedTuple
 
-from hybridserve.statepool.block_hash import BlockHash
+from hybridserve.common.block_hash import BlockHash
 
 
 class EventKind(enum.Enum):

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from hybridserve.common.block_hash import BlockHash, block_hashes
 from hybridserve.statepool.allocators import CheckpointAllocator, PageAllocator, SlotAllocator
-from hybridserve.statepool.block_hash import BlockHash, block_hashes
 from hybridserve.statepool.events import CacheEvent, EventLog
 from hybridserve.statepool.pool_check import PoolIntegrityError, check_pool
 from hybridserve.statepool.radix_cache import Node, RadixCache
@@ -313,7 +313,7 @@ class StatePool:
     def check(self) -> None:
         """Every page and slot is free, cached, or owned by exactly one sequence; refs match holders
         (`statepool/pool_check.py`)."""
-        check_pool(self, list(self._holders.values()), self._private_pages)
+        check_pool(self.radix, self.pages, self.slots, self.checkpoints, list(self._holders.values()), self._private_pages)
 
     # ---- internals -----------------------------------------------------------------------------
     def _hashes(self, seq: PooledSequence, num_blocks: int) -> list[BlockHash]:

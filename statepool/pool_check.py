@@ -5,20 +5,28 @@ equal their holders; no dead leaf is left unpruned; the LRU orders and checkpoin
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from hybridserve.statepool.pool import StatePool
+from hybridserve.statepool.allocators import CheckpointAllocator, PageAllocator, SlotAllocator
+from hybridserve.statepool.radix_cache import RadixCache
 
 
 class PoolIntegrityError(RuntimeError):
     """`StatePool.check()` found a page or slot that is not exactly one of free, cached or owned once."""
 
 
-def check_pool(pool: StatePool, holders: list[Any], private_pages: Callable[[Any], list[int]]) -> None:
-    """Raise PoolIntegrityError on the first broken invariant (`holders`: the sequences holding pool resources,
-    `private_pages(seq)`: the pages a sequence owns outside the cache)."""
-    nodes = pool.radix.nodes() if pool.radix is not None else []
+def check_pool(
+    radix: RadixCache | None,
+    pages: PageAllocator | None,
+    slots: SlotAllocator | None,
+    checkpoints: CheckpointAllocator,
+    holders: list[Any],
+    private_pages: Callable[[Any], list[int]],
+) -> None:
+    """Raise PoolIntegrityError on the first broken invariant of a pool's parts (`holders`: the sequences holding
+    pool resources, `private_pages(seq)`: the pages a sequence owns outside the cache). It takes the parts, not the
+    `StatePool`, so that this module and pool.py do not import each other."""
+    nodes = radix.nodes() if radix is not None else []
     owner: dict[int, str] = {}
 
     def claim(page: int, who: str) -> None:
@@ -42,18 +50,18 @@ def check_pool(pool: StatePool, holders: list[Any], private_pages: Callable[[Any
             raise PoolIntegrityError(f"node at depth {node.depth} has ref {node.ref}, {count} holders")
         if node.ref == 0 and not node.children and node.checkpoint is None:
             raise PoolIntegrityError(f"dead leaf at depth {node.depth} was not pruned")
-    if pool.pages is not None and set(owner) != pool.pages.used_ids():
+    if pages is not None and set(owner) != pages.used_ids():
         raise PoolIntegrityError(
-            f"pages in use {sorted(pool.pages.used_ids() ^ set(owner))[:8]} are neither cached nor owned"
+            f"pages in use {sorted(pages.used_ids() ^ set(owner))[:8]} are neither cached nor owned"
         )
-    if pool.slots is not None:
+    if slots is not None:
         held = [s.state_slot for s in holders if s.state_slot is not None]
-        if len(held) != len(set(held)) or set(held) != pool.slots.used_ids():
-            raise PoolIntegrityError(f"state slots {sorted(held)} vs in use {sorted(pool.slots.used_ids())}")
-    if pool.radix is not None and (problems := pool.radix.lru_problems()):
+        if len(held) != len(set(held)) or set(held) != slots.used_ids():
+            raise PoolIntegrityError(f"state slots {sorted(held)} vs in use {sorted(slots.used_ids())}")
+    if radix is not None and (problems := radix.lru_problems()):
         raise PoolIntegrityError("; ".join(problems[:4]))
     cached = [n.checkpoint for n in nodes if n.checkpoint is not None]
-    if len(cached) != len(set(cached)) or set(cached) != pool.checkpoints.used_ids():
+    if len(cached) != len(set(cached)) or set(cached) != checkpoints.used_ids():
         raise PoolIntegrityError(
-            f"checkpoint slots {sorted(cached)} vs in use {sorted(pool.checkpoints.used_ids())}"
+            f"checkpoint slots {sorted(cached)} vs in use {sorted(checkpoints.used_ids())}"
         )

@@ -20,8 +20,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from hybridserve.common.block_hash import ROOT_HASH, BlockHash
 from hybridserve.statepool.allocators import CheckpointAllocator, PageAllocator
-from hybridserve.statepool.block_hash import ROOT_HASH, BlockHash
 from hybridserve.statepool.events import EventKind, EventLog
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridserve.models.config import ModelConfig
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.statepool.state_cache import CacheLayout
 
 logger = logging.getLogger(__name__)

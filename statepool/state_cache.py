@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.kernels.replay_state import ReplayCache
-from hybridserve.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +44,16 @@ class CacheLayout:
             raise ValueError(f"invalid cache layout {self}")
 
     @staticmethod
+    def kv_dtype(config: ModelConfig, dtype: torch.dtype) -> torch.dtype:
+        """The KV pages' dtype: the model's `dtype`, or float8_e4m3fn under kv_cache_dtype "fp8"."""
+        return torch.float8_e4m3fn if config.kv_cache_dtype == "fp8" else dtype
+
+    @staticmethod
     def bytes_per_page(config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
         attn = config.attention
         if attn is None:
             return 0
-        per_token = 2 * attn.num_kv_heads * attn.head_dim * _dtype_size(dtype)
+        per_token = 2 * attn.num_kv_heads * attn.head_dim * _dtype_size(CacheLayout.kv_dtype(config, dtype))
         return per_token * page_size * len(config.kv_layers())
 
     @staticmethod
@@ -81,8 +86,9 @@ class StateCache:
         n_attn, n_mamba = len(self._attention_index), len(self._mamba_index)
         pages = layout.num_pages if n_attn else 0
         kv_shape = (pages, n_attn, layout.page_size, attn.num_kv_heads if attn else 0, attn.head_dim if attn else 0)
-        self.k_pages = torch.zeros(kv_shape, dtype=dtype, device=device)
-        self.v_pages = torch.zeros(kv_shape, dtype=dtype, device=device)
+        kv_dtype = CacheLayout.kv_dtype(config, dtype)
+        self.k_pages = torch.zeros(kv_shape, dtype=kv_dtype, device=device)
+        self.v_pages = torch.zeros(kv_shape, dtype=kv_dtype, device=device)
         slots = layout.num_slots + layout.num_checkpoints if n_mamba else 0
         conv_dim = mamba.conv_dim if mamba else 0
         self.conv_states = torch.zeros((slots, n_mamba, conv_dim, layout.conv_width), dtype=dtype, device=device)

@@ -12,12 +12,22 @@ and count as ready (no events), so tests run the same path.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from hybridserve.engine.request import Request
-from hybridserve.models.config import ModelConfig
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.statepool.state_cache import StateCache
 from hybridserve.transfer.early_state import EarlyState
+
+
+class PagedRequest(Protocol):
+    """What the stager reads of the engine's `Request` (transfer/ does not import the engine)."""
+
+    @property
+    def page_ids(self) -> list[int]: ...
+    @property
+    def state_slot(self) -> int | None: ...
 
 
 class LayerStager:
@@ -33,7 +43,7 @@ class LayerStager:
         self._device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def __call__(self, request: Request, layer: int) -> None:
+    def __call__(self, request: PagedRequest, layer: int) -> None:
         early = self.early
         if early.streaming and (layer == self._last_attention or layer in self._mamba):
             with self._side():

@@ -15,10 +15,10 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
+from hybridserve.common.outputs import RequestOutput
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.outputs import RequestOutput
 from hybridserve.engine.request import Request
-from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.engine.tp_watch import RankError
 from hybridserve.env_switch import env_switch
 from hybridserve.worker_runtime.loop_stats import LoopStats

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from hybridserve.config_flags import to_jsonable
+from hybridserve.common.config_flags import to_jsonable
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.proto import common_pb2
 from hybridserve.transfer.planes import TransferConfig

@@ -12,7 +12,7 @@ import torch
 from chain_floor import moe_layer_ops, op_sequence
 from moe import CONFIG, TINY
 
-from hybridserve.models.config import ModelConfig
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.models.weights import dummy_model
 
 BENCH = Path(__file__).parents[2] / "bench" / "chain_floor.py"

@@ -33,7 +33,7 @@ def test_56b_config_has_the_published_shape_and_shards(tmp_path: Path) -> None:
     parameters; TP=2 rank 0 holds about half, TP=8 still divides every head count."""
     import shutil
 
-    from hybridserve.models.config import ModelConfig
+    from hybridserve.common.model_config import ModelConfig
     from hybridserve.models.parallel import TPGroup
     from hybridserve.models.tp_shard import sharded_model
 

@@ -11,10 +11,10 @@ import time
 import pytest
 from router_cluster import Cluster, tiny_model_dir
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.deploy.launch import start_worker_process
 from hybridserve.deploy.options import WorkerOptions, new_internal_token
 from hybridserve.engine.config import EngineConfig
-from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.router.orchestrator import Orchestrator, WorkerError
 
 ENGINE = EngineConfig(prefill_chunk_size=32, max_num_seqs=24, max_model_len=256)

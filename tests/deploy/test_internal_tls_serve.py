@@ -14,9 +14,9 @@ import pytest
 from router_cluster import tiny_model_dir
 from tls_certs import make_tls
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.llm import LLM
-from hybridserve.engine.sampling_params import SamplingParams
 
 ENGINE_FLAGS = ["--device", "cpu", "--prefill-chunk-size", "32", "--max-num-seqs", "4", "--max-model-len", "256"]
 PROMPT = list(range(40, 90))

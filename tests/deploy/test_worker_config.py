@@ -11,7 +11,7 @@ import pytest
 from checkpoints import nemotron_h
 
 from hybridserve.cli import build_parser
-from hybridserve.config_flags import add_config_flags, config_from_args, from_jsonable, to_jsonable
+from hybridserve.common.config_flags import add_config_flags, config_from_args, from_jsonable, to_jsonable
 from hybridserve.deploy.launch import WorkerOptions, configs_from_json, start_worker_process
 from hybridserve.engine.config import EngineConfig
 from hybridserve.proto import common_pb2, worker_pb2_grpc

@@ -7,7 +7,7 @@ import torch
 from checkpoints import mamba2, nemotron_h, nemotron_h_mtp, random_prompts
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.models import ModelConfig
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.statepool import CacheLayout
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
+from hybridserve.common.sampling_params import StructuredOutput
 from hybridserve.engine.grammar_limits import GrammarLimits, regex_states, schema_size
 from hybridserve.engine.grammar_pool import GrammarPool
 from hybridserve.engine.handoff import CapacityError
-from hybridserve.engine.sampling_params import StructuredOutput
 
 
 def objects_schema(objects: int, properties: int) -> str:

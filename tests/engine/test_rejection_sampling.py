@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.rejection import accept_greedy, accept_sampled
 from hybridserve.engine.sampler import target_probs
-from hybridserve.engine.sampling_params import SamplingParams
 
 VOCAB = 8
 SAMPLES = 6000

@@ -15,8 +15,8 @@ import torch
 from checkpoints import hf_greedy, hf_logits, mamba2, nemotron_h, random_prompts
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.engine.config import EngineConfig
-from hybridserve.models.config import ModelConfig
 from hybridserve.models.parallel import TPGroup
 from hybridserve.models.tp_shard import local_config, mamba_shards, shard_tensor
 from hybridserve.transfer.state_layout import state_views

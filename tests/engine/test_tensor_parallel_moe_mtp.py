@@ -16,7 +16,7 @@ from checkpoints import hf_greedy, hf_logits, nemotron_h_moe, nemotron_h_mtp, ra
 from safetensors.torch import load_file, save_file
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.models.config import ModelConfig
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.models.default_model import default_model_dir
 from hybridserve.models.parallel import ExpertParallelMoE, TPGroup
 from hybridserve.models.tp_shard import local_config, local_moe, shard_tensor

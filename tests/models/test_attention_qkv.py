@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybridserve.common.model_config import AttentionConfig
 from hybridserve.models.attention import Attention
-from hybridserve.models.config import AttentionConfig
 
 
 def _attention(bias: bool) -> Attention:

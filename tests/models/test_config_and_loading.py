@@ -11,7 +11,7 @@ import torch
 from checkpoints import hf_logits, nemotron_h, random_prompts
 
 from hybridserve import LLM
-from hybridserve.models import ModelConfig
+from hybridserve.common.model_config import ModelConfig
 
 NANO_9B = Path(__file__).resolve().parents[3] / "shared" / "configs" / "nemotron-nano-9b-v2.json"
 
@@ -111,7 +111,7 @@ def test_dummy_load_format_needs_only_the_config(tmp_path) -> None:
 def test_mamba_decay_rates_follow_a_log() -> None:
     """A = -exp(A_log) is computed once per loaded A_log, not per step, and a reload (in place or a new tensor)
     is seen at the next call."""
-    from hybridserve.models.config import MambaConfig
+    from hybridserve.common.model_config import MambaConfig
     from hybridserve.models.mamba_mixer import Mamba2Mixer
 
     mixer = Mamba2Mixer(16, MambaConfig(num_heads=4, head_dim=8, state_size=4, n_groups=1, conv_kernel=4,

@@ -18,8 +18,8 @@ from checkpoints import BASE_NEMOTRON_H, hf_greedy, hf_logits, nemotron_h_moe, n
 from safetensors.torch import load_file, save_file
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.kernels import ops
-from hybridserve.models.config import ModelConfig
 from hybridserve.models.moe import MoE
 from hybridserve.models.weights import load_model
 

@@ -23,10 +23,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hybridserve.common.detokenizer import IncrementalDetokenizer
+from hybridserve.common.text_stream import TextStream
+from hybridserve.common.tokenizer import Tokenizer
 from hybridserve.models.default_model import DEMO_MODEL_DIR, write_byte_tokenizer
-from hybridserve.models.detokenizer import IncrementalDetokenizer
-from hybridserve.models.text_stream import TextStream
-from hybridserve.models.tokenizer import Tokenizer
 
 _SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 _PIECES = ["▁", "▁▁", "▁a", "b", "ab", "▁hello", "▁wörld", "é", "中", "x", ".", "▁."]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from checkpoints import nemotron_h
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.decode_worker.worker import DecodeWorker
 from hybridserve.engine.config import EngineConfig
-from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.models.default_model import write_byte_tokenizer
 from hybridserve.prefill_worker.worker import PrefillWorker
 from hybridserve.proto.internal_tls import InternalTlsConfig

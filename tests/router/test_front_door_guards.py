@@ -8,7 +8,7 @@ import httpx
 import pytest
 from router_cluster import MODEL_NAME, Cluster, tiny_model_dir
 
-from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.proto import router_pb2, router_pb2_grpc
 from hybridserve.proto.convert import sampling_to_proto
 

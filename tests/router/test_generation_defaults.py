@@ -16,7 +16,7 @@ import pytest
 from router_cluster import MODEL_NAME, Cluster
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.engine.generation_defaults import GenerationDefaults, load_generation_defaults
+from hybridserve.common.generation_defaults import GenerationDefaults, load_generation_defaults
 from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from hybridserve.router.config import RouterOptions
 

@@ -13,7 +13,7 @@ import pytest
 from router_cluster import MODEL_NAME
 
 from hybridserve import SamplingParams
-from hybridserve.models.tokenizer import Tokenizer
+from hybridserve.common.tokenizer import Tokenizer
 from hybridserve.proto import router_pb2, router_pb2_grpc
 from hybridserve.proto.convert import sampling_to_proto
 

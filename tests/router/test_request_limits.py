@@ -10,7 +10,7 @@ import httpx
 import pytest
 from router_cluster import ENGINE, MODEL_NAME
 
-from hybridserve.engine.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
+from hybridserve.common.sampling_params import MAX_STOP_TOKEN_IDS, SamplingParams
 from hybridserve.proto import router_pb2, router_pb2_grpc
 from hybridserve.proto.convert import sampling_to_proto
 from hybridserve.router.openai_protocol import MAX_N, MAX_STOP_STRINGS

@@ -11,7 +11,7 @@ import grpc
 import httpx
 from router_cluster import MODEL_NAME, Cluster
 
-from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.proto import router_pb2, router_pb2_grpc
 from hybridserve.proto.convert import sampling_to_proto
 from hybridserve.worker_runtime.cache_event_feed import FEED_CAPACITY

@@ -11,7 +11,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from hybridserve.engine.sampling_params import SamplingParams
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.proto import common_pb2, worker_pb2_grpc
 from hybridserve.router.config import OrchestratorConfig, ResilienceConfig
 from hybridserve.router.orchestrator import Orchestrator, WorkerError

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from hybridserve.models.text_stream import TextStream
+from hybridserve.common.block_hash import block_hashes
+from hybridserve.common.text_stream import TextStream
 from hybridserve.proto import common_pb2, worker_pb2_grpc  # noqa: F401 - stubs are faked below
 from hybridserve.router.admission import AdmissionController, Overloaded
 from hybridserve.router.chat_template import ChatTemplate
@@ -17,7 +18,6 @@ from hybridserve.router.metrics import RouterMetrics
 from hybridserve.router.policy import RoutingPolicy, prompt_hashes
 from hybridserve.router.prefix_index import PrefixIndex, WorkerHit
 from hybridserve.router.workers import WorkerHandle
-from hybridserve.statepool.block_hash import block_hashes
 
 K = common_pb2.CacheEvent
 BLOCK = 4

@@ -15,10 +15,10 @@ import pytest
 from checkpoints import nemotron_h, random_prompts
 from router_cluster import GREEDY, Cluster
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.decode_worker.worker import DecodeWorker
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.llm import LLM
-from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.proto import common_pb2, worker_pb2, worker_pb2_grpc
 from hybridserve.proto.channels import insecure_channel
 from hybridserve.proto.convert import sampling_to_proto

@@ -9,7 +9,7 @@ from checkpoints import random_prompts
 from prefix_cases import cold_tokens, greedy, model_dir, warm_llm
 
 from hybridserve import SamplingParams
-from hybridserve.models.config import ModelConfig
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.statepool.sizing import PoolRequest, plan_cache_layout
 from hybridserve.statepool.state_cache import CacheLayout
 

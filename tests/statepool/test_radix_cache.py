@@ -7,16 +7,14 @@ import sys
 
 import pytest
 
+from hybridserve.common.block_hash import ROOT_HASH, block_hashes, hash_block
 from hybridserve.statepool import (
     CheckpointAllocator,
     EventKind,
     EventLog,
     PageAllocator,
     RadixCache,
-    block_hashes,
-    hash_block,
 )
-from hybridserve.statepool.block_hash import ROOT_HASH
 
 
 def test_block_hashes_are_chained_and_stable_across_processes() -> None:
@@ -27,7 +25,7 @@ def test_block_hashes_are_chained_and_stable_across_processes() -> None:
     assert block_hashes([1, 2, 3, 4, 5, 6, 7, 0], 4)[1] != hashes[1]
     # pinned: the router and other workers compute the same value in their own processes
     assert hashes[1].hex() == "27b40a60b3b4176fe0788e012f131304"
-    code = "from hybridserve.statepool import block_hashes; print(block_hashes(list(range(8)), 4)[1].hex())"
+    code = "from hybridserve.common.block_hash import block_hashes; print(block_hashes(list(range(8)), 4)[1].hex())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == hashes[1].hex()
     with pytest.raises(ValueError, match="block_size"):

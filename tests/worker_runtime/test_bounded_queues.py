@@ -12,9 +12,9 @@ import grpc
 import pytest
 from checkpoints import nemotron_h
 
+from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.decode_worker.worker import DecodeWorker
 from hybridserve.engine.config import EngineConfig
-from hybridserve.engine.sampling_params import SamplingParams
 from hybridserve.proto import worker_pb2, worker_pb2_grpc
 from hybridserve.proto.channels import insecure_channel, start_server
 from hybridserve.proto.convert import sampling_to_proto

@@ -61,7 +61,7 @@ def test_a_consumer_that_stops_early_aborts_the_request(loop: EngineLoop) -> Non
 def test_a_consumer_behind_gets_the_newest_output_not_every_step(loop: EngineLoop) -> None:
     import queue as queue_mod
 
-    from hybridserve.engine.outputs import RequestOutput
+    from hybridserve.common.outputs import RequestOutput
 
     def out(tokens: list[int], finished: bool = False) -> RequestOutput:
         return RequestOutput("q", [1], tokens, None, "length" if finished else None, 0, finished)

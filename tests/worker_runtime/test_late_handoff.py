@@ -9,7 +9,7 @@ from typing import Any
 from checkpoints import nemotron_h, random_prompts
 
 from hybridserve import LLM, SamplingParams
-from hybridserve.engine.outputs import RequestOutput
+from hybridserve.common.outputs import RequestOutput
 from hybridserve.worker_runtime.engine_loop import EngineLoop
 
 

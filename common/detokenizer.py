@@ -38,7 +38,7 @@ def _backend_of(tokenizer: Any) -> Any | None:
     """The `tokenizers.Tokenizer` behind `tokenizer` when its `decode(ids)` is exactly the backend's
     `decode(ids, skip_special_tokens=True)`; None when that cannot be established.
 
-    `hybridserve.models.tokenizer.Tokenizer` keeps the transformers tokenizer in `_tokenizer` and decodes with
+    `hybridserve.common.tokenizer.Tokenizer` keeps the transformers tokenizer in `_tokenizer` and decodes with
     `skip_special_tokens=True`; a transformers fast tokenizer exposes `backend_tokenizer` and post-processes
     only when `clean_up_tokenization_spaces` is on."""
     try:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hybridserve.models.detokenizer import IncrementalDetokenizer
-from hybridserve.models.tokenizer import Tokenizer
+from hybridserve.common.detokenizer import IncrementalDetokenizer
+from hybridserve.common.tokenizer import Tokenizer
 
 
 class TextStream:

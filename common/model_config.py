@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridserve.models.layer_types import LAYER_KINDS, parse_layer_types, parse_mtp_layer_types
+from hybridserve.common.layer_types import LAYER_KINDS, parse_layer_types, parse_mtp_layer_types
 
 DEFAULT_MAX_MODEL_LEN = 8192  # context limit of models that declare no positional limit (Mamba2)
 
+KV_CACHE_DTYPES = ("auto", "fp8")
+SSM_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 ARCHITECTURES = {"NemotronHForCausalLM": "nemotron_h", "Mamba2ForCausalLM": "mamba2"}
 
 
@@ -131,6 +133,8 @@ class ModelConfig:
     moe: MoEConfig | None = None
     max_position_embeddings: int | None = None
     ssm_state_dtype: str = "float32"
+    # attention KV pages: "auto" (the model dtype) or "fp8" (float8_e4m3fn, scaled per layer as vLLM's fp8 KV)
+    kv_cache_dtype: str = "auto"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
@@ -160,6 +164,8 @@ class ModelConfig:
             raise ValueError(
                 f"config field `mamba_ssm_cache_dtype` must be float32, bfloat16 or float16, got {self.ssm_state_dtype!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not self.norm_eps > 0:
             raise ValueError(f"config field `layer_norm_epsilon` must be > 0, got {self.norm_eps}")
 
