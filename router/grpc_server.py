@@ -226,13 +226,17 @@ def _handlers(servicer: RouterServicer) -> grpc.GenericRpcHandler:
 
 
 async def start_router_server(frontend: Frontend, host: str = "127.0.0.1", port: int = 0,
-                              api_keys: ApiKeys | str | None = None) -> tuple[grpc.aio.Server, str]:
+                              api_keys: ApiKeys | str | None = None, handshake_timeout_s: float = 10.0,
+                              idle_timeout_s: float = 300.0) -> tuple[grpc.aio.Server, str]:
     """Start the gRPC front door, a grpc.aio server on the running loop (the orchestrator's), with reflection
-    (open: it describes only the public service); every other call needs one of `api_keys` when given.
-    Returns (server, "host:port")."""
+    (open: it describes only the public service); every other call needs one of `api_keys` when given. A
+    connection that does not finish its HTTP/2 handshake within `handshake_timeout_s`, or runs no call for
+    `idle_timeout_s`, is closed (gRPC core's own options). Returns (server, "host:port")."""
     keys = api_keys if isinstance(api_keys, ApiKeys) else ApiKeys.load(api_keys)
     interceptors = [ApiKeyInterceptor(keys)] if keys else []
-    server = grpc.aio.server(interceptors=interceptors, options=[OWN_PORT])
+    options = [OWN_PORT, ("grpc.server_handshake_timeout_ms", int(handshake_timeout_s * 1000)),
+               ("grpc.max_connection_idle_ms", int(idle_timeout_s * 1000))]
+    server = grpc.aio.server(interceptors=interceptors, options=options)
     server.add_generic_rpc_handlers((_handlers(RouterServicer(frontend, keys)),))
     names = (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)

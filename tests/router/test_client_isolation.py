@@ -160,6 +160,14 @@ def test_silent_and_slow_header_connections_are_closed_within_the_timeouts(keyed
     assert ok.status_code == 200
 
 
+def test_a_silent_grpc_connection_is_closed_within_the_handshake_timeout(keyed: Cluster) -> None:
+    assert keyed.router is not None
+    host, port = keyed.router.grpc_address.rsplit(":", 1)
+    silent = socket.create_connection((host, int(port)))
+    assert closed_within(silent, 10 * HEADER_TIMEOUT_S) < 5 * HEADER_TIMEOUT_S
+    silent.close()
+
+
 def test_connections_beyond_the_per_peer_cap_are_closed(keyed: Cluster) -> None:
     assert keyed.router is not None
     host, port = keyed.router.http_address.rsplit(":", 1)
