@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 
 
+class PrefillAborted(RuntimeError):
+    """The prefill's request was aborted (the router, or its client, went away) before its first token."""
+
+
 class PrefillWorker:
     """Engine loop + gRPC server for the prefill role."""
 
@@ -122,6 +126,8 @@ class PrefillWorker:
         except BaseException as exc:
             if early is not None:
                 self._end_early(early, pushed, exc)
+            # aborted (the router or its client gone) or failed: counted by its reason, never lost
+            self.metrics.observe_finished(len(prompt), 0, "abort" if isinstance(exc, PrefillAborted) else "error")
             raise
         header = dataclasses.replace(header, first_token=first.token_ids[0], num_cached_tokens=first.num_cached_tokens)
         self.metrics.observe_finished(len(prompt), 1, first.finish_reason or "")
@@ -241,7 +247,7 @@ class PrefillWorker:
                                           on_progress=on_progress, on_layer=on_layer):
                 first = out
             if first is None or first.finish_reason == "abort":
-                raise RuntimeError(f"prefill of {request_id} was aborted")
+                raise PrefillAborted(f"prefill of {request_id} was aborted")
             if not exported.done():  # held without the end-of-step hook having run: run it now
                 self.loop.call(lambda: export_on_loop(request_id))
             staged = exported.result()
