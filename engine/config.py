@@ -41,10 +41,18 @@ class EngineConfig:
     max_num_waiting: int = 1024
     page_size: int = 16  # tokens per KV page
     max_model_len: int | None = None  # None: the model's max_position_embeddings (or 8192)
-    cpu_memory_gb: float = 2.0  # state-cache budget on CPU
-    gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + state cache
+    # state-cache budget on CPU; None: what max_num_seqs (+ standby) requests of max_model_len need (twice that
+    # with prefix caching), at most a quarter of the host's memory
+    cpu_memory_gb: float | None = None
+    # share of the whole GPU this worker may use: weights, activations and CUDA graphs (measured by a profiling
+    # forward at start-up) and the state cache, which gets the rest
+    gpu_memory_utilization: float = 0.9
     # a fixed state-cache budget on the GPU instead of the utilization share (several workers on one GPU)
     gpu_memory_gb: float | None = None
+    # KV tokens the memory plan keeps for every running request: when the budget cannot hold max_num_seqs
+    # Mamba slots with that much KV each, the running batch is lowered (WARNING) instead of leaving requests
+    # without KV; None: 2048 (or max_model_len when shorter)
+    plan_seq_len: int | None = None
     seed: int = 0  # seeds requests that bring no seed of their own
     enable_prefix_caching: bool = True  # radix cache of KV blocks + aligned Mamba checkpoints
     cuda_graphs: bool = True  # on device="cuda": replay decode-only steps from captured CUDA graphs
@@ -160,8 +168,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if self.gpu_memory_gb is not None and not self.gpu_memory_gb > 0:
             raise ValueError(f"gpu_memory_gb must be > 0 or None, got {self.gpu_memory_gb}")
-        if not self.cpu_memory_gb > 0:
-            raise ValueError(f"cpu_memory_gb must be > 0, got {self.cpu_memory_gb}")
+        if self.cpu_memory_gb is not None and not self.cpu_memory_gb > 0:
+            raise ValueError(f"cpu_memory_gb must be > 0 or None, got {self.cpu_memory_gb}")
+        plan_len = self.plan_seq_len
+        if plan_len is not None and (isinstance(plan_len, bool) or not isinstance(plan_len, int) or plan_len <= 0):
+            raise ValueError(f"plan_seq_len must be a positive integer or None, got {plan_len!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -80,7 +80,8 @@ class LLMEngine:
         self.state_block = config.resolve_state_block(
             mamba.chunk_size if mamba else config.page_size, config.page_size if has_attention else None
         )
-        layout = plan_engine_cache(self.model_config, config, self.max_model_len, self.state_block, lookahead, ssm_dtype)
+        layout = plan_engine_cache(self.model_config, config, self.max_model_len, self.state_block, lookahead, ssm_dtype,
+                                   model=self.model if self.tp is None else None)
         self.cache: StateCache
         if self.tp is not None:
             self.tp.send_layout(layout)
@@ -292,11 +293,11 @@ class LLMEngine:
 
     def stats(self) -> dict[str, int]:
         """Load figures for health checks and routing."""
-        pages, slots = self.pool.pages, self.pool.slots
+        pages = self.pool.pages
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting) + len(self.scheduler.landed),
-            "free_state_slots": slots.num_free if slots is not None else 0,
+            "free_state_slots": self.pool.num_free_slots,
             "free_kv_pages": pages.num_free if pages is not None else 0,
             "queued_prefill_tokens": sum(r.num_pending_tokens for r in self.scheduler.waiting),
         }

@@ -146,8 +146,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", default=None,
                    help="--no-ray: write each worker's log to DIR/<worker-id>.log (default: a new temporary directory, "
                    "named in the start-up banner)")
-    p.add_argument("--max-running", type=int, default=256, help="requests the router runs at once")
-    p.add_argument("--max-queued", type=int, default=512, help="requests that may wait; more get 429")
+    p.add_argument("--max-running", type=int, default=None,
+                   help="requests the router runs at once (default: what the decode workers report they hold, "
+                   "from their memory plan and --max-num-waiting)")
+    p.add_argument("--max-queued", type=int, default=65536,
+                   help="requests that may wait in the router, in arrival order, beyond the running ones; more get "
+                   "429 with Retry-After (default 65536)")
+    p.add_argument("--queue-timeout", type=float, default=None,
+                   help="seconds a request may wait in the router's queue before a 503 (default: no limit of the "
+                   "router's own; the client's timeout applies)")
     p.add_argument("--max-per-client", type=int, default=0,
                    help="requests one client (API key, or address without one) may have running or queued; more "
                    "get 429 (default 0: no limit; clients behind one proxy share an address)")

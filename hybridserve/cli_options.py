@@ -106,8 +106,9 @@ def cluster_options(args: argparse.Namespace) -> dict:
 
     model_dir, engine, tls = resolved_model_dir(args), engine_config(args), internal_tls(args)
     extra: dict[str, Any] = {}
-    if getattr(args, "max_running", None) is not None:
+    if hasattr(args, "max_queued"):
         extra["admission"] = AdmissionConfig(max_running=args.max_running, max_queued=args.max_queued,
+                                             queue_timeout_s=getattr(args, "queue_timeout", None),
                                              max_per_client=args.max_per_client)
     local_max = getattr(args, "local_prefill_max_tokens", None)
     if local_max is not None or args.no_worker_sessions or args.no_socket_sessions:

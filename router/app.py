@@ -36,11 +36,15 @@ class Router:
                                          internal_token=options.internal_token,
                                          internal_tls=options.internal_tls)
         tokenizer = load_tokenizer(options.model_dir)
+        # the running limit follows what the decode workers report they hold (unless max_running fixes it)
+        workers = self.orchestrator.workers
+        admission = AdmissionController(options.admission, self.metrics, capacity=workers.capacity)
+        workers.on_health.append(admission.refresh)
         max_len = options.max_model_len or model_config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
         self.frontend = Frontend(
             self.orchestrator, options.served_name, tokenizer,
             ChatTemplate.from_model_dir(options.model_dir) if tokenizer is not None else None,
-            model_config.vocab_size, max_len, AdmissionController(options.admission, self.metrics), self.metrics,
+            model_config.vocab_size, max_len, admission, self.metrics,
             load_generation_defaults(options.generation_config, options.model_dir).as_dict(),
         )
         self.http: HttpServer | None = None

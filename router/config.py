@@ -58,7 +58,9 @@ class ResilienceConfig:
     stream_timeout_s: float = 3600.0  # whole token stream of one request
     control_timeout_s: float = 5.0  # Abort, Health
     reservation_ttl_s: float = 120.0
-    capacity_wait_s: float = 60.0  # decode workers all full (no slot / pages): keep asking this long, then 429
+    # decode workers all full (no slot / pages): wait in the worker's seat queue this long, then 429; None: as
+    # long as the client waits (admission already bounds how many requests the router holds)
+    capacity_wait_s: float | None = None
     attempts: int = 3  # tries of a request that fails with UNAVAILABLE before its first token
     backoff_base_s: float = 0.05  # retry k waits uniform(0, min(cap, base * 2**k)) ("full jitter")
     backoff_cap_s: float = 1.0
@@ -73,8 +75,9 @@ class ResilienceConfig:
     def __post_init__(self) -> None:
         for name in ("reserve_timeout_s", "prefill_timeout_s", "stream_timeout_s", "control_timeout_s",
                      "reservation_ttl_s", "backoff_cap_s", "breaker_reset_s", "health_interval_s",
-                     "capacity_wait_s", "stream_stall_timeout_s"):
+                     "stream_stall_timeout_s"):
             _check(getattr(self, name) > 0, f"{name} must be > 0")
+        _check(self.capacity_wait_s is None or self.capacity_wait_s > 0, "capacity_wait_s must be > 0 or None")
         _check(self.backoff_base_s >= 0, "backoff_base_s must be >= 0")
         _check(self.attempts >= 1, "attempts must be >= 1")
         _check(self.stream_buffer_events >= 1, "stream_buffer_events must be >= 1")
@@ -83,20 +86,21 @@ class ResilienceConfig:
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    """Bounded admission: at most max_running requests run; max_queued more wait up to queue_timeout_s."""
+    """Admission that queues: as many requests run as the decode workers report they hold (or max_running);
+    up to max_queued more wait in arrival order, as long as their client does (or queue_timeout_s)."""
 
-    max_running: int = 256
-    max_queued: int = 512
-    queue_timeout_s: float = 30.0
+    max_running: int | None = None  # None: what the decode workers report (Health max_running, max_num_waiting)
+    max_queued: int = 65536  # requests waiting beyond the running ones; more get 429 with Retry-After
+    queue_timeout_s: float | None = None  # None: no deadline of the router's own (the client's applies)
     # requests one client (its API key, or its address without one) may have running or queued at once; more
     # get 429. 0: no per-client limit (clients behind one proxy share an address)
     max_per_client: int = 0
 
     def __post_init__(self) -> None:
         _check(self.max_per_client >= 0, "max_per_client must be >= 0")
-        _check(self.max_running >= 1, "max_running must be >= 1")
+        _check(self.max_running is None or self.max_running >= 1, "max_running must be >= 1 or None")
         _check(self.max_queued >= 0, "max_queued must be >= 0")
-        _check(self.queue_timeout_s > 0, "queue_timeout_s must be > 0")
+        _check(self.queue_timeout_s is None or self.queue_timeout_s > 0, "queue_timeout_s must be > 0 or None")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ requests in flight (ALREADY_EXISTS otherwise), echoed back, and usable in Abort 
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import functools
 import logging
@@ -136,13 +135,16 @@ class RouterServicer:
             metrics.count_request("grpc/Generate", "409")
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {label!r} is already in flight")
         try:
-            if not admission.try_acquire(client):  # a free slot costs no thread; waiting in the queue does
-                await asyncio.to_thread(admission.acquire, None, client)
+            if not admission.try_acquire(client):  # wait in line on the loop; a cancelled call leaves it
+                await admission.acquire_async(client)
         except Overloaded as exc:
             self.requests.remove(owner, request_id)
             metrics.count_request("grpc/Generate", "429")
             metrics.count_error("overloaded")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except BaseException:  # cancelled while waiting in line: the id is free again
+            self.requests.remove(owner, request_id)
+            raise
         events = self.frontend.orchestrator.stream(prompt, params, request_id)
         status = "499"  # unless the stream ends or fails: the client went away
         completion = 0

@@ -198,8 +198,11 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
         try:
             check_request_id(label, "x-request-id")
             req = await parse(request, model)
-            if not frontend.admission.try_acquire(client):
-                await asyncio.to_thread(frontend.admission.acquire, None, client)
+            if not frontend.admission.try_acquire(client):  # wait in line, on the loop; a client that leaves, leaves it
+                await _unless_disconnected(request, frontend.admission.acquire_async(client))
+        except _ClientGone:
+            count(endpoint, 499)
+            return Response(status_code=499)
         except ApiError as exc:
             count(endpoint, exc.status)
             return _error(exc)

@@ -193,7 +193,7 @@ class Orchestrator:
                 # every slot or page of the chosen decode worker is taken: wait for one to free up (like a
                 # local queue) instead of refusing, up to capacity_wait_s; not a fault, so no retry is spent
                 busy_since = busy_since if busy_since is not None else time.perf_counter()
-                if time.perf_counter() - busy_since > res.capacity_wait_s:
+                if res.capacity_wait_s is not None and time.perf_counter() - busy_since > res.capacity_wait_s:
                     raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                       f"decode workers stayed full for {res.capacity_wait_s:.0f} s: {busy}",
                                       f"decode workers stayed full for {res.capacity_wait_s:.0f} s") from None
@@ -256,7 +256,9 @@ class Orchestrator:
                                                                           metadata=md))
             await self._call(prefill, "prefill", active, prefill_call)
             return events, await self._first(d, events, d.decode, "stream", active)
-        except _Busy:  # the Reserve was refused: nothing exists on the workers to abort
+        except _Busy:  # the Reserve (or a local request) was refused: nothing exists on the workers to abort
+            if events is not None:
+                events.cancel()
             raise
         except _Retry:
             if events is not None:
@@ -308,7 +310,8 @@ class Orchestrator:
             raise WorkerError(grpc.StatusCode.CANCELLED, "the request was aborted") from exc
         if exc.code() in _RETRYABLE:
             raise _Retry(worker, stage, exc) from exc
-        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and stage == "reserve":
+        # the decode worker has no seat (reserve) or its own queue is full (local): wait in line, do not refuse
+        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and stage in ("reserve", "generate_local"):
             raise _Busy(worker, stage, exc) from exc
         raise WorkerError(exc.code(), f"{stage} on {worker.role} worker {worker.address} failed: {exc.details()}",
                           exc.details()) from exc

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,6 +164,7 @@ class WorkerSet:
         self.prefill: list[WorkerHandle] = []
         self.decode: list[WorkerHandle] = []
         self._stop = threading.Event()
+        self.on_health: list[Callable[[], None]] = []  # run after every health poll (admission's refresh)
         self._poller = threading.Thread(target=self._poll, name="router-health", daemon=True)
         self._poller.start()
 
@@ -209,6 +211,18 @@ class WorkerSet:
                 return int(handle.health.block_size)
         return None
 
+    def capacity(self) -> int:
+        """Requests the ready decode workers report they can hold: each its running batch (`max_running`) plus
+        one more batch queued on it, at most half its own queue (`max_num_waiting`; the other half absorbs
+        requests the router has let go of and the worker still counts, such as aborts in flight). 0: none
+        reported yet."""
+        total = 0
+        for handle in self.snapshot()[1]:
+            health = handle.health
+            if health is not None and health.status == "ok" and health.max_running:
+                total += health.max_running + min(health.max_running, health.max_num_waiting // 2)
+        return total
+
     def poll_once(self) -> None:
         """Refresh every worker's health in parallel."""
         calls = [(h, h.stub.Health.future(common_pb2.HealthRequest(), timeout=self._config.control_timeout_s))
@@ -232,6 +246,8 @@ class WorkerSet:
         while not self._stop.is_set():
             try:
                 self.poll_once()
+                for listener in list(self.on_health):
+                    listener()
             except Exception:  # never let the poller die
                 logger.exception("health poll failed")
             self._stop.wait(self._config.health_interval_s)

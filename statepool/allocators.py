@@ -59,8 +59,61 @@ class SlotAllocator(_FreeList):
 
 
 class CheckpointAllocator(_FreeList):
-    """Checkpoint slots for cached Mamba states; they live after the running slots in the same tensors,
-    so a checkpoint id is a row of `conv_states` / `ssm_states`. Zero capacity turns checkpoints off."""
+    """Checkpoint slots for cached Mamba states: rows of `conv_states` / `ssm_states` after the running slots
+    (`capacity_own` of them, ids from `first_id`), and, with a `lender`, any running slot no sequence holds:
+    a cached state lives in what running requests do not use, and `StatePool.admit` takes such a borrowed row
+    back (evicting its checkpoint) when a request needs a slot. Zero rows and no lender turn checkpoints off."""
 
     kind = "checkpoint slot"
     allow_empty = True
+
+    def __init__(self, capacity: int, first_id: int = 0, lender: SlotAllocator | None = None) -> None:
+        super().__init__(capacity, first_id)
+        self.capacity_own = capacity
+        self.lender = lender
+        self.capacity = capacity + (lender.capacity if lender is not None else 0)
+        self._borrowed: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + (self.lender.num_free if self.lender is not None else 0)
+
+    @property
+    def num_borrowed(self) -> int:
+        """Running-slot rows that hold a checkpoint now."""
+        return len(self._borrowed)
+
+    def is_borrowed(self, row: int) -> bool:
+        return row in self._borrowed
+
+    def borrowed_ids(self) -> set[int]:
+        return set(self._borrowed)
+
+    def can_allocate(self, count: int) -> bool:
+        return count <= self.num_free
+
+    def allocate(self, count: int) -> list[int]:
+        """Own rows first; then idle running slots."""
+        if count > self.num_free:
+            raise RuntimeError(f"out of {self.kind}s: asked for {count}, {self.num_free} free")
+        own = min(count, len(self._free))
+        ids = super().allocate(own) if own else []
+        if count > own:
+            assert self.lender is not None
+            lent = self.lender.allocate(count - own)
+            self._borrowed.update(lent)
+            self._used.update(lent)
+            ids += lent
+        return ids
+
+    def free(self, ids: list[int]) -> None:
+        lent = [i for i in ids if i in self._borrowed]
+        own = [i for i in ids if i not in self._borrowed]
+        for i in lent:
+            self._borrowed.remove(i)
+            self._used.remove(i)
+        if lent:
+            assert self.lender is not None
+            self.lender.free(lent)
+        if own:
+            super().free(own)

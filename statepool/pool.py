@@ -92,11 +92,13 @@ class StatePool:
         self.pages = PageAllocator(layout.num_pages) if self.has_kv else None
         self.slots = SlotAllocator(layout.num_slots) if self.has_state else None
         num_checkpoints = layout.num_checkpoints if self.has_state and enable_prefix_caching else 0
-        self.checkpoints = CheckpointAllocator(num_checkpoints, first_id=layout.num_slots)
+        # with prefix caching, idle running slots hold checkpoints too (taken back on admission: `_slot_row`)
+        lender = self.slots if self.has_state and enable_prefix_caching else None
+        self.checkpoints = CheckpointAllocator(num_checkpoints, first_id=layout.num_slots, lender=lender)
         self.block_size = self.page_size if self.has_kv else state_block
         self.events = EventLog(max_events)
         self.radix: RadixCache | None = None
-        if enable_prefix_caching and num_checkpoints > 0:
+        if enable_prefix_caching and self.checkpoints.capacity > 0:
             self.radix = RadixCache(self.block_size, state_block, self.pages, self.checkpoints, self.events)
         self._holders: dict[int, PooledSequence] = {}
         self._planned: list[PlannedCheckpoint] = []
@@ -156,13 +158,19 @@ class StatePool:
             self._hashes(seq, seq.num_tokens // self.block_size)
 
     def can_admit(self) -> bool:
-        """Whether a state slot is free (pages may still be short)."""
-        return self.slots is None or self.slots.can_allocate(1)
+        """Whether a state slot is free, or held by a cached checkpoint that admission takes back (pages may
+        still be short)."""
+        return self.slots is None or self.slots.can_allocate(1) or self.checkpoints.num_borrowed > 0
+
+    @property
+    def num_free_slots(self) -> int:
+        """State slots a new request can have: free ones and those cached checkpoints borrowed."""
+        return self.slots.num_free + self.checkpoints.num_borrowed if self.slots is not None else 0
 
     def admit(self, seq: PooledSequence, hit: CacheHit, num_tokens: int) -> bool:
         """Give the sequence a state slot (holding the hit's checkpoint) and pages for its first `num_tokens`
         tokens, sharing the hit's blocks; False, holding nothing, when the pool cannot do it now."""
-        if self.slots is not None and not self.slots.can_allocate(1):
+        if not self.can_admit():
             return False
         if self.radix is not None:
             self.radix.lock(hit.nodes)
@@ -173,12 +181,16 @@ class StatePool:
             self.release(seq)
             return False
         if self.slots is not None:
-            seq.state_slot = self.slots.allocate(1)[0]
-            if hit.nodes:
-                source = hit.nodes[-1].checkpoint
-                if source is None:
-                    raise RuntimeError("a matched checkpoint was evicted before it was copied")
-                self.cache.copy_state(source, seq.state_slot)
+            source = hit.nodes[-1].checkpoint if hit.nodes else None
+            if hit.nodes and source is None:
+                raise RuntimeError("a matched checkpoint was evicted before it was copied")
+            row = self._slot_row(hit.nodes[-1] if hit.nodes else None)
+            if row is None:
+                self.release(seq)
+                return False
+            seq.state_slot = row
+            if source is not None and source != row:
+                self.cache.copy_state(source, row)
         seq.num_computed_tokens = hit.num_tokens
         if self.radix is not None and seq.num_tokens > self.block_size:  # shorter prompts can never hit
             self.num_queries += 1
@@ -321,6 +333,25 @@ class StatePool:
             tokens = seq.all_token_ids[: num_blocks * self.block_size]
             seq.block_hashes = block_hashes(tokens, self.block_size, seq.block_hashes)
         return seq.block_hashes
+
+    def _slot_row(self, hit: Node | None) -> int | None:
+        """A running slot for an admission: a free one, else the row of the coldest checkpoint cached in a
+        borrowed slot (running requests come before cache), else the hit's own checkpoint row when that is
+        borrowed (the state is already there: the checkpoint leaves the cache, the slot keeps it)."""
+        assert self.slots is not None
+        if self.slots.can_allocate(1):
+            return self.slots.allocate(1)[0]
+        if self.radix is None:
+            return None
+        if not self.radix.evict_borrowed_checkpoint(keep=hit):
+            if hit is None or hit.checkpoint is None or not self.checkpoints.is_borrowed(hit.checkpoint):
+                return None
+            row = hit.checkpoint
+            self.radix.drop_checkpoint(hit)  # the row goes back to the slots, last freed: allocated next
+            taken = self.slots.allocate(1)[0]
+            assert taken == row
+            return taken
+        return self.slots.allocate(1)[0]
 
     def _private_pages(self, seq: PooledSequence) -> list[int]:
         nodes = seq.cache_nodes

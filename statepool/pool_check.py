@@ -1,5 +1,6 @@
 """`StatePool.check()`: the pool's ownership invariants, written down and machine-checked (the property tests call
-it after every step): every KV page and state slot is free, cached, or owned by exactly one sequence; node refs
+it after every step): every KV page and state slot is free, cached, or owned by exactly one sequence (a state slot
+no sequence holds may be lent to the checkpoint cache); node refs
 equal their holders; no dead leaf is left unpruned; the LRU orders and checkpoint slots agree with the tree."""
 
 from __future__ import annotations
@@ -56,8 +57,10 @@ def check_pool(
         )
     if slots is not None:
         held = [s.state_slot for s in holders if s.state_slot is not None]
-        if len(held) != len(set(held)) or set(held) != slots.used_ids():
-            raise PoolIntegrityError(f"state slots {sorted(held)} vs in use {sorted(slots.used_ids())}")
+        borrowed = checkpoints.borrowed_ids()
+        if len(held) != len(set(held)) or set(held) & borrowed or set(held) | borrowed != slots.used_ids():
+            raise PoolIntegrityError(f"state slots {sorted(held)} + checkpoint rows {sorted(borrowed)} vs in use "
+                                     f"{sorted(slots.used_ids())}")
     if radix is not None and (problems := radix.lru_problems()):
         raise PoolIntegrityError("; ".join(problems[:4]))
     cached = [n.checkpoint for n in nodes if n.checkpoint is not None]

@@ -148,6 +148,16 @@ class RadixCache:
         self._settle(node)
         return True
 
+    def evict_borrowed_checkpoint(self, keep: Node | None = None) -> bool:
+        """Free the least recently used checkpoint that sits in a borrowed running-slot row (not `keep`'s), so
+        that a request can have the row back; False when there is none."""
+        for node in self._state_lru:
+            if node is not keep and self.checkpoints.is_borrowed(node.checkpoint):  # type: ignore[arg-type]
+                self._drop_checkpoint(node)
+                self._settle(node)
+                return True
+        return False
+
     def drop_checkpoint(self, node: Node) -> None:
         """Free the node's checkpoint slot (a step that wrote it failed) and re-file the node."""
         if node.checkpoint is None:

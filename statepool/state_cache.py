@@ -8,7 +8,8 @@ Layout is request-major so one request's state is one contiguous block (cheap to
                      (models with an MTP drafter only: its next slot needs it, so checkpoints keep it too)
 KV layers are the attention layers followed by the MTP drafter's attention layers (`ModelConfig.kv_layers`).
 Rows [0, num_slots) are running requests' slots, the rest checkpoint slots of the prefix cache: one index
-space, so prefill writes checkpoints through the same per-layer views and a hit is one row copy.
+space, so prefill writes checkpoints through the same per-layer views and a hit is one row copy. A running
+slot no request holds may hold a checkpoint too (`CheckpointAllocator`'s lender) until a request needs it.
 Layers see strided per-layer views.
 """
 

@@ -19,6 +19,7 @@ def health_fields(worker_id: str, engine: LLMEngine, metrics_port: int) -> dict:
         metrics_port=metrics_port, max_model_len=engine.max_model_len,
         total_state_slots=slots.capacity if slots is not None else 0,
         total_kv_pages=pages.capacity if pages is not None else 0,
+        max_running=engine.max_running, max_num_waiting=engine.config.max_num_waiting,
     )
 
 

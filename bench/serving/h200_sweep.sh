@@ -15,15 +15,14 @@ OUT=$(cd "$OUT" && pwd)
 BUDGET=${BUDGET:-540}
 START=$(date +%s)
 CFG=bench/configs
-ADMIT="--max-running 1024 --max-queued 4096"  # the router's limits: every in-flight request runs or waits
 declare -A ROWS=(
   [9b-256]="nano9b $CFG/nemotron-nano-9b-v2.json 0 256 2 --max-num-seqs 256 --max-model-len 4096"
-  [9b-sweep]="nano9b $CFG/nemotron-nano-9b-v2.json 0 64,256,512,1024 2 --max-num-seqs 1024 --max-model-len 4096 $ADMIT"
-  [9b-8k]="nano9b-8k $CFG/nemotron-nano-9b-v2.json 0 64,256 2 --max-num-seqs 256 --max-model-len 10240 $ADMIT"
+  [9b-sweep]="nano9b $CFG/nemotron-nano-9b-v2.json 0 64,256,512,1024 2 --max-num-seqs 1024 --max-model-len 4096"
+  [9b-8k]="nano9b-8k $CFG/nemotron-nano-9b-v2.json 0 64,256 2 --max-num-seqs 256 --max-model-len 10240"
   [30b-fp8-512]="30b-fp8 $CFG/nemotron-3-nano-30b-a3b.json 1 512 1 --max-num-seqs 512 --gpu-memory-gb 60 --max-model-len 4096"
-  [30b-fp8-1024]="30b-fp8 $CFG/nemotron-3-nano-30b-a3b.json 1 1024 2 --max-num-seqs 1024 --max-model-len 4096 $ADMIT"
-  [30b-fp8-sweep]="30b-fp8 $CFG/nemotron-3-nano-30b-a3b.json 1 64,256,512,1024 2 --max-num-seqs 1024 --max-model-len 4096 $ADMIT"
-  [30b-bf16-sweep]="30b-bf16 $CFG/nemotron-3-nano-30b-a3b.json 0 64,256,512,1024 2 --max-num-seqs 1024 --max-model-len 4096 $ADMIT"
+  [30b-fp8-1024]="30b-fp8 $CFG/nemotron-3-nano-30b-a3b.json 1 1024 2 --max-num-seqs 1024 --max-model-len 4096"
+  [30b-fp8-sweep]="30b-fp8 $CFG/nemotron-3-nano-30b-a3b.json 1 64,256,512,1024 2 --max-num-seqs 1024 --max-model-len 4096"
+  [30b-bf16-sweep]="30b-bf16 $CFG/nemotron-3-nano-30b-a3b.json 0 64,256,512,1024 2 --max-num-seqs 1024 --max-model-len 4096"
 )
 [ "$#" -eq 0 ] && set -- 9b-256 30b-fp8-512
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true

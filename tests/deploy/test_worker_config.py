@@ -24,7 +24,8 @@ ENGINE = EngineConfig(
     cuda_graphs=False, split_mixed_steps=False, fold_decode_rows=True, prefill_cuda_graphs=False, state_block=64,
     num_kv_pages=96, num_checkpoint_slots=2, max_cache_events=100,
     speculative_config={"method": "ngram", "num_speculative_tokens": 2}, load_format="dummy", warmup=False,
-    max_num_batched_tokens=20, max_num_waiting=50, standby_state_slots=2, grammar_compile_timeout_s=3.0,
+    max_num_batched_tokens=20, max_num_waiting=50, standby_state_slots=2, plan_seq_len=256,
+    mamba_ssm_cache_dtype="bfloat16", kv_cache_dtype="fp8", grammar_compile_timeout_s=3.0,
     grammar_max_spec_bytes=4096, grammar_max_properties=64, grammar_max_regex_states=500,
 )
 # ... and tensor parallelism: its flag and JSON round trip are checked here; a worker process at TP=2 starts follower

@@ -42,7 +42,7 @@ def test_preemption_under_page_pressure_keeps_tokens() -> None:
     # a budget of 4 slots and 16 pages of 4 tokens: four requests of 28 tokens cannot all hold their KV
     budget = 4 * CacheLayout.bytes_per_slot(config, 3, torch.float32, torch.float32)
     budget += 16 * CacheLayout.bytes_per_page(config, 4, torch.float32)
-    llm = LLM(model_dir, page_size=4, max_num_seqs=4, max_model_len=40, cpu_memory_gb=budget / 2**30)
+    llm = LLM(model_dir, page_size=4, max_num_seqs=4, max_model_len=40, cpu_memory_gb=budget / 2**30, num_kv_pages=16)
     assert llm.engine.cache.layout.num_pages == 16
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
     assert [o.token_ids for o in outs] == reference

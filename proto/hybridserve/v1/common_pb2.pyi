@@ -111,7 +111,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "role", "model_fingerprint", "num_running", "num_waiting", "free_state_slots", "free_kv_pages", "queued_prefill_tokens", "worker_id", "block_size", "state_block", "metrics_port", "max_model_len", "total_state_slots", "total_kv_pages", "config_json", "sessions", "session_port")
+    __slots__ = ("status", "role", "model_fingerprint", "num_running", "num_waiting", "free_state_slots", "free_kv_pages", "queued_prefill_tokens", "worker_id", "block_size", "state_block", "metrics_port", "max_model_len", "total_state_slots", "total_kv_pages", "config_json", "sessions", "session_port", "max_running", "max_num_waiting")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,8 @@ class HealthResponse(_message.Message):
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SESSION_PORT_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     status: str
     role: str
     model_fingerprint: str
@@ -148,7 +150,9 @@ class HealthResponse(_message.Message):
     config_json: str
     sessions: bool
     session_port: int
-    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., block_size: _Optional[int] = ..., state_block: _Optional[int] = ..., metrics_port: _Optional[int] = ..., max_model_len: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., total_kv_pages: _Optional[int] = ..., config_json: _Optional[str] = ..., sessions: _Optional[bool] = ..., session_port: _Optional[int] = ...) -> None: ...
+    max_running: int
+    max_num_waiting: int
+    def __init__(self, status: _Optional[str] = ..., role: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_state_slots: _Optional[int] = ..., free_kv_pages: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., block_size: _Optional[int] = ..., state_block: _Optional[int] = ..., metrics_port: _Optional[int] = ..., max_model_len: _Optional[int] = ..., total_state_slots: _Optional[int] = ..., total_kv_pages: _Optional[int] = ..., config_json: _Optional[str] = ..., sessions: _Optional[bool] = ..., session_port: _Optional[int] = ..., max_running: _Optional[int] = ..., max_num_waiting: _Optional[int] = ...) -> None: ...
 
 class CacheEvent(_message.Message):
     __slots__ = ("sequence", "kind", "block_hash", "parent_hash", "num_tokens")
