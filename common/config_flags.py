@@ -12,6 +12,7 @@ import dataclasses
 import inspect
 import io
 import json
+import re
 import tokenize
 import types
 import typing
@@ -45,6 +46,12 @@ def field_comments(cls: type) -> dict[str, str]:
             if tok.start[0] not in line_field:
                 pending = []
     return comments
+
+
+def user_help(comment: str) -> str:
+    """A field comment as `--help` shows it: parentheticals that cite the source checkout's benchmark folders
+    are left out (an installed package has no bench/ to look in)."""
+    return re.sub(r"\s*\([^()]*\bbench/[^()]*\)", "", comment)
 
 
 def json_object(text: str) -> dict:
@@ -82,17 +89,20 @@ def _flag_type(hint: Any) -> tuple[Any, str]:
 
 
 def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str, prefix: str = "",
-                     aliases: dict[str, list[str]] | None = None) -> None:
+                     aliases: dict[str, list[str]] | None = None, hidden: frozenset[str] = frozenset()) -> None:
     """One flag per field of dataclass `cls` (`--<prefix><field-name>`), in an argument group `title`;
-    `aliases`: extra spellings of a field's flag."""
+    `aliases`: extra spellings of a field's flag; `hidden`: fields left at their default without a flag (a
+    command they mean nothing to, e.g. serving limits for one offline generation)."""
     group = parser.add_argument_group(title)
     hints = typing.get_type_hints(cls)
     comments = field_comments(cls)
     for f in dataclasses.fields(cls):
+        if f.name in hidden:
+            continue
         flag_type, kind = _flag_type(hints[f.name])
         default: Any = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         shown = ",".join(default) if kind == "csv" else default
-        help_text = f"{comments.get(f.name, '')} (default: {shown})".strip()
+        help_text = f"{user_help(comments.get(f.name, ''))} (default: {shown})".strip()
         names = [f"--{prefix}{f.name.replace('_', '-')}", *((aliases or {}).get(f.name, []))]
         dest = prefix.replace("-", "_") + f.name
         common: dict[str, Any] = dict(dest=dest, default=default, help=help_text.replace("%", "%%"))
@@ -105,7 +115,9 @@ def add_config_flags(parser: argparse.ArgumentParser, cls: type, title: str, pre
 def config_from_args(cls: type[T], args: argparse.Namespace, prefix: str = "") -> T:
     """The dataclass built from the flags `add_config_flags` added (its own validation applies)."""
     dest = prefix.replace("-", "_")
-    return cls(**{f.name: getattr(args, dest + f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    given = {f.name: getattr(args, dest + f.name) for f in fields if hasattr(args, dest + f.name)}
+    return cls(**given)
 
 
 def config_argv(config: Any, prefix: str = "") -> list[str]:

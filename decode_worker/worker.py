@@ -36,7 +36,7 @@ from hybridserve.transfer.receiver import LandedState, StateReceiver
 from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
 from hybridserve.worker_runtime.drain import DRAINING_STATUS, Drain
 from hybridserve.worker_runtime.engine_loop import EngineLoop
-from hybridserve.worker_runtime.health import health_response
+from hybridserve.worker_runtime.health import HealthAnswer, health_response
 from hybridserve.worker_runtime.session_socket import SessionSocketServer
 from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
 
@@ -68,6 +68,8 @@ class DecodeWorker:
         # check get that cause, not "unknown ticket" (bounded: oldest dropped)
         self._cancelled: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.transfer = transfer or TransferConfig()
+        self._health_answer = HealthAnswer(self.loop, lambda: health_response(
+            "decode", self.worker_id, self.fingerprint, self.engine, self.metrics.port, self.transfer))
         self.receiver = StateReceiver(self.transfer, self.engine.config.torch_device)
         self._internal_token = internal_token  # required on every call to this worker
         self._internal_tls = internal_tls  # mutual TLS on its port when enabled
@@ -223,12 +225,7 @@ class DecodeWorker:
                 self.cancel(reservation, TimeoutError("no state arrived before the reservation expired"))
 
     def health(self) -> common_pb2.HealthResponse:
-        health = self.loop.call(
-            lambda: health_response(
-                "decode", self.worker_id, self.fingerprint, self.engine, self.metrics.port, self.transfer
-            ),
-            timeout=10,
-        )
+        health = self._health_answer()
         health.sessions = True
         if self._session_sockets is not None:
             health.session_port = self._session_sockets.port

@@ -15,6 +15,7 @@ from typing import Any
 
 from hybridserve.deploy.options import UpOptions
 from hybridserve.deploy.process_heap import freeze_startup_heap
+from hybridserve.proto.channels import is_loopback
 
 __all__ = ["RouterActor", "UpOptions", "down", "up"]
 
@@ -96,13 +97,14 @@ class RouterActor:
         self.router.stop()
 
 
-def _connect(address: str) -> None:
+def _connect(address: str, timeout_s: float = 60.0) -> None:
     try:
-        import ray
+        import ray  # noqa: F401
     except ImportError as exc:
         raise ValueError("Ray is not installed: `pip install ray`") from exc
-    if not ray.is_initialized():
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    from hybridserve.deploy.ray_workers import connect
+
+    connect(address, timeout_s, NAMESPACE)
 
 
 def _named_workers() -> list[str]:
@@ -145,26 +147,25 @@ def up(options: UpOptions) -> list[str]:
     """Create or scale the deployment, wait until every worker is healthy; returns the endpoint lines."""
     import ray
 
-    from hybridserve.deploy.ray_workers import RayPlacement, actor_addresses, start_ray_workers
+    from hybridserve.deploy.ray_workers import RayPlacement, actor_addresses, check_cluster, start_ray_workers
 
-    _connect(options.address)
-    if options.worker.internal_token is None:
-        logger.warning("internal gRPC is INSECURE (no --internal-token / $HYBRIDSERVE_INTERNAL_TOKEN): any process "
-                       "that reaches a worker port can call it")
-    if not options.worker.internal_tls.enabled:
-        logger.warning("internal gRPC is PLAINTEXT (no --internal-tls-ca-file/-cert-file/-key-file): traffic between "
-                       "nodes can be read on the network")
+    deadline = time.monotonic() + options.timeout_s
+    _connect(options.address, options.timeout_s)
+    check_cluster(options, options.num_gpus_per_worker)
+    if not options.worker.internal_tls.enabled and not is_loopback(options.worker.host):
+        insecure = "no internal token, " if options.worker.internal_token is None else ""
+        logger.warning("workers bind %s with %splaintext internal gRPC: pass --internal-tls-ca-file/-cert-file/"
+                       "-key-file beyond a trusted network", options.worker.host, insecure)
     placement = RayPlacement(num_gpus=options.num_gpus_per_worker, max_restarts=options.max_restarts,
-                             namespace=NAMESPACE, detached=True)
+                             namespace=NAMESPACE, detached=True, ready_timeout_s=options.timeout_s)
     actors = start_ray_workers(options, placement)
-    prefill = actor_addresses(actors["prefill"], timeout=options.timeout_s)
-    decode = actor_addresses(actors["decode"], timeout=options.timeout_s)
+    prefill = actor_addresses(actors["prefill"], timeout=max(1.0, deadline - time.monotonic()))
+    decode = actor_addresses(actors["decode"], timeout=max(1.0, deadline - time.monotonic()))
     keep = {"prefill": options.num_prefill, "decode": options.num_decode}
     router: Any = ray.remote(RouterActor).options(  # an actor handle: Ray's stubs type its methods as plain functions
         name=ROUTER_NAME, namespace=NAMESPACE, lifetime="detached", get_if_exists=True, num_cpus=0,
         resources={HEAD_RESOURCE: 0.001}, max_restarts=options.max_restarts,
     ).remote(options, prefill, decode)
-    deadline = time.monotonic() + options.timeout_s
     # the router routes to the new counts first; then the workers beyond them drain and go
     ray.get(router.set_workers.remote(options.num_prefill, options.num_decode), timeout=options.timeout_s)
     _drain_and_remove([name for name in _named_workers() if _index(name) >= keep.get(_role(name), _index(name) + 1)],

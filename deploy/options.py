@@ -92,8 +92,17 @@ class ClusterOptions:
     # EngineConfig fields that differ for prefill workers (e.g. {"prefill_chunk_size": 4096}: a prefill worker
     # runs no decodes, so big chunks cost no inter-token latency); validated by EngineConfig itself
     prefill_engine_overrides: dict | None = None
+    # start-up deadline: Ray connection and placement, every worker ready (each wait says what is missing)
+    timeout_s: float = 600.0
+    # worker i (prefill workers first) binds gRPC / session / metrics ports base+3i .. base+3i+2; 0: free ports
+    worker_port_base: int = 0
 
     def __post_init__(self) -> None:
+        if self.timeout_s <= 0:
+            raise ValueError("--timeout must be > 0")
+        if self.worker_port_base and not 1024 <= self.worker_port_base <= 65535 - 3 * (self.num_prefill + self.num_decode):
+            raise ValueError(f"--worker-port-base {self.worker_port_base} leaves no room for "
+                             f"{3 * (self.num_prefill + self.num_decode)} ports below 65536 (or is below 1024)")
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError("a deployment needs --decode-workers >= 1 and --prefill-workers >= 0")
         if self.num_gpus_per_worker < 0:
@@ -152,12 +161,9 @@ class UpOptions(ClusterOptions):
 
     address: str
     max_restarts: int = 3
-    timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.timeout_s <= 0:
-            raise ValueError("--timeout must be > 0")
         if self.max_restarts < 0:
             raise ValueError("max_restarts must be >= 0")
 

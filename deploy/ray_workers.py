@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 class WorkerActor:
     """Wrapped by `ray.remote` in `start_ray_workers`; kept a plain class so it is importable without Ray."""
 
-    def __init__(self, role: str, options: WorkerOptions, worker_id: str, group_gpus: list[str] | None = None) -> None:
+    def __init__(self, role: str, options: WorkerOptions, worker_id: str, group_gpus: list[str] | None = None,
+                 ports: tuple[int, int, int] = (0, 0, 0)) -> None:
         import ray
 
         if group_gpus:  # a TP group's GPUs (its placement group's bundles), rank r on cuda:r; CUDA is not up yet
@@ -34,12 +35,19 @@ class WorkerActor:
         from hybridserve.decode_worker.worker import DecodeWorker
         from hybridserve.prefill_worker.worker import PrefillWorker
 
-        cls = PrefillWorker if role == "prefill" else DecodeWorker
         node_ip = ray.util.get_node_ip_address()
         host = node_ip if options.host == NODE_IP else options.host  # the address it is told, 0.0.0.0 only if asked
-        self.worker = cls(options.model_dir, options.engine, host=host, port=0, worker_id=worker_id,
-                          transfer=options.transfer, internal_token=options.internal_token,
-                          internal_tls=options.internal_tls)
+        grpc_port, session_port, metrics_port = ports  # --worker-port-base (0: free ports)
+        self.worker: PrefillWorker | DecodeWorker
+        if role == "prefill":
+            self.worker = PrefillWorker(options.model_dir, options.engine, host=host, port=grpc_port,
+                                        worker_id=worker_id, metrics_port=metrics_port, transfer=options.transfer,
+                                        internal_token=options.internal_token, internal_tls=options.internal_tls)
+        else:
+            self.worker = DecodeWorker(options.model_dir, options.engine, host=host, port=grpc_port,
+                                       worker_id=worker_id, metrics_port=metrics_port, transfer=options.transfer,
+                                       internal_token=options.internal_token, internal_tls=options.internal_tls,
+                                       session_port=session_port)
         bound = self.worker.start().rsplit(":", 1)[1]
         freeze_startup_heap(f"{role} worker {worker_id}")  # an actor's process serves from here to its end
         self._address = f"{node_ip if host in ('0.0.0.0', '::') else host}:{bound}"  # where others reach it
@@ -116,6 +124,9 @@ def start_ray_workers(options: ClusterOptions, placement: RayPlacement) -> dict[
         worker = options.worker_for(role)
         size = worker.engine.tensor_parallel_size
         for i in range(count):
+            base = options.worker_port_base
+            first = base + 3 * (i if role == "prefill" else options.num_prefill + i) if base else 0
+            ports = (first, first + 1, first + 2) if base else (0, 0, 0)
             name = worker_name(role, i)
             actor_options: dict[str, object] = dict(
                 name=name, num_gpus=placement.num_gpus, num_cpus=1, max_restarts=placement.max_restarts,
@@ -132,7 +143,7 @@ def start_ray_workers(options: ClusterOptions, placement: RayPlacement) -> dict[
                                                    placement)
                 actor_options.update(num_gpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(
                     group, placement_group_bundle_index=0))
-            actors[role].append(remote_cls.options(**actor_options).remote(role, worker, name, group_gpus))
+            actors[role].append(remote_cls.options(**actor_options).remote(role, worker, name, group_gpus, ports))
     return actors
 
 
@@ -163,7 +174,83 @@ def worker_name(role: str, index: int) -> str:
 
 
 def actor_addresses(actors: list, timeout: float = 300.0) -> list[str]:
-    """gRPC addresses of running worker actors (waits for constructors / restarts up to `timeout`)."""
+    """gRPC addresses of running worker actors (waits for constructors / restarts up to `timeout`; past it,
+    TimeoutError naming the actors still pending and what the cluster has free)."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    refs = [a.address.remote() for a in actors]
+    try:
+        return ray.get(refs, timeout=timeout)
+    except GetTimeoutError:
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        late = [i for i, ref in enumerate(refs) if ref not in done]
+        free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU", "prefill", "decode")}
+        raise TimeoutError(f"{len(late)} of {len(refs)} worker actors did not start in {timeout:.0f} s; the cluster "
+                           f"has free {_resources(free)}: check `ray status` and the actors' logs, or raise "
+                           "--timeout") from None
+
+
+def resources_needed(options: ClusterOptions, num_gpus: float) -> dict[str, float]:
+    """What the deployment's worker actors ask the cluster for in all: one `prefill` / `decode` and one CPU
+    each, `num_gpus` GPUs each (a tensor-parallel worker on GPUs: one GPU and one CPU per rank)."""
+    needed = {"prefill": float(options.num_prefill), "decode": float(options.num_decode), "CPU": 0.0, "GPU": 0.0}
+    for role, count in (("prefill", options.num_prefill), ("decode", options.num_decode)):
+        size = options.worker_for(role).engine.tensor_parallel_size
+        per = (float(size), float(size)) if size > 1 and num_gpus > 0 else (1.0, num_gpus)
+        needed["CPU"] += count * per[0]
+        needed["GPU"] += count * per[1]
+    return needed
+
+
+def _resources(values: dict[str, float]) -> str:
+    return ", ".join(f"{k}: {v:g}" for k, v in sorted(values.items())) or "nothing"
+
+
+def connect(address: str | None, timeout_s: float, namespace: str, **local: object) -> None:
+    """ray.init, bounded: joins `address` (checked to answer first) or starts a local cluster with `local`'s
+    arguments; TimeoutError when Ray has not connected within `timeout_s` (its client otherwise retries "Failed
+    to connect to GCS" for minutes)."""
+    import threading
+
     import ray
 
-    return ray.get([a.address.remote() for a in actors], timeout=timeout)
+    from hybridserve.deploy.preflight import check_ray_reachable
+
+    if ray.is_initialized():
+        return
+    if address:
+        check_ray_reachable(address, timeout_s=min(5.0, timeout_s))
+    failure: list[BaseException] = []
+
+    def init() -> None:
+        try:
+            if address:
+                ray.init(address=address, namespace=namespace, log_to_driver=False)
+            else:
+                ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False, **local)  # type: ignore[arg-type]
+        except BaseException as exc:  # handed to the caller
+            failure.append(exc)
+
+    thread = threading.Thread(target=init, name="ray-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
+        raise TimeoutError(f"could not connect to {where} in {timeout_s:.0f} s: check that its GCS answers "
+                           "(`ray status --address ...`), or raise --timeout")
+    if failure:
+        exc = failure[0]
+        if isinstance(exc, ConnectionError | ValueError | RuntimeError):
+            raise ValueError(f"cannot join Ray at {address or 'a new local cluster'}: {exc}") from None
+        raise exc
+
+
+def check_cluster(options: ClusterOptions, num_gpus: float) -> None:
+    """The connected cluster has the resources the workers need (in all, not just free: `up` re-runs reuse the
+    actors that already hold theirs); PreflightError naming what is short."""
+    import ray
+
+    from hybridserve.deploy.preflight import check_cluster_resources
+
+    check_cluster_resources(ray.cluster_resources(), resources_needed(options, num_gpus))

@@ -1,12 +1,10 @@
 """Log-probabilities of tokens, computed on the logits' device, one host copy per call.
 
-Which distribution: the one the token is sampled from ("processed" logprobs, vLLM's
-`logprobs_mode="processed_logprobs"`; vLLM's default reports raw model logprobs instead). For a sampling
-request that is log of `sampler.params_probs`: logits / temperature, top-k and top-p applied (tokens they
-remove have logprob -inf, reported as `LOGPROB_FLOOR`); for a greedy request (temperature 0) it is
-log_softmax of the raw logits. Prompt logprobs (`echo`) have no sampling step and are always the raw
-log_softmax, as scoring tools (lm-eval loglikelihood) expect. Speculative verify rows use the same function on
-the verify logits, so a request reports the same logprobs with and without speculation.
+Which distribution: the model's own, log_softmax of the raw logits, before any logits processor (repetition
+penalty, bad words, grammar masks), temperature, top-k or top-p; what vLLM reports by default
+(`logprobs_mode="raw_logprobs"`) and what the OpenAI API documents. Prompt logprobs (`echo`) are the same, as
+scoring tools (lm-eval loglikelihood) expect. Speculative verify rows use the same function on the raw verify
+logits, so a request reports the same logprobs with and without speculation.
 """
 
 from __future__ import annotations
@@ -15,19 +13,8 @@ import torch
 
 from hybridserve.common.outputs import TokenLogprob
 from hybridserve.common.sampling_params import SamplingParams
-from hybridserve.engine.sampler import params_probs
 
 LOGPROB_FLOOR = -9999.0  # -inf (a token top-k / top-p removed) is not valid JSON; vLLM's server uses the same floor
-
-
-def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """[R, V] logits, one SamplingParams per row -> [R, V] fp32 log-probabilities of the sampled-from distribution."""
-    out = torch.log_softmax(logits.float(), dim=-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        index = torch.tensor(rows, device=logits.device)
-        out[index] = torch.log(params_probs(logits[index], [params[i] for i in rows]))
-    return out
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
@@ -50,6 +37,7 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: list[
     ]
 
 
-def sampled_logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]) -> list[TokenLogprob]:
-    """Logprobs of tokens sampled from `logits` [R, V] (row r with params[r])."""
-    return gather_logprobs(processed_logprobs(logits, params), token_ids, [p.logprobs or 0 for p in params])
+def sampled_logprobs(raw_logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]) -> list[TokenLogprob]:
+    """Logprobs of the tokens sampled at `raw_logits` [R, V] (the model's logits before any processing; row r
+    with params[r], which says how many top alternatives it wants)."""
+    return gather_logprobs(torch.log_softmax(raw_logits.float(), dim=-1), token_ids, [p.logprobs or 0 for p in params])

@@ -184,7 +184,8 @@ class ModelRunner:
         rows = pack_to_device([[ends[i] - 1 for i in due]], torch.int64, self.device)[0]  # no stream sync
         last_hidden = hidden[rows]  # [num_due, hidden]
         requests = [chunks[i][0] for i in due]
-        logits = process_logits(self.model.compute_logits(last_hidden), [r.params for r in requests],
+        raw_logits = self.model.compute_logits(last_hidden)  # [num_due, V]; logprobs report these (as vLLM)
+        logits = process_logits(raw_logits, [r.params for r in requests],
                                 [(r.prompt_token_ids, r.output_token_ids) for r in requests],
                                 self.model.config.eos_token_ids)
         if self.grammar is not None and any(r.grammar is not None for r in requests):
@@ -200,7 +201,7 @@ class ModelRunner:
         wanted = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
         if wanted:
             logprobs = [[] for _ in chunks]
-            found = sampled_logprobs(logits[torch.tensor(wanted, device=logits.device)],
+            found = sampled_logprobs(raw_logits[torch.tensor(wanted, device=logits.device)],
                                      [requests[row].params for row in wanted], [tokens_out[row] for row in wanted])
             for row, entry in zip(wanted, found):
                 logprobs[due[row]] = [entry]

@@ -163,10 +163,11 @@ class SpecDecoder:
     def accept(self, decodes: list[Request], output: StepOutput) -> StepOutput:
         """The step's output with each verify row's new tokens: its accepted drafts + one target token; counts
         them. The output is kept for this step's commit (snapshot, rollback)."""
+        raw_verify = output.verify_logits  # before the processors: what logprobs report
         output = self._processed(decodes, output)
         results = self._acceptances(decodes, output)
         new_token_ids = [r.tokens for r in results] + output.new_token_ids[len(results):]
-        logprobs = self._logprobs(decodes, results, output)
+        logprobs = self._logprobs(decodes, results, output, raw_verify)
         output = dataclasses.replace(output, new_token_ids=new_token_ids, logprobs=logprobs)
         self._output = output
         return output
@@ -188,15 +189,15 @@ class SpecDecoder:
                 fill_verify_masks(self.grammar, logits[row], request.grammar, drafts)
         return dataclasses.replace(output, verify_logits=logits)
 
-    def _logprobs(self, decodes: list[Request], results: list[Acceptance], output: StepOutput
-                  ) -> list[list[TokenLogprob]] | None:
+    def _logprobs(self, decodes: list[Request], results: list[Acceptance], output: StepOutput,
+                  raw_verify: torch.Tensor | None) -> list[list[TokenLogprob]] | None:
         """The step's logprobs with those of the kept verify tokens, from the verify logits at their positions
         (the same function plain decoding applies to its one position)."""
         wanted = [row for row, r in enumerate(decodes) if r.params.logprobs is not None and row < len(results)]
         if not wanted:
             return output.logprobs
         merged = list(output.logprobs) if output.logprobs is not None else [[] for _ in output.new_token_ids]
-        logits = output.verify_logits
+        logits = raw_verify
         assert logits is not None  # results exist only with verify logits
         rows = [logits[row, : len(results[row].tokens)] for row in wanted]  # [j, V] each
         params = [decodes[row].params for row in wanted for _ in range(len(results[row].tokens))]

@@ -10,12 +10,15 @@ import sys
 
 from hybridserve.cli_options import (
     INTERNAL_TOKEN_ENV,
+    DeprecatedAlias,
     add_drain_flag,
     add_engine_options,
     add_front_door_flags,
     add_internal_flags,
     add_internal_tls_options,
+    add_placement_flags,
     add_transfer_options,
+    add_worker_count_flags,
     cluster_options,
     engine_config,
     internal_tls,
@@ -53,10 +56,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--generation-config", default="auto",
                    help="sampling defaults: 'auto' (the checkpoint's generation_config.json), 'none', or a folder "
                    "(default auto)")
-    p.add_argument("--request-seed", type=int, default=None, help="seed of this request's sampler")
+    p.add_argument("--request-seed", dest="seed", type=int, action=DeprecatedAlias, replacement="--seed",
+                   default=argparse.SUPPRESS, help=argparse.SUPPRESS)  # no default: --seed's own applies
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    add_engine_options(p)
+    add_engine_options(p, offline=True)  # its --seed seeds the sampler
     p.set_defaults(func=_run_generate)
 
 
@@ -66,7 +70,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     given = {"top_p": args.top_p, "top_k": args.top_k, "repetition_penalty": args.repetition_penalty}
     llm = LLM(resolved_model_dir(args), generation_config=args.generation_config, **engine_config(args).__dict__)
     params = llm.generation_defaults.sampling_params(
-        max_tokens=args.max_tokens, temperature=args.temperature, seed=args.request_seed, ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
         **{name: value for name, value in given.items() if value is not None})
     if args.prompt is not None:
         out = llm.generate([args.prompt], params)[0]
@@ -92,35 +96,53 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
         help="run one prefill or decode worker (a gRPC server) in this process",
         description="Run one worker as a plain process; `serve` and the process launcher start these.",
     )
-    p.add_argument("--role", required=True, choices=["prefill", "decode"])
+    p.add_argument("--role", required=True, choices=["prefill", "decode"], help="which half of a request it serves")
     p.add_argument("--model", default=None, help="checkpoint directory (default: embedded)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address its gRPC, session and metrics servers bind (default 127.0.0.1: this host only)")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (default 0: a free one)")
+    p.add_argument("--session-port", type=int, default=0,
+                   help="decode workers: port of the socket session (default 0: a free one)")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics port (default 0: a free one)")
     add_drain_flag(p)
     add_internal_tls_options(p)
-    p.add_argument("--worker-id", default=None)
+    p.add_argument("--worker-id", default=None,
+                   help="the name it reports in health, logs and metrics (default: <role>-<port>)")
     p.add_argument("--worker-config", default=None,
                    help='the whole config as JSON, {"engine": {...EngineConfig}, "transfer": {...TransferConfig}} '
                    "(what serve's launcher passes; the engine and transfer flags are ignored then)")
     p.add_argument("--ready-file", default=None, help="write {address, pid} here once serving "
                    f"(the internal token, if any, is read from ${INTERNAL_TOKEN_ENV})")
+    p.add_argument("--stop-on-stdin-close", action="store_true",
+                   help="stop (as on SIGTERM) when standard input closes: serve's launcher holds the other end, so "
+                   "the worker never outlives it")
     add_engine_options(p)
     add_transfer_options(p)
     p.set_defaults(func=_run_worker)
 
 
 def _run_worker(args: argparse.Namespace) -> int:
-    from hybridserve.deploy.launch import WorkerOptions, configs_from_json, serve_worker
+    from hybridserve.deploy.launch import WorkerOptions, WorkerPorts, configs_from_json, serve_worker, watch_parent_pipe
+    from hybridserve.deploy.preflight import check_model_dir, check_ports_free
 
+    if args.stop_on_stdin_close:
+        watch_parent_pipe()
+    # the worker's own INFO lines (what fits in the state cache, where it serves) show at the default level
+    logging.getLogger("hybridserve").setLevel(logging.INFO)
+    model_dir = resolved_model_dir(args)
+    check_model_dir(model_dir)
+    ports = WorkerPorts(args.port, args.session_port, args.metrics_port)
+    check_ports_free(args.host, [(ports.grpc, "--port"), (ports.session, "--session-port"),
+                                 (ports.metrics, "--metrics-port")])
     if args.worker_config:  # the whole config as one JSON object, as the launcher passes it
         engine, transfer = configs_from_json(args.worker_config)
     else:
         engine, transfer = engine_config(args), transfer_config(args)
-    options = WorkerOptions(model_dir=resolved_model_dir(args), engine=engine, host=args.host, transfer=transfer,
+    options = WorkerOptions(model_dir=model_dir, engine=engine, host=args.host, transfer=transfer,
                             internal_token=os.environ.get(INTERNAL_TOKEN_ENV) or None,
                             drain_timeout_s=args.drain_timeout, internal_tls=internal_tls(args))
     worker_id = args.worker_id or f"{args.role}-{args.port}"
-    return serve_worker(args.role, worker_id, options, args.port, args.ready_file)
+    return serve_worker(args.role, worker_id, options, ports, args.ready_file)
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -131,15 +153,15 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "start the front door, and print where to send requests. --no-ray starts plain processes instead.",
     )
     p.add_argument("--model", default=None, help="checkpoint directory (default: embedded)")
-    p.add_argument("--prefill-workers", type=int, default=1)
-    p.add_argument("--decode-workers", type=int, default=1)
+    add_worker_count_flags(p)
     add_front_door_flags(p, "127.0.0.1")
     add_internal_flags(p, None)
     p.add_argument("--insecure-internal", action="store_true",
                    help="no internal token (any process reaching a worker port may call it; trusted hosts only)")
     p.add_argument("--address", default=None, help="Ray cluster address to join (default: start a local one)")
-    p.add_argument("--no-ray", action="store_true", help="start workers as plain processes")
-    p.add_argument("--num-gpus-per-worker", type=float, default=0.0)
+    p.add_argument("--no-ray", action="store_true",
+                   help="start workers as plain processes (restarted with backoff when they die)")
+    add_placement_flags(p, "seconds to wait for the workers to be placed and ready (default 600)")
     p.add_argument("--local-prefill-max-tokens", type=int, default=0,
                    help="the decode worker prefills locally when the uncached tail is this short "
                    "(default 0: only on a decode-side prefix hit)")
@@ -190,12 +212,10 @@ def _add_up_down(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--address", required=True, help="Ray cluster address, e.g. 10.0.0.1:6379 or auto")
     p.add_argument("--model", default=None, help="checkpoint directory, the same path on every node (default: embedded)")
-    p.add_argument("--prefill-workers", type=int, default=1)
-    p.add_argument("--decode-workers", type=int, default=1)
+    add_worker_count_flags(p)
     add_front_door_flags(p, "0.0.0.0")
     add_internal_flags(p, "node-ip")
-    p.add_argument("--num-gpus-per-worker", type=float, default=0.0)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for healthy workers")
+    add_placement_flags(p, "seconds to wait for the cluster, the workers' placement and their health (default 600)")
     add_engine_options(p)
     add_transfer_options(p)
     p.set_defaults(func=_run_up)
@@ -207,11 +227,14 @@ def _add_up_down(sub: argparse._SubParsersAction) -> None:
 def _run_up(args: argparse.Namespace) -> int:
     from hybridserve.deploy.cluster_up import UpOptions, up
 
-    options = UpOptions(**cluster_options(args), address=args.address, timeout_s=args.timeout)
+    options = UpOptions(**cluster_options(args), address=args.address)
     lines = up(options)
     print(f"hybridserve: {args.prefill_workers} prefill and {args.decode_workers} decode workers ready", flush=True)
     for line in lines:
         print(f"hybridserve: {line}", flush=True)
+    http = next((line.split()[2] for line in lines if line.startswith("OpenAI API")), None)
+    if http:  # the last line: where most clients send requests
+        print(f"hybridserve: send requests to the OpenAI API at {http}", flush=True)
     return 0
 
 
@@ -276,17 +299,63 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _early_preflight(argv: list[str]) -> None:
+    """The checks that need no flag but --model and the ports, before the full parser is built (building it
+    imports torch, seconds on a small machine): a wrong path or a taken port fails at once."""
+    from hybridserve.deploy.preflight import check_model_dir, check_ports_free, check_ray_reachable
+
+    command = next((arg for arg in argv if not arg.startswith("-")), None)
+    if command not in ("serve", "up", "worker"):
+        return
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--model", default=None)
+    p.add_argument("--host", default="0.0.0.0" if command == "up" else "127.0.0.1")
+    p.add_argument("--port", "--http-port", dest="port", type=int, default=8000 if command == "serve" else 0)
+    p.add_argument("--grpc-port", type=int, default=50051 if command == "serve" else 0)
+    p.add_argument("--address", default=None)
+    p.add_argument("--no-ray", action="store_true")
+    p.add_argument("-h", "--help", action="store_true")
+    try:
+        known, _ = p.parse_known_args(argv[argv.index(command) + 1:])
+    except SystemExit:  # malformed: the full parser says what is wrong
+        return
+    if known.help:
+        return
+    if known.model:
+        check_model_dir(known.model)
+    if command == "serve":
+        check_ports_free(known.host, [(known.port, "--port"), (known.grpc_port, "--grpc-port")])
+    elif command == "worker":
+        check_ports_free(known.host, [(known.port, "--port")])
+    if known.address and not known.no_ray:
+        check_ray_reachable(known.address)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        _early_preflight(argv)
+    except ValueError as exc:
+        print(f"hybridserve: error: {exc}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from hybridserve.deploy.launch import WorkerStartError
+
     try:
         return int(args.func(args))
-    except (ValueError, TimeoutError) as exc:
+    except (ValueError, TimeoutError) as exc:  # bad input, a failed pre-flight check, a deadline: one line
         print(f"hybridserve: error: {exc}", file=sys.stderr)
         return 2
+    except WorkerStartError as exc:
+        print(f"hybridserve: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:  # Ctrl-C (or SIGTERM) before serving: what had started is stopped
+        print(f"hybridserve: interrupted ({exc.args[0] if exc.args else 'SIGINT'}): stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -62,6 +62,22 @@ def add_front_door_flags(p: argparse.ArgumentParser, host: str) -> None:
                    help="open HTTP connections from one address; more are closed at once (default 256)")
 
 
+def add_worker_count_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill-workers", type=int, default=1,
+                   help="prefill workers (default 1; 0: decode workers prefill every prompt themselves)")
+    p.add_argument("--decode-workers", type=int, default=1, help="decode workers (default 1; at least 1)")
+
+
+def add_placement_flags(p: argparse.ArgumentParser, timeout_help: str) -> None:
+    """Where the workers go and how long that may take: GPUs each, the ports they bind, the start-up deadline."""
+    p.add_argument("--num-gpus-per-worker", type=float, default=0.0,
+                   help="GPUs a worker reserves on its Ray node (default 0: CPU workers; a fraction shares a GPU)")
+    p.add_argument("--timeout", type=float, default=600.0, help=timeout_help)
+    p.add_argument("--worker-port-base", type=int, default=0,
+                   help="worker i binds gRPC, session and metrics ports BASE+3i, +3i+1, +3i+2 (default 0: free "
+                   "ports the OS picks); the front doors keep --port and --grpc-port")
+
+
 def add_internal_flags(p: argparse.ArgumentParser, worker_host: str | None) -> None:
     """How the router and the workers talk to each other: worker bind address and the shared internal token."""
     p.add_argument("--internal-token", default=os.environ.get(INTERNAL_TOKEN_ENV),
@@ -127,15 +143,23 @@ def cluster_options(args: argparse.Namespace) -> dict:
     worker = WorkerOptions(model_dir=model_dir, engine=engine, host=worker_host, transfer=transfer_config(args),
                            internal_token=args.internal_token, drain_timeout_s=args.drain_timeout, internal_tls=tls)
     return dict(router=router, worker=worker, num_prefill=args.prefill_workers, num_decode=args.decode_workers,
-                num_gpus_per_worker=args.num_gpus_per_worker,
+                num_gpus_per_worker=args.num_gpus_per_worker, timeout_s=args.timeout,
+                worker_port_base=args.worker_port_base,
                 prefill_engine_overrides=getattr(args, "prefill_worker_overrides", None))
 
 
-def add_engine_options(p: argparse.ArgumentParser) -> None:
+# EngineConfig fields that only matter to a server (queues, standby states for transfers, cache events for a
+# router): `generate` leaves them at their defaults and its --help does not list them
+SERVING_ONLY_ENGINE_FIELDS = frozenset({"standby_state_slots", "max_num_waiting", "max_cache_events"})
+
+
+def add_engine_options(p: argparse.ArgumentParser, offline: bool = False) -> None:
+    """The EngineConfig flags; `offline` (generate): without the serving-only ones."""
     from hybridserve.common.config_flags import add_config_flags
     from hybridserve.engine.config import EngineConfig
 
-    add_config_flags(p, EngineConfig, "engine (EngineConfig)", aliases={"enable_prefix_caching": ["--prefix-caching"]})
+    add_config_flags(p, EngineConfig, "engine (EngineConfig)", aliases={"enable_prefix_caching": ["--prefix-caching"]},
+                     hidden=SERVING_ONLY_ENGINE_FIELDS if offline else frozenset())
 
 
 def engine_config(args: argparse.Namespace):  # noqa: ANN202 - EngineConfig, imported lazily

@@ -37,7 +37,7 @@ from hybridserve.transfer.state_layout import StateTensorSpec, split_kv_specs, s
 from hybridserve.worker_runtime.cache_event_feed import CacheEventFeed
 from hybridserve.worker_runtime.drain import DRAINING_STATUS, Drain
 from hybridserve.worker_runtime.engine_loop import EngineLoop
-from hybridserve.worker_runtime.health import health_response
+from hybridserve.worker_runtime.health import HealthAnswer, health_response
 from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -69,6 +69,8 @@ class PrefillWorker:
         self.loop = EngineLoop(self.engine, name=f"{self.worker_id}-loop", late_handoff=False)
         self.events = CacheEventFeed(self.worker_id, self.loop)
         self.metrics = WorkerMetrics(self.loop, "prefill")
+        self._health_answer = HealthAnswer(self.loop, lambda: health_response(
+            "prefill", self.worker_id, self.fingerprint, self.engine, self.metrics.port, self.transfer))
         self._metrics_port = metrics_port  # None: no /metrics server
         self._host, self._port = host, port
         self._server: grpc.Server | None = None
@@ -264,12 +266,7 @@ class PrefillWorker:
             raise
 
     def health(self) -> common_pb2.HealthResponse:
-        health = self.loop.call(
-            lambda: health_response(
-                "prefill", self.worker_id, self.fingerprint, self.engine, self.metrics.port, self.transfer
-            ),
-            timeout=10,
-        )
+        health = self._health_answer()
         if self.drain_state.draining:
             health.status = DRAINING_STATUS
         return health

@@ -87,6 +87,18 @@ def bind_port(server: grpc.Server | grpc.aio.Server, host: str, port: int,
     return bound
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a bind address is reachable from this host only (127.0.0.0/8, ::1, localhost)."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def start_server(host: str, port: int, register: Callable[[grpc.Server], None], max_workers: int = 32,
                  token: str | None = None, tls: InternalTlsConfig | None = None) -> tuple[grpc.Server, int]:
     """Start a gRPC server with the shared limits; `register` adds the servicers; every call must carry
@@ -101,10 +113,9 @@ def start_server(host: str, port: int, register: Callable[[grpc.Server], None], 
     secure = tls is not None and tls.enabled
     bound = bind_port(server, host, port, tls.server_credentials() if tls is not None and secure else None)
     server.start()
-    if not token:
-        logger.warning("gRPC server on %s:%d is INSECURE (no internal token): any process that reaches it can call it",
-                       host, bound)
-    if not secure:
-        logger.warning("gRPC server on %s:%d is PLAINTEXT (no internal TLS): traffic to it can be read on the "
-                       "network; set --internal-tls-ca-file/-cert-file/-key-file beyond a trusted host", host, bound)
+    if not is_loopback(host) and not (token and secure):  # one line; on loopback only this host reaches it
+        missing = " and ".join(what for what, on in (("no internal token", token), ("no internal TLS", secure)) if not on)
+        logger.warning("gRPC server on %s:%d (%s): any process that reaches it can %s; set --internal-token and "
+                       "--internal-tls-ca-file/-cert-file/-key-file beyond a trusted host", host, bound, missing,
+                       "call it" if not token else "read its traffic")
     return server, bound

@@ -67,6 +67,9 @@ class ResilienceConfig:
     breaker_failures: int = 3  # consecutive failures that open a worker's breaker
     breaker_reset_s: float = 5.0  # an open breaker lets one probe through after this long
     health_interval_s: float = 0.5  # load / geometry poll of every worker
+    # a worker whose health call has gone unanswered this long (frozen, swapped out, its host gone quiet) is
+    # unresponsive: no new requests, and /ready counts it out (a live worker answers within ~1 s, mid-step too)
+    unresponsive_after_s: float = 5.0
     # a client that stops reading its stream: at most this many token events wait in the router for it, and when
     # they stay full this long the request is aborted on its workers and the stream ends with an error
     stream_buffer_events: int = 256
@@ -75,7 +78,7 @@ class ResilienceConfig:
     def __post_init__(self) -> None:
         for name in ("reserve_timeout_s", "prefill_timeout_s", "stream_timeout_s", "control_timeout_s",
                      "reservation_ttl_s", "backoff_cap_s", "breaker_reset_s", "health_interval_s",
-                     "stream_stall_timeout_s"):
+                     "stream_stall_timeout_s", "unresponsive_after_s"):
             _check(getattr(self, name) > 0, f"{name} must be > 0")
         _check(self.capacity_wait_s is None or self.capacity_wait_s > 0, "capacity_wait_s must be > 0 or None")
         _check(self.backoff_base_s >= 0, "backoff_base_s must be >= 0")

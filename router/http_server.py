@@ -292,9 +292,11 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
         route(f"{prefix}/tokenize", TokenizeRequest, service.tokenize)
         route(f"{prefix}/detokenize", DetokenizeRequest, service.detokenize)
 
+    created = int(time.time())  # when this server started serving the model (the OpenAI field is a Unix time)
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": 0,
+        return {"object": "list", "data": [{"id": frontend.model_name, "object": "model", "created": created,
                                             "owned_by": "hybridserve", "max_model_len": frontend.max_model_len}]}
 
     @app.get("/health")
@@ -304,12 +306,14 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
     @app.get("/ready")
     async def ready() -> JSONResponse:
         prefill, decode = frontend.orchestrator.workers.snapshot()
-        healthy = {role: sum(1 for h in handles if h.health is not None and not h.draining and h.breaker.available())
-                   for role, handles in (("prefill", prefill), ("decode", decode))}
+        healthy = {role: sum(1 for h in handles if h.serving) for role, handles in (("prefill", prefill), ("decode", decode))}
+        unhealthy = {f"{h.role} {h.address}": why for h in prefill + decode if (why := h.problem()) is not None}
         ok = healthy["decode"] > 0 and not frontend.admission.draining  # draining: SIGTERM, shutting down
         status = "ready" if ok and frontend.path_warm else "warming_up" if ok else "not_ready"
-        return JSONResponse({"status": status, "healthy_workers": healthy},
-                            status_code=200 if status == "ready" else 503)
+        body: dict = {"status": status, "healthy_workers": healthy}
+        if unhealthy:
+            body["unhealthy_workers"] = unhealthy
+        return JSONResponse(body, status_code=200 if status == "ready" else 503)
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
@@ -378,12 +382,23 @@ class HttpServer:
         self.host = host
         self.port = port
 
+    async def _serve(self) -> None:
+        """uvicorn's serve(), its start-up failure (sys.exit on a port in use) as an OSError: a SystemExit would
+        end the router's whole event loop thread."""
+        try:
+            await self._server.serve()
+        except SystemExit:
+            raise OSError(f"the HTTP server could not bind {self.host}:{self.port}") from None
+
     def start(self, timeout_s: float = 30.0) -> str:
-        self._serving = asyncio.run_coroutine_threadsafe(self._server.serve(), self._loop.loop)
+        self._serving = asyncio.run_coroutine_threadsafe(self._serve(), self._loop.loop)
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
             if self._serving.done() or time.monotonic() > deadline:
-                raise RuntimeError(f"the HTTP server did not start on {self.host}:{self.port}")
+                failure = self._serving.exception() if self._serving.done() else None
+                self._serving = None
+                raise RuntimeError(f"the HTTP server did not start on {self.host}:{self.port}"
+                                   f"{f': {failure}' if failure else ''}")
             time.sleep(0.02)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
         return f"{self.host}:{self.port}"

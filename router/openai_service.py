@@ -169,7 +169,7 @@ class OpenAIService:
         if not calls:
             return {"role": "assistant", "content": text}
         return {"role": "assistant", "content": content,
-                "tool_calls": [call.body(i) for i, call in enumerate(calls)]}
+                "tool_calls": [call.body() for call in calls]}
 
     def _completion_logprobs(self, req, plan: _Plan, c: _Choice, token_ids: list[int], entries: list[TokenLogprob],
                              offset: int, with_prompt: bool) -> dict | None:

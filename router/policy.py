@@ -108,7 +108,7 @@ class RoutingPolicy:
     # ---- helpers ---------------------------------------------------------------------------------
     @staticmethod
     def _usable(handles: list[WorkerHandle], exclude: Collection[WorkerHandle]) -> list[WorkerHandle]:
-        return [h for h in handles if h not in exclude and not h.draining and h.breaker.available()]
+        return [h for h in handles if h not in exclude and not h.draining and not h.unresponsive and h.breaker.available()]
 
     def _take(self, handles: list[WorkerHandle], cost) -> WorkerHandle | None:
         """The cheapest worker whose breaker lets this request through: a half-open breaker admits one probe,

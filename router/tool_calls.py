@@ -18,8 +18,10 @@ class ToolCall:
     name: str
     arguments: str  # JSON text
 
-    def body(self, index: int) -> dict[str, Any]:
-        return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    def body(self) -> dict[str, Any]:
+        """The call as a non-streaming message's `tool_calls[]` entry (no `index`: that field belongs to
+        streamed deltas only, as in the OpenAI API)."""
+        return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": self.name, "arguments": self.arguments}}
 
 

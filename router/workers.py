@@ -31,6 +31,7 @@ from hybridserve.router.worker_session import SessionError, WorkerSession
 
 logger = logging.getLogger(__name__)
 
+STALLED_STATUS = "stalled"  # a worker's Health.status when its engine holds requests and makes no progress
 SOCKET_RETRY_S = 60.0  # after a socket session failed to open, the worker's sessions go over gRPC this long
 
 def channel(address: str, internal_token: str | None = None, internal_tls: InternalTlsConfig | None = None) -> grpc.Channel:
@@ -71,6 +72,9 @@ class WorkerHandle:
     _aio_channel: grpc.aio.Channel | None = field(default=None, repr=False)
     _session: WorkerSession | None = field(default=None, repr=False)
     _socket_retry_at: float = field(default=0.0, repr=False)  # monotonic time before which sessions use gRPC
+    # monotonic time of the first health call still unanswered (None: the last one was answered)
+    waiting_since: float | None = field(default=None, repr=False)
+    unresponsive_after_s: float = field(default=5.0, repr=False)
 
     def aio_stub(self) -> Any:
         """The role's stub on a grpc.aio channel; made on first use, which must be on the router's loop."""
@@ -144,6 +148,34 @@ class WorkerHandle:
         return self.health is not None and self.health.status == "draining"
 
     @property
+    def unresponsive(self) -> bool:
+        """Its health calls have gone unanswered for `unresponsive_after_s` (a frozen process), or it says its
+        engine holds requests and makes no progress: no new requests go to it and /ready counts it out."""
+        if self.health is not None and self.health.status == STALLED_STATUS:
+            return True
+        since = self.waiting_since
+        return since is not None and time.monotonic() - since > self.unresponsive_after_s
+
+    @property
+    def serving(self) -> bool:
+        """Healthy for readiness: answered, not draining, not unresponsive, breaker closed."""
+        return self.health is not None and not self.draining and not self.unresponsive and self.breaker.available()
+
+    def problem(self) -> str | None:
+        """Why it does not count as serving (None when it does), for /ready."""
+        if self.health is None:
+            return "unreachable"
+        if self.draining:
+            return "draining"
+        if self.health.status == STALLED_STATUS:
+            return "engine makes no progress"
+        if self.unresponsive:
+            return f"health unanswered for {time.monotonic() - (self.waiting_since or 0.0):.0f} s"
+        if not self.breaker.available():
+            return "circuit breaker open"
+        return None
+
+    @property
     def host(self) -> str:
         return self.address.rsplit(":", 1)[0]
 
@@ -186,7 +218,8 @@ class WorkerSet:
         cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
         stub = cls(channel(address, self._internal_token, self._internal_tls))
         handle = WorkerHandle(role, address, stub, CircuitBreaker(self._config.breaker_failures, self._config.breaker_reset_s),
-                              metadata=call_metadata(self._internal_token), tls=self._internal_tls)
+                              metadata=call_metadata(self._internal_token), tls=self._internal_tls,
+                              unresponsive_after_s=self._config.unresponsive_after_s)
         if self._subscribe:
             handle.subscriber = CacheSubscriber(address, stub, self._index, self._on_resync)
         return handle
@@ -225,11 +258,16 @@ class WorkerSet:
 
     def poll_once(self) -> None:
         """Refresh every worker's health in parallel."""
-        calls = [(h, h.stub.Health.future(common_pb2.HealthRequest(), timeout=self._config.control_timeout_s))
-                 for h in self.all()]
+        now = time.monotonic()
+        calls = []
+        for h in self.all():
+            if h.waiting_since is None:
+                h.waiting_since = now
+            calls.append((h, h.stub.Health.future(common_pb2.HealthRequest(), timeout=self._config.control_timeout_s)))
         for handle, future in calls:
             try:
                 handle.health = future.result()
+                handle.waiting_since = None
                 handle.breaker.record_success()
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:

@@ -57,3 +57,50 @@ def test_generate_with_mtp_speculation_matches_plain_and_reports_drafts() -> Non
     assert bad.returncode == 2 and "method" in bad.stderr
     bad = _cli("generate", "--prompt", "x", "--speculative-config", "not json")
     assert bad.returncode == 2 and "JSON" in bad.stderr
+
+
+def _subcommand(name: str):  # noqa: ANN202 - argparse.ArgumentParser
+    import argparse
+
+    from hybridserve.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def test_every_flag_has_help_and_a_default_shown() -> None:
+    import argparse
+
+    for command in ("generate", "worker", "serve", "up", "down"):
+        parser = _subcommand(command)
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._HelpAction):
+                continue
+            flag = action.option_strings[0] if action.option_strings else action.dest
+            assert action.help, f"{command} {flag} has no help"
+            if action.default not in (None, False) and action.option_strings and not action.required:
+                assert "default" in action.help.lower(), f"{command} {flag}: help does not name its default"
+        text = parser.format_help()
+        assert "bench/" not in text and "results/" not in text, command
+    for flag in ("--prefill-workers", "--decode-workers", "--num-gpus-per-worker", "--max-running", "--max-queued",
+                 "--timeout", "--worker-port-base"):
+        assert flag in _subcommand("serve").format_help()
+    worker = _subcommand("worker").format_help()
+    assert "--host" in worker and "--worker-id" in worker and "--metrics-port" in worker
+
+
+def test_generate_help_lists_no_serving_only_flag_and_one_seed() -> None:
+    text = _subcommand("generate").format_help()
+    for flag in ("--standby-state-slots", "--max-num-waiting", "--max-cache-events", "--request-seed", "--api-key",
+                 "--prefill-workers"):
+        assert flag not in text, flag
+    import re
+
+    assert set(re.findall(r"--[\w-]*seed[\w-]*", text)) == {"--seed"}
+    # the old spelling still works (with a warning) and means the same seed
+    a = _cli("generate", "--prompt-ids", "1,2,3", "--max-tokens", "4", "--temperature", "1", "--seed", "7", "--json")
+    b = _cli("generate", "--prompt-ids", "1,2,3", "--max-tokens", "4", "--temperature", "1", "--request-seed", "7",
+             "--json")
+    assert a.returncode == 0 and b.returncode == 0 and "deprecated" in b.stderr
+    assert json.loads(a.stdout.splitlines()[-1])["token_ids"] == json.loads(b.stdout.splitlines()[-1])["token_ids"]

@@ -89,8 +89,16 @@ class EngineLoop:
         self.stats = LoopStats(name)
         profile = StepProfileConfig.from_env()  # HYBRIDSERVE_PROFILE_DIR: a trace of a window of busy steps
         self.profiler = StepProfiler(profile, name) if profile is not None else None
+        # monotonic start of the step running now (None between steps): how long the engine has made no progress
+        self._step_started: float | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    def seconds_in_step(self) -> float:
+        """How long the step running now has run (0 between steps): a worker whose engine holds requests and
+        stays in one step this long makes no progress (health reports it)."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     # ---- called from any thread ----------------------------------------------------------------
     def call(self, fn: Callable[[], T], timeout: float | None = None) -> T:
@@ -293,10 +301,12 @@ class EngineLoop:
                 self.stats.idle()
                 continue
             start = time.perf_counter()
+            self._step_started = time.monotonic()
             try:
                 with self.profiler.step() if self.profiler is not None else contextlib.nullcontext():
                     outputs = self.engine.step(on_launched=self._while_forward_runs)
             except Exception as exc:  # a failed step fails the requests in it, not the worker
+                self._step_started = None
                 logger.exception("engine step failed")
                 self._hand_off()  # the step before it completed: its outputs go out before the error
                 for request_id, stream in list(self._streams.items()):
@@ -308,6 +318,7 @@ class EngineLoop:
                     self._stop.set()  # calls now fail at once (health too), and the worker process exits
                 continue
             stepped = time.perf_counter()
+            self._step_started = None
             self._hand_off()  # the previous step's outputs, where this step queued no forward
             self._pending = list(outputs)
             if not (self.late_handoff and self.engine.has_unfinished()):

@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from hybridserve.proto import worker_pb2
+from hybridserve.proto.channels import is_loopback
 from hybridserve.proto.session_frames import (
     MAX_HELLO_BYTES,
     VERSION,
@@ -113,8 +114,8 @@ class SessionSocketServer:
         self._listener = listener
         self._port = listener.getsockname()[1]
         threading.Thread(target=self._accept, args=(listener,), name=f"{self._name}-accept", daemon=True).start()
-        if not self._token:
-            logger.warning("socket sessions on %s:%d are INSECURE (no internal token)", self._host, self._port)
+        if not self._token and not is_loopback(self._host):  # the gRPC server said so too; this port is another door
+            logger.info("socket sessions on %s:%d take no internal token", self._host, self._port)
         return self._port
 
     def stop(self, grace_s: float = 1.0) -> None:

@@ -84,6 +84,7 @@ def test_the_cli_builds_the_chain_and_binds_workers_where_told(monkeypatch: pyte
 
     seen: list[ServeOptions] = []
     monkeypatch.setattr(serve_module, "serve", lambda options: seen.append(options) or 0)
+    monkeypatch.setattr(cli, "_early_preflight", lambda argv: None)  # "m" and 10.0.0.1 exist only in this test
     monkeypatch.delenv("HYBRIDSERVE_INTERNAL_TOKEN", raising=False)
     assert cli.main(["serve", "--no-ray", "--model", "m", "--max-model-len", "300", "--max-per-client", "3",
                      "--drain-timeout", "7"]) == 0

@@ -53,7 +53,9 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
 def _start_node(args: list[str], log: Path) -> subprocess.Popen:
     """`ray start --block` in its own process group, so the test stops exactly the processes it started."""
     with open(log, "w") as out:
-        return subprocess.Popen(["ray", "start", "--block", "--disable-usage-stats", *args], stdout=out,
+        # this interpreter's `ray`: the cluster's workers import this checkout's hybridserve, not another install
+        ray_cli = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()"]
+        return subprocess.Popen([*ray_cli, "start", "--block", "--disable-usage-stats", *args], stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 

@@ -1,5 +1,5 @@
-"""Logprobs (CPU, fp32): sampled-token logprobs are those of the distribution sampled from (raw log_softmax for
-greedy, temperature / top-k applied otherwise), prompt logprobs equal the one-pass prompt logits under chunked
+"""Logprobs (CPU, fp32): sampled-token logprobs are the model's raw log_softmax (vLLM's default: before the
+repetition penalty, temperature, top-k), prompt logprobs equal the one-pass prompt logits under chunked
 prefill and after a prefix-cache hit, and speculative decoding reports the same logprobs as plain decoding."""
 
 from __future__ import annotations
@@ -10,18 +10,15 @@ from checkpoints import BASE_NEMOTRON_H, nemotron_h_mtp, random_prompts
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.engine.logprobs import LOGPROB_FLOOR
-from hybridserve.engine.sampler import params_probs
 
 VOCAB = BASE_NEMOTRON_H["vocab_size"]
 OPTIONS = dict(max_model_len=160, state_block=16, page_size=8, max_num_seqs=4)
 
 
 def _reference(llm: LLM, prompt: list[int], output: list[int], params: SamplingParams) -> torch.Tensor:
-    """[len(output), V] logprobs of the distribution each output token was drawn from, from one scoring pass."""
+    """[len(output), V] the model's raw logprobs at each output position, from one scoring pass."""
     logits = llm.prompt_logits(prompt + output[:-1])[len(prompt) - 1 :]
-    if params.greedy:
-        return torch.log_softmax(logits.float(), dim=-1)
-    return torch.log(params_probs(logits, [params] * logits.shape[0]))
+    return torch.log_softmax(logits.float(), dim=-1)
 
 
 def _check(outputs, expected: torch.Tensor, num_top: int) -> None:
@@ -40,14 +37,16 @@ def _check(outputs, expected: torch.Tensor, num_top: int) -> None:
 @pytest.mark.parametrize("params", [
     SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3),
     SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=5, ignore_eos=True, logprobs=2),
+    # the repetition penalty changes which token is drawn, not the logprobs reported (vLLM's raw default)
+    SamplingParams(max_tokens=10, temperature=0.0, repetition_penalty=1.3, ignore_eos=True, logprobs=2),
 ])
-def test_sampled_logprobs_are_those_of_the_sampled_from_distribution(params: SamplingParams) -> None:
+def test_sampled_logprobs_are_the_models_raw_logprobs(params: SamplingParams) -> None:
     llm = LLM(nemotron_h_mtp()[0], **OPTIONS)
     prompts = random_prompts([7, 19], VOCAB, seed=3)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
     for prompt, out in zip(prompts, outs):
         _check(out, _reference(llm, prompt, out.token_ids, params), params.logprobs or 0)
-        if params.greedy:
+        if params.greedy and params.repetition_penalty == 1.0:
             assert all(e.rank == 1 and e.top[0][0] == e.token_id for e in out.logprobs or [])
     plain = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=3))[0]
     assert plain.logprobs is None and plain.prompt_logprobs is None
