@@ -204,7 +204,9 @@ def watch_parent_pipe() -> None:
     exited, however it did) and then SIGTERMs this process, which drains and stops as on any SIGTERM."""
     def watch() -> None:
         try:
-            while sys.stdin.buffer.read(4096):
+            # os.read, not sys.stdin.buffer: a daemon thread blocked in the buffered reader holds its lock, and the
+            # interpreter's shutdown then aborts (SIGABRT, "could not acquire lock for <stdin>")
+            while os.read(sys.stdin.fileno(), 4096):
                 pass
         except (OSError, ValueError):
             pass
