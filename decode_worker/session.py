@@ -2,7 +2,7 @@
 
 A router opens one `Session` per decode worker and sends each local request as one message on it instead of a
 GenerateLocal call of its own. Call set-up and teardown are most of what a relayed request costs in Python gRPC
-(bench/results/cpu/router_relay_variants.json); on the session a request is one message in, and its tokens leave
+(bench/results/cpu/router/); on the session a request is one message in, and its tokens leave
 in messages shared with every other request of the router (one per engine step at most, not one per request).
 
 Threads: a reader takes requests off the stream and admits them with calls posted to the engine loop (it never

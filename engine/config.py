@@ -15,7 +15,7 @@ from hybridserve.engine.spec_config import SpeculativeConfig
 
 # A 9B hybrid's 512-token step is host-bound on an H200 (41 ms for 15.6 ms of GPU work); 2048 tokens keep the
 # GPU busy (31.5K vs 11.3K prefill tokens/s) and a step with prefill near 45 ms, its ITL bound
-# (bench/results/h200/serve_speed/README.md)
+# (bench/results/h200/serving/)
 CUDA_PREFILL_CHUNK = 2048
 CPU_PREFILL_CHUNK = 512
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,7 +62,7 @@ class EngineConfig:
     # a step mixing one-token decode rows with prefill chunks computes the decode rows as one-token chunks of
     # the prefill forward (they ride along its GEMMs and launch nothing of their own; takes precedence over
     # split_mixed_steps). Off by default: served on the H200 it ties the split (TPOT p50 9.0 vs 8.9 ms,
-    # bench/results/h200/serve_speed/fold_session39/)
+    # bench/results/h200/serving/)
     fold_decode_rows: bool = False
     # with cuda_graphs: a step's prefill chunks (up to 7 sequences and 1024 tokens; with fold_decode_rows one more
     # bucket of a full chunk beside the running batch) replay a CUDA graph captured per token bucket, padded to it,

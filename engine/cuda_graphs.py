@@ -10,7 +10,7 @@ rollback) live in the graph's pool: they are handed to the step's batch and read
 A mixed step (decode or verify rows beside prefill chunks) replays the decode rows' graph and hands the prefill
 chunks to the prefill graphs (engine/prefill_graphs.py) or, where none takes them, runs them eagerly: a prefill step
 is bound by the host's kernel launches (~40 ms for the 9B at any chunk size on the H200,
-bench/results/h200/serve_speed/mixed_split/), and the decode rows' eager path added to them.
+bench/results/h200/serving/), and the decode rows' eager path added to them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from hybridserve.statepool.state_cache import StateCache
 logger = logging.getLogger(__name__)
 
 # powers of two up to 8: a padded row costs ~nothing (a batch of 5 or 6 on the 8-row graph: +0.6 / +1.8 % of a
-# 9B step, bench/results/h200/session42/), so per-size buckets were not kept; steps of 64 rows up to 512 and
+# 9B step, bench/results/h200/serving/), so per-size buckets were not kept; steps of 64 rows up to 512 and
 # 128 up to 1,024 keep a large batch's padding under 25 % (production concurrency runs hundreds of rows)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
@@ -38,7 +38,7 @@ def stage_cuts(num_layers: int) -> tuple[int, ...]:
     """The layers after which a captured step starts a new graph: 0, 3, 15, 63, ... (pieces of 1, 3, 12, 48 layers).
 
     The GPU starts a graph only once its whole cudaGraphLaunch call has returned (~0.85 us of host time per kernel
-    node, ~255 us for the 9B's ~300-node step, all of it GPU idle time per step: bench/results/h200/session45/).
+    node, ~255 us for the 9B's ~300-node step, all of it GPU idle time per step: bench/results/h200/serving/).
     In pieces, the GPU runs the first (1 layer, a few nodes) while the host launches the next, and each piece's GPU
     time (~50-100 us a layer) covers the launch of the next, 4x longer (~4 us a layer): only the first piece's launch
     stays exposed."""
@@ -51,7 +51,7 @@ def stage_cuts(num_layers: int) -> tuple[int, ...]:
 
 def launch_stages(num_layers: int) -> tuple[int, ...]:
     """The engine's cuts: `stage_cuts` with HYBRIDSERVE_STAGED_GRAPHS=1, none (one graph per step) by default: on the
-    H200 the pieces gave 0.98-1.00x the one-graph step (bench/results/h200/session46/README.md), no gain to pay for."""
+    H200 the pieces gave 0.98-1.00x the one-graph step (bench/results/h200/decode_step/), no gain to pay for."""
     return stage_cuts(num_layers) if env_switch("HYBRIDSERVE_STAGED_GRAPHS", False) else ()
 
 

@@ -2,7 +2,7 @@
 bucket of tokens in all, captured once per token bucket and replayed with the batch copied into static buffers.
 
 An eager prefill step of a 9B hybrid is bound by the host's ~400 kernel launches (~25 ms on the H200 whatever the
-chunk size up to 1024 tokens: bench/results/h200/mixed_step_host_session40/); a replay costs one graph launch
+chunk size up to 1024 tokens: bench/results/h200/serving/); a replay costs one graph launch
 plus a dozen small copies. Everything a captured forward reads is fixed at capture: token count, sequence count,
 SSD chunk count, checkpoint count, attention work list. A batch is fitted to them by padding:
 - the tokens past the real ones form one *padding sequence* (fresh, state slot -1, KV slots -1: every kernel
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 # Token buckets, up to 1024: past that a prefill step is bound by the GPU, not by its launches (on the H200 a lone
 # 1100-token prompt took 39.0 ms padded to 1280 in a graph vs 35.2 ms eagerly, 2048 tokens 60.0 vs 59.3 ms; 128
-# tokens 10.9 vs 29.2 ms: bench/results/h200/prefill_graphs_session41/). The engine adds one bucket of the top
+# tokens 10.9 vs 29.2 ms: bench/results/h200/serving/). The engine adds one bucket of the top
 # one plus its running batch, for a full prefill chunk with decode rows folded in (fold_decode_rows).
 DEFAULT_TOKEN_BUCKETS = (64, 128, 256, 384, 512, 640, 768, 896, 1024)
 SEQS = 8  # sequences per captured prefill by default: up to 7 real ones, then the padding sequence (and empty ones)

@@ -2,7 +2,7 @@
 enforced with xgrammar's token bitmask on the logits before sampling.
 
 xgrammar over llguidance: both compile these grammars; xgrammar's mask fill was the cheaper per token in
-bench/results/cpu/structured_mask.json and it is the engine vLLM and SGLang default to. A request's
+bench/results/cpu/structured_output/ and it is the engine vLLM and SGLang default to. A request's
 `GrammarMatcher` advances only with tokens the request keeps (`Scheduler.update_from_output`); a verify
 step fills one mask per verify position by accepting the drafts before it tentatively and rolling them back,
 so rejected drafts never advance it. Grammars compile off the engine loop, in a bounded pool with size limits,

@@ -249,9 +249,9 @@ def _run_down(args: argparse.Namespace) -> int:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="run a benchmark of the source checkout's bench/ folder (serve: bench/serve.py)",
+        help="run a benchmark of the source checkout's bench/ folder (serve: bench/serving/serve.py)",
         description="Run a benchmark script of the source checkout: `hybridserve bench serve ARGS` is "
-        "`python bench/serve.py ARGS` (`hybridserve bench serve --help` lists them).",
+        "`python bench/serving/serve.py ARGS` (`hybridserve bench serve --help` lists them).",
     )
     p.add_argument("name", choices=["serve"], help="serve: replay a workload against a running server")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
@@ -262,7 +262,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     import importlib.util
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "bench" / f"{args.name}.py"
+    script = Path(__file__).resolve().parents[1] / "bench" / "serving" / f"{args.name}.py"
     if not script.is_file():
         raise ValueError(f"{script} is missing: `hybridserve bench` runs from a source checkout (pip install -e .)")
     spec = importlib.util.spec_from_file_location(f"hybridserve_bench_{args.name}", script)

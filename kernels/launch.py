@@ -1,7 +1,7 @@
 """Lean kernel launches: a compiled Triton kernel is launched without `JITFunction.run`'s per-call Python.
 
 A prefill step of a 9B hybrid makes ~360 Triton launches and is bound by the host's time to queue them
-(bench/results/h200/serve_speed/mixed_split). Per launch, `kernel[grid](...)` costs tens of microseconds of
+(bench/results/h200/serving/). Per launch, `kernel[grid](...)` costs tens of microseconds of
 Python in Triton itself: option and knob reads, a string built from the options for the cache key, a check of
 the kernel's globals, launch metadata and two (empty) hook chains called from C, and, for autotuned kernels, the
 autotuner's key built from dicts of every argument. `lean_launch` keeps what decides correctness, Triton's own

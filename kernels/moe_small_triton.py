@@ -44,14 +44,14 @@ from hybridserve.kernels.triton_utils import (
 )
 
 # pairs (tokens x (top_k + shared chunks)) up to which the layer takes the small-M path; Nano has 6 + 2 slots,
-# so 8 is one token. On the H200 (bench/results/h200/moe/small_path.json) the small path ties the grouped
+# so 8 is one token. On the H200 (bench/results/h200/kernels/moe.json) the small path ties the grouped
 # GEMMs at 1 token (59.2 vs 59.6 us) and loses from 8 tokens on (301 vs 220 us).
 SMALL_M_MAX_PAIRS = 8
 
 
 def early_shared_enabled() -> bool:
     """Whether the up kernel's shared-expert programs run first and compute before waiting on the router kernel
-    (on by default: the 30B-A3B batch-1 step's router wait 118 -> 88 us, bench/results/h200/session47;
+    (on by default: the 30B-A3B batch-1 step's router wait 118 -> 88 us, bench/results/h200/decode_step/;
     HYBRIDSERVE_MOE_EARLY_SHARED=0 turns it off)."""
     return env_switch("HYBRIDSERVE_MOE_EARLY_SHARED", True)
 
@@ -68,7 +68,7 @@ def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 # BLOCK_N tiles x 8 slots, one program per (tile, slot) streaming its [BLOCK_N, K] rows through a pipelined tl.dot
 # loop (cp.async, STAGES - 1 tiles in flight), the slots' partials added by the last to arrive. On the H200 the
 # pipelined loop for the up kernel too was 5 us faster for the layer alone but 1.8 us slower inside the 30B-A3B
-# step (bench/results/h200/session50, calls 5-6), so up keeps the FMA loop.
+# step (bench/results/h200/decode_step/), so up keeps the FMA loop.
 _UP_TILES = [(16, 256, 4, 1), (16, 512, 4, 1), (32, 128, 4, 1), (32, 256, 4, 1), (64, 128, 4, 1), (32, 256, 8, 1),
              (32, 512, 8, 1), (64, 256, 8, 1)]
 _DOWN_TILES = [(16, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (16, 128, 4, 4), (32, 128, 4, 4),
@@ -139,7 +139,7 @@ def _small_up_kernel(
     before the wait (x was written before the router kernel's own wait returned, so it is complete) and takes the
     first slots of the launch order, so those programs run while the router kernel computes. The down kernel may
     launch only when a program's work is done (`pdl_trigger` last): launched at the gate, its programs waited
-    resident through this kernel and took 27.4 instead of 25.5 us per 30B-A3B layer (bench/results/h200/session48)."""
+    resident through this kernel and took 27.4 instead of 25.5 us per 30B-A3B layer (bench/results/h200/decode_step/)."""
     token = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     slot = tl.program_id(2)

@@ -69,9 +69,9 @@ def _dispatch(reference: Callable[..., Any], module: str, name: str) -> Callable
     return op
 
 
-# inside a decode step (weights cold in L2, bench/step_profile.py) the skinny kernel with split-K matches or beats
+# inside a decode step (weights cold in L2, bench/kernels/step_profile.py) the skinny kernel with split-K matches or beats
 # cuBLAS + its split-K reduce down to 4M-element projections (Nemotron-3-Nano-30B-A3B's 11M-element out_proj /
-# q_proj / o_proj, bench/results/h200/decode_step_b1); attention's k/v projections are too small alone and ride
+# q_proj / o_proj, bench/results/h200/decode_step/); attention's k/v projections are too small alone and ride
 # in the fused q/k/v weight (models/attention.py)
 SKINNY_MIN_WEIGHT = 4 * 1024 * 1024  # weight elements
 

@@ -9,7 +9,7 @@ once per KV head, and at small batch the keys are split across programs (flash-d
 results a small kernel combines. Pages are read through their strides (per-layer views are strided).
 The KV write, the decode kernel and the combine launch under PDL (`triton_utils.pdl_enabled`): each one's
 programs are resident and waiting at `pdl_gate` while the kernel before finishes (with the one-tile splits of
-MIN_SPLIT_KEYS: the 30B-A3B attention layer at batch 1 23.5 -> 17.3 us, bench/results/h200/session51 call 4).
+MIN_SPLIT_KEYS: the 30B-A3B attention layer at batch 1 23.5 -> 17.3 us, bench/results/h200/decode_step/).
 Reference and contract: `hybridserve.kernels.paged_attention.paged_attention_ref`.
 """
 
@@ -28,7 +28,7 @@ from hybridserve.kernels.triton_utils import check_same_device, interpreting, ne
 DECODE_BLOCK_N = 64  # keys per tile of the decode kernel
 # a KV split covers at least one decode tile: at batch 1 the programs are latency-bound, so at 512 keys of context 9
 # one-tile splits beat 5 two-tile ones (30B-A3B step: paged decode 8.8 -> 6.0 us per layer, combine +0.4;
-# bench/results/h200/session51, call 4)
+# bench/results/h200/decode_step/)
 MIN_SPLIT_KEYS = DECODE_BLOCK_N
 MAX_SPLITS = 64
 _INTERPRETER_SMS = 4  # SM count assumed under the interpreter / off CUDA (keeps split choice deterministic)

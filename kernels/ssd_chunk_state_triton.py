@@ -48,7 +48,7 @@ def walk_config(head_dim: int, state_size: int, chunk_size: int, heads_per_group
     """Fixed (not autotuned: in pool mode a rerun would read its own output) tile choice per problem size."""
     if interpreting():
         return WalkConfig(16, 16, 4, 1, heads=2 if heads_per_group % 2 == 0 else 1)
-    # H100 sweeps (bench/ssd_sweep.py, bench/results/h100/): one head per program; a head_dim of up to 64 in one
+    # H100 sweeps (bench/kernels/ssd_sweep.py, bench/results/h100/): one head per program; a head_dim of up to 64 in one
     # tile with 8 warps (mamba2-2.7b 1x8192: 168 vs 198 us for 32-row tiles), else 32 x 128 tiles with 4 warps
     # (Nano-9B-v2, head_dim 80: 293 us, the best of the swept tiles)
     block_n = min(128, max(16, next_pow2(state_size)))

@@ -15,7 +15,7 @@ import torch
 from hybridserve.kernels.host_index import pack_to_device
 
 # one walk segment per sequence: the H100 sweep found no shape where splitting the walk paid for the join
-# (bench/results/h100/ssd_sweep.json); callers may still pass segment_chunks
+# (bench/results/h100/kernels/ssd_sweep.json); callers may still pass segment_chunks
 WHOLE_SEQUENCE = 1 << 30
 
 

@@ -202,7 +202,7 @@ OUTPUT_KERNELS = ("blocked", "dense")
 
 
 def default_output_kernel(chunk_size: int) -> str:
-    """The output kernel measured faster for this chunk size on the H100 (bench/results/h100/README.md): the
+    """The output kernel measured faster for this chunk size on the H100 (bench/results/h100/kernels/): the
     dense one (`ssd_chunk_scan_triton`) at chunk 128 (Nano-9B-v2: 441 vs 545 us per 8192 tokens), the blocked one
     (`ssd_chunk_output_triton`) at chunk 256, where the dense one's [BLOCK_M, chunk] C B^T tile spills
     (mamba2-2.7b: 171 vs 507 us)."""

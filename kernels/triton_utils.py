@@ -96,7 +96,7 @@ def _pdl_on_cuda_device(index: int) -> bool:
 def pdl_wait(USE_PDL: tl.constexpr):
     """`pdl_gate` without letting the next kernel launch: a kernel that calls this calls `pdl_trigger` once its
     work is done, so its successor's programs do not wait resident while it streams (the small MoE up kernel:
-    the down kernel after it takes 25.5 instead of 27.4 us per 30B-A3B layer, bench/results/h200/session48)."""
+    the down kernel after it takes 25.5 instead of 27.4 us per 30B-A3B layer, bench/results/h200/decode_step/)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
 

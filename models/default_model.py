@@ -1,7 +1,7 @@
 """The embedded default model, and writers of small random checkpoints.
 
 `default_model_dir()` is `demo_model/` beside this file: a small NemotronH with one MTP step, trained on the
-Python standard library by `bench/train_demo.py` (its README.md is the model card). The random-checkpoint
+Python standard library by `tools/demo_model/train_demo.py` (its README.md is the model card). The random-checkpoint
 writers below (`write_random_nemotron_h`, `write_byte_tokenizer`, `random_model_dir`) serve the tests."""
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def default_model_dir() -> Path:
         raise FileNotFoundError(
             f"the embedded default model is missing from {DEMO_MODEL_DIR} (config.json / model.safetensors); "
             "reinstall hybridserve, pass a checkpoint directory explicitly, or recreate it with "
-            "`python bench/train_demo.py --out-dir models/demo_model` (needs a GPU)"
+            "`python tools/demo_model/train_demo.py --out-dir models/demo_model` (needs a GPU)"
         )
     return DEMO_MODEL_DIR
 

@@ -4,7 +4,7 @@ A frame is a 4-byte big-endian payload length, then one serialized message (`Ses
 `SessionHelloReply` once each way, then `SessionRequest` router -> worker and `SessionEvents` worker -> router).
 Hand-written rather than a messaging library: the session needs nothing but ordered frames on one connection,
 and every library layer (gRPC's completion queues, ZeroMQ's I/O thread) adds a thread hand-off per message,
-which is what this transport exists to avoid (bench/results/cpu/README.md, the router's HTTP door).
+which is what this transport exists to avoid (bench/results/cpu/router/, the router's HTTP door).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ HTTP server (uvicorn) and the gRPC front door (grpc.aio server) all run on it, s
 threads. Code on other threads (tests, tools, drain on SIGTERM) submits coroutines with `run()`.
 
 uvloop is used when installed (it comes with uvicorn[standard]): it measured faster on the router's request
-path (bench/router_overhead.py, bench/results/cpu/README.md).
+path (bench/serving/router_overhead.py, bench/results/cpu/router/).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 doors, end to end: HTTP parsing and validation, routing, the first session to a worker, the worker's request path,
 the stream back. Each of those does first-time work (lazy imports, first validation of a pydantic model, opening
 a session socket): served on the H200 the first request after ready took 1.5-1.65x the last one although the engine
-itself was warm (bench/results/h200/serve_speed/final_session40/); on the 2-core CPU box the first HTTP request came
+itself was warm (bench/results/h200/serving/); on the 2-core CPU box the first HTTP request came
 back 67 ms slower than the next. A door that fails its warm-up is logged and left cold: readiness is not held back
 by it (the workers' own health decides that)."""
 

@@ -37,13 +37,13 @@ class TransferConfig:
     # always available as the fallback
     planes: tuple[str, ...] = (CUDA_IPC, GRPC)
     staging_mb: int | None = None  # the registered staging / landing arena; None: 2048 on CUDA, 256 on CPU
-    grpc_streams: int = 2  # parallel PushState streams per transfer (bench/transfer_gpu.sh sweeps 1, 2, 4)
+    grpc_streams: int = 2  # parallel PushState streams per transfer (bench/system/transfer_gpu.sh sweeps 1, 2, 4)
     grpc_chunk_bytes: int = 1 << 20  # the least CPU per GB on CPU (0.25-4 MiB tried); under gRPC's 4 MiB limit
     arena_wait_s: float = 30.0  # how long a transfer waits for arena room before it fails as RESOURCE_EXHAUSTED
     # gRPC plane: open the stream at the prompt's first prefill-chunk boundary and send the KV of finished
     # chunks while later chunks compute. Off by default: on one H200 it cut the transfer after the first token
     # by 25-70 ms but slowed the prefill as much (the send threads take the GIL from the engine loop), so TTFT
-    # did not move (bench/results/h200/early_send/)
+    # did not move (bench/results/h200/transfer/)
     grpc_early_send: bool = False
     # with grpc_early_send: in the forward of the prompt's last chunk, stage and send the rest of the KV once
     # the last attention layer ran and each Mamba layer's SSM state / conv window once that layer ran (instead

@@ -75,7 +75,7 @@ class EngineLoop:
         # late hand-off: a step's outputs reach their streams once the next step's forward is queued, so the threads
         # that send them run while the GPU computes instead of contending with the loop while it builds and
         # launches the step (each token then leaves one launch later). On by default: served TPOT -6 %, the decode
-        # step's launch phase -36 % on the H200 (bench/results/h200/session45/); HYBRIDSERVE_LATE_HANDOFF=0 is off
+        # step's launch phase -36 % on the H200 (bench/results/h200/serving/); HYBRIDSERVE_LATE_HANDOFF=0 is off
         self.late_handoff = _late_handoff_from_env() if late_handoff is None else late_handoff
         self._pending: list[RequestOutput] = []  # outputs of the last step, not yet handed off (late hand-off)
         # host work that must not land on a step's launch: run on the loop thread once each forward is queued, while

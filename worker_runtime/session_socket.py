@@ -1,7 +1,7 @@
 """A decode worker's socket sessions: the `DecodeWorker.Session` protocol on a plain TCP stream.
 
 A router relaying a short request over the gRPC session pays ~1 ms in Python gRPC's machinery (every message
-crosses grpc's EventEngine thread, its completion-queue poller and the event loop: bench/results/cpu/README.md);
+crosses grpc's EventEngine thread, its completion-queue poller and the event loop: bench/results/cpu/router/);
 here a message is one `sendall` on one side and one `data_received` on the other. Frames and the hello are in
 `proto/session_frames.py`. Each connection is one session, served on a thread of its own by the same handler
 as the gRPC method (`handler(requests, context)` yields SessionEvents): one implementation of the session's

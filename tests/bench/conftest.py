@@ -1,4 +1,5 @@
-"""Fixtures of the benchmark tests: a live tiny server (bench/ and the router test helpers are on pytest's pythonpath)."""
+"""Fixtures of the benchmark tests: a live tiny server (bench/<topic>/, tools/demo_model/ and the router test helpers
+are on pytest's pythonpath)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def server():
 
 @pytest.fixture
 def train_demo(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    """bench/train_demo.py imported for one test: it takes bench/ off sys.path and re-imports its
+    """tools/demo_model/train_demo.py imported for one test: it takes its own folder off sys.path and re-imports its
     train_demo_* siblings, so sys.path and those modules are put back as they were afterwards."""
     monkeypatch.setattr(sys, "path", list(sys.path))
     for name in ("train_demo", *(f"train_demo_{part}" for part in ("data", "mtp", "card", "eval", "scan", "args",

@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():  # our Triton kernel runs in the interpreter (before triton is imported)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import attention as bench_attention  # noqa: E402  (bench/ is on sys.path, see conftest.py)
+import attention as bench_attention  # noqa: E402  (bench/kernels/ is on pytest's pythonpath)
 
 from hybridserve.kernels.paged_attention import gather_kv, paged_attention_ref  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""bench/chain_floor.py: the op sequence it streams is the decode step's, op for op and byte for byte."""
+"""bench/kernels/chain_floor.py: the op sequence it streams is the decode step's, op for op and byte for byte."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from moe import CONFIG, TINY
 from hybridserve.common.model_config import ModelConfig
 from hybridserve.models.weights import dummy_model
 
-BENCH = Path(__file__).parents[2] / "bench" / "chain_floor.py"
+BENCH = Path(__file__).parents[2] / "bench" / "kernels" / "chain_floor.py"
 
 
 def _tiny_config() -> ModelConfig:
@@ -52,7 +52,7 @@ def test_ops_follow_the_layers_and_read_the_step_weights() -> None:
 
 
 def test_the_30b_sequence_has_the_step_kernel_count() -> None:
-    """270 ops, 157 of them reading bytes: the batch-1 step's graph has 270 kernels (bench/step_profile.py)."""
+    """270 ops, 157 of them reading bytes: the batch-1 step's graph has 270 kernels (bench/kernels/step_profile.py)."""
     ops = op_sequence(ModelConfig.from_hf_dict(json.loads(CONFIG.read_text())))
     assert len(ops) == 270 and sum(1 for _, size in ops if size) == 157
 
@@ -66,7 +66,7 @@ def test_without_a_gpu_it_says_so(tmp_path: Path) -> None:
 
 def test_the_moe_layer_ops_are_bench_moe_floor_bytes() -> None:
     """Router (fp32) + the k routed and the shared expert's up rows + their down rows: 37.9 us of bytes at the
-    4243 GB/s copy bandwidth call 5 measured, bench/moe.py's layer floor."""
+    the 4243 GB/s copy bandwidth measured beside it, bench/kernels/moe.py's layer floor."""
     config = ModelConfig.from_hf_dict(json.loads(CONFIG.read_text()))
     ops = moe_layer_ops(config)
     assert [name for name, _ in ops] == ["router", "up", "down"]

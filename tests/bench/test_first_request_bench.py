@@ -1,4 +1,4 @@
-"""bench/first_request.py runs on CPU (the demo model): every gap gets its samples, in the JSON it writes."""
+"""bench/system/first_request.py runs on CPU (the demo model): every gap gets its samples, in the JSON it writes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""bench/moe.py smoke-runs on the CPU (tiny shapes, same code path as on the GPU) and writes every section."""
+"""bench/kernels/moe.py smoke-runs on the CPU (tiny shapes, same code path as on the GPU) and writes every section."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).parents[2] / "bench" / "moe.py"
+BENCH = Path(__file__).parents[2] / "bench" / "kernels" / "moe.py"
 
 
 def test_moe_bench_smoke_run(tmp_path: Path) -> None:

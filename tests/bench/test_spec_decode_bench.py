@@ -1,4 +1,4 @@
-"""bench/spec_decode.py's configurations run on CPU with a tiny checkpoint (the oracle acceptance, the step loop
+"""bench/system/spec_decode.py's configurations run on CPU with a tiny checkpoint (the oracle acceptance, the step loop
 and the row it records), so the GPU benchmark does not rot between device sessions."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""bench/tp_decode.py runs end to end on CPU with a tiny checkpoint (gloo, TP=1 and TP=2) and writes its JSON."""
+"""bench/system/tp_decode.py runs end to end on CPU with a tiny checkpoint (gloo, TP=1 and TP=2) and writes its JSON."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from checkpoints import nemotron_h
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "tp_decode.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "system" / "tp_decode.py"
 
 
 def test_tp_decode_smoke(tmp_path: Path) -> None:
@@ -37,7 +37,7 @@ def test_56b_config_has_the_published_shape_and_shards(tmp_path: Path) -> None:
     from hybridserve.models.parallel import TPGroup
     from hybridserve.models.tp_shard import sharded_model
 
-    shutil.copy(SCRIPT.parent / "configs" / "nemotron-h-56b-base-8k.json", tmp_path / "config.json")
+    shutil.copy(SCRIPT.parents[1] / "configs" / "nemotron-h-56b-base-8k.json", tmp_path / "config.json")
     config = ModelConfig.from_dir(tmp_path)
     assert [config.layer_types.count(k) for k in ("mamba", "mlp", "attention")] == [54, 54, 10]
 

@@ -1,4 +1,4 @@
-"""bench/trace_graph_launch.py: graph launch host time and the GPU's wait for it, from a step-profiler trace."""
+"""bench/system/trace_graph_launch.py: graph launch host time and the GPU's wait for it, from a step-profiler trace."""
 
 from __future__ import annotations
 

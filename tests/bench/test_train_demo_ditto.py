@@ -1,4 +1,4 @@
-"""DITTO anti-loop training of the demo model (bench/train_demo_ditto.py): the pseudo-repetitive windows, the
+"""DITTO anti-loop training of the demo model (tools/demo_model/train_demo_ditto.py): the pseudo-repetitive windows, the
 loss's fixed point, and a fine-tuning run of train_demo.py from a checkpoint."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import train_demo_ditto as ditto  # bench/ is on pytest's pythonpath
+import train_demo_ditto as ditto  # tools/demo_model/ is on pytest's pythonpath
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
-"""bench/train_demo_mtp.py's recurrent MTP (depth d fed by depth d-1's output) computes, in one parallel pass
+"""tools/demo_model/train_demo_mtp.py's recurrent MTP (depth d fed by depth d-1's output) computes, in one parallel pass
 per depth, exactly what the serving drafter computes slot by slot with its KV cache; and
-bench/train_demo_eval.py's parse test cuts continuations as documented."""
+tools/demo_model/train_demo_eval.py's parse test cuts continuations as documented."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "tools" / "demo_model"
 
 
 def _load(name: str):  # noqa: ANN202 - a module

@@ -1,4 +1,4 @@
-"""The demo-model tools of bench/: mamba_ssm's autotuner picks pinned from a file (train_demo_scan), the
+"""The demo-model tools of tools/demo_model/: mamba_ssm's autotuner picks pinned from a file (train_demo_scan), the
 decoding-default pick on validation prompts (demo_parse_eval.select), and train_demo's --profile-steps run."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 
-import demo_parse_eval as parse_mod  # bench/ is on pytest's pythonpath
+import demo_parse_eval as parse_mod  # tools/demo_model/ is on pytest's pythonpath
 import pytest
 import train_demo_scan as scan_mod
 import triton

@@ -1,8 +1,8 @@
-"""Chaos under load (issue 24): four streaming clients while, in turn, a decode worker process is SIGKILLed,
+"""Chaos under load: four streaming clients while, in turn, a decode worker process is SIGKILLed,
 a prefill worker dies, a decode worker process is SIGSTOPped for 10 s, a state transfer is corrupted, and
 clients leave mid-stream. Every request ends exact (greedy tokens of an undisturbed run) or with a clean
 error; requests without a token yet are retried elsewhere; afterwards nothing is held anywhere and the next
-requests are exact. The harness is bench/chaos.py (bench/soak.py runs it for 30 minutes)."""
+requests are exact. The harness is bench/system/chaos.py (bench/system/soak.py runs it for 30 minutes)."""
 
 from __future__ import annotations
 

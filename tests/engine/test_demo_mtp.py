@@ -12,7 +12,7 @@ import pytest
 from hybridserve import LLM, SamplingParams
 from hybridserve.models.default_model import default_model_dir
 
-HELDOUT_PERCENT = 4  # bench/train_demo.py's split: files with sha256(relative path) % 100 < 4 were never trained on
+HELDOUT_PERCENT = 4  # tools/demo_model/train_demo.py's split: files with sha256(relative path) % 100 < 4 were never trained on
 
 
 def heldout_prompts(count: int, chars: int) -> list[str]:

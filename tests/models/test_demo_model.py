@@ -1,4 +1,4 @@
-"""The embedded demo checkpoint (`models/demo_model/`, trained by bench/train_demo.py): its files, its MTP
+"""The embedded demo checkpoint (`models/demo_model/`, trained by tools/demo_model/train_demo.py): its files, its MTP
 tensors, and greedy generation through `hybridserve.LLM()` equal to transformers' on it."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Issue 25's bar for the embedded demo model, on prompts it never saw: greedy continuations of everyday function
+"""The bar for the embedded demo model, on prompts it never saw: greedy continuations of everyday function
 headers written for this test (not from any corpus) parse as Python in >= 80 % of cases, through `LLM` with the
-checkpoint's shipped sampling defaults, cut as bench/train_demo_eval.py's parse test cuts them."""
+checkpoint's shipped sampling defaults, cut as tools/demo_model/train_demo_eval.py's parse test cuts them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-import train_demo_eval  # bench/ is on pytest's pythonpath: the parse test's cut and check
+import train_demo_eval  # tools/demo_model/ is on pytest's pythonpath: the parse test's cut and check
 
 from hybridserve import LLM
 

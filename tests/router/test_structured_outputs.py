@@ -16,7 +16,7 @@ from structured_schemas import ENGINE_OPTIONS, random_schemas, run_schemas
 from hybridserve.engine.config import EngineConfig
 from hybridserve.models.default_model import default_model_dir
 
-NUM_SCHEMAS = 24  # bench/structured_schemas.py runs the 100 (bench/results/cpu/structured_schemas.json)
+NUM_SCHEMAS = 24  # bench/serving/structured_schemas.py runs 100 (bench/results/cpu/structured_output/)
 ENGINE = EngineConfig(**ENGINE_OPTIONS)
 
 
