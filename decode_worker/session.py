@@ -136,7 +136,16 @@ class WorkerSession:
                 grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, ValueError) else grpc.StatusCode.INTERNAL)
             self._refuse(rid, code, str(exc), opened=True)
 
-        worker.loop.submit_later(rid, add, sink, refused)
+        def compiled(error: BaseException | None) -> None:  # the grammar's compile must not hold up this reader
+            if error is None:
+                with self._lock:
+                    still_open = rid in self._open  # not aborted while its grammar compiled
+                if still_open:
+                    worker.loop.submit_later(rid, add, sink, refused)
+            else:
+                refused(error)
+
+        worker.engine.grammars.prepare(params, compiled)
 
     def _follow(self, request: worker_pb2.StreamTokensRequest) -> None:
         """Take over a reservation's token stream: what it output so far and all that follows comes here."""
@@ -174,8 +183,10 @@ class WorkerSession:
         then through the worker here, on a thread of its own (it waits for a step boundary)."""
         with self._lock:
             remote = request_id in self._remote
+            sent = self._open.get(request_id, 0)
         if not self._forget(request_id):
             return
+        self._worker.metrics.observe_finished(0, sent, "abort")  # a client that left, or the router's abort
         if not remote:
             engine = self._worker.engine
             self._worker.loop.post(lambda: engine.abort(request_id))

@@ -133,6 +133,7 @@ class DecodeWorker:
     # ---- reservations --------------------------------------------------------------------------
     def reserve(self, request_id: str, prompt_token_ids: list[int], sampling, timeout_s: float) -> Reservation:
         params = sampling_from_proto(sampling)
+        self.engine.grammars.prepare(params)  # compiled off the loop, before the reservation takes pages
         stream = self.loop.submit(request_id, lambda: self.engine.reserve(request_id, prompt_token_ids, params))
         reservation = Reservation(uuid.uuid4().hex, request_id, len(prompt_token_ids), time.monotonic() + timeout_s, stream)
         with self._lock:
@@ -306,6 +307,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.worker.drain_state.refuse_new(context)
         try:
             params = sampling_from_proto(request.sampling)
+            self.worker.engine.grammars.prepare(params)  # compiled off the loop; this call waits for it
             prompt = list(request.prompt_token_ids)
             hashes = self.worker.engine.pool.prompt_hashes(prompt)  # on this thread, not the engine loop
             stream = self.worker.loop.submit(
@@ -356,9 +358,11 @@ def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context:
             local: bool):
     """TokenEvents from a request's output stream; a client that goes away aborts the request."""
     sent = 0
+    finished = False
     worker.drain_state.begin(request_id)
     try:
         for out in worker.loop.iterate(request_id, stream):
+            finished = out.finished
             # counted before the last event goes out: a client that stops reading after it cancels the call,
             # and the generator is not resumed past that yield
             if out.finished:  # prompt tokens only for prompts this worker prefilled itself
@@ -367,6 +371,9 @@ def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context:
             yield token_event(out, sent)
             sent = max(sent, len(out.token_ids))
     except (TransferError, TimeoutError, ConnectionError, RuntimeError, ValueError) as exc:
+        finished = True
         yield common_pb2.TokenEvent(request_id=request_id, finish_reason="error", error=str(exc))
     finally:
+        if not finished:  # the caller went away (or aborted) before the end: counted as an abort
+            worker.metrics.observe_finished(0, sent, "abort")
         worker.drain_state.end(request_id)

@@ -204,7 +204,9 @@ def watch_parent_pipe() -> None:
     exited, however it did) and then SIGTERMs this process, which drains and stops as on any SIGTERM."""
     def watch() -> None:
         try:
-            while sys.stdin.buffer.read(4096):
+            # os.read, not sys.stdin.buffer: a daemon thread blocked in the buffered reader holds its lock, and the
+            # interpreter's shutdown then aborts (SIGABRT, "could not acquire lock for <stdin>")
+            while os.read(sys.stdin.fileno(), 4096):
                 pass
         except (OSError, ValueError):
             pass
@@ -242,8 +244,14 @@ def serve_worker(role: str, worker_id: str, options: WorkerOptions, ports: Worke
     print(f"{role} worker {worker_id} serving on {address}{group}", flush=True)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
+        # set from a thread: Event.set() inside a handler deadlocks when the signal lands while this (main) thread
+        # holds the Event's lock inside wait()
+        signal.signal(sig, lambda *_: threading.Thread(target=done.set).start())
+    while not done.wait(1.0):
+        if worker.loop.stopped:  # a tensor-parallel rank died: this worker cannot serve; exit to be restarted
+            print(f"{role} worker {worker_id}: engine loop stopped ({worker.loop.fatal}); exiting", flush=True)
+            worker.stop()
+            return 3
     aborted = worker.drain(options.drain_timeout_s)  # health says "draining": the router routes elsewhere
     print(f"{role} worker {worker_id} drained ({len(aborted)} requests aborted at the timeout)", flush=True)
     worker.stop()

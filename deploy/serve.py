@@ -218,7 +218,9 @@ def serve(options: ServeOptions, stop: threading.Event | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         def on_signal(signum: int, _frame: object) -> None:
             received.append(SIGNAL_NAMES.get(signal.Signals(signum), str(signum)))
-            stop.set()
+            # set from a thread: Event.set() in the handler deadlocks when the signal lands while this thread
+            # holds the Event's lock inside stop.wait()
+            threading.Thread(target=stop.set).start()
 
         for sig in SIGNAL_NAMES:
             signal.signal(sig, on_signal)

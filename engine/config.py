@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from hybridserve.common.model_config import KV_CACHE_DTYPES, SSM_CACHE_DTYPES, ModelConfig
+from hybridserve.engine.grammar_limits import GrammarLimits
 from hybridserve.engine.spec_config import SpeculativeConfig
 
 # A 9B hybrid's 512-token step is host-bound on an H200 (41 ms for 15.6 ms of GPU work); 2048 tokens keep the
@@ -97,8 +98,17 @@ class EngineConfig:
     # with profile_dir: the window, FIRST:COUNT (busy steps counted from 0 after start-up), or FIRST:COUNT:stack
     # to add every thread's Python frames (slower)
     profile_steps: str = "100:20"
+    # structured outputs: a grammar not compiled within this many seconds is refused (400) and its compile abandoned
+    grammar_compile_timeout_s: float = 10.0
+    grammar_max_spec_bytes: int = 256 * 1024  # a JSON schema or regex over this many bytes is refused (400)
+    grammar_max_properties: int = 2048  # a JSON schema with more object properties in all is refused (400)
+    # a regex larger than this with its counted repetitions expanded (a{100}{100}: 10,000) is refused (400)
+    grammar_max_regex_states: int = 10_000
 
     def __post_init__(self) -> None:
+        self.grammar_limits  # noqa: B018 - validated on construction
+        if not (isinstance(self.grammar_compile_timeout_s, (int, float)) and self.grammar_compile_timeout_s > 0):
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.load_format not in ("safetensors", "dummy"):
             raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {self.load_format!r}")
@@ -200,6 +210,11 @@ class EngineConfig:
     def warmup_enabled(self) -> bool:
         """Whether the engine warms its kernels up at start (the `warmup` default: on CUDA only)."""
         return self.warmup if self.warmup is not None else self.torch_device.type == "cuda"
+
+    @property
+    def grammar_limits(self) -> GrammarLimits:
+        return GrammarLimits(self.grammar_max_spec_bytes, self.grammar_max_properties,
+                             max_regex_states=self.grammar_max_regex_states)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

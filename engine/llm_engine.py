@@ -32,7 +32,7 @@ from hybridserve.engine.spec_decode import SpecDecoder
 from hybridserve.engine.state_connector import StateConnector
 from hybridserve.engine.step_output import StepOutput
 from hybridserve.engine.step_timing import NO_STEP, StepClock
-from hybridserve.engine.structured_output import GrammarBackend
+from hybridserve.engine.structured_output import Grammars
 from hybridserve.engine.warmup import WarmupReport, warm_up
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.models.weights import dummy_model, load_model
@@ -62,6 +62,9 @@ class LLMEngine:
                                   spec, self.tp, config.split_mixed_steps)
         self._capture_graphs()
         self.connector = StateConnector(self)
+        # structured outputs' compile pool: callers prepare a request's grammar on their thread, off the loop
+        self.grammars = Grammars(self.model_dir, self.model_config.vocab_size, self.model_config.eos_token_ids,
+                                 self.tokenizer is not None, config)
         self._requests: dict[str, Request] = {}
         self.last_step = NO_STEP  # the last step's shape and phase times (a worker loop's metrics read it)
         self._counter = itertools.count()
@@ -212,17 +215,14 @@ class LLMEngine:
         return request
 
     def _grammar_matcher(self, params: SamplingParams):  # noqa: ANN202 - xgrammar GrammarMatcher | None
-        """The request's grammar matcher (the backend is built on the first structured request)."""
+        """The request's grammar matcher; its grammar compiles off the loop (`grammars.prepare`, which served
+        callers run on their own thread first), so here it is a cache hit."""
         if params.structured is None:
             return None
-        if self.tokenizer is None:
-            raise ValueError(f"{params.structured.field}: structured outputs need the model's tokenizer; "
-                             f"{self.model_dir} ships none")
+        backend = self.grammars.backend()
         if self.runner.grammar is None:
-            self.runner.use_grammar(GrammarBackend(self.model_dir, self.model_config.vocab_size,
-                                                   self.model_config.eos_token_ids))
-        assert self.runner.grammar is not None
-        return self.runner.grammar.matcher(params.structured)
+            self.runner.use_grammar(backend)
+        return backend.matcher(params.structured)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (queued, running, reserved, held); False if it is unknown."""
@@ -237,6 +237,7 @@ class LLMEngine:
         """Stop the tensor-parallel follower ranks (nothing to do at tensor_parallel_size=1)."""
         if self.tp is not None:
             self.tp.shutdown()
+        self.grammars.close()
 
     # ---- state handoff between a prefill and a decode engine (the connector's) ------------------------
     def state_specs(self, num_tokens: int) -> list[StateTensorSpec]:

@@ -102,8 +102,13 @@ class ModelRunner:
     # ---- the forward ----------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [N, hidden] of a packed batch, by the one path it takes (module docstring)."""
-        if self.tp is not None:
-            self.tp.send_forward(input_ids, batch)  # the followers run the same path on their shards
+        if self.tp is None:
+            return self._forward(input_ids, batch)
+        self.tp.send_forward(input_ids, batch)  # the followers run the same path on their shards
+        with self.tp.checked():  # a collective failing because a follower died raises as its RankError
+            return self._forward(input_ids, batch)
+
+    def _forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         graphs, counts = self.decode_graphs, self.counts
         if graphs is not None:
             size = graphs.bucket_for(batch)
@@ -146,9 +151,11 @@ class ModelRunner:
     def mtp_forward(self, input_ids: torch.Tensor, prev_hidden: torch.Tensor, batch: ForwardBatch,
                     cache: StateCache) -> torch.Tensor:
         """One pass of the MTP drafter ([N], [N, hidden] -> [N, hidden]), on every rank under tensor parallelism."""
-        if self.tp is not None:
-            self.tp.send_mtp_forward(self.model, input_ids, prev_hidden, batch)
-        return self.model.mtp_forward(input_ids, prev_hidden, batch, cache)
+        if self.tp is None:
+            return self.model.mtp_forward(input_ids, prev_hidden, batch, cache)
+        self.tp.send_mtp_forward(self.model, input_ids, prev_hidden, batch)
+        with self.tp.checked():
+            return self.model.mtp_forward(input_ids, prev_hidden, batch, cache)
 
     # ---- a step ---------------------------------------------------------------------------------
     def execute(

@@ -15,12 +15,15 @@ picks the same bucket from the same batch and replays its own graph (engine/cuda
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import socket
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
@@ -34,6 +37,7 @@ from hybridserve.engine.config import DTYPES, EngineConfig
 from hybridserve.engine.cuda_graphs import DecodeGraphs
 from hybridserve.engine.spec_decode import rollback_states, snapshot_state
 from hybridserve.engine.tp_handoff import follow_state_command
+from hybridserve.engine.tp_watch import RankError, RankWatch
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.models.parallel import TPGroup, VocabParallelLMHead
@@ -85,30 +89,43 @@ def unpack_forward(header: list[int], payload: torch.Tensor) -> tuple[torch.Tens
 
 
 class Leader:
-    """Rank 0's end of the group: sends each command to the followers (and owns their processes)."""
+    """Rank 0's end of the group: sends each command to the followers (and owns their processes, which a
+    RankWatch watches: a collective that fails because a follower died raises RankError naming it)."""
 
     def __init__(self, tp: TPGroup, device: torch.device, processes: list[Any], owns_group: bool,
-                 global_config: ModelConfig) -> None:
+                 global_config: ModelConfig, watch: RankWatch | None = None) -> None:
         self.tp = tp
         self.global_config = global_config  # the unsharded model (without MTP): the P/D wire layout
         self.device = device
         self.processes = processes
         self.owns_group = owns_group
         self.closed = False
+        self.watch = watch
+
+    @property
+    def failure(self) -> RankError | None:
+        """Why a follower rank is gone (None while every rank lives): the engine cannot step any more."""
+        return self.watch.failure if self.watch is not None else None
+
+    def checked(self) -> contextlib.AbstractContextManager[None]:
+        """Around rank 0's collectives: an error caused by a dead follower raises as that follower's RankError."""
+        return self.watch.checked() if self.watch is not None else contextlib.nullcontext()
 
     def send(self, fields: list[int], *tensors: torch.Tensor) -> None:
         header = torch.zeros(HEADER, dtype=torch.int64, device=self.device)
         header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
-        self.tp.broadcast(header)
-        for tensor in tensors:
-            self.tp.broadcast(tensor.contiguous())
+        with self.checked():
+            self.tp.broadcast(header)
+            for tensor in tensors:
+                self.tp.broadcast(tensor.contiguous())
 
     def capture_graphs(self, model: HybridLM, cache: StateCache, max_batch: int, max_pages: int) -> DecodeGraphs:
         """Capture rank 0's decode graphs with the followers capturing theirs (the all-reduces pair up); mixed
         steps stay whole under TP (every rank must take the same path). A capture error raises: ranks must not
         disagree on graphs."""
         self.send([CAPTURE, max_batch, max_pages])
-        return capture_rank_graphs(model, cache, max_batch, max_pages)
+        with self.checked():
+            return capture_rank_graphs(model, cache, max_batch, max_pages)
 
     def send_forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> None:
         """The followers run this forward on their shards (rank 0 then runs its own)."""
@@ -120,7 +137,8 @@ class Leader:
         """[M, hidden] -> [M, vocab] fp32: every rank computes its vocabulary shard, rank 0 gathers them."""
         hidden = hidden.to(model.lm_head.weight.dtype)
         self.send([LOGITS, hidden.shape[0], hidden.shape[1]], hidden)
-        logits = cast(VocabParallelLMHead, model.lm_head).gathered_logits(hidden)
+        with self.checked():
+            logits = cast(VocabParallelLMHead, model.lm_head).gathered_logits(hidden)
         assert logits is not None  # rank 0 receives the gather
         return logits
 
@@ -145,6 +163,8 @@ class Leader:
         if self.closed:
             return
         self.closed = True
+        if self.watch is not None:
+            self.watch.stop()
         try:
             self.send([STOP])
         except (RuntimeError, ValueError) as exc:  # a follower already died: its process is reaped below
@@ -242,23 +262,27 @@ def start_leader(model_dir: Path, config: EngineConfig) -> tuple[Leader, HybridL
         raise ValueError(f"tensor_parallel_size={size} needs {size} GPUs (rank r on cuda:r) but this process sees "
                          f"{torch.cuda.device_count()}: set CUDA_VISIBLE_DEVICES to {size} GPUs or lower the size")
     processes: list[Any] = []
+    watch: RankWatch | None = None
     owns_group = not dist.is_initialized()
     if owns_group:
         init = f"tcp://127.0.0.1:{_free_port()}"
         context = mp.get_context("spawn")
+        errors = context.SimpleQueue()  # a follower's last error, for the leader's message
         for rank in range(1, size):
-            process = context.Process(target=follower_main, args=(rank, size, init, str(model_dir), config),
+            process = context.Process(target=follower_main, args=(rank, size, init, str(model_dir), config, errors),
                                       daemon=True, name=f"hybridserve-tp-{rank}")
             process.start()
             processes.append(process)
-        dist.init_process_group(backend, init_method=init, rank=0, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+        watch = RankWatch(processes, errors, backend)
+        watch.rendezvous(lambda: dist.init_process_group(backend, init_method=init, rank=0, world_size=size,
+                                                         timeout=COLLECTIVE_TIMEOUT))
     elif dist.get_world_size() != size or dist.get_rank() != 0:
         raise ValueError(f"torch.distributed has world size {dist.get_world_size()}, rank {dist.get_rank()}; "
                          f"a TP={size} engine runs on rank 0 of a group of {size}")
     tp = TPGroup(0, size, None, config.enable_expert_parallel)
     device = rank_device(config, 0)
     share_cores(device, size)
-    leader = Leader(tp, device, processes, owns_group, dataclasses.replace(model_config, mtp_layer_types=()))
+    leader = Leader(tp, device, processes, owns_group, dataclasses.replace(model_config, mtp_layer_types=()), watch)
     try:
         model = load_rank_model(model_dir, config, tp, device)
     except BaseException:
@@ -282,9 +306,21 @@ def exit_with_parent(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, daemon=True, name="tp-parent-watch").start()
 
 
-def follower_main(rank: int, size: int, init: str | None, model_dir: str, config: EngineConfig) -> None:
+def follower_main(rank: int, size: int, init: str | None, model_dir: str, config: EngineConfig,
+                  errors: Any = None) -> None:
     """A follower rank: join the group, load the shard, then replay rank 0's commands until STOP. `init`
-    None: torch.distributed is set up by a launcher (torchrun's env://)."""
+    None: torch.distributed is set up by a launcher (torchrun's env://). An error that ends it goes to `errors`
+    (rank 0's RankWatch names it) before it is raised."""
+    try:
+        _follower(rank, size, init, model_dir, config, lambda: errors.put((rank, "")) if errors is not None else None)
+    except BaseException as exc:
+        if errors is not None:
+            errors.put((rank, "".join(traceback.format_exception_only(type(exc), exc)).strip()))
+        raise
+
+
+def _follower(rank: int, size: int, init: str | None, model_dir: str, config: EngineConfig,
+              joining: Callable[[], None]) -> None:
     logging.basicConfig(level=os.environ.get("HYBRIDSERVE_LOG_LEVEL", "WARNING"))
     if init is not None:  # spawned by rank 0
         exit_with_parent()
@@ -292,6 +328,7 @@ def follower_main(rank: int, size: int, init: str | None, model_dir: str, config
     backend = "nccl" if device.type == "cuda" else "gloo"
     share_cores(device, size)
     if not dist.is_initialized():
+        joining()  # rank 0 waits for this (watching this process) before its own, uninterruptible, rendezvous
         dist.init_process_group(backend, init_method=init or "env://", rank=rank, world_size=size,
                                 timeout=COLLECTIVE_TIMEOUT)
     tp = TPGroup(rank, size, None, config.enable_expert_parallel)

@@ -47,9 +47,19 @@ def add_front_door_flags(p: argparse.ArgumentParser, host: str) -> None:
     p.add_argument("--generation-config", default="auto",
                    help="sampling defaults for what a request leaves unset: 'auto' (the checkpoint's "
                    "generation_config.json), 'none', or a folder with one (default auto)")
-    p.add_argument("--api-key", default=os.environ.get("HYBRIDSERVE_API_KEY"),
-                   help="clients must send 'Authorization: Bearer KEY' on /v1 and as gRPC metadata "
-                   "(default: $HYBRIDSERVE_API_KEY; unset: no key)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="clients must send 'Authorization: Bearer KEY' on /v1 and as gRPC metadata; repeatable, "
+                   "each KEY or NAME=KEY (the name is the client's identity for aborts, request ids and "
+                   "--max-per-client) (default: $HYBRIDSERVE_API_KEY; unset: no key)")
+    p.add_argument("--api-key-file", default=None,
+                   help="more API keys, one KEY or NAME=KEY a line, # comments (default: none)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds an HTTP connection has for its first byte, and a request for its headers, "
+                   "before it is closed (default 10)")
+    p.add_argument("--max-connections", type=int, default=4096,
+                   help="open HTTP connections in all; more are closed at once (default 4096)")
+    p.add_argument("--max-connections-per-peer", type=int, default=256,
+                   help="open HTTP connections from one address; more are closed at once (default 256)")
 
 
 def add_worker_count_flags(p: argparse.ArgumentParser) -> None:
@@ -100,6 +110,11 @@ def add_drain_flag(p: argparse.ArgumentParser) -> None:
                    help="SIGTERM: seconds the requests in flight get to finish before they are aborted (default 30)")
 
 
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...] | None:
+    keys = args.api_key or ([os.environ["HYBRIDSERVE_API_KEY"]] if os.environ.get("HYBRIDSERVE_API_KEY") else [])
+    return tuple(keys) or None
+
+
 def cluster_options(args: argparse.Namespace) -> dict:
     """The fields `serve` and `up` share (deploy/options.py ClusterOptions), built from their flags."""
     from hybridserve.deploy.options import WorkerOptions
@@ -117,7 +132,10 @@ def cluster_options(args: argparse.Namespace) -> dict:
                                                    worker_sessions=not args.no_worker_sessions,
                                                    worker_socket_sessions=not args.no_socket_sessions)
     router = RouterOptions(model_dir=model_dir, model_name=args.model_name, host=args.host, http_port=args.http_port,
-                           grpc_port=args.grpc_port, api_key=args.api_key, generation_config=args.generation_config,
+                           grpc_port=args.grpc_port, api_key=_api_keys(args), api_key_file=args.api_key_file,
+                           first_byte_timeout_s=args.header_timeout, header_timeout_s=args.header_timeout,
+                           max_connections=args.max_connections, max_connections_per_peer=args.max_connections_per_peer,
+                           generation_config=args.generation_config,
                            internal_token=args.internal_token, drain_timeout_s=args.drain_timeout,
                            internal_tls=tls, warm_up_path=not args.no_warm_up_path, **extra)
     on_ray_cluster = getattr(args, "address", None) and not getattr(args, "no_ray", False)

@@ -41,6 +41,10 @@ logger = logging.getLogger(__name__)
 
 
 
+class PrefillAborted(RuntimeError):
+    """The prefill's request was aborted (the router, or its client, went away) before its first token."""
+
+
 class PrefillWorker:
     """Engine loop + gRPC server for the prefill role."""
 
@@ -110,7 +114,12 @@ class PrefillWorker:
         specs = self.engine.state_specs(len(prompt))  # cache geometry only: safe off the loop thread
         header = StateHeader(ticket=request.ticket, request_id=request_id, model_fingerprint=self.fingerprint,
                              num_tokens=len(prompt), first_token=0, num_cached_tokens=0)
-        first, staged = self._prefill_and_stage(prompt, params, request_id, specs)
+        try:
+            first, staged = self._prefill_and_stage(prompt, params, request_id, specs)
+        except BaseException as exc:
+            # aborted (the router or its client gone) or failed: counted by its reason, never lost
+            self.metrics.observe_finished(len(prompt), 0, "abort" if isinstance(exc, PrefillAborted) else "error")
+            raise
         header = dataclasses.replace(header, first_token=first.token_ids[0], num_cached_tokens=first.num_cached_tokens)
         self.metrics.observe_finished(len(prompt), 1, first.finish_reason or "")
         start = time.perf_counter()
@@ -159,7 +168,7 @@ class PrefillWorker:
             for out in self.loop.generate(prompt, params, request_id, hold_state=True, on_held=export_on_loop):
                 first = out
             if first is None or first.finish_reason == "abort":
-                raise RuntimeError(f"prefill of {request_id} was aborted")
+                raise PrefillAborted(f"prefill of {request_id} was aborted")
             if not exported.done():  # held without the end-of-step hook having run: run it now
                 self.loop.call(lambda: export_on_loop(request_id))
             staged = exported.result()

@@ -10,7 +10,7 @@ from hybridserve.proto import common_pb2
 def sampling_from_proto(options: common_pb2.SamplingOptions) -> SamplingParams:
     """Raises ValueError (-> INVALID_ARGUMENT) for values SamplingParams refuses."""
     return SamplingParams(
-        max_tokens=int(options.max_tokens) if options.max_tokens else 16,
+        max_tokens=int(options.max_tokens) if options.HasField("max_tokens") else 16,  # 0 set: refused
         temperature=float(options.temperature),
         top_p=float(options.top_p) if options.top_p else 1.0,
         top_k=int(options.top_k) if options.top_k else -1,

@@ -14,6 +14,7 @@ from hybridserve.common.tokenizer import load_tokenizer
 from hybridserve.router.admission import AdmissionController
 from hybridserve.router.chat_template import ChatTemplate
 from hybridserve.router.config import RouterOptions
+from hybridserve.router.connection_guard import ConnectionLimits
 from hybridserve.router.frontend import Frontend
 from hybridserve.router.grpc_server import start_router_server
 from hybridserve.router.http_server import HttpServer, create_app
@@ -54,18 +55,19 @@ class Router:
     def start(self) -> Router:
         """Open the doors, warm the serving path through them (`warm_up_path`), then report ready on /ready."""
         o = self.options
+        keys = o.api_keys
         loop = self.orchestrator.loop  # both doors run on the orchestrator's loop: a request never crosses threads
         self.frontend.path_warm = not o.warm_up_path
         if o.http_port is not None:
-            self.http = HttpServer(create_app(self.frontend, self.targets, o.api_key, o.max_body_bytes), o.host,
-                                   o.http_port, loop)
+            self.http = HttpServer(create_app(self.frontend, self.targets, keys, o.max_body_bytes), o.host,
+                                   o.http_port, loop, ConnectionLimits.of(o))
             self.http_address = self.http.start()
         if o.grpc_port is not None:
-            self.grpc_server, self.grpc_address = loop.run(start_router_server(self.frontend, o.host, o.grpc_port,
-                                                                               api_key=o.api_key))
+            self.grpc_server, self.grpc_address = loop.run(start_router_server(
+                self.frontend, o.host, o.grpc_port, api_keys=keys, handshake_timeout_s=o.header_timeout_s))
         if o.warm_up_path:
             self.orchestrator.workers.poll_once()  # the workers' Health first: the warm-up then takes their sessions
-            warm_serving_path(self.http_address, self.grpc_address, o.served_name, o.api_key)
+            warm_serving_path(self.http_address, self.grpc_address, o.served_name, keys.keys[0][1] if keys else None)
             if not self.frontend.admission.wait_idle(WARMUP_SETTLE_S):  # their bookkeeping after the last byte
                 logger.warning("requests still in flight %.0f s after the path warm-up: the metrics restart under them",
                                WARMUP_SETTLE_S)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hybridserve.common.generation_defaults import load_generation_defaults
 from hybridserve.proto.internal_tls import InternalTlsConfig
+from hybridserve.router.auth import ApiKeys
 
 MAX_BODY_BYTES = 8 << 20  # a 128K-token prompt as JSON token ids is ~1 MB
 
@@ -144,7 +145,17 @@ class RouterOptions:
     generation_config: str = "auto"
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
-    api_key: str | None = None  # required of clients on /v1 (HTTP) and every gRPC call when set
+    # required of clients on /v1 (HTTP) and every gRPC call when set: a key, or several ("KEY" or "NAME=KEY");
+    # a client's identity (aborts, request ids, max_per_client) is its key's name
+    api_key: str | tuple[str, ...] | None = None
+    api_key_file: str | None = None  # more keys, one "KEY" or "NAME=KEY" a line (# comments)
+    # HTTP connections: closed when no byte arrives within first_byte_timeout_s of opening, or a request's headers
+    # are not complete within header_timeout_s of its first byte (slow-header attacks); at most
+    # max_connections open, max_connections_per_peer from one address (more are closed at once)
+    first_byte_timeout_s: float = 10.0
+    header_timeout_s: float = 10.0
+    max_connections: int = 4096
+    max_connections_per_peer: int = 256
     max_body_bytes: int = MAX_BODY_BYTES  # larger HTTP request bodies get 413
     # shared secret the router sends on every call to a worker (WorkerOptions.internal_token); None: insecure
     internal_token: str | None = None
@@ -170,6 +181,14 @@ class RouterOptions:
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         load_generation_defaults(self.generation_config, self.model_dir)  # a bad setting fails at start-up
+        self.api_keys  # noqa: B018 - a bad key or key file fails at start-up
+        for name in ("first_byte_timeout_s", "header_timeout_s", "max_connections", "max_connections_per_peer"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def api_keys(self) -> ApiKeys:
+        return ApiKeys.load(self.api_key, self.api_key_file)
 
     @property
     def served_name(self) -> str:

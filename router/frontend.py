@@ -24,6 +24,7 @@ from hybridserve.router.chat_template import ChatTemplate
 from hybridserve.router.metrics import RouterMetrics
 from hybridserve.router.openai_protocol import ApiError
 from hybridserve.router.orchestrator import Orchestrator, WorkerError
+from hybridserve.router.request_checks import check_sampling, check_text
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +43,11 @@ GRPC_TO_HTTP = {
 
 
 def worker_error_to_api(exc: WorkerError) -> ApiError:
+    """The client's error: its public message (no worker addresses; the full one is logged here)."""
     status, type_, kind = GRPC_TO_HTTP.get(exc.code, (500, "server_error", "internal"))
-    return ApiError(status, str(exc), type_, code=kind)
+    if status >= 500:
+        logger.warning("request failed on the workers (%s): %s", exc.code.name, exc)
+    return ApiError(status, exc.public, type_, code=kind)
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ class Frontend:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ApiError(400, "this model has no tokenizer: send token ids", param=param)
+            check_text(prompt, param)  # a lone surrogate: the tokenizer would raise TypeError
             ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         else:
             ids = [int(t) for t in prompt]
@@ -122,13 +127,15 @@ class Frontend:
             raise ApiError(400, f"logit_bias token ids must be below the vocabulary size {self.vocab_size}",
                            param="logit_bias")
         try:
-            return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                  seed=None if seed is None else seed + choice,
-                                  stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos, **extras)
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                    seed=None if seed is None else seed + choice,
+                                    stop_token_ids=tuple(stop_token_ids or ()), ignore_eos=ignore_eos, **extras)
         except ValueError as exc:
             message = str(exc)
             param = next((name for name in ("min_tokens", *extras) if message.startswith(name)), None)
             raise ApiError(400, message, param=param) from exc
+        check_sampling(params)  # the gRPC door's checks too (router/request_checks.py)
+        return params
 
     # ---- one generation --------------------------------------------------------------------------
     async def deltas(self, index: int, prompt: list[int], params: SamplingParams, request_id: str,
@@ -142,8 +149,10 @@ class Frontend:
         try:
             async for event in events:
                 if event.finish_reason not in ("", "stop", "length"):
-                    raise ApiError(503, f"the worker ended the request ({event.finish_reason}): {event.error}",
-                                   "server_error", code="unavailable")
+                    logger.warning("request %s ended on its worker (%s): %s", request_id, event.finish_reason,
+                                   event.error)
+                    raise ApiError(503, f"the worker ended the request ({event.finish_reason}); request id "
+                                        f"{request_id} in the server log", "server_error", code="unavailable")
                 delta = text.add(event.token_ids)
                 finish = "stop" if text.stopped else (event.finish_reason or None)
                 if finish and not text.stopped:

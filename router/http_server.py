@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import json
 import logging
 import time
 import uuid
@@ -23,12 +22,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hybridserve.router.admission import Overloaded, client_key
-from hybridserve.router.auth import authorized, protected
+from hybridserve.router.admission import Overloaded
+from hybridserve.router.auth import ApiKeys, authorized, protected
 from hybridserve.router.config import MAX_BODY_BYTES
+from hybridserve.router.connection_guard import ConnectionLimits, guarded_protocol
 from hybridserve.router.event_loop import LoopThread
 from hybridserve.router.frontend import Frontend
+from hybridserve.router.metrics import RouterMetrics
 from hybridserve.router.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -38,13 +40,16 @@ from hybridserve.router.openai_protocol import (
     validation_message,
 )
 from hybridserve.router.openai_service import OpenAIService
+from hybridserve.router.request_checks import check_request_id, parse_json_body
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 DISCONNECT_POLL_S = 0.05
-_STATUS_KIND = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 409: "conflict", 413: "too_large",
+BIG_BODY_BYTES = 64 * 1024  # bodies above this are parsed and validated on a thread, off the router's loop
+_STATUS_KIND = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+                409: "conflict", 413: "too_large", 500: "internal",
                 429: "overloaded", 499: "cancelled", 503: "unavailable", 504: "timeout"}
 
 
@@ -94,10 +99,11 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = None,
-               api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> GenerationFastPath:
+               api_keys: ApiKeys | str | None = None, max_body_bytes: int = MAX_BODY_BYTES) -> GenerationFastPath:
     """The ASGI app (FastAPI behind the generation fast path); `targets` returns the http_sd target groups of
-    every component; with `api_key` the /v1 routes need `Authorization: Bearer <api_key>` (401 otherwise);
-    bodies over `max_body_bytes` get 413."""
+    every component; with `api_keys` the /v1 routes need `Authorization: Bearer <one of them>` (401 otherwise);
+    bodies over `max_body_bytes` get 413. Every error, 404 / 405 / 500 included, has the OpenAI error body."""
+    keys = api_keys if isinstance(api_keys, ApiKeys) else ApiKeys.load(api_keys)
     app = FastAPI(title="hybridserve", docs_url=None, redoc_url=None)
     service = OpenAIService(frontend)
     metrics = frontend.metrics
@@ -107,15 +113,23 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
         if status >= 400:
             metrics.count_error(_STATUS_KIND.get(status, "internal"))
 
+    def internal_error(endpoint: str, exc: BaseException, request_id: str | None = None) -> JSONResponse:
+        """A 500 whose body names no internals (addresses, library paths): they go to the log with the id."""
+        request_id = request_id or uuid.uuid4().hex
+        logger.error("request %s to %s failed", request_id, endpoint, exc_info=exc)
+        count(endpoint, 500)
+        return _error(ApiError(500, f"internal error (request id {request_id}); the server log has the details",
+                               "server_error", code="internal"))
+
     def refused(request: Request) -> Response | None:
         """The 401 of a request to a protected path without the API key (None: let it through)."""
-        if api_key and protected(request.url.path) and not authorized(request.headers.get("authorization"), api_key):
+        if keys and protected(request.url.path) and not authorized(request.headers.get("authorization"), keys):
             count(request.url.path, 401)
             return _error(ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                    code="invalid_api_key"))
         return None
 
-    if api_key:
+    if keys:
         @app.middleware("http")
         async def _require_key(request: Request, call_next):  # noqa: ANN202 - Starlette's middleware signature
             return refused(request) or await call_next(request)
@@ -125,6 +139,36 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
         message, param = validation_message(exc.errors())
         count(request.url.path, 400)
         return _error(ApiError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown paths (404), wrong methods (405) and the like, in the OpenAI error shape."""
+        count("other", exc.status_code)
+        if exc.status_code == 404:
+            message = f"no route {request.url.path}; this server serves /v1/completions, /v1/chat/completions, /v1/models"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return _error(ApiError(exc.status_code, message, code=_STATUS_KIND.get(exc.status_code)),
+                      dict(exc.headers) if exc.headers else None)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        return internal_error(request.url.path, exc)
+
+    def validate(raw: bytearray, model):  # noqa: ANN202 - the pydantic model given
+        data = parse_json_body(raw)  # bounded nesting, no NaN, valid Unicode: 400 otherwise
+        if not isinstance(data, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        try:
+            req = model.model_validate(data)
+        except ValidationError as exc:
+            message, param = validation_message(exc.errors())
+            raise ApiError(400, message, param=param) from exc
+        if len(raw) > BIG_BODY_BYTES and hasattr(req, "grammar"):
+            req.grammar()  # a large schema's serialization: here, on the thread, not on the loop
+        return req
 
     async def parse(request: Request, model):
         """The body as `model`, or ApiError 400 (malformed JSON, wrong types, unsupported values)."""
@@ -136,17 +180,8 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
             raw += piece
             if len(raw) > max_body_bytes:
                 raise ApiError(413, f"the request body is over {max_body_bytes} bytes, this server's limit")
-        try:
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        try:
-            req = model.model_validate(data)
-        except ValidationError as exc:
-            message, param = validation_message(exc.errors())
-            raise ApiError(400, message, param=param) from exc
+        # a big body (a large schema) is parsed on a thread: on this loop it would hold up every stream it relays
+        req = validate(raw, model) if len(raw) <= BIG_BODY_BYTES else await asyncio.to_thread(validate, raw, model)
         if req.model != frontend.model_name:
             raise ApiError(404, f"the model {req.model!r} does not exist; this server serves {frontend.model_name!r}",
                            param="model", code="model_not_found")
@@ -159,9 +194,10 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
         label = request.headers.get("x-request-id") or request_id
         if label != request_id:
             logger.debug("request %s is %s", label, request_id)
+        client = keys.identity(request.headers.get("authorization"), request.client.host if request.client else "")
         try:
+            check_request_id(label, "x-request-id")
             req = await parse(request, model)
-            client = client_key(request.headers.get("authorization"), request.client.host if request.client else "")
             if not frontend.admission.try_acquire(client):  # wait in line, on the loop; a client that leaves, leaves it
                 await _unless_disconnected(request, frontend.admission.acquire_async(client))
         except _ClientGone:
@@ -193,9 +229,11 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
             release()
             count(endpoint, exc.status)
             return _error(exc)
+        except Exception as exc:  # a bug: logged with the request id, answered in the OpenAI shape
+            release()
+            return internal_error(endpoint, exc, request_id)
         except BaseException:
             release()
-            count(endpoint, 500)
             raise
         if isinstance(result, dict):
             release()
@@ -203,14 +241,19 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
             return JSONResponse(result, headers={"x-request-id": label})
 
         async def body() -> AsyncIterator[str]:
+            status = 499  # unless the stream ends: the client closed the connection (nginx's status for it)
             try:
                 async for piece in result:
                     yield piece
+                status = 200
+            except Exception:  # the status line went out already: the stream just ends, the log has why
+                status = 500
+                logger.exception("stream of request %s (%s) failed", label, request_id)
             finally:  # also on disconnect: Starlette cancels this generator, closing `result` aborts the work
+                count(endpoint, status)
                 await result.aclose()
                 release()
 
-        count(endpoint, 200)
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"x-request-id": label, "cache-control": "no-cache"})
 
@@ -281,7 +324,7 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
     async def http_sd() -> JSONResponse:
         return JSONResponse(targets() if targets is not None else [])
 
-    return GenerationFastPath(app, generation, refused)
+    return GenerationFastPath(app, generation, refused, metrics)
 
 
 class GenerationFastPath:
@@ -292,8 +335,9 @@ class GenerationFastPath:
     an exception escaping them still reaches uvicorn, which answers 500 and logs it."""
 
     def __init__(self, app: FastAPI, endpoints: dict[str, Callable[[Request], Awaitable[Response]]],
-                 refused: Callable[[Request], Response | None]) -> None:
+                 refused: Callable[[Request], Response | None], metrics: RouterMetrics | None = None) -> None:
         self.app = app
+        self.metrics = metrics
         self._endpoints = endpoints
         self._refused = refused
 
@@ -304,7 +348,12 @@ class GenerationFastPath:
             await self.app(scope, receive, send)
             return
         request = Request(scope, receive, send)
-        response = self._refused(request) or await endpoint(request)
+        try:
+            response = self._refused(request) or await endpoint(request)
+        except Exception:  # the endpoints answer their errors; anything else is a bug, logged, answered as JSON
+            logger.exception("%s failed", scope["path"])
+            response = _error(ApiError(500, "internal error; the server log has the details", "server_error",
+                                       code="internal"))
         await response(scope, receive, send)
 
 
@@ -322,8 +371,11 @@ class HttpServer:
     """uvicorn on the router's event loop (the orchestrator's: a request never crosses threads), with a bound
     port to report (port 0 picks a free one)."""
 
-    def __init__(self, app: GenerationFastPath, host: str, port: int, loop: LoopThread) -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False)
+    def __init__(self, app: GenerationFastPath, host: str, port: int, loop: LoopThread,
+                 limits: ConnectionLimits | None = None) -> None:
+        protocol = guarded_protocol(limits or ConnectionLimits(), app.metrics)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off", access_log=False,
+                                http=protocol)
         self._server = uvicorn.Server(config)
         self._loop = loop
         self._serving: concurrent.futures.Future | None = None

@@ -12,7 +12,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from hybridserve.common.sampling_params import MAX_NO_REPEAT_NGRAM, StructuredOutput
 from hybridserve.router.tool_calls import forced_call_schema
@@ -20,6 +20,12 @@ from hybridserve.router.tool_calls import forced_call_schema
 MAX_N = 16
 MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20  # top alternatives per position (engine.sampling_params.MAX_LOGPROBS)
+
+
+def schema_text(schema: Any) -> str:
+    """A schema as JSON text, as json.dumps writes it, by the pure-Python encoder: a large schema then holds the
+    GIL in 5 ms slices rather than for the whole C-encoded dump, so the router's loop keeps relaying meanwhile."""
+    return "".join(json.JSONEncoder().iterencode(schema))
 
 
 class ApiError(Exception):
@@ -82,6 +88,7 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     return_token_ids: bool = False
+    _grammar: tuple[StructuredOutput | None] | None = PrivateAttr(None)  # grammar()'s result once computed
 
     @field_validator("stop")
     @classmethod
@@ -127,9 +134,9 @@ class _SamplingFields(BaseModel):
                     return StructuredOutput("json_object", field=name)
                 if rf.json_schema is None or rf.json_schema.schema_ is None:
                     raise ValueError("response_format json_schema needs json_schema.schema")
-                return StructuredOutput("json", json.dumps(rf.json_schema.schema_), field=name)
+                return StructuredOutput("json", schema_text(rf.json_schema.schema_), field=name)
             if name == "guided_json":
-                spec = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+                spec = self.guided_json if isinstance(self.guided_json, str) else schema_text(self.guided_json)
                 return StructuredOutput("json", spec, field=name)
             if name == "guided_regex":
                 return StructuredOutput("regex", self.guided_regex or "", field=name)
@@ -137,9 +144,16 @@ class _SamplingFields(BaseModel):
         except ValueError as exc:
             raise ApiError(400, str(exc), param=name) from exc
 
+    def grammar(self) -> StructuredOutput | None:
+        """`structured()`, computed once: it serializes the schema, which for a large one takes a while (the
+        HTTP door computes it off its event loop for large bodies)."""
+        if self._grammar is None:
+            self._grammar = (self.structured(),)
+        return self._grammar[0]
+
     def sampling_extras(self) -> dict[str, Any]:
         """The SamplingParams fields beyond the basic ones, as given."""
-        return {"structured": self.structured(), "stop": tuple(self.stop or ()),
+        return {"structured": self.grammar(), "stop": tuple(self.stop or ()),
                 "include_stop_str_in_output": self.include_stop_str_in_output, "min_tokens": self.min_tokens,
                 "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": self.repetition_penalty,
@@ -323,4 +337,6 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid request")
+    if first.get("type") == "value_error" and msg.startswith("Value error, "):  # our validators' own words
+        msg = msg[len("Value error, "):]
     return (f"{param}: {msg}" if param else msg), param

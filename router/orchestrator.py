@@ -195,7 +195,8 @@ class Orchestrator:
                 busy_since = busy_since if busy_since is not None else time.perf_counter()
                 if res.capacity_wait_s is not None and time.perf_counter() - busy_since > res.capacity_wait_s:
                     raise WorkerError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                      f"decode workers stayed full for {res.capacity_wait_s:.0f} s: {busy}") from None
+                                      f"decode workers stayed full for {res.capacity_wait_s:.0f} s: {busy}",
+                                      f"decode workers stayed full for {res.capacity_wait_s:.0f} s") from None
                 self.metrics.seat_waits.inc()
                 at_head = await busy.worker.seats.wait(again=head_of is busy.worker, cancelled=active.cancelled)
                 head_of = busy.worker if at_head else None
@@ -215,7 +216,9 @@ class Orchestrator:
                 yield event
             return
         raise WorkerError(last.error.code() if last else grpc.StatusCode.UNAVAILABLE,
-                          f"no worker could serve the request: {last}")
+                          f"no worker could serve the request: {last}",
+                          f"no worker could serve the request ({last.stage}: {last.error.code().name})" if last
+                          else "no worker could serve the request")
 
     async def _start(self, d: Decision, prompt: list[int], sampling: common_pb2.SamplingOptions, active: _Active
                      ) -> tuple[Any, common_pb2.TokenEvent]:
@@ -296,7 +299,8 @@ class Orchestrator:
                      ) -> common_pb2.TokenEvent:
         first = await self._call(worker, stage, active, events.read())
         if first is grpc.aio.EOF:
-            raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"{worker.address} closed the stream before any token")
+            raise WorkerError(grpc.StatusCode.UNAVAILABLE, f"{worker.address} closed the stream before any token",
+                              f"the {worker.role} worker closed the stream before any token")
         return first
 
     def _fail(self, worker: WorkerHandle, exc: grpc.RpcError, stage: str, active: _Active) -> None:
@@ -309,7 +313,8 @@ class Orchestrator:
         # the decode worker has no seat (reserve) or its own queue is full (local): wait in line, do not refuse
         if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and stage in ("reserve", "generate_local"):
             raise _Busy(worker, stage, exc) from exc
-        raise WorkerError(exc.code(), f"{stage} on {worker.role} worker {worker.address} failed: {exc.details()}") from exc
+        raise WorkerError(exc.code(), f"{stage} on {worker.role} worker {worker.address} failed: {exc.details()}",
+                          exc.details()) from exc
 
     async def _relay(self, d: Decision, events: Any, first: common_pb2.TokenEvent, active: _Active, start: float
                      ) -> AsyncGenerator[common_pb2.TokenEvent, None]:

@@ -12,11 +12,13 @@ if TYPE_CHECKING:
 
 
 class WorkerError(RuntimeError):
-    """A request failed on the workers; `code` is the gRPC status to report."""
+    """A request failed on the workers; `code` is the gRPC status to report. `public`: the message for the
+    client, without internal addresses (the full message goes to the router's log)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, public: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.public = public if public is not None else message
 
 
 class RetryElsewhere(Exception):

@@ -18,6 +18,7 @@ from typing import Any, Protocol, TypeVar
 from hybridserve.common.outputs import RequestOutput
 from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.engine.tp_watch import RankError
 from hybridserve.worker_runtime.loop_stats import LoopStats
 from hybridserve.worker_runtime.step_profiler import StepProfileConfig, StepProfiler
 
@@ -83,6 +84,7 @@ class EngineLoop:
         self._calls: queue.Queue[tuple[Callable[[], Any], Future | None]] = queue.Queue()  # None: posted
         self._streams: dict[str, OutputSink] = {}
         self._stop = threading.Event()
+        self.fatal: BaseException | None = None  # what stopped the loop for good (a dead tensor-parallel rank)
         self.stats = LoopStats(name)
         profile = StepProfileConfig.from_engine(engine.config)  # profile_dir: a trace of a window of busy steps
         self.profiler = StepProfiler(profile, name) if profile is not None else None
@@ -102,8 +104,12 @@ class EngineLoop:
         """Run fn on the loop thread between steps and return its result (or raise its exception)."""
         if threading.current_thread() is self._thread:
             return fn()
+        if self._stop.is_set():
+            raise RuntimeError(f"the engine loop stopped{f': {self.fatal}' if self.fatal else ''}")
         future: Future = Future()
         self._calls.put((fn, future))
+        if self._stop.is_set() and not self._thread.is_alive():  # stopped meanwhile: nobody will run it
+            self._fail_calls()
         return future.result(timeout=timeout)
 
     def post(self, fn: Callable[[], Any]) -> None:
@@ -185,6 +191,7 @@ class EngineLoop:
     ) -> Iterator[RequestOutput]:
         """Add a request and yield its outputs until it finishes (`on_held`: see `LLMEngine.add_request`);
         CapacityError when the engine's waiting queue is full."""
+        self.engine.grammars.prepare(params)  # its grammar compiles off the loop; the request waits here for it
         hashes = self.engine.pool.prompt_hashes(prompt_token_ids)  # on the caller's thread, not the loop
         stream = self.submit(request_id, lambda: self.engine.add_request(prompt_token_ids, params, request_id,
                                                                           hold_state, on_held, bounded=True,
@@ -244,6 +251,17 @@ class EngineLoop:
             except queue.Empty:
                 return
 
+    def _fail_calls(self) -> None:
+        """The loop is ending: a call still queued fails instead of leaving its caller (a gRPC handler thread,
+        which the interpreter joins at exit) waiting for ever."""
+        while True:
+            try:
+                _, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError("the engine loop stopped"))
+
     def _hand_off(self) -> None:
         """Put the held outputs into their requests' streams (a stream closed meanwhile drops its output)."""
         outputs, self._pending = self._pending, []
@@ -267,6 +285,7 @@ class EngineLoop:
         try:
             self._loop()
         finally:
+            self._fail_calls()
             self._hand_off()
             if self.profiler is not None:
                 self.profiler.finish()
@@ -291,6 +310,9 @@ class EngineLoop:
                     stream.put(RuntimeError(f"engine step failed: {exc}"))
                     self.engine.abort(request_id)
                 self.stats.idle()
+                if isinstance(exc, RankError):  # ... unless a tensor-parallel rank is gone: no step can run again
+                    self.fatal = exc
+                    self._stop.set()  # calls now fail at once (health too), and the worker process exits
                 continue
             stepped = time.perf_counter()
             self._step_started = None

@@ -49,8 +49,15 @@ def _busy(cluster: Cluster) -> bool:
     return bool(worker.loop.call(worker.engine.has_unfinished))
 
 
+def _worker_aborts(cluster: Cluster) -> float:
+    value = cluster.decode[0].metrics.registry.get_sample_value(
+        "hybridserve_worker_requests_total", {"role": "decode", "finish_reason": "abort"})
+    return value or 0.0
+
+
 def test_full_queue_is_429_long_wait_is_503_and_disconnect_aborts(slow) -> None:
     url = slow.base_url + "/v1/completions"
+    gone_before, aborts_before = _answered(slow, "499"), _worker_aborts(slow)
     with httpx.Client(timeout=30) as client, client.stream("POST", url, json=_body(stream=True)) as running:
         assert running.status_code == 200
         lines = running.iter_lines()
@@ -70,13 +77,15 @@ def test_full_queue_is_429_long_wait_is_503_and_disconnect_aborts(slow) -> None:
     # the client closed the stream long before 200 tokens at STEP_DELAY_S each
     assert slow.idle(timeout=2.0), "the decode worker kept generating after the client left"
     assert slow.router.frontend.admission.running == 0
+    assert _answered(slow, "499") == gone_before + 1  # the stream the client closed: not a 200
+    assert _worker_aborts(slow) == aborts_before + 1  # and on the worker: finish_reason "abort"
     ok = httpx.post(url, json=_body(4), timeout=30)
     assert ok.status_code == 200
 
 
-def _answered(cluster: Cluster, status: str) -> float:
+def _answered(cluster: Cluster, status: str, endpoint: str = "/v1/completions") -> float:
     value = cluster.router.metrics.registry.get_sample_value(
-        "hybridserve_router_requests_total", {"endpoint": "/v1/completions", "status": status})
+        "hybridserve_router_requests_total", {"endpoint": endpoint, "status": status})
     return value or 0.0
 
 
@@ -96,10 +105,15 @@ def test_non_streaming_disconnect_aborts(slow) -> None:
 def test_grpc_cancel_aborts(slow) -> None:
     stub = router_pb2_grpc.RouterStub(grpc.insecure_channel(slow.router.grpc_address))
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+    before = _answered(slow, "499", "grpc/Generate")
     call = stub.Generate(router_pb2.GenerateRequest(text="cancel me", sampling=sampling_to_proto(params)), timeout=30)
     next(call)
     call.cancel()
     assert slow.idle(timeout=2.0)
+    deadline = time.monotonic() + 2
+    while _answered(slow, "499", "grpc/Generate") == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _answered(slow, "499", "grpc/Generate") == before + 1
 
 
 def test_in_flight_request_id_is_not_run_twice(slow) -> None:
@@ -117,18 +131,19 @@ def test_in_flight_request_id_is_not_run_twice(slow) -> None:
     assert slow.idle(timeout=2.0)
 
 
-def test_grpc_abort_reaches_only_the_callers_own_requests(slow) -> None:
-    """The client's request_id is a label echoed back; another connection's Abort of that label finds nothing
-    and the stream goes on; the caller's own Abort ends it."""
+def test_grpc_abort_without_keys_is_keyed_by_the_peer_address(slow) -> None:
+    """The client's request_id is a label echoed back; without API keys a client is its address, so another
+    connection from the same host is the same client and its Abort ends the stream (router/auth.py; keyed
+    isolation between clients: test_client_isolation.py)."""
     own = grpc.insecure_channel(slow.router.grpc_address, options=[("grpc.use_local_subchannel_pool", 1)])
     other = grpc.insecure_channel(slow.router.grpc_address, options=[("grpc.use_local_subchannel_pool", 1)])
     params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
     request = router_pb2.GenerateRequest(request_id="mine", text="abort me", sampling=sampling_to_proto(params))
     call = router_pb2_grpc.RouterStub(own).Generate(request, timeout=30)
     assert next(call).event.request_id == "mine"
-    assert not router_pb2_grpc.RouterStub(other).Abort(common_pb2.AbortRequest(request_id="mine"), timeout=5).found
+    assert not router_pb2_grpc.RouterStub(other).Abort(common_pb2.AbortRequest(request_id="other"), timeout=5).found
     next(call)  # still streaming
-    assert router_pb2_grpc.RouterStub(own).Abort(common_pb2.AbortRequest(request_id="mine"), timeout=5).found
+    assert router_pb2_grpc.RouterStub(other).Abort(common_pb2.AbortRequest(request_id="mine"), timeout=5).found
     with pytest.raises(grpc.RpcError) as ended:
         list(call)
     assert ended.value.code() == grpc.StatusCode.CANCELLED

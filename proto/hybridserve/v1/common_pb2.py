@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bhybridserve/v1/common.proto\x12\x0ehybridserve.v1\"\xc3\x05\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x42\n\nlogit_bias\x18\x0b \x03(\x0b\x32..hybridserve.v1.SamplingOptions.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x03\x88\x01\x01\x12\x17\n\x0fstructured_kind\x18\x0f \x01(\t\x12\x17\n\x0fstructured_spec\x18\x10 \x01(\t\x12\x1a\n\x12structured_choices\x18\x11 \x03(\t\x12\x18\n\x10structured_field\x18\x12 \x01(\t\x12\x0c\n\x04stop\x18\x13 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08\x12!\n\x14no_repeat_ngram_size\x18\x15 \x01(\rH\x04\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penaltyB\x17\n\x15_no_repeat_ngram_size\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x01\"\xf6\x01\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12.\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1c.hybridserve.v1.TokenLogprob\x12\x35\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1c.hybridserve.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xca\x03\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x18\n\x10\x66ree_state_slots\x18\x06 \x01(\r\x12\x15\n\rfree_kv_pages\x18\x07 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x08 \x01(\r\x12\x11\n\tworker_id\x18\t \x01(\t\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x13\n\x0bstate_block\x18\x0b \x01(\r\x12\x14\n\x0cmetrics_port\x18\x0c \x01(\r\x12\x15\n\rmax_model_len\x18\r \x01(\r\x12\x19\n\x11total_state_slots\x18\x0e \x01(\r\x12\x16\n\x0etotal_kv_pages\x18\x0f \x01(\r\x12\x13\n\x0b\x63onfig_json\x18\x10 \x01(\t\x12\x10\n\x08sessions\x18\x11 \x01(\x08\x12\x14\n\x0csession_port\x18\x12 \x01(\r\x12\x13\n\x0bmax_running\x18\x13 \x01(\r\x12\x17\n\x0fmax_num_waiting\x18\x14 \x01(\r\"\xe6\x01\n\nCacheEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12-\n\x04kind\x18\x02 \x01(\x0e\x32\x1f.hybridserve.v1.CacheEvent.Kind\x12\x12\n\nblock_hash\x18\x03 \x01(\t\x12\x13\n\x0bparent_hash\x18\x04 \x01(\t\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\"Z\n\x04Kind\x12\x10\n\x0c\x42LOCK_STORED\x10\x00\x12\x11\n\rBLOCK_REMOVED\x10\x01\x12\x15\n\x11\x43HECKPOINT_STORED\x10\x02\x12\x16\n\x12\x43HECKPOINT_REMOVED\x10\x03\">\n\x12\x43\x61\x63heEventsRequest\x12\x16\n\x0esince_sequence\x18\x01 \x01(\x04\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\"\x86\x01\n\x0f\x43\x61\x63heEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12*\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1a.hybridserve.v1.CacheEvent\x12\x15\n\rnext_sequence\x18\x03 \x01(\x04\x12\x0b\n\x03gap\x18\x04 \x01(\x08\x12\x10\n\x08snapshot\x18\x05 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bhybridserve/v1/common.proto\x12\x0ehybridserve.v1\"\xd7\x05\n\x0fSamplingOptions\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\rH\x02\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\t \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x42\n\nlogit_bias\x18\x0b \x03(\x0b\x32..hybridserve.v1.SamplingOptions.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\x04\x88\x01\x01\x12\x17\n\x0fstructured_kind\x18\x0f \x01(\t\x12\x17\n\x0fstructured_spec\x18\x10 \x01(\t\x12\x1a\n\x12structured_choices\x18\x11 \x03(\t\x12\x18\n\x10structured_field\x18\x12 \x01(\t\x12\x0c\n\x04stop\x18\x13 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08\x12!\n\x14no_repeat_ngram_size\x18\x15 \x01(\rH\x05\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penaltyB\x17\n\x15_no_repeat_ngram_size\"l\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x01\"\xf6\x01\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12.\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1c.hybridserve.v1.TokenLogprob\x12\x35\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1c.hybridserve.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xca\x03\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x18\n\x10\x66ree_state_slots\x18\x06 \x01(\r\x12\x15\n\rfree_kv_pages\x18\x07 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x08 \x01(\r\x12\x11\n\tworker_id\x18\t \x01(\t\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x13\n\x0bstate_block\x18\x0b \x01(\r\x12\x14\n\x0cmetrics_port\x18\x0c \x01(\r\x12\x15\n\rmax_model_len\x18\r \x01(\r\x12\x19\n\x11total_state_slots\x18\x0e \x01(\r\x12\x16\n\x0etotal_kv_pages\x18\x0f \x01(\r\x12\x13\n\x0b\x63onfig_json\x18\x10 \x01(\t\x12\x10\n\x08sessions\x18\x11 \x01(\x08\x12\x14\n\x0csession_port\x18\x12 \x01(\r\x12\x13\n\x0bmax_running\x18\x13 \x01(\r\x12\x17\n\x0fmax_num_waiting\x18\x14 \x01(\r\"\xe6\x01\n\nCacheEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12-\n\x04kind\x18\x02 \x01(\x0e\x32\x1f.hybridserve.v1.CacheEvent.Kind\x12\x12\n\nblock_hash\x18\x03 \x01(\t\x12\x13\n\x0bparent_hash\x18\x04 \x01(\t\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\"Z\n\x04Kind\x12\x10\n\x0c\x42LOCK_STORED\x10\x00\x12\x11\n\rBLOCK_REMOVED\x10\x01\x12\x15\n\x11\x43HECKPOINT_STORED\x10\x02\x12\x16\n\x12\x43HECKPOINT_REMOVED\x10\x03\">\n\x12\x43\x61\x63heEventsRequest\x12\x16\n\x0esince_sequence\x18\x01 \x01(\x04\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\"\x86\x01\n\x0f\x43\x61\x63heEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12*\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1a.hybridserve.v1.CacheEvent\x12\x15\n\rnext_sequence\x18\x03 \x01(\x04\x12\x0b\n\x03gap\x18\x04 \x01(\x08\x12\x10\n\x08snapshot\x18\x05 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGOPTIONS']._serialized_start=48
-  _globals['_SAMPLINGOPTIONS']._serialized_end=755
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=617
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=665
-  _globals['_TOKENLOGPROB']._serialized_start=757
-  _globals['_TOKENLOGPROB']._serialized_end=865
-  _globals['_TOKENEVENT']._serialized_start=868
-  _globals['_TOKENEVENT']._serialized_end=1114
-  _globals['_ABORTREQUEST']._serialized_start=1116
-  _globals['_ABORTREQUEST']._serialized_end=1150
-  _globals['_ABORTRESPONSE']._serialized_start=1152
-  _globals['_ABORTRESPONSE']._serialized_end=1182
-  _globals['_HEALTHREQUEST']._serialized_start=1184
-  _globals['_HEALTHREQUEST']._serialized_end=1199
-  _globals['_HEALTHRESPONSE']._serialized_start=1202
-  _globals['_HEALTHRESPONSE']._serialized_end=1660
-  _globals['_CACHEEVENT']._serialized_start=1663
-  _globals['_CACHEEVENT']._serialized_end=1893
-  _globals['_CACHEEVENT_KIND']._serialized_start=1803
-  _globals['_CACHEEVENT_KIND']._serialized_end=1893
-  _globals['_CACHEEVENTSREQUEST']._serialized_start=1895
-  _globals['_CACHEEVENTSREQUEST']._serialized_end=1957
-  _globals['_CACHEEVENTBATCH']._serialized_start=1960
-  _globals['_CACHEEVENTBATCH']._serialized_end=2094
+  _globals['_SAMPLINGOPTIONS']._serialized_end=775
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=622
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=670
+  _globals['_TOKENLOGPROB']._serialized_start=777
+  _globals['_TOKENLOGPROB']._serialized_end=885
+  _globals['_TOKENEVENT']._serialized_start=888
+  _globals['_TOKENEVENT']._serialized_end=1134
+  _globals['_ABORTREQUEST']._serialized_start=1136
+  _globals['_ABORTREQUEST']._serialized_end=1170
+  _globals['_ABORTRESPONSE']._serialized_start=1172
+  _globals['_ABORTRESPONSE']._serialized_end=1202
+  _globals['_HEALTHREQUEST']._serialized_start=1204
+  _globals['_HEALTHREQUEST']._serialized_end=1219
+  _globals['_HEALTHRESPONSE']._serialized_start=1222
+  _globals['_HEALTHRESPONSE']._serialized_end=1680
+  _globals['_CACHEEVENT']._serialized_start=1683
+  _globals['_CACHEEVENT']._serialized_end=1913
+  _globals['_CACHEEVENT_KIND']._serialized_start=1823
+  _globals['_CACHEEVENT_KIND']._serialized_end=1913
+  _globals['_CACHEEVENTSREQUEST']._serialized_start=1915
+  _globals['_CACHEEVENTSREQUEST']._serialized_end=1977
+  _globals['_CACHEEVENTBATCH']._serialized_start=1980
+  _globals['_CACHEEVENTBATCH']._serialized_end=2114
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from hybridserve.proto.hybridserve.v1 import common_pb2 as hybridserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bhybridserve/v1/router.proto\x12\x0ehybridserve.v1\x1a\x1bhybridserve/v1/common.proto\"\xa1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.hybridserve.v1.TokenIdsH\x00\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.hybridserve.v1.SamplingOptionsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"Q\n\x10GenerateResponse\x12)\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1a.hybridserve.v1.TokenEvent\x12\x12\n\ntext_delta\x18\x02 \x01(\t2\xe8\x01\n\x06Router\x12O\n\x08Generate\x12\x1f.hybridserve.v1.GenerateRequest\x1a .hybridserve.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.hybridserve.v1.AbortRequest\x1a\x1d.hybridserve.v1.AbortResponse\x12G\n\x06Health\x12\x1d.hybridserve.v1.HealthRequest\x1a\x1e.hybridserve.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bhybridserve/v1/router.proto\x12\x0ehybridserve.v1\x1a\x1bhybridserve/v1/common.proto\"\xa1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12-\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x18.hybridserve.v1.TokenIdsH\x00\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.hybridserve.v1.SamplingOptionsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"w\n\x10GenerateResponse\x12)\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x1a.hybridserve.v1.TokenEvent\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12$\n\x05usage\x18\x03 \x01(\x0b\x32\x15.hybridserve.v1.Usage2\xe8\x01\n\x06Router\x12O\n\x08Generate\x12\x1f.hybridserve.v1.GenerateRequest\x1a .hybridserve.v1.GenerateResponse0\x01\x12\x44\n\x05\x41\x62ort\x12\x1c.hybridserve.v1.AbortRequest\x1a\x1d.hybridserve.v1.AbortResponse\x12G\n\x06Health\x12\x1d.hybridserve.v1.HealthRequest\x1a\x1e.hybridserve.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,8 +36,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_end=238
   _globals['_TOKENIDS']._serialized_start=240
   _globals['_TOKENIDS']._serialized_end=263
-  _globals['_GENERATERESPONSE']._serialized_start=265
-  _globals['_GENERATERESPONSE']._serialized_end=346
-  _globals['_ROUTER']._serialized_start=349
-  _globals['_ROUTER']._serialized_end=581
+  _globals['_USAGE']._serialized_start=265
+  _globals['_USAGE']._serialized_end=367
+  _globals['_GENERATERESPONSE']._serialized_start=369
+  _globals['_GENERATERESPONSE']._serialized_end=488
+  _globals['_ROUTER']._serialized_start=491
+  _globals['_ROUTER']._serialized_end=723
 # @@protoc_insertion_point(module_scope)
