@@ -14,7 +14,14 @@ from hybridserve.engine.batch_builder import PlacedRow, place_rows
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.spec_memory import spec_working_bytes
 from hybridserve.models.hybrid_model import HybridLM
-from hybridserve.statepool.sizing import GIB, PoolRequest, cpu_budget_bytes, gpu_budget_bytes, plan_cache_layout
+from hybridserve.statepool.sizing import (
+    GIB,
+    PoolRequest,
+    cpu_budget_bytes,
+    gpu_budget_bytes,
+    plan_cache_layout,
+    useful_bytes,
+)
 from hybridserve.statepool.state_cache import CacheLayout, StateCache
 
 logger = logging.getLogger(__name__)
@@ -86,7 +93,7 @@ def plan_engine_cache(model_config: ModelConfig, config: EngineConfig, max_model
         reserved = 0
         if model is not None:
             reserved = profile_forward_bytes(model, model_config, config, conv_width, ssm_dtype, config.max_num_seqs)
-        budget = gpu_budget_bytes(device, config.gpu_memory_utilization, reserved)
+        budget = min(gpu_budget_bytes(device, config.gpu_memory_utilization, reserved), useful_bytes(model_config, want))
         logger.info("GPU memory: %.2f GiB for activations and graphs (profiled), %.2f GiB left for the state "
                     "cache at gpu_memory_utilization=%.2f", reserved / GIB, budget / GIB,
                     config.gpu_memory_utilization)

@@ -38,13 +38,26 @@ def gpu_budget_bytes(device: torch.device, gpu_memory_utilization: float, reserv
     return max(0, int(total * gpu_memory_utilization) - (total - free) - reserved_bytes)
 
 
-def cpu_budget_bytes(config: ModelConfig, want: PoolRequest) -> int:
-    """A CPU budget that follows the model and max_num_seqs: every row's request at max_model_len, twice over
-    with prefix caching (as much again for the cache), at most CPU_MEMORY_SHARE of the host's memory."""
+def request_bytes(config: ModelConfig, want: PoolRequest) -> int:
+    """One request's state at max_model_len: its Mamba slot and its KV pages."""
     slot = CacheLayout.bytes_per_slot(config, want.conv_width, want.dtype, want.ssm_dtype)
     page = CacheLayout.bytes_per_page(config, want.page_size, want.dtype)
-    per_request = slot + -(-want.max_model_len // want.page_size) * page
-    need = (want.max_num_seqs + want.standby_slots) * per_request * (2 if want.prefix_caching else 1)
+    return slot + -(-want.max_model_len // want.page_size) * page
+
+
+def useful_bytes(config: ModelConfig, want: PoolRequest) -> int:
+    """The most state memory the plan can put to use: every row's request at max_model_len, twice over with
+    prefix caching (as much again for the cache). A small model on a big GPU takes this, not the whole share,
+    so that several engines (tests, a second model) fit on one device."""
+    copies = 2 if want.prefix_caching else 1
+    return (want.max_num_seqs + want.standby_slots) * request_bytes(config, want) * copies
+
+
+def cpu_budget_bytes(config: ModelConfig, want: PoolRequest) -> int:
+    """A CPU budget that follows the model and max_num_seqs (`useful_bytes`), at most CPU_MEMORY_SHARE of the
+    host's memory."""
+    per_request = request_bytes(config, want)
+    need = useful_bytes(config, want)
     try:
         host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

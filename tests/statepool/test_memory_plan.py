@@ -120,3 +120,16 @@ def test_gpu_budget_is_the_utilization_share_less_what_is_used_and_profiled(monk
     budget = sizing.gpu_budget_bytes(torch.device("cuda"), 0.9, reserved_bytes=3 * 2**30)
     assert budget == int(total * 0.9) - 20 * 2**30 - 3 * 2**30
     assert sizing.gpu_budget_bytes(torch.device("cuda"), 0.1, reserved_bytes=0) == 0  # never negative
+
+
+def test_useful_bytes_cap_a_small_model_on_a_large_gpu(nano: ModelConfig) -> None:
+    """The GPU budget is the utilization share capped at what the plan can use (every row at max_model_len,
+    twice with prefix caching): a second engine in the process still fits, the 9B at 1,024 rows is uncapped."""
+    from hybridserve.statepool import sizing
+
+    slot, page = _sizes(nano)
+    per_request = slot + -(-MAX_MODEL_LEN // PAGE) * page
+    assert sizing.request_bytes(nano, _want(4)) == per_request
+    assert sizing.useful_bytes(nano, _want(4)) == 4 * per_request * 2
+    assert sizing.useful_bytes(nano, _want(4, prefix_caching=False)) == 4 * per_request
+    assert sizing.useful_bytes(nano, _want(1024)) > 140 * 2**30  # more than an H200 holds: the share decides
