@@ -181,7 +181,7 @@ def replay_state_update_triton(
     dt_softplus: bool = True,
     dt_limit: DtLimit = NO_DT_LIMIT,
     z: torch.Tensor | None = None,  # [B, T, H, P]
-    block_p: int = 32,  # 32 rows x 2 warps, outputs by tl.dot: best on H100 at batch 128 (bench/kernels.py sweep)
+    block_p: int = 32,  # 32 rows x 2 warps, outputs by tl.dot: best on H100 at batch 128 (bench/kernels/kernel_table.py sweep)
     num_warps: int = 2,
     dot_outputs: bool = True,  # outputs by tl.dot (True) or by T reductions over the state tile
 ) -> torch.Tensor:
