@@ -303,7 +303,8 @@ class LLMEngine:
         checkpoint_slots = self.pool.plan_checkpoints(prefills)
         clock.schedule_done()
         try:
-            output = self.runner.execute(work, checkpoint_slots, self._while_running(prefills, clock, on_launched))
+            running = self._while_running(prefills, clock, on_launched)
+            output = self.runner.execute(work, checkpoint_slots, while_running=running)
         except BaseException:
             self.pool.cancel_plan()
             raise

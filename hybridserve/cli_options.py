@@ -56,10 +56,11 @@ def add_front_door_flags(p: argparse.ArgumentParser, host: str) -> None:
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds an HTTP connection has for its first byte, and a request for its headers, "
                    "before it is closed (default 10)")
-    p.add_argument("--max-connections", type=int, default=4096,
-                   help="open HTTP connections in all; more are closed at once (default 4096)")
-    p.add_argument("--max-connections-per-peer", type=int, default=256,
-                   help="open HTTP connections from one address; more are closed at once (default 256)")
+    p.add_argument("--max-connections", type=int, default=16384,
+                   help="open HTTP connections in all; more are closed at once (default 16384)")
+    p.add_argument("--max-connections-per-peer", type=int, default=4096,
+                   help="open HTTP connections from one address; more are closed at once (default 4096: a load "
+                   "balancer or a benchmark client brings every stream from one address)")
 
 
 def add_worker_count_flags(p: argparse.ArgumentParser) -> None:

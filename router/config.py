@@ -154,8 +154,8 @@ class RouterOptions:
     # max_connections open, max_connections_per_peer from one address (more are closed at once)
     first_byte_timeout_s: float = 10.0
     header_timeout_s: float = 10.0
-    max_connections: int = 4096
-    max_connections_per_peer: int = 256
+    max_connections: int = 16384
+    max_connections_per_peer: int = 4096
     max_body_bytes: int = MAX_BODY_BYTES  # larger HTTP request bodies get 413
     # shared secret the router sends on every call to a worker (WorkerOptions.internal_token); None: insecure
     internal_token: str | None = None

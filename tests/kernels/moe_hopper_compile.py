@@ -104,7 +104,7 @@ def main() -> None:
     found["attention decode"] = compile_for_hopper(_paged_decode_kernel, {  # the decode attention chain, under PDL
         "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32",
         "acc_ptr": "*fp32", "cu_q_ptr": "*i32", "kv_lens_ptr": "*i32", "tables_ptr": "*i32", "scale": "fp32",
-        **decode_ints},
+        "v_scale": "fp32", **decode_ints},
         {"T": 1, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_D": 128, "SPLIT": True, "USE_PDL": True})
     found["attention combine"] = compile_for_hopper(_combine_splits_kernel, {
         "out_ptr": "*bf16", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "cu_q_ptr": "*i32",
@@ -112,8 +112,10 @@ def main() -> None:
         {"T": 1, "BLOCK_S": 16, "BLOCK_D": 128, "USE_PDL": True})
     found["attention write_kv"] = compile_for_hopper(_write_kv_kernel, {
         "k_ptr": "*bf16", "v_ptr": "*bf16", "kp_ptr": "*bf16", "vp_ptr": "*bf16", "slot_ptr": "*i64",
+        "inv_k_scale": "fp32", "inv_v_scale": "fp32",
         **{n: "i32" for n in ("page_size", "Hkv", "Dh", "k_n", "k_h", "k_d", "v_n", "v_h", "v_d", "kp_p", "kp_o", "kp_h",
-                              "kp_d", "vp_p", "vp_o", "vp_h", "vp_d")}}, {"BLOCK_H": 2, "BLOCK_D": 128, "USE_PDL": True})
+                              "kp_d", "vp_p", "vp_o", "vp_h", "vp_d")}},
+        {"BLOCK_H": 2, "BLOCK_D": 128, "FP8": False, "USE_PDL": True})
     print(json.dumps(found))
 
 

@@ -50,7 +50,7 @@ def test_a_call_on_a_stopped_loop_fails_at_once() -> None:
 
     from hybridserve.worker_runtime.engine_loop import EngineLoop
 
-    engine = SimpleNamespace(has_unfinished=lambda: False)
+    engine = SimpleNamespace(has_unfinished=lambda: False, config=SimpleNamespace(profile_dir=None))
     loop = EngineLoop(engine, late_handoff=False)  # type: ignore[arg-type]
     assert loop.call(lambda: 7) == 7
     loop.stop()
@@ -74,7 +74,8 @@ def test_a_dead_tensor_parallel_rank_stops_the_loop_and_fails_its_requests() -> 
     def step(**kw):  # type: ignore[no-untyped-def]
         raise RankError("tensor-parallel rank 1 (pid 1) was killed by SIGKILL")
 
-    engine = SimpleNamespace(has_unfinished=lambda: busy["on"], step=step, abort=lambda rid: True)
+    engine = SimpleNamespace(has_unfinished=lambda: busy["on"], step=step, abort=lambda rid: True,
+                             config=SimpleNamespace(profile_dir=None))
     loop = EngineLoop(engine, late_handoff=False)  # type: ignore[arg-type]
     stream: queue.Queue = queue.Queue()
     loop.submit_to("r1", lambda: busy.update(on=True), stream)
