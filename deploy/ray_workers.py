@@ -219,16 +219,17 @@ def connect(address: str | None, timeout_s: float, namespace: str, **local: obje
 
     if ray.is_initialized():
         return
-    if address:
-        check_ray_reachable(address, timeout_s=min(5.0, timeout_s))
+    if not address:
+        # a local cluster starts in this thread: Ray's head processes die with the thread that started them
+        # (Linux's parent-death signal is per thread), so a helper thread would take the new GCS with it
+        ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False, **local)  # type: ignore[arg-type]
+        return
+    check_ray_reachable(address, timeout_s=min(5.0, timeout_s))
     failure: list[BaseException] = []
 
     def init() -> None:
         try:
-            if address:
-                ray.init(address=address, namespace=namespace, log_to_driver=False)
-            else:
-                ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False, **local)  # type: ignore[arg-type]
+            ray.init(address=address, namespace=namespace, log_to_driver=False)
         except BaseException as exc:  # handed to the caller
             failure.append(exc)
 
@@ -236,13 +237,12 @@ def connect(address: str | None, timeout_s: float, namespace: str, **local: obje
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
-        raise TimeoutError(f"could not connect to {where} in {timeout_s:.0f} s: check that its GCS answers "
+        raise TimeoutError(f"could not connect to the Ray cluster at {address} in {timeout_s:.0f} s: check that its GCS answers "
                            "(`ray status --address ...`), or raise --timeout")
     if failure:
         exc = failure[0]
         if isinstance(exc, ConnectionError | ValueError | RuntimeError):
-            raise ValueError(f"cannot join Ray at {address or 'a new local cluster'}: {exc}") from None
+            raise ValueError(f"cannot join Ray at {address}: {exc}") from None
         raise exc
 
 
