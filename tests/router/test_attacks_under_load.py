@@ -22,7 +22,10 @@ from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from hybridserve.proto.convert import sampling_to_proto
 
 STEP_S = 0.15  # added to each engine step (a 1.4 MB body costs the shared GIL up to ~0.4 s of C-level JSON work)
-GAP_RATIO = 3.0  # the largest inter-token gap of any stream, over the median gap of all
+# the largest inter-token gap of any stream, over the median gap of all: a stall (the compile on the loop) is
+# tens of median gaps; 3x held locally but measured 3.1x once on the 2-core CI box (its one process shares a GIL
+# with the attacks' body parsing), so the bound leaves room for that noise and still catches a stall
+GAP_RATIO = 5.0
 ENGINE = EngineConfig(prefill_chunk_size=32, max_num_seqs=32, max_model_len=256, grammar_compile_timeout_s=5.0)
 TOKENS = 40
 
