@@ -133,7 +133,7 @@ class Server:
     """`hybridserve serve` as a child process in its own process group (its workers are its children)."""
 
     def __init__(self, model_dir: Path, port: int, server_args: list[str], log_path: Path, device: str = "cuda",
-                 dtype: str = "bfloat16") -> None:
+                 dtype: str = "bfloat16", pythonpath: Path | None = None) -> None:
         self.port = port
         cmd = [sys.executable, "-m", "hybridserve", "serve", "--no-ray", "--model", str(model_dir),
                "--prefill-workers", "0", "--decode-workers", "1", "--load-format", "dummy", "--device", device,
@@ -143,7 +143,12 @@ class Server:
                                "for this one; stop it or pass --port")
         logger.info("starting: %s", " ".join(cmd))
         self.log = log_path.open("w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        env = None
+        if pythonpath is not None:  # another tree's server under the same client (before / after comparisons)
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(pythonpath),
+                                                                             os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                     cwd=pythonpath)  # not the repository root, whose hybridserve/ would win
 
     def wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -204,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default="cuda", help="the worker's device (cpu: a smoke test of the harness)")
     p.add_argument("--dtype", default="bfloat16", help="weights and activations")
+    p.add_argument("--server-pythonpath", type=Path, default=None,
+                   help="put this folder first on the server's PYTHONPATH (run another tree's server, e.g. one "
+                   "installed with pip --target, under the same client)")
     p.add_argument("--out", type=Path, required=True, help="folder for the JSON results and table.md")
     return p
 
@@ -234,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as model_dir:
         (Path(model_dir) / "config.json").write_text(json.dumps(config_json))
         server = Server(Path(model_dir), args.port, server_args, args.out / f"{label}.server.log",
-                        args.device, args.dtype)
+                        args.device, args.dtype, args.server_pythonpath)
         try:
             if not server.wait_ready(args.ready_timeout) or server.proc.poll() is not None:
                 logger.error("the server did not come up: see %s", args.out / f"{label}.server.log")
