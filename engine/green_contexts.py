@@ -22,13 +22,10 @@ def _load_driver() -> Any:
     try:
         from cuda.bindings import driver
     except ImportError:
-        try:  # cuda-python before 12.6 named the module cuda.cuda
-            from cuda import cuda as driver  # type: ignore[no-redef]
-        except ImportError:
-            raise PartitionUnavailable("cuda-python (cuda.bindings) is not installed: pip install cuda-python") from None
+        raise PartitionUnavailable("cuda-python (cuda.bindings) is not installed: pip install 'cuda-python>=12.6'") from None
     for name in ("cuDevSmResourceSplitByCount", "cuGreenCtxCreate", "cuGreenCtxStreamCreate"):
         if not hasattr(driver, name):
-            raise PartitionUnavailable(f"this cuda-python has no {name}: install cuda-python >= 12.5")
+            raise PartitionUnavailable(f"this cuda-python has no {name}: install cuda-python >= 12.6")
     return driver
 
 
