@@ -127,7 +127,7 @@ def make_work() -> dict[str, Callable[[], Any]]:
     x, dt, B, C = r(tokens, h, p), r(tokens, h, scale=0.5), r(tokens, g, n), r(tokens, g, n)
     A = -torch.rand(h, device="cuda", generator=gen) * 4 - 0.5
     D, bias = torch.randn(h, device="cuda", generator=gen), torch.randn(h, device="cuda", generator=gen) * 0.5
-    cu = torch.arange(0, tokens + 1, 2048, device="cuda", dtype=torch.int32)
+    cu = torch.arange(0, tokens + 1, 2048, device="cuda")
     meta = chunk_metadata(cu, None, chunk, 1024, x.device)
     rows = 64
     pool = torch.randn(rows, h, p, n, device="cuda", generator=gen)
