@@ -135,8 +135,9 @@ def plan_splits(total_sms: int, granularity: int, prefill_sms_menu: Iterable[int
             raise ValueError(f"prefill SM counts must be positive ints, got {want!r}")
         prefill = -(-want // granularity) * granularity
         if total_sms - prefill < granularity:
-            raise ValueError(f"{want} prefill SMs (rounded to {prefill}) leave fewer than {granularity} of the "
-                             f"device's {total_sms} SMs for decode; use at most {total_sms - granularity}")
+            most = (total_sms - granularity) // granularity * granularity
+            raise ValueError(f"{want} prefill SMs (rounded up to {prefill}, a multiple of {granularity}) leave fewer "
+                             f"than {granularity} of the device's {total_sms} SMs for decode; use at most {most}")
         splits[prefill] = SmSplit(prefill, total_sms - prefill)
     return tuple(splits[p] for p in sorted(splits))
 

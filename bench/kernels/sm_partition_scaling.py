@@ -36,7 +36,9 @@ from hybridserve.engine.sm_partition import Lane, SmPartitioner, SmSplit, open_p
 from hybridserve.kernels import ops
 from hybridserve.kernels.ssd_scan_meta import chunk_metadata
 
-MENU = (8, 16, 32, 64, 96, 124)  # prefill SMs; decode lanes get 124, 116, 100, 68, 36, 8
+# prefill SMs wanted (on an H200, 132 SMs in groups of 8, decode lanes get 124, 116, 100, 68, 36, 12); counts the
+# device's granularity cannot give beside a decode lane are dropped
+MENU = (8, 16, 32, 64, 96, 120)
 NANO = {"hidden": 4480, "ffn": 15680, "heads": 128, "head_dim": 80, "groups": 8, "state": 128, "chunk": 128}
 
 
@@ -370,17 +372,27 @@ def main() -> None:
     except ImportError:
         result["cuda_bindings"] = None
     t0 = time.perf_counter()
-    part = open_partitioner(torch.device("cuda", 0), MENU)
+    from hybridserve.engine.green_contexts import GreenContextDriver
+
+    driver = GreenContextDriver.open(torch.device("cuda", 0))
+    g, total = driver.granularity, driver.total_sms
+    menu = tuple(k for k in MENU if -(-k // g) * g <= total - g)
+    part = open_partitioner(torch.device("cuda", 0), menu)
     result.update(total_sms=part.total_sms, granularity=part.granularity, splits=[str(s) for s in part.splits],
                   open_s=round(time.perf_counter() - t0, 3))
     print(part.describe(), flush=True)
     probe = SmProbe()
-    work = make_work()
     section(result, "placement", lambda: placement(part, probe))
-    section(result, "scaling", lambda: scaling(part, work))
-    split = part.nearest(args.isolation_split)
-    section(result, "isolation", lambda: isolation(part, work, split))
-    section(result, "graphs", lambda: graphs(part, work, probe))
+    try:
+        work = make_work()
+    except Exception as err:  # noqa: BLE001 - the sections that need no inputs still run
+        result["work_error"] = repr(err)
+        work = None
+    if work is not None:
+        section(result, "scaling", lambda: scaling(part, work))
+        split = part.nearest(args.isolation_split)
+        section(result, "isolation", lambda: isolation(part, work, split))
+        section(result, "graphs", lambda: graphs(part, work, probe))
     section(result, "allocator", lambda: allocator(part))
     section(result, "torch_green_contexts", lambda: torch_green_contexts(probe))
     if args.out is not None:
