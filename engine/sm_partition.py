@@ -112,6 +112,16 @@ class Lane:
         if self.stream is not None and other.stream is not None and other.stream != self.stream:
             self.stream.wait_stream(other.stream)
 
+    def graph(self, graph: torch.cuda.CUDAGraph, pool: Any = None) -> Any:
+        """`with lane.graph(g, pool):` captures `g` on this lane's stream. A graph's kernels keep the SMs of the
+        context they were captured in, wherever they are replayed (measured: bench/results/h200/multiplex/), so a
+        lane's graphs must be captured this way; a graph captured on a plain stream runs on the whole GPU."""
+        if self.stream is None:
+            raise RuntimeError(f"{self!r} is a fake lane (no stream): CUDA graphs need a green-context lane")
+        import torch
+
+        return torch.cuda.graph(graph, pool=pool, stream=self.stream)
+
     def synchronize(self) -> None:
         """Block the host until the work queued on this lane is done."""
         if self.stream is not None:

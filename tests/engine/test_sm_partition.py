@@ -53,6 +53,8 @@ def test_fake_lanes_are_disjoint_and_record_which_lane_is_active() -> None:
     assert active_lane() is None
     decode.wait_for(prefill)  # no streams: nothing to order
     decode.synchronize()
+    with pytest.raises(RuntimeError, match="fake lane"):
+        decode.graph(None)  # type: ignore[arg-type]
     assert part.nearest(50) == SmSplit(64, 68) and part.nearest(0) == SmSplit(32, 100)
     with pytest.raises(ValueError, match="not in this partitioner's menu"):
         part.lanes(SmSplit(40, 92))
