@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from serve_client import ClientConfig, metrics_urls, run_with_metrics, server_info  # noqa: E402
-from serve_metrics import summarize  # noqa: E402
+from serve_metrics import parse_counters, summarize  # noqa: E402
 from serve_workloads import WorkloadConfig, arrival_offsets, build_workload  # noqa: E402
 from throughput import Server, measure_copy_gbps  # noqa: E402
 
@@ -56,6 +56,9 @@ ALL_AT_ONCE = {(512, 128): 64, (2048, 256): 48}  # prompts sent at once (the iss
 GOODPUT_SHAPE = (2048, 256)
 # the points the acceptance checks read, run first
 PRIORITY = (((2048, 256), 4.0), ((512, 128), 8.0), ((512, 128), math.inf), ((2048, 256), math.inf))
+# the multiplexed worker's split metrics (worker_runtime/worker_metrics.py), read after every point
+SPLIT_METRICS = tuple(f"hybridserve_worker_pd_multiplex_{name}{suffix}" for name in (
+    "prefill_sms", "decode_sms", "split_changes", "handoffs", "overlapped_decode_steps") for suffix in ("", "_total"))
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,13 @@ def table(result: dict[str, Any]) -> str:
         g = data.get("goodput")
         goodput = "-" if g is None else f"{g['goodput_rps']:g}"
         lines.append(f"| {mode} | {goodput} | {', '.join(data['skipped']) or '-'} |")
+    splits = {k: p["pd_multiplex"] for k, p in result["modes"].get("multiplexed", {}).get("points", {}).items()
+              if p.get("pd_multiplex")}
+    if splits:
+        lines += ["", "| point (multiplexed) | split after it | split changes so far | handoffs so far |", "|---|---|---|---|"]
+        for key, m in splits.items():
+            split = f"{m.get('prefill_sms', 0):.0f}P/{m.get('decode_sms', 0):.0f}D"
+            lines.append(f"| {key} | {split} | {m.get('split_changes', 0):.0f} | {m.get('handoffs', 0):.0f} |")
     checks = result.get("checks") or {}
     if checks:
         lines += ["", "| check (multiplexed vs co-located) | value | goal | met |", "|---|---|---|---|"]
@@ -242,6 +252,28 @@ def acceptance_checks(modes: dict[str, Any]) -> dict[str, Any]:
     g_col = (modes.get("colocated", {}).get("goodput") or {}).get("goodput_rps")
     out["goodput vs co-located"] = check(ratio(g_mux, g_col), ">= 1.5", lambda v: v >= 1.5)
     return out
+
+
+async def scrape_text(urls: list[str]) -> str:
+    """The Prometheus text of every URL that answers, concatenated."""
+    import httpx
+
+    texts = []
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        for url in urls:
+            try:
+                resp = await client.get(url)
+            except httpx.HTTPError:
+                continue
+            if resp.status_code == 200:
+                texts.append(resp.text)
+    return "\n".join(texts)
+
+
+def split_metrics(text: str) -> dict[str, float]:
+    """The multiplexed worker's split metrics in a Prometheus text (names without their common prefix)."""
+    prefix = "hybridserve_worker_pd_multiplex_"
+    return {k.removeprefix(prefix).removesuffix("_total"): v for k, v in parse_counters(text, SPLIT_METRICS).items()}
 
 
 def gpu_check() -> str | None:
@@ -293,6 +325,8 @@ class ModeRun:
         entry = {"input_len": point.input_len, "output_len": point.output_len,
                  "rate": "inf" if math.isinf(point.rate) else point.rate, "num_prompts": point.num_prompts,
                  "metrics": metrics}
+        if self.mode == "multiplexed":  # the split in effect after the point and the changes so far
+            entry["pd_multiplex"] = split_metrics(asyncio.run(scrape_text(urls)))
         self.points[point.key] = entry
         m = metrics
         logger.info("%s %s: TTFT p50/p99 %s, TPOT %s, ITL %s, %.0f tok/s, %d failed", self.mode, point.key,
