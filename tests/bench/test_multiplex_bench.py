@@ -128,3 +128,15 @@ def test_refuses_to_run_without_a_gpu(monkeypatch: pytest.MonkeyPatch, capsys: p
 
     if not torch.cuda.is_available():
         assert multiplex.gpu_check() is not None
+
+
+def test_points_past_the_mode_share_are_skipped_and_listed(tmp_path: Path) -> None:
+    args, extra = multiplex.parse_args(["--out", str(tmp_path), "--", "--mamba-ssm-cache-dtype", "bfloat16"])
+    run = multiplex.ModeRun("multiplexed", args, extra, tmp_path, share_s=30.0)
+    assert run.flags[:1] == ["--pd-multiplex"] and run.flags[-2:] == ["--mamba-ssm-cache-dtype", "bfloat16"]
+    assert "--gpu-memory-gb" in run.flags and "--max-num-seqs" in run.flags
+    run.deadline = multiplex.time.monotonic() + 30.0
+    assert run.fits(multiplex.Point(512, 128, math.inf, 64))  # all at once: no arrival span
+    long = multiplex.Point(2048, 256, 4.0, 80)  # 20 s of arrivals + as long to drain: past the 30 s share
+    assert not run.fits(long)
+    assert run.measure(long) is None and run.skipped == ["2048/256@4"] and run.points == {}
