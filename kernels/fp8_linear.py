@@ -14,6 +14,10 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
+# amax * (1 / 448) rather than amax / 448: torch on CUDA turns a division by a Python scalar into this product
+# (on the H200 the quotient differed from it in the last bit) and the Triton kernel does the same, so the
+# reference gives the same scales on CPU and CUDA as the kernel
+FP8_MAX_INV = 1.0 / FP8_MAX
 # a per-token scale never goes below this: an all-zero row (CUDA-graph padding) quantizes to zeros, not NaN
 MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
@@ -22,11 +26,11 @@ def quantize_activation_ref(
     x: torch.Tensor,  # [M, K]
     input_scale: torch.Tensor | None = None,  # [1] fp32 static scale; None: one scale per row (dynamic)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (x / scale saturated to fp8 [M, K], scale [M, 1] fp32): scale = amax(|row|) / 448 per row (at least
+    """-> (x / scale saturated to fp8 [M, K], scale [M, 1] fp32): scale = amax(|row|) * (1 / 448) per row (at least
     MIN_SCALE), or the static scale on every row."""
     xf = x.float()
     if input_scale is None:
-        scale = torch.clamp_min(xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX, MIN_SCALE)
+        scale = torch.clamp_min(xf.abs().amax(dim=-1, keepdim=True) * FP8_MAX_INV, MIN_SCALE)
     else:
         scale = input_scale.float().reshape(1, 1).expand(x.shape[0], 1)
     inverse = 1.0 / scale

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridserve.kernels.fp8_linear import FP8, FP8_MAX, MIN_SCALE, check_fp8_linear
+from hybridserve.kernels.fp8_linear import FP8, FP8_MAX, FP8_MAX_INV, MIN_SCALE, check_fp8_linear
 from hybridserve.kernels.launch import lean_launch
 from hybridserve.kernels.triton_utils import check_same_device, next_pow2
 
@@ -24,9 +24,10 @@ _MAX_BLOCK = 4096  # columns per pass of the quantization kernel (a row longer t
 @triton.jit
 def _quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, static_ptr, K, x_m, q_m,
-    STATIC: tl.constexpr, BLOCK: tl.constexpr, FP8_LIMIT: tl.constexpr, SCALE_FLOOR: tl.constexpr,
+    STATIC: tl.constexpr, BLOCK: tl.constexpr, FP8_LIMIT: tl.constexpr, FP8_LIMIT_INV: tl.constexpr,
+    SCALE_FLOOR: tl.constexpr,
 ):
-    """One program per row: its scale (amax / 448, or the static one) and the row quantized with it."""
+    """One program per row: its scale (amax * (1 / 448), or the static one) and the row quantized with it."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     if STATIC:
@@ -36,7 +37,7 @@ def _quantize_rows_kernel(
         for k in range(0, K, BLOCK):
             v = tl.load(x_ptr + row * x_m + k + offs, mask=k + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_LIMIT), SCALE_FLOOR)
+        scale = tl.maximum(tl.max(amax, axis=0) * FP8_LIMIT_INV, SCALE_FLOOR)
     inverse = tl.math.div_rn(1.0, scale)
     tl.store(scale_ptr + row, scale)
     for k in range(0, K, BLOCK):
@@ -64,7 +65,8 @@ def quantize_activation_triton(
         block = min(next_pow2(cols), _MAX_BLOCK)
         _quantize_rows[(rows,)](
             x, q, scale, input_scale if input_scale is not None else scale, cols, x.stride(0), q.stride(0),
-            STATIC=input_scale is not None, BLOCK=block, FP8_LIMIT=FP8_MAX, SCALE_FLOOR=MIN_SCALE,
+            STATIC=input_scale is not None, BLOCK=block, FP8_LIMIT=FP8_MAX, FP8_LIMIT_INV=FP8_MAX_INV,
+            SCALE_FLOOR=MIN_SCALE,
             num_warps=4 if block >= 1024 else 1,
         )
     return q, scale
