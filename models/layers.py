@@ -40,8 +40,8 @@ class Linear(nn.Linear):
         """Hold an fp8 weight from now on (called on the meta model, before the weights are filled in)."""
         device = self.weight.device
         self.weight = nn.Parameter(torch.empty_like(self.weight, dtype=torch.float8_e4m3fn), requires_grad=False)
-        self.weight_scale = torch.ones(self.out_features if per_channel else 1, device=device)
-        self.input_scale = torch.ones(1, device=device) if static_input else None
+        self.weight_scale = torch.ones(self.out_features if per_channel else 1, device=device, dtype=torch.float32)
+        self.input_scale = torch.ones(1, device=device, dtype=torch.float32) if static_input else None
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [..., in] -> [..., out]
         """x @ weight^T + bias (row-parallel subclasses pass no bias and add it after their all-reduce)."""
