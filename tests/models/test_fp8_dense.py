@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import BASE_NEMOTRON_H, hf_logits, nemotron_h, random_prompts
+from checkpoints import BASE_NEMOTRON_H, hf_logits, nemotron_h, nemotron_h_mtp, random_prompts
 from fp8_checkpoint import FORMATS, _bare, fp8_checkpoint, quantization_config
 from safetensors.torch import load_file, save_file
 
-from hybridserve import LLM
+from hybridserve import LLM, SamplingParams
 from hybridserve.common.model_config import ModelConfig
 from hybridserve.models.layers import Linear
 from hybridserve.models.weights import dummy_model, load_model
@@ -82,6 +82,24 @@ def test_ignored_modules_stay_in_the_model_dtype() -> None:
     assert {linears[f"layers.1.mixer.{p}"].weight.dtype for p in ("q_proj", "k_proj", "v_proj")} == {torch.float32}
     assert linears["layers.1.mixer.o_proj"].weight.dtype == FP8
     assert linears["layers.4.mixer.q_proj"].weight.dtype == FP8
+
+
+def test_mtp_layer_runs_fp8_and_keeps_greedy_output() -> None:
+    """The MTP drafter's linears (fusion projection, attention, MLP) load fp8 too; speculative greedy decoding
+    with it gives the fp8 model's own greedy tokens."""
+    model_dir, _ = fp8_checkpoint(nemotron_h_mtp("M*-M")[0], "compressed-tensors")
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "rollback": "intermediate"}
+    engine = dict(max_model_len=96, state_block=16, page_size=8, max_num_seqs=4)
+    mtp = LLM(model_dir, speculative_config=spec, **engine)
+    drafter = mtp.engine.model.mtp
+    assert drafter is not None and drafter.layers[0].eh_proj.weight.dtype == FP8
+    assert drafter.layers[0].mixer.q_proj.weight.dtype == FP8 and drafter.layers[1].mixer.up_proj.weight.dtype == FP8
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = random_prompts([5, 12], BASE_NEMOTRON_H["vocab_size"], seed=7)
+    outs = mtp.generate(prompt_token_ids=prompts, sampling_params=greedy)
+    plain = LLM(model_dir, **engine).generate(prompt_token_ids=prompts, sampling_params=greedy)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert sum(o.num_draft_tokens for o in outs) > 0
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
