@@ -3,8 +3,9 @@ which modules stay unquantized, read from config.json without torch.
 
 Formats understood (the two NVIDIA and the Hugging Face FP8 checkpoints are published in):
   ModelOpt (`quant_method: modelopt`, `quant_algo: FP8`): float8_e4m3fn `weight`, per-tensor fp32 `weight_scale`
-      and a calibrated per-tensor `input_scale` (static activations); `exclude_modules` lists glob patterns of
-      module names left in bf16 (the router gates, lm_head, ...).
+      and a calibrated per-tensor `input_scale` (static activations); `exclude_modules` (or `ignore`) lists glob
+      patterns of module names left in bf16 (the router gates, lm_head, ...). `FP8_PER_CHANNEL_PER_TOKEN`:
+      per-channel weight scales, per-token activations.
   compressed-tensors (`quant_method: compressed-tensors`, `format: float-quantized`): `config_groups` with 8-bit
       float `weights` (strategy `tensor` or `channel`: a `weight_scale` [1] or [out, 1]) and `input_activations`
       (strategy `token` with `dynamic: true`: scaled per token at run time, or `tensor` with a stored
@@ -93,6 +94,11 @@ def parse_fp8_scheme(data: dict[str, Any]) -> Fp8Scheme | None:
             raise _unsupported(method, f"block-wise weight scales {quant['weight_block_size']}")
         scheme = str(quant.get("activation_scheme", "dynamic"))
         return Fp8Scheme("fp8", scheme, True, tuple(str(p) for p in quant.get("modules_to_not_convert") or ()))
-    if algo == "FP8":  # ModelOpt (config.json, or hf_quant_config.json's `quantization` block copied in)
-        return Fp8Scheme("modelopt", "static", False, tuple(str(p) for p in quant.get("exclude_modules") or ()))
+    # ModelOpt (config.json, or hf_quant_config.json's `quantization` block copied in); newer exports name the
+    # exclusions `ignore`, as compressed-tensors does
+    excluded = tuple(str(p) for p in quant.get("exclude_modules") or quant.get("ignore") or ())
+    if algo == "FP8":
+        return Fp8Scheme("modelopt", "static", False, excluded)
+    if algo == "FP8_PER_CHANNEL_PER_TOKEN":
+        return Fp8Scheme("modelopt", "dynamic", True, excluded)
     raise _unsupported(method, algo or "no quant_algo")

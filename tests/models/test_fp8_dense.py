@@ -136,6 +136,21 @@ def test_dummy_engine_runs_with_fp8_dense_layers(tmp_path: Path) -> None:
     assert torch.isfinite(llm.prompt_logits(PROMPTS[0])).all()
 
 
+def test_quantization_config_spellings() -> None:
+    from hybridserve.common.fp8_scheme import parse_fp8_scheme
+
+    newer = parse_fp8_scheme({"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8",
+                                                      "ignore": ["lm_head", "*.layers.5.*"]}})
+    assert newer is not None and newer.activation == "static" and not newer.quantizes("layers.5.mixer.q_proj")
+    assert newer.quantizes("layers.4.mixer.in_proj")
+    per_token = parse_fp8_scheme({"quantization_config": {"quant_method": "modelopt",
+                                                          "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}})
+    assert per_token is not None and (per_token.activation, per_token.per_channel) == ("dynamic", True)
+    regex = parse_fp8_scheme({"quantization_config": quantization_config("compressed-tensors", ("re:.*mixer\\.o_proj$",))})
+    assert regex is not None and not regex.quantizes("layers.1.mixer.o_proj") and regex.quantizes("layers.1.mixer.q_proj")
+    assert parse_fp8_scheme({}) is None
+
+
 @pytest.mark.parametrize("quant,match", [
     ({"quant_method": "fp8", "weight_block_size": [128, 128]}, "block-wise"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": {"type": "int", "num_bits": 8}}}},
