@@ -87,9 +87,10 @@ def prepare_dense_state(state: dict[str, torch.Tensor], model: nn.Module, keep_f
         elif leaf == "weight" and state[key].dtype == FP8:
             raise ValueError(f"{key} is fp8 but the checkpoint has no {key}_scale for it: re-export it with its "
                              "weight scales, or in bf16")
-    for key in [k for k in state if k.rpartition(".")[0] not in fp8]:
-        if key.endswith((".input_scale", ".weight_scale", ".k_scale", ".v_scale")):
-            del state[key]  # activations and the KV cache of these stay in the model dtype
+    for key in list(state):
+        if key.endswith((".k_scale", ".v_scale")) or (
+                key.endswith((".input_scale", ".weight_scale")) and key.rpartition(".")[0] not in fp8):
+            del state[key]  # the KV cache's scales (fp8 KV pages scale by 1.0), unquantized modules' activations
     return fp8
 
 

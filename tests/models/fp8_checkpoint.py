@@ -81,6 +81,8 @@ def fp8_checkpoint(source: Path, fmt: str, hf_model: torch.nn.Module | None = No
         if fmt == "modelopt":  # 0-dim per-tensor scales, as ModelOpt's export writes them
             tensors[module + ".weight_scale"] = scale.reshape(())
             tensors[module + ".input_scale"] = torch.tensor(amax.get(_bare(module), fallback) / FP8_MAX)
+            if leaf in ("k_proj", "v_proj"):  # ModelOpt's FP8 KV cache scales ride on the k / v projections
+                tensors[module + "." + leaf[0] + "_scale"] = torch.tensor(1.0)
         else:
             tensors[module + ".weight_scale"] = scale.reshape(-1, 1)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
