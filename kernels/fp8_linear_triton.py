@@ -73,10 +73,14 @@ def quantize_activation_triton(
 
 
 def scaled_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `torch._scaled_mm` takes these operands: bf16 activations on a GPU with fp8 tensor cores (compute
-    capability 8.9+), K and N multiples of 16 (its alignment rule)."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
-            and _has_fp8_mma(x.device.index if x.device.index is not None else torch.cuda.current_device()))
+    """Whether `torch._scaled_mm` takes these operands: K and N multiples of 16 (its alignment rule), and on a GPU
+    bf16 activations and fp8 tensor cores (compute capability 8.9+). CPU tensors (the Triton interpreter,
+    HYBRIDSERVE_KERNELS=interpret) run torch's CPU _scaled_mm, any output dtype."""
+    aligned = weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+    if not x.is_cuda:
+        return aligned
+    return aligned and x.dtype == torch.bfloat16 and _has_fp8_mma(
+        x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache

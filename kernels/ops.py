@@ -107,7 +107,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ (fp8 weight * weight_scale)^T + bias with x quantized to fp8 (static input_scale, else per token): on a
     GPU with fp8 tensor cores one Triton quantization kernel + torch._scaled_mm, the torch reference otherwise."""
-    if x.is_cuda and triton_available() and _triton_fn("fp8_linear_triton", "scaled_mm_applies")(x, weight):
+    if ((x.is_cuda and triton_available()) or _INTERPRET_ON_CPU) and _triton_fn(
+            "fp8_linear_triton", "scaled_mm_applies")(x, weight):
         return _triton_fn("fp8_linear_triton", "fp8_linear_triton")(x, weight, weight_scale, input_scale, bias)
     return fp8_linear_ref(x, weight, weight_scale, input_scale, bias)
 
