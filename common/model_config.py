@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridserve.common.fp8_scheme import Fp8Scheme, parse_fp8_scheme
 from hybridserve.common.layer_types import LAYER_KINDS, parse_layer_types, parse_mtp_layer_types
 
 DEFAULT_MAX_MODEL_LEN = 8192  # context limit of models that declare no positional limit (Mamba2)
@@ -140,6 +141,8 @@ class ModelConfig:
     pad_token_id: int | None = None
     # the multi-token-prediction (MTP) drafter's layers, in order; () when the checkpoint has no MTP module
     mtp_layer_types: tuple[str, ...] = ()
+    # fp8 weights as `quantization_config` declares them (dummy weights follow it; a load follows the tensors)
+    fp8: Fp8Scheme | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -292,7 +295,7 @@ def _nemotron_h(data: dict[str, Any]) -> ModelConfig:
             topk_group=int(data.get("topk_group", 1)),
             norm_topk_prob=bool(data.get("norm_topk_prob", True)),
             routed_scaling_factor=float(data.get("routed_scaling_factor", 1.0)),
-            fp8_experts=_fp8_quantized(data),
+            fp8_experts=parse_fp8_scheme(data) is not None,
         )
     return ModelConfig(
         architecture="nemotron_h",
@@ -314,30 +317,8 @@ def _nemotron_h(data: dict[str, Any]) -> ModelConfig:
         eos_token_ids=_eos_ids(data),
         bos_token_id=data.get("bos_token_id"),
         pad_token_id=data.get("pad_token_id"),
+        fp8=parse_fp8_scheme(data),
         raw=dict(data),
-    )
-
-
-def _fp8_quantized(data: dict[str, Any]) -> bool:
-    """Whether config.json's `quantization_config` declares FP8 weights (transformers `fp8`, ModelOpt
-    `quant_algo: FP8`, compressed-tensors 8-bit float weights); other schemes are refused here."""
-    quant = data.get("quantization_config")
-    if not quant:
-        return False
-    if not isinstance(quant, dict):
-        raise ValueError(f"config field `quantization_config` must be an object, got {quant!r}")
-    method = str(quant.get("quant_method", "")).lower()
-    algo = str(quant.get("quant_algo", "")).upper()
-    if method == "fp8" or algo == "FP8":
-        return True
-    if method == "compressed-tensors":
-        groups = quant.get("config_groups") or {}
-        weights = [g.get("weights") or {} for g in groups.values() if isinstance(g, dict)]
-        if weights and all(w.get("type") == "float" and w.get("num_bits") == 8 for w in weights):
-            return True
-    raise ValueError(
-        f"config field `quantization_config` ({method or '?'} {algo or ''}) is not supported: "
-        "bf16 / fp16 checkpoints and FP8 (per-tensor or per-channel weight scales) are"
     )
 
 
@@ -378,5 +359,6 @@ def _mamba2(data: dict[str, Any]) -> ModelConfig:
         eos_token_ids=_eos_ids(data),
         bos_token_id=data.get("bos_token_id"),
         pad_token_id=data.get("pad_token_id"),
+        fp8=parse_fp8_scheme(data),
         raw=dict(data),
     )

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hybridserve.kernels.causal_conv1d import ConvVarlenMeta, causal_conv1d_update_ref, causal_conv1d_varlen_ref
+from hybridserve.kernels.fp8_linear import fp8_linear_ref
 from hybridserve.kernels.gated_rmsnorm import add_rmsnorm_ref, gated_rmsnorm_ref, relu2_ref, rmsnorm_ref
 from hybridserve.kernels.moe import moe_experts_ref, moe_layer_ref, route_topk
 from hybridserve.kernels.paged_attention import (
@@ -102,6 +103,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ (fp8 weight * weight_scale)^T + bias with x quantized to fp8 (static input_scale, else per token): on a
+    GPU with fp8 tensor cores one Triton quantization kernel + torch._scaled_mm, the torch reference otherwise."""
+    if ((x.is_cuda and triton_available()) or _INTERPRET_ON_CPU) and _triton_fn(
+            "fp8_linear_triton", "scaled_mm_applies")(x, weight):
+        return _triton_fn("fp8_linear_triton", "fp8_linear_triton")(x, weight, weight_scale, input_scale, bias)
+    return fp8_linear_ref(x, weight, weight_scale, input_scale, bias)
+
+
 ssd_scan_varlen = _dispatch(ssd_scan_varlen_ref, "ssd_scan_triton", "ssd_scan_varlen_triton")
 causal_conv1d_varlen = _dispatch(causal_conv1d_varlen_ref, "causal_conv1d_triton", "causal_conv1d_varlen_triton")
 causal_conv1d_update = _dispatch(causal_conv1d_update_ref, "causal_conv1d_triton", "causal_conv1d_update_triton")
@@ -162,6 +173,7 @@ __all__ = [
     "causal_conv1d_update",
     "causal_conv1d_varlen",
     "chunk_lists",
+    "fp8_linear",
     "gated_rmsnorm",
     "gumbel_sample",
     "linear",

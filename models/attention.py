@@ -31,12 +31,13 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
 
-    def _qkv(self) -> tuple[torch.Tensor, torch.Tensor | None, Any]:
+    def _qkv(self) -> tuple[torch.Tensor, torch.Tensor | None, Any, tuple[torch.Tensor, torch.Tensor | None] | None]:
         """q/k/v's weights as one [Nq + 2 Nkv, hidden] tensor (and biases as one [Nq + 2 Nkv]), plus its split-K
         scratch: a decode step reads the three in one launch instead of three (30B-A3B's k/v projections are too
         small for the skinny kernel and cost two cuBLAS kernels each). The three parameters become views of it,
         so there is no second copy and a checkpoint load writes through them; made again when a parameter was
-        replaced (.to(), assigning loads)."""
+        replaced (.to(), assigning loads). fp8 projections (all three or none, models/fp8_dense.py) add their
+        scales: per output row [Nq + 2 Nkv], and the largest of their static input scales."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         cached = self.__dict__.get("_qkv_fused")
         if cached is not None and _views_of(cached[0], [p.weight for p in projs]) and (
@@ -44,7 +45,12 @@ class Attention(nn.Module):
             return cached
         weight = _fuse([p.weight for p in projs])
         bias = _fuse([p.bias for p in projs]) if self.q_proj.bias is not None else None
-        cached = (weight, bias, ops.split_k_workspace(weight))
+        scales = None
+        if self.q_proj.weight_scale is not None:
+            rows = torch.cat([p.weight_scale.float().expand(p.out_features) for p in projs if p.weight_scale is not None])
+            statics = [p.input_scale for p in projs if p.input_scale is not None]
+            scales = (rows, torch.stack(statics).amax().reshape(1) if statics else None)
+        cached = (weight, bias, ops.split_k_workspace(weight) if scales is None else None, scales)
         self.__dict__["_qkv_fused"] = cached  # outside the parameters: state_dict keys stay checkpoint names
         return cached
 
@@ -57,8 +63,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         cfg = self.config
         tokens = hidden.shape[0]
-        weight, bias, workspace = self._qkv()
-        qkv = ops.linear(hidden, weight, bias, workspace)  # [N, Nq + 2 Nkv]
+        weight, bias, workspace, scales = self._qkv()
+        if scales is None:
+            qkv = ops.linear(hidden, weight, bias, workspace)  # [N, Nq + 2 Nkv]
+        else:
+            qkv = ops.fp8_linear(hidden, weight, scales[0], scales[1], bias)
         kv_size = cfg.num_kv_heads * cfg.head_dim
         # strided views of qkv: write_kv and paged_attention take any strides
         q, k, v = qkv.split([cfg.num_heads * cfg.head_dim, kv_size, kv_size], dim=-1)

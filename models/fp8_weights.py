@@ -2,8 +2,8 @@
 `*.weight_scale` and an `*.input_scale`; compressed-tensors FP8: per-channel `weight_scale` [out, 1]).
 
 Routed expert weights stay fp8 (the fused MoE GEMMs read them as they are, with per-output-channel scales: a
-per-tensor scale is broadcast to its rows); every other fp8 weight is dequantized at load. Activation scales
-(`input_scale`) are dropped: the expert GEMMs run weight-only fp8 with bf16 activations."""
+per-tensor scale is broadcast to its rows), their activation scales (`input_scale`) dropped: the expert GEMMs run
+weight-only fp8 with bf16 activations. Dense fp8 linears: models/fp8_dense.py."""
 
 from __future__ import annotations
 
@@ -29,24 +29,6 @@ def channel_scales(scale: torch.Tensor, rows: int, name: str) -> torch.Tensor:
         f"{name} has {flat.numel()} scales for {rows} output channels: only per-tensor and per-channel fp8 scales "
         "are supported (block-wise / NVFP4 checkpoints are not)"
     )
-
-
-def dequantize_dense(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Fold every non-expert `X.weight_scale` into `X.weight` (fp8 -> fp32) and drop `input_scale`s (and the KV
-    cache's `k_scale` / `v_scale`); the stacked experts (`X.up_proj` with `X.up_proj_scale`) pass through."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        if name.endswith((".input_scale", ".weight_scale", ".k_scale", ".v_scale")):
-            continue  # activation and fp8-KV-cache scales: activations and the KV cache stay in the model dtype
-        if name.endswith(".weight_scale_2"):
-            raise ValueError(f"{name}: NVFP4 checkpoints are not supported (fp8 and bf16 are)")
-        scale = tensors.get(name[: -len("weight")] + "weight_scale") if name.endswith(".weight") else None
-        if scale is not None:
-            tensor = tensor.float() * channel_scales(scale, tensor.shape[0], name).view(-1, *[1] * (tensor.dim() - 1))
-        elif tensor.dtype == FP8 and name + "_scale" not in tensors:  # stacked experts carry `<name>_scale`
-            raise ValueError(f"{name} is fp8 but the checkpoint has no {name}_scale for it")
-        out[name] = tensor
-    return out
 
 
 def set_expert_precision(tensors: dict[str, torch.Tensor], fp8: bool | None) -> bool:

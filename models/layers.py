@@ -18,15 +18,44 @@ def _param(*shape: int) -> nn.Parameter:
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict keys) whose forward goes through `ops.linear`, so decode-sized
     inputs on CUDA take the skinny Triton kernel; a projection with few output columns keeps the kernel's
-    split-K scratch (made at its first call, i.e. in warm-up, before any CUDA-graph capture)."""
+    split-K scratch (made at its first call, i.e. in warm-up, before any CUDA-graph capture).
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    `to_fp8` makes it an fp8 linear (a checkpoint that stores it so, models/fp8_dense.py): float8_e4m3fn
+    `weight`, fp32 `weight_scale` [1] or [out] and, with static activation scaling, `input_scale` [1], buffers
+    under the checkpoint's names; its forward is then `ops.fp8_linear`."""
+
+    weight_scale: torch.Tensor | None
+    input_scale: torch.Tensor | None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_buffer("weight_scale", None)  # None buffers stay out of the state dict
+        self.register_buffer("input_scale", None)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight_scale is not None
+
+    def to_fp8(self, per_channel: bool, static_input: bool) -> None:
+        """Hold an fp8 weight from now on (called on the meta model, before the weights are filled in)."""
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty_like(self.weight, dtype=torch.float8_e4m3fn), requires_grad=False)
+        self.weight_scale = torch.ones(self.out_features if per_channel else 1, device=device, dtype=torch.float32)
+        self.input_scale = torch.ones(1, device=device, dtype=torch.float32) if static_input else None
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # [..., in] -> [..., out]
+        """x @ weight^T + bias (row-parallel subclasses pass no bias and add it after their all-reduce)."""
+        if self.weight_scale is not None:
+            return ops.fp8_linear(x, self.weight, self.weight_scale, self.input_scale, bias)
         key = (self.weight.device, self.weight.shape[0])
         cached = self.__dict__.get("_split_k")
         if cached is None or cached[0] != key:  # None off CUDA and for projections with many output columns
             cached = (key, ops.split_k_workspace(self.weight))
             self.__dict__["_split_k"] = cached
-        return ops.linear(x, self.weight, self.bias, cached[1])
+        return ops.linear(x, self.weight, bias, cached[1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.bias)
 
 
 class RMSNorm(nn.Module):

@@ -71,7 +71,7 @@ class MTPHead(nn.Module):
         """-> g [N, hidden], the final-normed drafter state of every slot."""
         layers = [cast(MTPLayer, layer) for layer in self.layers]  # nn.ModuleList indexes as a plain Module
         first = layers[0]
-        dtype = first.eh_proj.weight.dtype
+        dtype = first.enorm.weight.dtype  # the model dtype (eh_proj may hold fp8 weights)
         fused = torch.cat([first.enorm(token_embeds.to(dtype)), first.hnorm(prev_hidden.to(dtype))], dim=-1)
         hidden = first.eh_proj(fused)
         residual_dtype = torch.float32 if self.config.residual_in_fp32 else hidden.dtype
@@ -83,6 +83,6 @@ class MTPHead(nn.Module):
                 return layer.mixer(normed, batch, *cache.kv(num_layers + i))
             return layer.mixer(normed)
 
-        # the norms' inputs are cast to each norm's weight dtype, which is eh_proj's: one model dtype
+        # the norms' inputs are cast to each norm's weight dtype, which is enorm's: one model dtype
         norms = [layer.norm for layer in layers]
         return residual_stack(hidden, norms, layers[-1].final_layernorm, residual_dtype, mix)

@@ -76,7 +76,7 @@ class RowParallelLinear(Linear):
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in/size] -> [N, out]
-        out = self.tp.all_reduce(ops.linear(x, self.weight, None))
+        out = self.tp.all_reduce(self.project(x, None))
         return out + self.bias if self.bias is not None else out
 
 

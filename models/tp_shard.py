@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from hybridserve.common.model_config import ModelConfig, MoEConfig
+from hybridserve.models.fp8_dense import dummy_fp8_state, prepare_dense_state, scheme_layout, stored_layout, to_fp8
 from hybridserve.models.fp8_weights import set_expert_precision
 from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.models.parallel import (
@@ -45,6 +46,7 @@ from hybridserve.models.weights import (
     _load_dtype,
     _normalize,
     checkpoint_files,
+    dummy_fp8_linears,
     dummy_values,
     read_state_dict,
 )
@@ -202,6 +204,8 @@ def shard_tensor(name: str, full: torch.Tensor, config: ModelConfig, tp: TPGroup
         return full
     if tp.rank and name.endswith(_RANK0_BIASES):
         return torch.zeros_like(full)
+    if name.endswith((".weight_scale", ".input_scale")) and full.numel() == 1:
+        return full  # per-tensor fp8 scales: every rank's slice has the same one
     plan = shard_index(name, config, tp)
     if plan is None:
         return full
@@ -329,9 +333,9 @@ def stores_fp8(model_dir: str | Path) -> bool:
 
 def _load_fp8_shard(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                     tp: TPGroup) -> HybridLM:
-    """An fp8 checkpoint's shard: read whole as `weights.load_model` reads it (dense fp8 dequantized, routed
-    experts stacked and kept fp8 with per-channel scales), then sliced. Holds the checkpoint in host memory
-    once per rank, unlike the streaming bf16 path."""
+    """An fp8 checkpoint's shard: read whole as `weights.load_model` reads it (dense fp8 linears and routed
+    experts, stacked, kept fp8), then sliced (per-channel scales with their rows, per-tensor ones replicated).
+    Holds the checkpoint in host memory once per rank, unlike the streaming bf16 path."""
     state = read_state_dict(model_dir)
     if config.moe is not None:
         fp8 = set_expert_precision(state, None)
@@ -339,6 +343,7 @@ def _load_fp8_shard(model_dir: Path, config: ModelConfig, dtype: torch.dtype, de
     if "lm_head.weight" not in state and config.tie_word_embeddings and "embeddings.weight" in state:
         state["lm_head.weight"] = state["embeddings.weight"]
     model = sharded_model(config, tp)
+    to_fp8(model, stored_layout(prepare_dense_state(state, model), state))
     wanted = dict([*model.named_parameters(), *model.named_buffers()])
     values = {name: shard_tensor(name, state[name], config, tp) for name in wanted if name in state}
     logger.info("rank %d/%d: loaded its shard of the fp8 checkpoint %s", tp.rank, tp.size, model_dir)
@@ -351,7 +356,18 @@ def dummy_shard(config: ModelConfig, dtype: torch.dtype, device: torch.device, t
     model = sharded_model(config, tp)
     with torch.device("meta"):
         full = HybridLM(config)
+    fp8 = dummy_fp8_linears(full, config)
+    if config.fp8 is not None:
+        to_fp8(model, scheme_layout(fp8, config.fp8))
     generator = torch.Generator(device=device).manual_seed(seed)
-    values = {name: shard_tensor(name, dummy_values(name, tuple(t.shape), device, generator), config, tp)
-              for name, t in [*full.named_parameters(), *full.named_buffers()]}
-    return _fill(model, values, dtype, device)
+    values: dict[str, torch.Tensor] = {}
+    for name, t in [*full.named_parameters(), *full.named_buffers()]:
+        module, _, leaf = name.rpartition(".")
+        if module in fp8 and leaf in ("weight_scale", "input_scale"):
+            continue  # made with the weight
+        drawn = dummy_values(name, tuple(t.shape), device, generator)
+        if module in fp8 and leaf == "weight" and config.fp8 is not None:
+            values.update(dummy_fp8_state(module, drawn, config.fp8))  # quantized whole, as at TP=1
+        else:
+            values[name] = drawn
+    return _fill(model, {name: shard_tensor(name, v, config, tp) for name, v in values.items()}, dtype, device)

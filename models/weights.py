@@ -13,7 +13,16 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from hybridserve.common.model_config import ModelConfig
-from hybridserve.models.fp8_weights import FP8, channel_scales, dequantize_dense, set_expert_precision
+from hybridserve.models.fp8_dense import (
+    dummy_fp8_state,
+    linear_modules,
+    prepare_dense_state,
+    scheme_fp8_linears,
+    scheme_layout,
+    stored_layout,
+    to_fp8,
+)
+from hybridserve.models.fp8_weights import FP8, channel_scales, set_expert_precision
 from hybridserve.models.hybrid_model import HybridLM
 
 logger = logging.getLogger(__name__)
@@ -50,7 +59,8 @@ def _normalize(name: str) -> str:
 
 
 def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the checkpoint under our parameter names (per-expert tensors stacked)."""
+    """All tensors of the checkpoint under our parameter names (per-expert tensors stacked; dense fp8 weights as
+    stored: `prepare_dense_state` decides what stays fp8 once the model is built)."""
     tensors: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str, str], dict[int, torch.Tensor]] = {}
     files = checkpoint_files(model_dir)
@@ -72,17 +82,19 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
             rows = experts[(prefix, proj, "weight")][0].shape[0]
             name = f"{prefix}.{proj}_scale"
             tensors[name] = torch.stack([channel_scales(per_expert[i], rows, name) for i in sorted(per_expert)])
-    return dequantize_dense(tensors)
+    return tensors
 
 
 def load_model(
     model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, with_mtp: bool = True,
-    moe_fp8: bool | None = None,
+    moe_fp8: bool | None = None, dense_fp8: bool = True,
 ) -> HybridLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint; missing or unexpected
     tensors and shape mismatches raise a ValueError that names them. `with_mtp=False` leaves out the MTP
     drafter (and its KV) even when the checkpoint has one. `moe_fp8`: routed expert weights in fp8 (True:
-    quantized at load when stored in bf16), dequantized (False), or as the checkpoint stores them (None)."""
+    quantized at load when stored in bf16), dequantized (False), or as the checkpoint stores them (None).
+    `dense_fp8`: every other linear the checkpoint stores in fp8 stays fp8 (W8A8 through `ops.fp8_linear`), or
+    (False) is dequantized to the model dtype."""
     model_dir = Path(model_dir)
     state = read_state_dict(model_dir)
     if config.moe is not None:
@@ -102,6 +114,7 @@ def load_model(
         state["lm_head.weight"] = state["embeddings.weight"]
     with torch.device("meta"):
         model = HybridLM(config)
+    to_fp8(model, stored_layout(prepare_dense_state(state, model, dense_fp8), state))
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -121,12 +134,13 @@ def load_model(
     return model.eval()
 
 
-_KEEP_FP32 = ("A_log", "D", "dt_bias", "e_score_correction_bias", "up_proj_scale", "down_proj_scale")
+_KEEP_FP32 = ("A_log", "D", "dt_bias", "e_score_correction_bias", "up_proj_scale", "down_proj_scale", "weight_scale",
+              "input_scale")
 
 
 def _load_dtype(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    """SSM constants, the router (transformers keeps it fp32) and fp8 scales stay fp32, fp8 expert weights fp8,
-    the rest the model dtype."""
+    """SSM constants, the router (transformers keeps it fp32) and fp8 scales stay fp32, fp8 weights (experts,
+    dense linears) fp8, the rest the model dtype."""
     if name.rsplit(".", 1)[-1] in _KEEP_FP32 or name.endswith("mixer.gate.weight"):  # the router runs in fp32
         return torch.float32
     return FP8 if tensor.dtype == FP8 else dtype
@@ -152,13 +166,35 @@ def dummy_values(name: str, shape: tuple[int, ...], device: torch.device, genera
 
 def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> HybridLM:
     """A model with random weights in sane ranges (decays in (0, 1), unit norms) built from the config
-    alone: benchmarks of real shapes without reading (or owning) a checkpoint."""
+    alone: benchmarks of real shapes without reading (or owning) a checkpoint. With an fp8 quantization_config
+    the linears it declares fp8 hold quantized random weights (as a checkpoint of that scheme would)."""
     with torch.device("meta"):
         model = HybridLM(config)
+    fp8 = dummy_fp8_linears(model, config)
     model = model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+    tensors = dict([*model.named_parameters(), *model.named_buffers()])
+    for name, tensor in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        if module in fp8 and leaf in ("weight_scale", "input_scale"):
+            continue  # set with the weight
+        if module in fp8 and leaf == "weight":  # the bf16 weight's draw, quantized; its scales set with it
+            assert config.fp8 is not None  # dummy_fp8_linears found linears to quantize
+            values = dummy_values(name, tuple(tensor.shape), device, generator)
+            for key, value in dummy_fp8_state(module, values, config.fp8).items():
+                tensors[key].data = value.to(_load_dtype(key, value, dtype))
+            continue
         values = dummy_values(name, tuple(tensor.shape), device, generator)
         tensor.data = values.to(_load_dtype(name, tensor, dtype))  # fp8 experts (config.moe.fp8_experts) stay fp8
     logger.info("random (dummy) weights for %s, %d layers", config.architecture, config.num_layers)
     return model.eval()
+
+
+def dummy_fp8_linears(model: HybridLM, config: ModelConfig) -> set[str]:
+    """Turn the meta model's linears that the config's fp8 quantization_config declares into fp8 ones (the
+    scale shapes its scheme stores) -> their names."""
+    if config.fp8 is None:
+        return set()
+    fp8 = scheme_fp8_linears(config.fp8, linear_modules(model))
+    to_fp8(model, scheme_layout(fp8, config.fp8))
+    return fp8

@@ -46,6 +46,7 @@ def model_bytes(config_json: dict[str, Any], dtype: str = "bfloat16") -> ModelBy
 
     from hybridserve.common.model_config import ModelConfig
     from hybridserve.models.hybrid_model import HybridLM
+    from hybridserve.models.weights import dummy_fp8_linears
 
     config = ModelConfig.from_hf_dict(config_json)
     previous = torch.get_default_dtype()
@@ -53,6 +54,7 @@ def model_bytes(config_json: dict[str, Any], dtype: str = "bfloat16") -> ModelBy
     try:
         with torch.device("meta"):
             model = HybridLM(config)
+            dummy_fp8_linears(model, config)  # the linears `--load-format dummy` makes fp8 (none without fp8)
     finally:
         torch.set_default_dtype(previous)
     dense = routed = 0
@@ -112,10 +114,20 @@ def floor_ms(nbytes: float, copy_gbps: float) -> float:
     return nbytes / copy_gbps / 1e6
 
 
+def recipe_fp8_exclusions(config_json: dict[str, Any]) -> list[str]:
+    """Modules NVIDIA's Nemotron 3 Nano FP8 checkpoint keeps in bf16 (its selective recipe: lm_head, every
+    attention layer and the Mamba layer feeding each), as ModelOpt `exclude_modules` patterns."""
+    pattern = str(config_json.get("hybrid_override_pattern", ""))
+    kept = {j for i, kind in enumerate(pattern) if kind == "*" for j in (i - 1, i) if j >= 0 and pattern[j] in "M*"}
+    return ["lm_head", *(f"backbone.layers.{i}.mixer*" for i in sorted(kept))]
+
+
 def with_fp8_quantization(config_json: dict[str, Any]) -> dict[str, Any]:
-    """A copy of config.json declaring ModelOpt FP8 weights (what `--load-format dummy` turns into fp8 layers)."""
+    """A copy of config.json declaring ModelOpt FP8 weights with the recipe's bf16 layers (what `--load-format
+    dummy` turns into fp8 experts and fp8 dense linears)."""
     out = dict(config_json)
-    out["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8"}
+    out["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8",
+                                  "exclude_modules": recipe_fp8_exclusions(config_json)}
     return out
 
 

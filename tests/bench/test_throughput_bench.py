@@ -63,6 +63,8 @@ def test_fp8_config_halves_the_30b_experts() -> None:
     fp8 = step_floor.model_bytes(step_floor.with_fp8_quantization(cfg))
     assert bf16.num_experts == 128 and bf16.experts_per_token == 6
     assert fp8.routed_experts < 0.51 * bf16.routed_experts
+    # dense linears fp8 too, but for the recipe's bf16 layers (attention, the Mamba layers before it), lm_head, norms
+    assert fp8.dense < 0.75 * bf16.dense
     one, full = step_floor.step_bytes(fp8, 1, 0), step_floor.step_bytes(fp8, 1024, 0)
     assert one["weights"] < full["weights"] - 0.9 * fp8.routed_experts
 

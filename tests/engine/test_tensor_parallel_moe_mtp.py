@@ -184,16 +184,20 @@ def test_disaggregated_mtp_prefill_tp1_to_decode_tp2() -> None:
 
 def _fp8_experts_checkpoint(source: Path) -> Path:
     """source with its routed experts stored as ModelOpt FP8 does (per-expert float8_e4m3fn, per-tensor
-    weight_scale, input_scale) and the attention q_proj as fp8 with a per-channel [out, 1] scale (dense fp8)."""
+    weight_scale, input_scale), dense fp8 linears (W8A8 with a static input scale): the Mamba in_proj (column
+    parallel) with per-channel [out, 1] scales, out_proj (row parallel) per tensor; and the attention q_proj alone
+    in fp8 (k/v are not: the fused q/k/v runs dequantized)."""
     directory = Path(tempfile.mkdtemp(prefix="hybridserve-tp-fp8-"))
     shutil.copytree(source, directory, dirs_exist_ok=True)
     tensors = load_file(str(directory / "model.safetensors"))
-    for name in [n for n in tensors if (".experts." in n and "shared" not in n) or n.endswith("q_proj.weight")]:
+    dense = ("q_proj.weight", "in_proj.weight", "out_proj.weight")
+    for name in [n for n in tensors if (".experts." in n and "shared" not in n) or n.endswith(dense)]:
         weight = tensors[name]
-        scale = weight.abs().amax(dim=1, keepdim=True) / 448.0 if "q_proj" in name else weight.abs().max().reshape(1) / 448.0
+        per_channel = name.endswith(("q_proj.weight", "in_proj.weight"))
+        scale = weight.abs().amax(dim=1, keepdim=True) / 448.0 if per_channel else weight.abs().max().reshape(1) / 448.0
         tensors[name] = (weight / scale).to(torch.float8_e4m3fn)
         tensors[name + "_scale"] = scale.float()
-        tensors[name.replace(".weight", ".input_scale")] = torch.ones(1)
+        tensors[name.replace(".weight", ".input_scale")] = torch.full((1,), 1 / 64)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8"}
@@ -204,7 +208,8 @@ def _fp8_experts_checkpoint(source: Path) -> Path:
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_fp8_moe_tp2_matches_tp1(expert_parallel: bool) -> None:
     """fp8 experts at TP=2: each rank's slice of every expert (or its whole experts) with the matching rows of
-    the per-channel scales; dense fp8 weights dequantized as at TP=1; logits and greedy tokens equal TP=1's."""
+    the per-channel scales; dense fp8 linears sharded with their scales (per-channel rows sliced with the weight's,
+    per-tensor and static input scales replicated); logits and greedy tokens equal TP=1's."""
     model_dir = _fp8_experts_checkpoint(nemotron_h_moe("ME*E")[0])
     prompts = random_prompts([9, 20], vocab=128, seed=7)
     llm = LLM(model_dir, tensor_parallel_size=2, prefill_chunk_size=8, enable_expert_parallel=expert_parallel)
@@ -212,6 +217,9 @@ def test_fp8_moe_tp2_matches_tp1(expert_parallel: bool) -> None:
         one = LLM(model_dir, prefill_chunk_size=8)
         assert one.engine.model.layers[1].mixer.experts.up_proj.dtype == torch.float8_e4m3fn
         assert llm.engine.model.layers[1].mixer.experts.up_proj.dtype == torch.float8_e4m3fn
+        assert llm.engine.model.layers[0].mixer.out_proj.weight.dtype == torch.float8_e4m3fn
+        in_proj = one.engine.model.layers[0].mixer.in_proj
+        assert in_proj.weight_scale.shape == (in_proj.out_features,)
         torch.testing.assert_close(llm.prompt_logits(prompts[1]), one.prompt_logits(prompts[1]), rtol=RTOL, atol=ATOL)
         assert _tokens(llm, prompts) == _tokens(one, prompts)
     finally:

@@ -19,11 +19,12 @@ class Agreement:
 
 
 def compare(model_dir: Path, prompts: list[list[int]], option: dict, max_tokens: int = 16, top: int = 5,
-            **engine: object) -> Agreement:
+            option_model_dir: Path | None = None, **engine: object) -> Agreement:
     """Greedy generation under `option` against the default engine, then both score the reference's
-    prompt + output sequences (prompt_logprobs): the largest |logprob| difference over the top entries."""
+    prompt + output sequences (prompt_logprobs): the largest |logprob| difference over the top entries.
+    `option_model_dir`: the option's engine loads this checkpoint instead (an fp8 export of model_dir)."""
     ref_llm = LLM(model_dir, **engine)
-    opt_llm = LLM(model_dir, **engine, **option)
+    opt_llm = LLM(option_model_dir or model_dir, **engine, **option)
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ref = [o.token_ids for o in ref_llm.generate(prompt_token_ids=prompts, sampling_params=greedy)]
     got = [o.token_ids for o in opt_llm.generate(prompt_token_ids=prompts, sampling_params=greedy)]

@@ -24,7 +24,7 @@ def test_fused_projection_equals_the_three_and_shares_their_storage(bias):
     before = {k: v.clone() for k, v in attn.state_dict().items()}
     x = torch.randn(5, 24)
     separate = [torch.nn.functional.linear(x, p.weight, p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
-    weight, fused_bias, _ = attn._qkv()
+    weight, fused_bias, _, _ = attn._qkv()
     assert weight.shape == (32 + 16 + 16, 24)
     assert (fused_bias is not None) == bias
     torch.testing.assert_close(torch.nn.functional.linear(x, weight, fused_bias), torch.cat(separate, 1),
@@ -52,7 +52,7 @@ def test_replaced_parameters_are_fused_again():
     attn = _attention(bias=True)
     weight = attn._qkv()[0]
     attn.to(torch.float64)  # .to() gives each parameter a new tensor
-    again, bias, _ = attn._qkv()
+    again, bias, _, _ = attn._qkv()
     assert again is not weight and again.dtype == torch.float64 and bias is not None
     torch.testing.assert_close(again[:32], attn.q_proj.weight)
     attn.k_proj.weight = torch.nn.Parameter(torch.zeros(16, 24, dtype=torch.float64), requires_grad=False)

@@ -85,15 +85,16 @@ def test_moe_forward_never_reads_device_data(case: str) -> None:
 
 def _fp8_checkpoint(source: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     """source rewritten as NVIDIA's FP8 checkpoints store it: per-expert float8_e4m3fn weights with a per-tensor
-    `weight_scale` and an `input_scale` (ModelOpt), the shared experts' up_proj with per-channel [out, 1] scales
-    (compressed-tensors). -> (dir, the dequantized weights under the source's names)."""
+    `weight_scale` and an `input_scale` (ModelOpt; layer 1), or per-channel [out, 1] scales (compressed-tensors;
+    layer 3). Dense linears stay as stored: an fp8 one runs W8A8, not exactly transformers' (tests/models/
+    test_fp8_dense.py). -> (dir, the dequantized weights under the source's names)."""
     directory = Path(tempfile.mkdtemp(prefix="hybridserve-fp8-"))
     shutil.copytree(source, directory, dirs_exist_ok=True)
     tensors = load_file(str(directory / "model.safetensors"))
     dequantized: dict[str, torch.Tensor] = {}
-    for name in [n for n in tensors if ".experts." in n or n.endswith("shared_experts.up_proj.weight")]:
+    for name in [n for n in tensors if ".experts." in n]:
         weight = tensors[name]
-        per_channel = "shared_experts" in name
+        per_channel = ".layers.3." in name
         amax = weight.abs().amax(dim=1, keepdim=True) if per_channel else weight.abs().max().reshape(1)
         scale = amax / 448.0
         fp8 = (weight / (scale if per_channel else scale[0])).to(torch.float8_e4m3fn)
