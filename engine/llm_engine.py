@@ -87,8 +87,9 @@ class LLMEngine:
         if config.load_format == "dummy":
             if not with_mtp:
                 model_config = dataclasses.replace(model_config, mtp_layer_types=())
-            return dummy_model(model_config, config.torch_dtype, config.torch_device, config.seed)
-        return load_model(self.model_dir, model_config, config.torch_dtype, config.torch_device, with_mtp)
+            return dummy_model(model_config, config.torch_dtype, config.torch_device, config.seed, config.kernels)
+        return load_model(self.model_dir, model_config, config.torch_dtype, config.torch_device, with_mtp,
+                          kernels=config.kernels)
 
     def _load_tokenizer(self):  # noqa: ANN202 - the tokenizer or None (a checkpoint without one)
         tokenizer = load_tokenizer(self.model_dir)

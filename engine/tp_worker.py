@@ -233,8 +233,8 @@ def load_rank_model(model_dir: Path, config: EngineConfig, tp: TPGroup, device: 
     """This rank's shard of the checkpoint (or of the dummy weights)."""
     model_config = rank_model_config(model_dir, config)
     if config.load_format == "dummy":
-        return dummy_shard(model_config, config.torch_dtype, device, tp, config.seed)
-    return load_shard(model_dir, model_config, config.torch_dtype, device, tp)
+        return dummy_shard(model_config, config.torch_dtype, device, tp, config.seed, config.kernels)
+    return load_shard(model_dir, model_config, config.torch_dtype, device, tp, config.kernels)
 
 
 def share_cores(device: torch.device, size: int) -> None:

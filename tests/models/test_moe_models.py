@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,9 +44,12 @@ def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         from hybridserve.kernels.moe_small_triton import moe_layer_triton
         from hybridserve.kernels.moe_triton import moe_experts_triton
 
-        monkeypatch.setattr(ops, "moe_experts", moe_experts_triton)
-        monkeypatch.setattr(ops, "moe_route", route_topk_triton)
-        monkeypatch.setattr(ops, "moe_layer", moe_layer_triton)  # decode steps: small-M path; prefill: grouped
+        def triton_only(kernel: Callable[..., Any]) -> Callable[..., Any]:  # whatever the layers' kernel mode
+            return lambda *args, kernels=None, **kwargs: kernel(*args, **kwargs)
+
+        monkeypatch.setattr(ops, "moe_experts", triton_only(moe_experts_triton))
+        monkeypatch.setattr(ops, "moe_route", triton_only(route_topk_triton))
+        monkeypatch.setattr(ops, "moe_layer", triton_only(moe_layer_triton))  # decode: small-M path; prefill: grouped
     return str(request.param)
 
 
@@ -210,19 +213,23 @@ def test_cuda_decode_graph_of_a_moe_model(case: str) -> None:
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
 
 
-@pytest.mark.slow  # ~40 s: a subprocess with every kernel interpreted
+@pytest.mark.slow  # ~40 s: every kernel interpreted
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA test above covers the Triton path on a GPU")
 def test_whole_engine_on_interpreted_triton_kernels() -> None:
-    """HYBRIDSERVE_KERNELS=interpret: every op (Mamba, attention, norms, router, experts) on its Triton kernel,
-    latent MoE and MTP-with-MoE speculative decoding give transformers' greedy tokens."""
+    """kernel_mode="interpret": every op (Mamba, attention, norms, router, experts) on its Triton kernel, latent
+    MoE and MTP-with-MoE speculative decoding give transformers' greedy tokens."""
     pytest.importorskip("triton")
-    env = {**os.environ, "HYBRIDSERVE_KERNELS": "interpret", "TRITON_INTERPRET": "1"}
-    case = Path(__file__).with_name("interpreted_moe_case.py")
-    done = subprocess.run([sys.executable, str(case)], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    tokens = json.loads(done.stdout.strip().splitlines()[-1])
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter")
     prompts = random_prompts([3, 11], vocab=VOCAB, seed=3)
-    latent_hf = nemotron_h_moe("ME*E", moe_latent_size=8)[1]
-    mtp_hf = nemotron_h_mtp("ME*E", ("attention", "moe"), moe=True)[1]
-    assert tokens["latent"] == [hf_greedy(latent_hf, p, 5) for p in prompts]
-    assert tokens["mtp"] == [hf_greedy(mtp_hf, p, 5) for p in prompts]
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    latent_dir, latent_hf = nemotron_h_moe("ME*E", moe_latent_size=8)
+    latent = LLM(latent_dir, prefill_chunk_size=8, kernel_mode="interpret")
+    assert [o.token_ids for o in latent.generate(prompt_token_ids=prompts, sampling_params=greedy)] == [
+        hf_greedy(latent_hf, p, 5) for p in prompts]
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "rollback": "intermediate"}
+    mtp_dir, mtp_hf = nemotron_h_mtp("ME*E", ("attention", "moe"), moe=True)
+    mtp = LLM(mtp_dir, speculative_config=spec, max_model_len=96, state_block=16, page_size=8, max_num_seqs=4,
+              kernel_mode="interpret")
+    assert [o.token_ids for o in mtp.generate(prompt_token_ids=prompts, sampling_params=greedy)] == [
+        hf_greedy(mtp_hf, p, 5) for p in prompts]
