@@ -93,6 +93,9 @@ class EngineConfig:
     # MoE blocks at tensor_parallel_size > 1: each rank holds a subset of whole experts (expert parallel)
     # instead of a slice of every expert
     enable_expert_parallel: bool = False
+    # a follower rank that is alive but shows no sign of life (stopped, wedged) for this many seconds is ended and
+    # the engine raises naming it, instead of waiting out the collectives' 10-minute timeout
+    tensor_parallel_hang_timeout_s: float = 30.0
     # a torch.profiler trace (Chrome / Perfetto JSON + a table of ops) of a window of each worker loop's busy steps
     # is written into this directory (worker_runtime/step_profiler.py); None: no profiling
     profile_dir: str | None = None
@@ -155,6 +158,9 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        hang = self.tensor_parallel_hang_timeout_s
+        if isinstance(hang, bool) or not isinstance(hang, (int, float)) or not hang > 0:
+            raise ValueError(f"tensor_parallel_hang_timeout_s must be > 0, got {hang!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
         for name in ("cuda_graphs", "split_mixed_steps", "prefill_cuda_graphs"):

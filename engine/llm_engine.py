@@ -22,7 +22,7 @@ from hybridserve.common.outputs import RequestOutput
 from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.common.text_stream import TextStream
 from hybridserve.common.tokenizer import load_tokenizer
-from hybridserve.engine import handoff, tp_worker
+from hybridserve.engine import handoff, tp_launch, tp_worker
 from hybridserve.engine.cache_plan import plan_engine_cache
 from hybridserve.engine.config import DTYPES, EngineConfig
 from hybridserve.engine.model_runner import ModelRunner
@@ -80,7 +80,7 @@ class LLMEngine:
         spec = config.speculative
         with_mtp = spec is not None and spec.method == "mtp"  # else the drafter and its KV are left out
         if config.tensor_parallel_size > 1:
-            self.tp, model = tp_worker.start_leader(self.model_dir, config)
+            self.tp, model = tp_launch.start_leader(self.model_dir, config)
             weakref.finalize(self, self.tp.shutdown)
             return model
         model_config = config.cache_dtypes(ModelConfig.from_dir(self.model_dir))
