@@ -66,7 +66,9 @@ def test_logits_match_transformers(case: str, kernels: str) -> None:
         torch.testing.assert_close(llm.prompt_logits(prompt), hf_logits(hf, prompt), rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("case", ["grouped", "latent"])
+# the latent case on the Triton experts is test_whole_engine_on_interpreted_triton_kernels's first half
+@pytest.mark.parametrize(("case", "kernels"), [("grouped", "reference"), ("grouped", "triton"), ("latent", "reference")],
+                         indirect=["kernels"])
 def test_greedy_matches_transformers(case: str, kernels: str) -> None:
     model_dir, hf = _model(case)
     prompts = random_prompts([3, 11], vocab=VOCAB, seed=3)
@@ -181,6 +183,7 @@ def test_nvfp4_checkpoint_is_refused() -> None:
         load_model(directory, ModelConfig.from_dir(directory), torch.float32, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("kernels", ["reference"], indirect=True)  # on the Triton kernels: the whole-engine test below
 def test_mtp_with_a_moe_layer_drafts_and_verifies(kernels: str) -> None:
     """Nemotron 3's MTP module (attention + MoE) on a MoE trunk: speculative greedy output is transformers'
     greedy output of the trunk, with drafts proposed and verified through the fused experts."""
