@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO
 
 from hybridserve.deploy.options import WorkerOptions, configs_from_json
+from hybridserve.deploy.parent_pipe import watch_parent_pipe
 from hybridserve.deploy.process_heap import freeze_startup_heap
 
 __all__ = ["PendingWorker", "WorkerOptions", "WorkerPorts", "WorkerProcess", "WorkerStartError", "configs_from_json",
@@ -197,22 +198,6 @@ def start_worker_process(role: str, worker_id: str, options: WorkerOptions, port
     its log's last line if it dies. `verbose` (INFO logs) defaults to whether this process logs INFO."""
     pending = spawn_worker_process(role, worker_id, options, WorkerPorts(grpc=port), env, log_dir, verbose)
     return wait_ready([pending], timeout_s)[0]
-
-
-def watch_parent_pipe() -> None:
-    """In a worker started by the launcher: a daemon thread reads standard input until it closes (the launcher
-    exited, however it did) and then SIGTERMs this process, which drains and stops as on any SIGTERM."""
-    def watch() -> None:
-        try:
-            # os.read, not sys.stdin.buffer: a daemon thread blocked in the buffered reader holds its lock, and the
-            # interpreter's shutdown then aborts (SIGABRT, "could not acquire lock for <stdin>")
-            while os.read(sys.stdin.fileno(), 4096):
-                pass
-        except (OSError, ValueError):
-            pass
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def serve_worker(role: str, worker_id: str, options: WorkerOptions, ports: WorkerPorts, ready_file: str | None) -> int:

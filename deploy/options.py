@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from hybridserve.common.config_flags import config_argv, from_jsonable, to_jsonable
+from hybridserve.deploy.ray_head import RayHeadOptions
 from hybridserve.engine.config import EngineConfig
 from hybridserve.proto.internal_tls import InternalTlsConfig
 from hybridserve.router.config import RouterOptions
@@ -145,6 +146,8 @@ class ServeOptions(ClusterOptions):
 
     ray_address: str | None = None  # a Ray cluster to join; None: start a local one
     use_ray: bool = True
+    # the ports of the local Ray head started without ray_address (deploy/ray_head.py)
+    ray_head: RayHeadOptions = field(default_factory=RayHeadOptions)
     # --gpus placement (deploy/gpu_placement.py; a tensor-parallel worker's index is the first of its
     # contiguous GPUs); None: round-robin on a multi-GPU host, one contiguous GPU set per TP group
     gpus: str | None = None

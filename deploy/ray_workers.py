@@ -207,10 +207,10 @@ def _resources(values: dict[str, float]) -> str:
     return ", ".join(f"{k}: {v:g}" for k, v in sorted(values.items())) or "nothing"
 
 
-def connect(address: str | None, timeout_s: float, namespace: str, **local: object) -> None:
-    """ray.init, bounded: joins `address` (checked to answer first) or starts a local cluster with `local`'s
-    arguments; TimeoutError when Ray has not connected within `timeout_s` (its client otherwise retries "Failed
-    to connect to GCS" for minutes)."""
+def connect(address: str, timeout_s: float, namespace: str) -> None:
+    """ray.init, bounded: joins `address` (checked to answer first; a bare `serve` starts a head of its own
+    first, deploy/ray_head.py); TimeoutError when Ray has not connected within `timeout_s` (its client otherwise
+    retries "Failed to connect to GCS" for minutes)."""
     import threading
 
     import ray
@@ -218,11 +218,6 @@ def connect(address: str | None, timeout_s: float, namespace: str, **local: obje
     from hybridserve.deploy.preflight import check_ray_reachable
 
     if ray.is_initialized():
-        return
-    if not address:
-        # a local cluster starts in this thread: Ray's head processes die with the thread that started them
-        # (Linux's parent-death signal is per thread), so a helper thread would take the new GCS with it
-        ray.init(namespace=namespace, include_dashboard=False, log_to_driver=False, **local)  # type: ignore[arg-type]
         return
     check_ray_reachable(address, timeout_s=min(5.0, timeout_s))
     failure: list[BaseException] = []

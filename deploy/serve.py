@@ -8,6 +8,7 @@ owned by this one (supervised, restarted when they die, and gone when it is).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -22,6 +23,7 @@ from hybridserve.deploy.launch import WorkerPorts, spawn_worker_process
 from hybridserve.deploy.options import ServeOptions, new_internal_token
 from hybridserve.deploy.preflight import check_gpus, check_model_dir, check_ports_free
 from hybridserve.deploy.process_heap import freeze_startup_heap
+from hybridserve.deploy.ray_head import RayHead
 from hybridserve.deploy.supervisor import ProcessSupervisor, WorkerSpec
 from hybridserve.proto.channels import is_loopback
 from hybridserve.router.app import Router
@@ -63,6 +65,10 @@ def preflight(options: ServeOptions) -> None:
         from hybridserve.deploy.preflight import check_ray_reachable
 
         check_ray_reachable(options.ray_address)
+    else:  # the local Ray head's ports (those given) are free
+        head = options.ray_head
+        check_ports_free("0.0.0.0", [(getattr(head, f.name), f"--ray-{f.name.replace('_', '-')}")
+                                     for f in dataclasses.fields(head) if "worker_port" not in f.name])
 
 
 class Deployment:
@@ -73,6 +79,7 @@ class Deployment:
         self.supervisor: ProcessSupervisor | None = None
         self._actors: dict[str, list] = {}
         self.log_dir: Path | None = None
+        self.ray_head: RayHead | None = None  # the local head a bare Ray `serve` started
 
     def start(self) -> None:
         """Start the workers and wait until they serve (bounded by options.timeout_s); on failure the caller's
@@ -121,9 +128,14 @@ class Deployment:
 
         o = self.options
         workers = o.num_prefill + o.num_decode
-        # a local cluster offers the custom resources the actors ask for, and a CPU for each of them
-        connect(o.ray_address, o.timeout_s, "hybridserve", resources={"prefill": o.num_prefill, "decode": o.num_decode},
-                num_cpus=max(os.cpu_count() or 1, workers))
+        address = o.ray_address
+        if not address:  # a local head of our own, on the ports given, offering the custom resources the actors
+            # ask for and a CPU for each of them
+            self.ray_head = RayHead.start(o.ray_head, {"prefill": o.num_prefill, "decode": o.num_decode},
+                                          max(os.cpu_count() or 1, workers), o.timeout_s)
+            address = self.ray_head.address
+            print(f"hybridserve: local Ray head at {address} (its log: {self.ray_head.log_path})", flush=True)
+        connect(address, o.timeout_s, "hybridserve")
         check_cluster(o, o.num_gpus_per_worker)
         self._actors = start_ray_workers(o, RayPlacement(num_gpus=o.num_gpus_per_worker, ready_timeout_s=o.timeout_s))
         actor_addresses(self._actors["prefill"] + self._actors["decode"], timeout=o.timeout_s)
@@ -149,6 +161,12 @@ class Deployment:
             for actor in self._actors["prefill"] + self._actors["decode"]:
                 ray.kill(actor, no_restart=True)
             self._actors = {}
+        if self.ray_head is not None:
+            import ray
+
+            ray.shutdown()  # this driver leaves the cluster before its head goes
+            self.ray_head.stop()
+            self.ray_head = None
 
 
 def send_requests_line(grpc_address: str | None, http_address: str | None) -> str:

@@ -12,6 +12,7 @@ import torch
 from hybridserve.common.model_config import KV_CACHE_DTYPES, SSM_CACHE_DTYPES, ModelConfig
 from hybridserve.engine.grammar_limits import GrammarLimits
 from hybridserve.engine.spec_config import SpeculativeConfig
+from hybridserve.kernels.ops import KERNEL_MODES, Kernels
 
 # A 9B hybrid's 512-token step is host-bound on an H200 (41 ms for 15.6 ms of GPU work); 2048 tokens keep the
 # GPU busy (31.5K vs 11.3K prefill tokens/s) and a step with prefill near 45 ms, its ITL bound
@@ -92,6 +93,9 @@ class EngineConfig:
     # MoE blocks at tensor_parallel_size > 1: each rank holds a subset of whole experts (expert parallel)
     # instead of a slice of every expert
     enable_expert_parallel: bool = False
+    # a follower rank that is alive but shows no sign of life (stopped, wedged) for this many seconds is ended and
+    # the engine raises naming it, instead of waiting out the collectives' 10-minute timeout
+    tensor_parallel_hang_timeout_s: float = 30.0
     # a torch.profiler trace (Chrome / Perfetto JSON + a table of ops) of a window of each worker loop's busy steps
     # is written into this directory (worker_runtime/step_profiler.py); None: no profiling
     profile_dir: str | None = None
@@ -104,9 +108,16 @@ class EngineConfig:
     grammar_max_properties: int = 2048  # a JSON schema with more object properties in all is refused (400)
     # a regex larger than this with its counted repetitions expanded (a{100}{100}: 10,000) is refused (400)
     grammar_max_regex_states: int = 10_000
+    # which implementation the model's ops run: auto (Triton kernels on CUDA, torch references on CPU),
+    # reference (the torch references everywhere: debugging, A/B checks) or interpret (the Triton kernels on
+    # CPU tensors under Triton's interpreter, TRITON_INTERPRET=1: checks the kernels without a GPU, slow)
+    kernel_mode: str = "auto"
 
     def __post_init__(self) -> None:
         self.grammar_limits  # noqa: B018 - validated on construction
+        if self.kernel_mode not in KERNEL_MODES:
+            raise ValueError(f"kernel_mode must be one of {', '.join(KERNEL_MODES)}, got {self.kernel_mode!r}")
+        self.kernels  # noqa: B018 - interpret needs Triton's interpreter on
         if not (isinstance(self.grammar_compile_timeout_s, (int, float)) and self.grammar_compile_timeout_s > 0):
             raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s!r}")
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -147,6 +158,9 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if isinstance(tp, bool) or not isinstance(tp, int) or tp <= 0:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        hang = self.tensor_parallel_hang_timeout_s
+        if isinstance(hang, bool) or not isinstance(hang, (int, float)) or not hang > 0:
+            raise ValueError(f"tensor_parallel_hang_timeout_s must be > 0, got {hang!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
         for name in ("cuda_graphs", "split_mixed_steps", "prefill_cuda_graphs"):
@@ -221,6 +235,11 @@ class EngineConfig:
         """The parsed speculative config (None: off)."""
         spec = self.speculative_config
         return spec if isinstance(spec, SpeculativeConfig) else None
+
+    @property
+    def kernels(self) -> Kernels:
+        """The kernel mode the model's layers are built with (kernels/ops.py)."""
+        return Kernels(self.kernel_mode)
 
     @property
     def torch_dtype(self) -> torch.dtype:

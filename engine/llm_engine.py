@@ -22,7 +22,7 @@ from hybridserve.common.outputs import RequestOutput
 from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.common.text_stream import TextStream
 from hybridserve.common.tokenizer import load_tokenizer
-from hybridserve.engine import handoff, tp_worker
+from hybridserve.engine import handoff, tp_launch, tp_worker
 from hybridserve.engine.cache_plan import plan_engine_cache
 from hybridserve.engine.config import DTYPES, EngineConfig
 from hybridserve.engine.model_runner import ModelRunner
@@ -80,15 +80,16 @@ class LLMEngine:
         spec = config.speculative
         with_mtp = spec is not None and spec.method == "mtp"  # else the drafter and its KV are left out
         if config.tensor_parallel_size > 1:
-            self.tp, model = tp_worker.start_leader(self.model_dir, config)
+            self.tp, model = tp_launch.start_leader(self.model_dir, config)
             weakref.finalize(self, self.tp.shutdown)
             return model
         model_config = config.cache_dtypes(ModelConfig.from_dir(self.model_dir))
         if config.load_format == "dummy":
             if not with_mtp:
                 model_config = dataclasses.replace(model_config, mtp_layer_types=())
-            return dummy_model(model_config, config.torch_dtype, config.torch_device, config.seed)
-        return load_model(self.model_dir, model_config, config.torch_dtype, config.torch_device, with_mtp)
+            return dummy_model(model_config, config.torch_dtype, config.torch_device, config.seed, config.kernels)
+        return load_model(self.model_dir, model_config, config.torch_dtype, config.torch_device, with_mtp,
+                          kernels=config.kernels)
 
     def _load_tokenizer(self):  # noqa: ANN202 - the tokenizer or None (a checkpoint without one)
         tokenizer = load_tokenizer(self.model_dir)

@@ -210,7 +210,7 @@ class ModelRunner:
         for row, request in enumerate(requests):
             if request.hold_state:  # a prefill worker ships it to decode (the MTP drafter needs it)
                 request.last_hidden = last_hidden[row]
-        tokens_out = sample(logits, [r.params for r in requests], [r.generator for r in requests])
+        tokens_out = sample(logits, [r.params for r in requests], [r.generator for r in requests], self.model.kernels)
         for index, token in zip(due, tokens_out):
             new_token_ids[index] = [token]
         logprobs: list[list[TokenLogprob]] | None = None

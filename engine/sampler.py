@@ -10,7 +10,7 @@ import torch
 
 from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.kernels.host_index import pack_to_device
-from hybridserve.kernels.ops import SEED_BITS, gumbel_sample, pack_rows
+from hybridserve.kernels.ops import AUTO_KERNELS, SEED_BITS, Kernels, gumbel_sample, pack_rows
 
 
 def processed_probs(
@@ -71,8 +71,9 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor
     return index[:, 0].clamp(max=probs.shape[-1] - 1)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
-    """logits: [B, V], one row per request -> one token id per row."""
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+           kernels: Kernels = AUTO_KERNELS) -> list[int]:
+    """logits: [B, V], one row per request -> one token id per row (`kernels`: the engine's kernel mode)."""
     if all(p.greedy for p in params):
         return logits.argmax(dim=-1).tolist()
     vocab = logits.shape[-1]
@@ -83,7 +84,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     inverse_temperatures = [1.0 / p.temperature if keep else 0.0 for p, keep in zip(params, plain)]
     seeds = [int(torch.randint(1 << SEED_BITS, (), generator=g)) if keep else 0 for g, keep in zip(generators, plain)]
     rows = _to_device(pack_rows(inverse_temperatures, seeds), torch.int32, logits.device).view(-1, 2)
-    tokens = gumbel_sample(logits, rows)
+    tokens = gumbel_sample(logits, rows, kernels=kernels)
     if filtered:
         index = _to_device(filtered, torch.int64, logits.device)
         probs = params_probs(logits[index], [params[i] for i in filtered])

@@ -1,6 +1,8 @@
 """Rank 0 watches its spawned follower ranks: a follower that exits (at start-up, in the rendezvous or during
 any collective) surfaces on rank 0 within a bounded time as a RankError naming its rank, exit status and last
-error, instead of a wait on a peer that will never answer.
+error, instead of a wait on a peer that will never answer. A follower that is alive but stopped or wedged (its
+heartbeat, a shared counter a thread of it bumps, stands still past the hang timeout) is ended (SIGKILL, so
+the collective rank 0 waits in fails at once) and named the same way.
 
 A thread polls the follower processes. The rendezvous runs beside that poll, so a follower that dies before
 joining (e.g. a spawned process that cannot re-import a script read from standard input) fails the start at
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
@@ -23,6 +26,7 @@ logger = logging.getLogger(__name__)
 POLL_S = 0.2
 START_TIMEOUT_S = 300.0  # the rendezvous: every follower process started and joined the group
 EXIT_GRACE_S = 2.0  # a collective failed: how long a dying follower's exit status may take to show
+HEARTBEAT_S = 0.5  # how often a follower bumps its heartbeat
 
 
 class RankError(RuntimeError):
@@ -40,14 +44,31 @@ def describe_exit(code: int | None) -> str:
     return f"exited with status {code}"
 
 
+def start_heartbeat(counter: Any, period_s: float = HEARTBEAT_S) -> None:
+    """In a follower: bump `counter` (a shared multiprocessing.Value) every `period_s` from a daemon thread, for
+    as long as the process runs (a stopped process, or one whose interpreter is wedged, stops bumping it)."""
+
+    def beat() -> None:
+        while True:
+            counter.value += 1
+            time.sleep(period_s)
+
+    threading.Thread(target=beat, daemon=True, name="tp-heartbeat").start()
+
+
 class RankWatch:
     """Watches follower processes (multiprocessing.Process) whose last errors arrive on `errors` as
-    (rank, message)."""
+    (rank, message), and their `heartbeats` (one shared counter each, None: exits only): a counter that has
+    moved once and then stands still for `hang_timeout_s` marks its follower hung."""
 
-    def __init__(self, processes: list[Any], errors: Any, backend: str) -> None:
+    def __init__(self, processes: list[Any], errors: Any, backend: str, heartbeats: list[Any] | None = None,
+                 hang_timeout_s: float = 30.0) -> None:
         self._processes = processes  # process i is rank i + 1
         self._errors = errors
         self._backend = backend
+        self._heartbeats = heartbeats
+        self._hang_timeout_s = hang_timeout_s
+        self._beats: dict[int, tuple[int, float]] = {}  # rank -> (last counter value, when it last moved)
         self._last_error: dict[int, str] = {}
         self._joining: set[int] = set()
         self._failure: RankError | None = None
@@ -84,6 +105,29 @@ class RankWatch:
                                           f"{describe_exit(process.exitcode)}; its last error: {last}")
                 logger.error("%s", self._failure)
                 return self._failure
+            return self._check_heartbeats()
+
+    def _check_heartbeats(self) -> RankError | None:
+        """A follower whose heartbeat stood still past the hang timeout: ended, and its RankError (lock held)."""
+        if self._heartbeats is None:
+            return None
+        now = time.monotonic()
+        for rank, (counter, process) in enumerate(zip(self._heartbeats, self._processes), start=1):
+            value = counter.value
+            last = self._beats.get(rank)
+            if last is None or value != last[0]:
+                self._beats[rank] = (value, now)
+                continue
+            if value == 0 or now - last[1] < self._hang_timeout_s:  # not started beating yet / within the limit
+                continue
+            self._failure = RankError(
+                f"tensor-parallel rank {rank} (pid {process.pid}) is alive but has shown no sign of life for "
+                f"{now - last[1]:.1f} s (stopped or hung; tensor_parallel_hang_timeout_s="
+                f"{self._hang_timeout_s:g}); it was ended")
+            logger.error("%s", self._failure)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGKILL)  # a stopped process still takes SIGKILL: its sockets close
+            return self._failure
         return None
 
     def _run(self) -> None:

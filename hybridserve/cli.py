@@ -25,7 +25,7 @@ from hybridserve.cli_options import (
     resolved_model_dir,
     transfer_config,
 )
-from hybridserve.common.config_flags import json_object
+from hybridserve.common.config_flags import add_config_flags, config_from_args, json_object
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -186,6 +186,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-worker-overrides", type=json_object, default=None,
                    help="JSON of engine options that differ for prefill workers, e.g. '{\"prefill_chunk_size\": 4096}' "
                    "(they run no decodes: big prefill steps cost no inter-token latency)")
+    from hybridserve.deploy.ray_head import RayHeadOptions
+
+    add_config_flags(p, RayHeadOptions, "the local Ray head (serve without --address or --no-ray)", prefix="ray-")
     add_engine_options(p)
     add_transfer_options(p)
     p.set_defaults(func=_run_serve)
@@ -196,7 +199,10 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     if args.insecure_internal and args.internal_token:
         raise ValueError("--insecure-internal and --internal-token exclude each other")
+    from hybridserve.deploy.ray_head import RayHeadOptions
+
     options = ServeOptions(**cluster_options(args), ray_address=args.address, use_ray=not args.no_ray,
+                           ray_head=config_from_args(RayHeadOptions, args, prefix="ray-"),
                            gpus=args.gpus, log_dir=args.log_dir, secure_internal=not args.insecure_internal)
     return serve(options)
 

@@ -75,7 +75,7 @@ def quantize_activation_triton(
 def scaled_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `torch._scaled_mm` takes these operands: K and N multiples of 16 (its alignment rule), and on a GPU
     bf16 activations and fp8 tensor cores (compute capability 8.9+). CPU tensors (the Triton interpreter,
-    HYBRIDSERVE_KERNELS=interpret) run torch's CPU _scaled_mm, any output dtype."""
+    kernel mode "interpret") run torch's CPU _scaled_mm, any output dtype."""
     aligned = weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
     if not x.is_cuda:
         return aligned

@@ -1,5 +1,7 @@
 """The ops the model calls. Each picks the implementation for the tensors' device: the Triton kernel on
 CUDA where one exists (and triton imports), the pure-torch reference otherwise (CPU, and the oracle in tests).
+A `Kernels` value (the engine's `kernel_mode`, given to the model's layers when they are built and passed to
+every op as `kernels=`) can force the references everywhere or run the Triton kernels on CPU tensors.
 
 Model code imports from here only, so a new kernel is wired in by changing one function in this file.
 Triton modules are imported on first CUDA use, so a CPU-only install never needs triton.
@@ -11,6 +13,7 @@ import functools
 import importlib
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,24 +35,50 @@ from hybridserve.kernels.ssd_scan import NO_DT_LIMIT, DtLimit, ssd_scan_varlen_r
 from hybridserve.kernels.ssd_scan_meta import INT32_FIELDS, WHOLE_SEQUENCE, ChunkMeta, chunk_lists
 from hybridserve.kernels.state_update import multi_token_state_update_ref
 
-# HYBRIDSERVE_KERNELS=reference forces the torch references everywhere (debugging, A/B checks);
-# HYBRIDSERVE_KERNELS=interpret runs the Triton kernels on CPU tensors under TRITON_INTERPRET=1, so the whole
-# engine can be checked against the references without a GPU (slow: tiny models only)
-_KERNEL_MODE = os.environ.get("HYBRIDSERVE_KERNELS", "")
-_FORCE_REFERENCE = _KERNEL_MODE == "reference"
-_INTERPRET_ON_CPU = _KERNEL_MODE == "interpret" and os.environ.get("TRITON_INTERPRET", "") == "1"
+# auto: Triton on CUDA tensors, references elsewhere; reference: the torch references everywhere (debugging,
+# A/B checks); interpret: the Triton kernels on CPU tensors too, under Triton's interpreter (TRITON_INTERPRET=1),
+# so the whole engine can be checked against the references without a GPU (slow: tiny models only)
+KERNEL_MODES = ("auto", "reference", "interpret")
 
 
 @functools.cache
 def triton_available() -> bool:
     """True when triton imports and a CUDA device is usable."""
-    if _FORCE_REFERENCE or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return False
     try:
         importlib.import_module("triton")
     except ImportError:
         return False
     return True
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Which implementation the ops take (one of KERNEL_MODES): made once from the engine's config and held by
+    every layer that calls an op, so a process can hold models of different modes and nothing global decides."""
+
+    mode: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.mode not in KERNEL_MODES:
+            raise ValueError(f"kernel mode must be one of {', '.join(KERNEL_MODES)}, got {self.mode!r}")
+        if self.mode == "interpret" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("kernel mode 'interpret' runs the Triton kernels on CPU tensors in Triton's interpreter: "
+                             "set TRITON_INTERPRET=1 in the environment before the process starts")
+
+    def triton_for(self, first: torch.Tensor) -> bool:
+        """Whether an op with a Triton kernel runs it for these tensors (`first` is the op's first argument)."""
+        if self.mode == "auto":
+            return first.is_cuda and triton_available()
+        return self.mode == "interpret"
+
+    def cuda_triton(self, tensor: torch.Tensor) -> bool:
+        """Whether a CUDA-only kernel (no interpreter path, e.g. the skinny linear) may run for this tensor."""
+        return self.mode != "reference" and tensor.is_cuda and triton_available()
+
+
+AUTO_KERNELS = Kernels()  # the default of layers built outside an engine (tests, benchmarks, tools)
 
 
 @functools.cache
@@ -59,11 +88,12 @@ def _triton_fn(module: str, name: str) -> Any:
 
 
 def _dispatch(reference: Callable[..., Any], module: str, name: str) -> Callable[..., Any]:
-    """An op that calls `module.name` (Triton) for CUDA tensors and `reference` otherwise."""
+    """An op that calls `module.name` (Triton) where `kernels` says so (by default for CUDA tensors) and
+    `reference` otherwise; `kernels` is a keyword of the op, not passed on."""
 
     @functools.wraps(reference)
-    def op(first: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if (first.is_cuda and triton_available()) or _INTERPRET_ON_CPU:
+    def op(first: torch.Tensor, *args: Any, kernels: Kernels = AUTO_KERNELS, **kwargs: Any) -> Any:
+        if kernels.triton_for(first):
             return _triton_fn(module, name)(first, *args, **kwargs)
         return reference(first, *args, **kwargs)
 
@@ -77,37 +107,38 @@ def _dispatch(reference: Callable[..., Any], module: str, name: str) -> Callable
 SKINNY_MIN_WEIGHT = 4 * 1024 * 1024  # weight elements
 
 
-def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor, kernels: Kernels = AUTO_KERNELS) -> bool:
     """Whether `linear` takes the skinny Triton kernel for these tensors."""
-    return (x.is_cuda and triton_available() and weight.numel() >= SKINNY_MIN_WEIGHT and x.dtype == weight.dtype
+    return (kernels.cuda_triton(x) and weight.numel() >= SKINNY_MIN_WEIGHT and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16)
             and x.numel() <= _triton_fn("skinny_linear_triton", "MAX_ROWS") * x.shape[-1])
 
 
-def split_k_workspace(weight: torch.Tensor) -> Any:
+def split_k_workspace(weight: torch.Tensor, kernels: Kernels = AUTO_KERNELS) -> Any:
     """A SplitKWorkspace for a CUDA weight with few output columns (the skinny kernel may then split K), or
     None; the caller keeps it for the weight's lifetime and never uses it in two launches at once."""
-    if not (weight.is_cuda and triton_available()) or not _triton_fn("skinny_linear_triton", "wants_split")(
+    if not kernels.cuda_triton(weight) or not _triton_fn("skinny_linear_triton", "wants_split")(
             weight.shape[0], weight.device):
         return None
     return _triton_fn("skinny_linear_triton", "SplitKWorkspace").create(weight.shape[0], weight.device)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           workspace: Any = None) -> torch.Tensor:
+           workspace: Any = None, kernels: Kernels = AUTO_KERNELS) -> torch.Tensor:
     """x @ weight^T + bias: the skinny Triton kernel for a decode step's few rows (up to its MAX_ROWS) against a
     large half-precision weight on CUDA (it streams the weight closer to copy bandwidth than cuBLAS), torch's
     linear otherwise. `workspace` (from split_k_workspace) lets the kernel split K over more programs."""
-    if skinny_linear_applies(x, weight):
+    if skinny_linear_applies(x, weight, kernels):
         return _triton_fn("skinny_linear_triton", "skinny_linear_triton")(x, weight, bias, workspace)
     return torch.nn.functional.linear(x, weight, bias)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               kernels: Kernels = AUTO_KERNELS) -> torch.Tensor:
     """x @ (fp8 weight * weight_scale)^T + bias with x quantized to fp8 (static input_scale, else per token): on a
     GPU with fp8 tensor cores one Triton quantization kernel + torch._scaled_mm, the torch reference otherwise."""
-    if ((x.is_cuda and triton_available()) or _INTERPRET_ON_CPU) and _triton_fn(
+    if kernels.triton_for(x) and _triton_fn(
             "fp8_linear_triton", "scaled_mm_applies")(x, weight):
         return _triton_fn("fp8_linear_triton", "fp8_linear_triton")(x, weight, weight_scale, input_scale, bias)
     return fp8_linear_ref(x, weight, weight_scale, input_scale, bias)
@@ -134,11 +165,12 @@ def selective_state_update(
     dt_softplus: bool = True,
     dt_limit: DtLimit = NO_DT_LIMIT,
     z: torch.Tensor | None = None,  # [B, H, P]
+    kernels: Kernels = AUTO_KERNELS,
 ) -> torch.Tensor:
     """One token per row (a decode step): `multi_token_state_update` with T = 1, on either path; y [B, H, P]."""
     return multi_token_state_update(
         state_pool, slots, x[:, None], dt[:, None], A, B[:, None], C[:, None], D=D, dt_bias=dt_bias,
-        dt_softplus=dt_softplus, dt_limit=dt_limit, z=None if z is None else z[:, None],
+        dt_softplus=dt_softplus, dt_limit=dt_limit, z=None if z is None else z[:, None], kernels=kernels,
     )[:, 0]
 
 
@@ -161,9 +193,12 @@ gumbel_sample = _dispatch(gumbel_sample_ref, "sampling_triton", "gumbel_sample_t
 # the engine reaches kernels through this file only: beside the ops, the metadata types and host-side helpers
 # its graph capture, sampler and speculative rollback use are exported from here
 __all__ = [
+    "AUTO_KERNELS",
     "ChunkMeta",
     "ConvVarlenMeta",
     "INT32_FIELDS",
+    "KERNEL_MODES",
+    "Kernels",
     "PREFILL_BLOCK_M",
     "QueryBlocks",
     "SEED_BITS",

@@ -9,6 +9,7 @@ from torch import nn
 
 from hybridserve.common.model_config import AttentionConfig
 from hybridserve.kernels import ops
+from hybridserve.kernels.ops import AUTO_KERNELS, Kernels
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.layers import Linear
 
@@ -17,15 +18,17 @@ class Attention(nn.Module):
     """q/k/v projections (one launch: see `_qkv`), KV written to pages, causal attention over each sequence's
     pages, o_proj."""
 
-    def __init__(self, hidden_size: int, config: AttentionConfig, kv_start: int = 0) -> None:
+    def __init__(self, hidden_size: int, config: AttentionConfig, kv_start: int = 0,
+                 kernels: Kernels = AUTO_KERNELS) -> None:
         super().__init__()
         self.config = config
+        self.kernels = kernels
         self.kv_start = kv_start  # keys before this position are never attended (1 for the MTP drafter)
         self.scale = config.head_dim**-0.5
-        self.q_proj = Linear(hidden_size, config.num_heads * config.head_dim, bias=config.bias)
-        self.k_proj = Linear(hidden_size, config.num_kv_heads * config.head_dim, bias=config.bias)
-        self.v_proj = Linear(hidden_size, config.num_kv_heads * config.head_dim, bias=config.bias)
-        self.o_proj = Linear(config.num_heads * config.head_dim, hidden_size, bias=config.bias)
+        self.q_proj = Linear(hidden_size, config.num_heads * config.head_dim, bias=config.bias, kernels=kernels)
+        self.k_proj = Linear(hidden_size, config.num_kv_heads * config.head_dim, bias=config.bias, kernels=kernels)
+        self.v_proj = Linear(hidden_size, config.num_kv_heads * config.head_dim, bias=config.bias, kernels=kernels)
+        self.o_proj = Linear(config.num_heads * config.head_dim, hidden_size, bias=config.bias, kernels=kernels)
         # fp8 KV pages hold key / k_scale and value / v_scale; 1.0 as vLLM uses without calibrated scales
         # (half-precision pages ignore them)
         self.k_scale = 1.0
@@ -50,7 +53,7 @@ class Attention(nn.Module):
             rows = torch.cat([p.weight_scale.float().expand(p.out_features) for p in projs if p.weight_scale is not None])
             statics = [p.input_scale for p in projs if p.input_scale is not None]
             scales = (rows, torch.stack(statics).amax().reshape(1) if statics else None)
-        cached = (weight, bias, ops.split_k_workspace(weight) if scales is None else None, scales)
+        cached = (weight, bias, ops.split_k_workspace(weight, self.kernels) if scales is None else None, scales)
         self.__dict__["_qkv_fused"] = cached  # outside the parameters: state_dict keys stay checkpoint names
         return cached
 
@@ -65,20 +68,20 @@ class Attention(nn.Module):
         tokens = hidden.shape[0]
         weight, bias, workspace, scales = self._qkv()
         if scales is None:
-            qkv = ops.linear(hidden, weight, bias, workspace)  # [N, Nq + 2 Nkv]
+            qkv = ops.linear(hidden, weight, bias, workspace, self.kernels)  # [N, Nq + 2 Nkv]
         else:
-            qkv = ops.fp8_linear(hidden, weight, scales[0], scales[1], bias)
+            qkv = ops.fp8_linear(hidden, weight, scales[0], scales[1], bias, self.kernels)
         kv_size = cfg.num_kv_heads * cfg.head_dim
         # strided views of qkv: write_kv and paged_attention take any strides
         q, k, v = qkv.split([cfg.num_heads * cfg.head_dim, kv_size, kv_size], dim=-1)
         q = q.view(tokens, cfg.num_heads, cfg.head_dim)
         k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
-        ops.write_kv(k, v, k_pages, v_pages, batch.slot_mapping, self.k_scale, self.v_scale)
+        ops.write_kv(k, v, k_pages, v_pages, batch.slot_mapping, self.k_scale, self.v_scale, kernels=self.kernels)
         out = ops.paged_attention(
             q, k_pages, v_pages, batch.cu_seqlens, batch.kv_lens, batch.block_tables, self.scale,
             max_query_len=max(batch.query_lens, default=0), kv_start=self.kv_start, blocks=batch.attention_blocks(),
-            k_scale=self.k_scale, v_scale=self.v_scale,
+            k_scale=self.k_scale, v_scale=self.v_scale, kernels=self.kernels,
         )
         return self.o_proj(out.reshape(tokens, -1))
 

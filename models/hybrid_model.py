@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hybridserve.common.model_config import ModelConfig
+from hybridserve.kernels.ops import AUTO_KERNELS, Kernels
 from hybridserve.models.attention import Attention
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.layers import MLP, Linear, RMSNorm, residual_stack
@@ -26,35 +27,37 @@ if TYPE_CHECKING:  # the state cache depends on models.config; avoid the import 
 class Block(nn.Module):
     """norm -> mixer -> residual add (`residual_stack` runs the add fused with the next block's norm)."""
 
-    def __init__(self, config: ModelConfig, kind: str, index: int = 0) -> None:
+    def __init__(self, config: ModelConfig, kind: str, index: int = 0, kernels: Kernels = AUTO_KERNELS) -> None:
         super().__init__()
         self.kind = kind
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps, kernels)
         if kind == "mamba":
             assert config.mamba is not None  # guaranteed by ModelConfig validation
-            self.mixer: nn.Module = Mamba2Mixer(config.hidden_size, config.mamba, config.norm_eps, index)
+            self.mixer: nn.Module = Mamba2Mixer(config.hidden_size, config.mamba, config.norm_eps, index, kernels)
         elif kind == "attention":
             assert config.attention is not None
-            self.mixer = Attention(config.hidden_size, config.attention)
+            self.mixer = Attention(config.hidden_size, config.attention, kernels=kernels)
         elif kind == "mlp":
             assert config.mlp_intermediate_size is not None
-            self.mixer = MLP(config.hidden_size, config.mlp_intermediate_size, config.mlp_bias)
+            self.mixer = MLP(config.hidden_size, config.mlp_intermediate_size, config.mlp_bias, kernels)
         else:
             assert config.moe is not None
-            self.mixer = MoE(config.hidden_size, config.moe, config.mlp_bias)
+            self.mixer = MoE(config.hidden_size, config.moe, config.mlp_bias, kernels)
 
 
 class HybridLM(nn.Module):
-    """Forward over packed tokens of many sequences; state lives in a `StateCache`."""
+    """Forward over packed tokens of many sequences; state lives in a `StateCache`. `kernels` (the engine's
+    kernel mode) is handed to every layer that calls an op."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kernels: Kernels = AUTO_KERNELS) -> None:
         super().__init__()
         self.config = config
+        self.kernels = kernels
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config, kind, i) for i, kind in enumerate(config.layer_types))
-        self.norm_f = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.mtp = MTPHead(config) if config.has_mtp else None
+        self.layers = nn.ModuleList(Block(config, kind, i, kernels) for i, kind in enumerate(config.layer_types))
+        self.norm_f = RMSNorm(config.hidden_size, config.norm_eps, kernels)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, kernels=kernels)
+        self.mtp = MTPHead(config, kernels) if config.has_mtp else None
         for p in self.parameters():
             p.requires_grad_(False)
 

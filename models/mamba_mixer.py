@@ -13,6 +13,7 @@ from torch import nn
 
 from hybridserve.common.model_config import MambaConfig
 from hybridserve.kernels import ops
+from hybridserve.kernels.ops import AUTO_KERNELS, Kernels
 from hybridserve.kernels.replay_state_update import ReplayCache
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.layers import Linear
@@ -31,31 +32,35 @@ class _GatedNormWeights(nn.Module):
     """The gated RMSNorm (`norm.weight`), normalised per group of `group_size` channels (a tensor-parallel
     shard swaps in models/parallel.py's ShardedGatedRMSNorm, same call)."""
 
-    def __init__(self, size: int, group_size: int, eps: float) -> None:
+    def __init__(self, size: int, group_size: int, eps: float, kernels: Kernels = AUTO_KERNELS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
         self.group_size = group_size
         self.eps = eps
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # [N, I] x2 -> [N, I]
-        return ops.gated_rmsnorm(x, gate, self.weight, group_size=self.group_size, eps=self.eps)
+        return ops.gated_rmsnorm(x, gate, self.weight, group_size=self.group_size, eps=self.eps, kernels=self.kernels)
 
 
 class Mamba2Mixer(nn.Module):
     """One Mamba2 layer; its conv window and SSM state live in the pools passed to `forward`."""
 
-    def __init__(self, hidden_size: int, config: MambaConfig, norm_eps: float, layer_index: int = 0) -> None:
+    def __init__(self, hidden_size: int, config: MambaConfig, norm_eps: float, layer_index: int = 0,
+                 kernels: Kernels = AUTO_KERNELS) -> None:
         super().__init__()
         self.config = config
+        self.kernels = kernels
         self.norm_eps = norm_eps
         self.layer_index = layer_index  # key of this layer's states in ForwardBatch.intermediate_states
-        self.in_proj = Linear(hidden_size, config.in_proj_size, bias=config.proj_bias)
+        self.in_proj = Linear(hidden_size, config.in_proj_size, bias=config.proj_bias, kernels=kernels)
         self.conv1d = _Conv1dWeights(config.conv_dim, config.conv_kernel, config.use_conv_bias)
         self.dt_bias = nn.Parameter(torch.empty(config.num_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(config.num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(config.num_heads), requires_grad=False)
-        self.norm = _GatedNormWeights(config.intermediate_size, config.intermediate_size // config.n_groups, norm_eps)
-        self.out_proj = Linear(config.intermediate_size, hidden_size, bias=config.proj_bias)
+        self.norm = _GatedNormWeights(config.intermediate_size, config.intermediate_size // config.n_groups, norm_eps,
+                                      kernels)
+        self.out_proj = Linear(config.intermediate_size, hidden_size, bias=config.proj_bias, kernels=kernels)
         self._A: tuple[tuple[int, int], torch.Tensor] | None = None  # ((A_log storage, version), -exp(A_log))
 
     def decay_rates(self) -> torch.Tensor:
@@ -101,7 +106,7 @@ class Mamba2Mixer(nn.Module):
             conv = ops.causal_conv1d_varlen(  # windows read from / written to the conv pool by the kernel
                 xBC, conv_weight, self.conv1d.bias, batch.prefill_cu_seqlens(),
                 start_positions=starts, state_block=block, conv_pool=conv_pool, slots=slots,
-                boundary_rows=boundary_rows, meta=batch.prefill_conv_meta(block),
+                boundary_rows=boundary_rows, meta=batch.prefill_conv_meta(block), kernels=self.kernels,
             )
             conv_out = conv.y
             tokens = conv_out.shape[0]
@@ -124,6 +129,7 @@ class Mamba2Mixer(nn.Module):
                 checkpoint_rows=boundary_rows,
                 meta=batch.prefill_chunk_meta(cfg.chunk_size, block),
                 init_rows=batch.prefill_init_rows(),
+                kernels=self.kernels,
             )
             if y is None:
                 y = scan.y
@@ -151,13 +157,13 @@ class Mamba2Mixer(nn.Module):
         rows = nd * tokens
         conv_weight = self.conv1d.weight[:, 0, :]  # [D, K]
         conv_out = ops.causal_conv1d_update(xBC[:rows].view(nd, tokens, -1), conv_pool, slots, conv_weight,
-                                            self.conv1d.bias)  # [nd, T, conv_dim]
+                                            self.conv1d.bias, kernels=self.kernels)  # [nd, T, conv_dim]
         x, B, C = conv_out.split([cfg.intermediate_size, groups_state, groups_state], dim=-1)
         args = (
             x.reshape(nd, tokens, cfg.num_heads, cfg.head_dim), dt[:rows].view(nd, tokens, -1), A,
             B.reshape(nd, tokens, cfg.n_groups, cfg.state_size), C.reshape(nd, tokens, cfg.n_groups, cfg.state_size),
         )
-        kwargs = dict(D=self.D, dt_bias=self.dt_bias, dt_limit=cfg.dt_limit)
+        kwargs = dict(D=self.D, dt_bias=self.dt_bias, dt_limit=cfg.dt_limit, kernels=self.kernels)
         if batch.spec_rollback is None:
             y = ops.multi_token_state_update(ssm_pool, slots, *args, **kwargs)
         elif batch.spec_rollback == "intermediate":

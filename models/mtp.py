@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from hybridserve.common.model_config import ModelConfig
+from hybridserve.kernels.ops import AUTO_KERNELS, Kernels
 from hybridserve.models.attention import Attention
 from hybridserve.models.forward_batch import ForwardBatch
 from hybridserve.models.layers import MLP, Linear, RMSNorm, residual_stack
@@ -28,37 +29,39 @@ if TYPE_CHECKING:
 class MTPLayer(nn.Module):
     """One MTP layer: the first holds the fusion projection, the last the final norm."""
 
-    def __init__(self, config: ModelConfig, kind: str, first: bool, last: bool) -> None:
+    def __init__(self, config: ModelConfig, kind: str, first: bool, last: bool,
+                 kernels: Kernels = AUTO_KERNELS) -> None:
         super().__init__()
         hidden = config.hidden_size
         self.kind = kind
         if first:
-            self.enorm = RMSNorm(hidden, config.norm_eps)
-            self.hnorm = RMSNorm(hidden, config.norm_eps)
-            self.eh_proj = Linear(2 * hidden, hidden, bias=False)
-        self.norm = RMSNorm(hidden, config.norm_eps)
+            self.enorm = RMSNorm(hidden, config.norm_eps, kernels)
+            self.hnorm = RMSNorm(hidden, config.norm_eps, kernels)
+            self.eh_proj = Linear(2 * hidden, hidden, bias=False, kernels=kernels)
+        self.norm = RMSNorm(hidden, config.norm_eps, kernels)
         if kind == "attention":
             assert config.attention is not None  # ModelConfig validation guarantees it
-            self.mixer: nn.Module = Attention(hidden, config.attention, kv_start=1)
+            self.mixer: nn.Module = Attention(hidden, config.attention, kv_start=1, kernels=kernels)
         elif kind == "mlp":
             assert config.mlp_intermediate_size is not None
-            self.mixer = MLP(hidden, config.mlp_intermediate_size, config.mlp_bias)
+            self.mixer = MLP(hidden, config.mlp_intermediate_size, config.mlp_bias, kernels)
         else:
             assert config.moe is not None
-            self.mixer = MoE(hidden, config.moe, config.mlp_bias)
+            self.mixer = MoE(hidden, config.moe, config.mlp_bias, kernels)
         if last:
-            self.final_layernorm = RMSNorm(hidden, config.norm_eps)
+            self.final_layernorm = RMSNorm(hidden, config.norm_eps, kernels)
 
 
 class MTPHead(nn.Module):
     """The drafter; embeddings and lm_head are the target's."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, kernels: Kernels = AUTO_KERNELS) -> None:
         super().__init__()
         self.config = config
         kinds = config.mtp_layer_types
         self.layers = nn.ModuleList(
-            MTPLayer(config, kind, first=i == 0, last=i == len(kinds) - 1) for i, kind in enumerate(kinds)
+            MTPLayer(config, kind, first=i == 0, last=i == len(kinds) - 1, kernels=kernels)
+            for i, kind in enumerate(kinds)
         )
 
     def forward(

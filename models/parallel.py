@@ -25,6 +25,7 @@ from torch import nn
 
 from hybridserve.common.model_config import MoEConfig
 from hybridserve.kernels import ops
+from hybridserve.kernels.ops import AUTO_KERNELS, Kernels
 from hybridserve.models.layers import Linear
 from hybridserve.models.moe import MoE, TopkRouter
 
@@ -71,8 +72,9 @@ class RowParallelLinear(Linear):
     """A linear over this rank's slice of the input features; the partial products are summed across the
     group (the block's one all-reduce), then the (unsharded) bias is added."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup) -> None:
-        super().__init__(in_features, out_features, bias=bias)
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup,
+                 kernels: Kernels = AUTO_KERNELS) -> None:
+        super().__init__(in_features, out_features, bias=bias, kernels=kernels)
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, in/size] -> [N, out]
@@ -101,9 +103,9 @@ class VocabParallelLMHead(Linear):
     """This rank's rows of lm_head; `forward` gives the local logits [M, ceil(V / size)], `gathered_logits` the
     full fp32 logits on rank 0 (None on the others)."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, tp: TPGroup) -> None:
+    def __init__(self, hidden_size: int, vocab_size: int, tp: TPGroup, kernels: Kernels = AUTO_KERNELS) -> None:
         _, rows = vocab_shard(vocab_size, tp)
-        super().__init__(hidden_size, rows, bias=False)
+        super().__init__(hidden_size, rows, bias=False, kernels=kernels)
         self.tp = tp
         self.vocab_size = vocab_size
 
@@ -119,10 +121,11 @@ class ShardedGatedRMSNorm(nn.Module):
     all-reduced first, so the result equals the unsharded norm."""
 
     def __init__(self, local_size: int, offset: int, group_size: int, num_groups: int, eps: float,
-                 tp: TPGroup) -> None:
+                 tp: TPGroup, kernels: Kernels = AUTO_KERNELS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(local_size), requires_grad=False)
         self.tp = tp
+        self.kernels = kernels
         self.eps = eps
         self.group_size = group_size
         self.num_groups = num_groups
@@ -131,7 +134,8 @@ class ShardedGatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # [N, local] x2 -> [N, local]
         if self.local:
-            return ops.gated_rmsnorm(x, gate, self.weight, group_size=self.group_size, eps=self.eps)
+            return ops.gated_rmsnorm(x, gate, self.weight, group_size=self.group_size, eps=self.eps,
+                                     kernels=self.kernels)
         gated = x.float() * F.silu(gate.float())
         sums = gated.new_zeros(gated.shape[0], self.num_groups)  # [N, G] this rank's part of each group
         channels = torch.arange(self.offset, self.offset + gated.shape[-1], device=gated.device)
@@ -147,8 +151,9 @@ class TensorParallelMoE(MoE):
     router and the latent projections are replicated. The partial sums of all ranks add up to the block's
     output (one all-reduce); the down projections' biases are loaded on rank 0 only (zeros elsewhere)."""
 
-    def __init__(self, hidden_size: int, config: MoEConfig, bias: bool, tp: TPGroup) -> None:
-        super().__init__(hidden_size, config, bias)
+    def __init__(self, hidden_size: int, config: MoEConfig, bias: bool, tp: TPGroup,
+                 kernels: Kernels = AUTO_KERNELS) -> None:
+        super().__init__(hidden_size, config, bias, kernels)
         self.tp = tp
 
     def forward(self, x: torch.Tensor, small_max_pairs: int | None = None) -> torch.Tensor:  # [N, hidden] -> [N, hidden]
@@ -163,14 +168,15 @@ class ExpertParallelMoE(MoE):
     lands there (weight bytes read ~ the experts routed here + 1, as with TP slices), and the k rows of a token
     are summed in fp32. Sync-free, so a decode step still captures as a CUDA graph."""
 
-    def __init__(self, hidden_size: int, config: MoEConfig, bias: bool, tp: TPGroup) -> None:
+    def __init__(self, hidden_size: int, config: MoEConfig, bias: bool, tp: TPGroup,
+                 kernels: Kernels = AUTO_KERNELS) -> None:
         local_experts = config.num_experts // tp.size
         shared = config.shared_intermediate_size // tp.size
-        super().__init__(hidden_size, dataclasses.replace(config, shared_intermediate_size=shared), bias)
+        super().__init__(hidden_size, dataclasses.replace(config, shared_intermediate_size=shared), bias, kernels)
         self.tp = tp
         self.first_expert = tp.rank * local_experts
         self.shared_chunks = 0  # routed experts are whole, the shared expert a slice: chunk sizes differ
-        self.gate = TopkRouter(hidden_size, config, 0)
+        self.gate = TopkRouter(hidden_size, config, 0, kernels)
         experts = self.experts
         experts.up_proj = nn.Parameter(experts.up_proj[:local_experts], requires_grad=False)
         experts.down_proj = nn.Parameter(experts.down_proj[:local_experts], requires_grad=False)

@@ -28,6 +28,7 @@ import torch
 from safetensors import safe_open
 
 from hybridserve.common.model_config import ModelConfig, MoEConfig
+from hybridserve.kernels.ops import AUTO_KERNELS, Kernels
 from hybridserve.models.fp8_dense import dummy_fp8_state, prepare_dense_state, scheme_layout, stored_layout, to_fp8
 from hybridserve.models.fp8_weights import set_expert_precision
 from hybridserve.models.hybrid_model import HybridLM
@@ -219,18 +220,18 @@ def shard_tensor(name: str, full: torch.Tensor, config: ModelConfig, tp: TPGroup
     return out
 
 
-def sharded_model(config: ModelConfig, tp: TPGroup) -> HybridLM:
+def sharded_model(config: ModelConfig, tp: TPGroup, kernels: Kernels = AUTO_KERNELS) -> HybridLM:
     """The HybridLM of this rank's shard on the meta device (local shapes, TP layers swapped in)."""
     local = local_config(config, tp)
     with torch.device("meta"):
-        model = HybridLM(local)
+        model = HybridLM(local, kernels)
         if tp.size == 1:
             return model
         model.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)  # type: ignore[assignment]
-        model.lm_head = VocabParallelLMHead(config.hidden_size, config.vocab_size, tp)
+        model.lm_head = VocabParallelLMHead(config.hidden_size, config.vocab_size, tp, kernels)
         blocks = [*model.layers, *(model.mtp.layers if model.mtp is not None else [])]
         for block in blocks:
-            _swap_row_parallel(block, config, local, tp)
+            _swap_row_parallel(block, config, local, tp, kernels)
     for p in model.parameters():
         p.requires_grad_(False)
     return model
@@ -254,29 +255,31 @@ def has_mtp_weights(model_dir: str | Path) -> bool:
     return False
 
 
-def _swap_row_parallel(block: Any, config: ModelConfig, local: ModelConfig, tp: TPGroup) -> None:
+def _swap_row_parallel(block: Any, config: ModelConfig, local: ModelConfig, tp: TPGroup, kernels: Kernels) -> None:
     """Give a trunk block or MTP layer of the meta model its row-parallel output (the block's all-reduce)."""
     mixer: Any = block.mixer  # the layer kind below says which module it is
     if block.kind == "mamba":
         assert config.mamba is not None and local.mamba is not None
         inner = local.mamba.intermediate_size
         shard = mamba_shards(config, tp.size)[tp.rank]
-        mixer.out_proj = RowParallelLinear(inner, config.hidden_size, config.mamba.proj_bias, tp)
+        mixer.out_proj = RowParallelLinear(inner, config.hidden_size, config.mamba.proj_bias, tp, kernels)
         mixer.norm = ShardedGatedRMSNorm(inner, shard.head_start * config.mamba.head_dim,
                                          config.mamba.intermediate_size // config.mamba.n_groups,
-                                         config.mamba.n_groups, config.norm_eps, tp)
+                                         config.mamba.n_groups, config.norm_eps, tp, kernels)
     elif block.kind == "attention":
         assert local.attention is not None
         width = local.attention.num_heads * local.attention.head_dim
-        mixer.o_proj = RowParallelLinear(width, config.hidden_size, local.attention.bias, tp)
+        mixer.o_proj = RowParallelLinear(width, config.hidden_size, local.attention.bias, tp, kernels)
     elif block.kind == "mlp":
         assert local.mlp_intermediate_size is not None
-        mixer.down_proj = RowParallelLinear(local.mlp_intermediate_size, config.hidden_size, config.mlp_bias, tp)
+        mixer.down_proj = RowParallelLinear(local.mlp_intermediate_size, config.hidden_size, config.mlp_bias, tp,
+                                            kernels)
     else:
         assert local.moe is not None
         assert config.moe is not None
-        block.mixer = (ExpertParallelMoE(config.hidden_size, config.moe, config.mlp_bias, tp) if tp.expert_parallel
-                       else TensorParallelMoE(config.hidden_size, local.moe, config.mlp_bias, tp))
+        block.mixer = (ExpertParallelMoE(config.hidden_size, config.moe, config.mlp_bias, tp, kernels)
+                       if tp.expert_parallel else TensorParallelMoE(config.hidden_size, local.moe, config.mlp_bias, tp,
+                                                                    kernels))
 
 
 def _fill(model: HybridLM, values: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> HybridLM:
@@ -293,12 +296,12 @@ def _fill(model: HybridLM, values: dict[str, torch.Tensor], dtype: torch.dtype, 
 
 
 def load_shard(model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               tp: TPGroup) -> HybridLM:
+               tp: TPGroup, kernels: Kernels = AUTO_KERNELS) -> HybridLM:
     """This rank's shard filled from a safetensors checkpoint, one global tensor in memory at a time
     (per-expert tensors, as published MoE checkpoints store them, sliced one expert at a time and stacked)."""
     if stores_fp8(model_dir):
-        return _load_fp8_shard(Path(model_dir), config, dtype, device, tp)
-    model = sharded_model(config, tp)
+        return _load_fp8_shard(Path(model_dir), config, dtype, device, tp, kernels)
+    model = sharded_model(config, tp, kernels)
     wanted = set(dict([*model.named_parameters(), *model.named_buffers()]))
     values: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
@@ -332,7 +335,7 @@ def stores_fp8(model_dir: str | Path) -> bool:
 
 
 def _load_fp8_shard(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                    tp: TPGroup) -> HybridLM:
+                    tp: TPGroup, kernels: Kernels) -> HybridLM:
     """An fp8 checkpoint's shard: read whole as `weights.load_model` reads it (dense fp8 linears and routed
     experts, stacked, kept fp8), then sliced (per-channel scales with their rows, per-tensor ones replicated).
     Holds the checkpoint in host memory once per rank, unlike the streaming bf16 path."""
@@ -342,7 +345,7 @@ def _load_fp8_shard(model_dir: Path, config: ModelConfig, dtype: torch.dtype, de
         config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, fp8_experts=fp8))
     if "lm_head.weight" not in state and config.tie_word_embeddings and "embeddings.weight" in state:
         state["lm_head.weight"] = state["embeddings.weight"]
-    model = sharded_model(config, tp)
+    model = sharded_model(config, tp, kernels)
     to_fp8(model, stored_layout(prepare_dense_state(state, model), state))
     wanted = dict([*model.named_parameters(), *model.named_buffers()])
     values = {name: shard_tensor(name, state[name], config, tp) for name in wanted if name in state}
@@ -351,9 +354,9 @@ def _load_fp8_shard(model_dir: Path, config: ModelConfig, dtype: torch.dtype, de
 
 
 def dummy_shard(config: ModelConfig, dtype: torch.dtype, device: torch.device, tp: TPGroup,
-                seed: int = 0) -> HybridLM:
+                seed: int = 0, kernels: Kernels = AUTO_KERNELS) -> HybridLM:
     """This rank's slice of the very weights `weights.dummy_model(config, ...)` draws (same generator order)."""
-    model = sharded_model(config, tp)
+    model = sharded_model(config, tp, kernels)
     with torch.device("meta"):
         full = HybridLM(config)
     fp8 = dummy_fp8_linears(full, config)

@@ -13,6 +13,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from hybridserve.common.model_config import ModelConfig
+from hybridserve.kernels.ops import AUTO_KERNELS, Kernels
 from hybridserve.models.fp8_dense import (
     dummy_fp8_state,
     linear_modules,
@@ -87,14 +88,14 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 def load_model(
     model_dir: str | Path, config: ModelConfig, dtype: torch.dtype, device: torch.device, with_mtp: bool = True,
-    moe_fp8: bool | None = None, dense_fp8: bool = True,
+    moe_fp8: bool | None = None, dense_fp8: bool = True, kernels: Kernels = AUTO_KERNELS,
 ) -> HybridLM:
     """Build the model on `device` in `dtype` and fill it from the checkpoint; missing or unexpected
     tensors and shape mismatches raise a ValueError that names them. `with_mtp=False` leaves out the MTP
     drafter (and its KV) even when the checkpoint has one. `moe_fp8`: routed expert weights in fp8 (True:
     quantized at load when stored in bf16), dequantized (False), or as the checkpoint stores them (None).
     `dense_fp8`: every other linear the checkpoint stores in fp8 stays fp8 (W8A8 through `ops.fp8_linear`), or
-    (False) is dequantized to the model dtype."""
+    (False) is dequantized to the model dtype. `kernels`: the kernel mode its layers run their ops in."""
     model_dir = Path(model_dir)
     state = read_state_dict(model_dir)
     if config.moe is not None:
@@ -113,7 +114,7 @@ def load_model(
     if "lm_head.weight" not in state and config.tie_word_embeddings and "embeddings.weight" in state:
         state["lm_head.weight"] = state["embeddings.weight"]
     with torch.device("meta"):
-        model = HybridLM(config)
+        model = HybridLM(config, kernels)
     to_fp8(model, stored_layout(prepare_dense_state(state, model, dense_fp8), state))
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
@@ -164,12 +165,13 @@ def dummy_values(name: str, shape: tuple[int, ...], device: torch.device, genera
     return values
 
 
-def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> HybridLM:
+def dummy_model(config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0,
+                kernels: Kernels = AUTO_KERNELS) -> HybridLM:
     """A model with random weights in sane ranges (decays in (0, 1), unit norms) built from the config
     alone: benchmarks of real shapes without reading (or owning) a checkpoint. With an fp8 quantization_config
     the linears it declares fp8 hold quantized random weights (as a checkpoint of that scheme would)."""
     with torch.device("meta"):
-        model = HybridLM(config)
+        model = HybridLM(config, kernels)
     fp8 = dummy_fp8_linears(model, config)
     model = model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(seed)

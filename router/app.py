@@ -64,7 +64,8 @@ class Router:
             self.http_address = self.http.start()
         if o.grpc_port is not None:
             self.grpc_server, self.grpc_address = loop.run(start_router_server(
-                self.frontend, o.host, o.grpc_port, api_keys=keys, handshake_timeout_s=o.header_timeout_s))
+                self.frontend, o.host, o.grpc_port, api_keys=keys, handshake_timeout_s=o.header_timeout_s,
+                limits=ConnectionLimits.of(o)))
         if o.warm_up_path:
             self.orchestrator.workers.poll_once()  # the workers' Health first: the warm-up then takes their sessions
             warm_serving_path(self.http_address, self.grpc_address, o.served_name, keys.keys[0][1] if keys else None)

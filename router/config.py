@@ -151,7 +151,9 @@ class RouterOptions:
     api_key_file: str | None = None  # more keys, one "KEY" or "NAME=KEY" a line (# comments)
     # HTTP connections: closed when no byte arrives within first_byte_timeout_s of opening, or a request's headers
     # are not complete within header_timeout_s of its first byte (slow-header attacks); at most
-    # max_connections open, max_connections_per_peer from one address (more are closed at once)
+    # max_connections open, max_connections_per_peer from one address (more are closed at once). gRPC: the
+    # handshake within header_timeout_s, at most max_connections open, max_connections_per_peer busy from one
+    # address (a call on one more is refused, RESOURCE_EXHAUSTED)
     first_byte_timeout_s: float = 10.0
     header_timeout_s: float = 10.0
     max_connections: int = 16384

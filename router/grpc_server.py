@@ -31,7 +31,9 @@ from hybridserve.proto.channels import OWN_PORT, bind_port
 from hybridserve.proto.convert import sampling_from_proto
 from hybridserve.router.admission import Overloaded
 from hybridserve.router.auth import ApiKeyInterceptor, ApiKeys
+from hybridserve.router.connection_guard import ConnectionLimits
 from hybridserve.router.frontend import GRPC_TO_HTTP, Frontend
+from hybridserve.router.grpc_connections import PeerConnections
 from hybridserve.router.openai_protocol import ApiError
 from hybridserve.router.orchestrator import WorkerError
 from hybridserve.router.request_checks import check_request_id, check_sampling
@@ -207,18 +209,37 @@ async def _parsed(cls: type[M], raw: bytes, context: grpc.aio.ServicerContext) -
         raise  # abort raises; this line is for type checkers
 
 
-def _handlers(servicer: RouterServicer) -> grpc.GenericRpcHandler:
-    """The Router service's handlers, taking raw bytes (parsed by `_parsed`)."""
+async def _refuse_connection(context: grpc.aio.ServicerContext, connections: PeerConnections) -> None:
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"too many connections from your address are busy (at most "
+                        f"{connections.limits.max_connections_per_peer}): run more calls on fewer channels")
+
+
+def _handlers(servicer: RouterServicer, connections: PeerConnections) -> grpc.GenericRpcHandler:
+    """The Router service's handlers, taking raw bytes (parsed by `_parsed`); a call runs only when its
+    connection is within its peer's connection cap."""
 
     def unary(cls: type[M], method: Callable[[M, Any], Awaitable[Message]]) -> grpc.RpcMethodHandler:
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Message:
-            return await method(await _parsed(cls, raw, context), context)
+            peer = context.peer()
+            if not connections.enter(peer):
+                await _refuse_connection(context, connections)
+            try:
+                return await method(await _parsed(cls, raw, context), context)
+            finally:
+                connections.leave(peer)
 
         return grpc.unary_unary_rpc_method_handler(handle, response_serializer=lambda m: m.SerializeToString())
 
     async def generate(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
-        async for response in servicer.Generate(await _parsed(router_pb2.GenerateRequest, raw, context), context):
-            yield response
+        peer = context.peer()
+        if not connections.enter(peer):
+            await _refuse_connection(context, connections)
+        try:
+            async for response in servicer.Generate(await _parsed(router_pb2.GenerateRequest, raw, context), context):
+                yield response
+        finally:
+            connections.leave(peer)
 
     return grpc.method_handlers_generic_handler(SERVICE, {
         "Generate": grpc.unary_stream_rpc_method_handler(generate, response_serializer=lambda m: m.SerializeToString()),
@@ -229,17 +250,22 @@ def _handlers(servicer: RouterServicer) -> grpc.GenericRpcHandler:
 
 async def start_router_server(frontend: Frontend, host: str = "127.0.0.1", port: int = 0,
                               api_keys: ApiKeys | str | None = None, handshake_timeout_s: float = 10.0,
-                              idle_timeout_s: float = 300.0) -> tuple[grpc.aio.Server, str]:
+                              idle_timeout_s: float = 300.0,
+                              limits: ConnectionLimits | None = None) -> tuple[grpc.aio.Server, str]:
     """Start the gRPC front door, a grpc.aio server on the running loop (the orchestrator's), with reflection
     (open: it describes only the public service); every other call needs one of `api_keys` when given. A
     connection that does not finish its HTTP/2 handshake within `handshake_timeout_s`, or runs no call for
-    `idle_timeout_s`, is closed (gRPC core's own options). Returns (server, "host:port")."""
+    `idle_timeout_s`, is closed (gRPC core's own options); `limits` caps open connections in all (core closes
+    more) and busy ones per peer (router/grpc_connections.py). Returns (server, "host:port")."""
     keys = api_keys if isinstance(api_keys, ApiKeys) else ApiKeys.load(api_keys)
+    limits = limits or ConnectionLimits()
     interceptors = [ApiKeyInterceptor(keys)] if keys else []
     options = [OWN_PORT, ("grpc.server_handshake_timeout_ms", int(handshake_timeout_s * 1000)),
-               ("grpc.max_connection_idle_ms", int(idle_timeout_s * 1000))]
+               ("grpc.max_connection_idle_ms", int(idle_timeout_s * 1000)),
+               ("grpc.max_allowed_incoming_connections", limits.max_connections)]
     server = grpc.aio.server(interceptors=interceptors, options=options)
-    server.add_generic_rpc_handlers((_handlers(RouterServicer(frontend, keys)),))
+    connections = PeerConnections(limits, frontend.metrics)
+    server.add_generic_rpc_handlers((_handlers(RouterServicer(frontend, keys), connections),))
     names = (router_pb2.DESCRIPTOR.services_by_name["Router"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     bound = bind_port(server, host, port)

@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridserve.router.admission import Overloaded
 from hybridserve.router.auth import ApiKeys, authorized, protected
+from hybridserve.router.client_waits import ClientGone, unless_disconnected
 from hybridserve.router.config import MAX_BODY_BYTES
 from hybridserve.router.connection_guard import ConnectionLimits, guarded_protocol
 from hybridserve.router.event_loop import LoopThread
@@ -44,9 +45,6 @@ from hybridserve.router.request_checks import check_request_id, parse_json_body
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-DISCONNECT_POLL_S = 0.05
 BIG_BODY_BYTES = 64 * 1024  # bodies above this are parsed and validated on a thread, off the router's loop
 _STATUS_KIND = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
                 409: "conflict", 413: "too_large", 500: "internal",
@@ -55,47 +53,6 @@ _STATUS_KIND = {400: "invalid_request", 401: "unauthorized", 404: "not_found", 4
 
 def _error(exc: ApiError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
-
-
-class _ClientGone(Exception):
-    """The client disconnected before its answer was ready; the work was cancelled."""
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await `work` in this task; once it has run DISCONNECT_POLL_S, a watcher polls the connection every
-    DISCONNECT_POLL_S and cancels the work when the client has left (raising _ClientGone). A request answered
-    sooner (the usual case) costs one timer, not a task of its own plus an asyncio.wait per poll."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    gone = False
-    watcher: asyncio.Task | None = None
-
-    async def watch() -> None:
-        nonlocal gone
-        while not await request.is_disconnected():
-            await asyncio.sleep(DISCONNECT_POLL_S)
-        gone = True
-        if task is not None:
-            task.cancel()
-
-    def start_watching() -> None:
-        nonlocal watcher
-        watcher = loop.create_task(watch())
-
-    timer = loop.call_later(DISCONNECT_POLL_S, start_watching)
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if not gone:
-            raise  # cancelled from outside (server shutdown): not ours to swallow
-        uncancel = getattr(task, "uncancel", None)  # Python >= 3.11: this task is no longer being cancelled
-        if uncancel is not None:
-            uncancel()
-        raise _ClientGone() from None
-    finally:
-        timer.cancel()
-        if watcher is not None:
-            watcher.cancel()
 
 
 def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = None,
@@ -199,8 +156,8 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
             check_request_id(label, "x-request-id")
             req = await parse(request, model)
             if not frontend.admission.try_acquire(client):  # wait in line, on the loop; a client that leaves, leaves it
-                await _unless_disconnected(request, frontend.admission.acquire_async(client))
-        except _ClientGone:
+                await unless_disconnected(request, frontend.admission.acquire_async(client))
+        except ClientGone:
             count(endpoint, 499)
             return Response(status_code=499)
         except ApiError as exc:
@@ -220,8 +177,8 @@ def create_app(frontend: Frontend, targets: Callable[[], list[dict]] | None = No
                 frontend.admission.release(client)
 
         try:
-            result = await _unless_disconnected(request, handler(req, request_id))
-        except _ClientGone:  # a client that leaves before the answer aborts the work
+            result = await unless_disconnected(request, handler(req, request_id))
+        except ClientGone:  # a client that leaves before the answer aborts the work
             count(endpoint, 499)
             release()
             return Response(status_code=499)

@@ -44,7 +44,8 @@ from hybridserve.router.request_errors import RetryElsewhere as _Retry
 from hybridserve.router.request_errors import WorkerBusy as _Busy
 from hybridserve.router.request_errors import WorkerError
 from hybridserve.router.stream_buffer import StreamBuffer, StreamStalled
-from hybridserve.router.worker_session import SessionStream, WorkerSession
+from hybridserve.router.worker_aborts import WorkerAborts
+from hybridserve.router.worker_session import SessionStream
 from hybridserve.router.workers import WorkerHandle, WorkerSet
 
 __all__ = ["Orchestrator", "OrchestratorConfig", "WorkerError"]
@@ -71,7 +72,7 @@ class Orchestrator:
                                  internal_tls=internal_tls)
         self.policy = RoutingPolicy(config.routing, self.index)
         self._active: dict[str, _Active] = {}  # touched on the loop only (reads elsewhere are atomic dict reads)
-        self._aborts: set[asyncio.Task] = set()  # fire-and-forget worker aborts still running
+        self._aborts = WorkerAborts(self.config.resilience.control_timeout_s)  # fire-and-forget, still running
         self._retiring: dict[concurrent.futures.Future, WorkerHandle] = {}  # left the set, closing on the loop
         self.recent_decisions: deque[tuple[str, Decision]] = deque(maxlen=1024)  # (request id, decision)
         # clients repeat their sampling settings: convert each distinct one once (the message is only ever copied
@@ -106,8 +107,7 @@ class Orchestrator:
         for active in list(self._active.values()):
             active.cancel()
         await asyncio.sleep(0)  # let the cancelled streams unwind and start their worker aborts
-        if self._aborts:
-            await asyncio.wait(set(self._aborts), timeout=5)
+        await self._aborts.wait(timeout_s=5)
         for retiring, handle in list(self._retiring.items()):
             retiring.cancel()
             await handle.close_aio()
@@ -374,32 +374,10 @@ class Orchestrator:
     def _abort_later(self, d: Decision, active: _Active) -> None:
         """Abort the request on its workers in a task of its own: it runs even when the request's task is being
         cancelled, and the caller's error goes out without waiting for it."""
-        self._abort_task(d, active)
+        self._aborts.start(d, active.request_id, active.session)
 
     def _abort_task(self, d: Decision, active: _Active) -> asyncio.Task:
-        task = asyncio.get_running_loop().create_task(self._abort_all(d, active.request_id, active.session))
-        self._aborts.add(task)
-        task.add_done_callback(self._aborts.discard)
-        return task
-
-    async def _abort_all(self, d: Decision, request_id: str, session: WorkerSession | None) -> None:
-        timeout = self.config.resilience.control_timeout_s
-        # a local request on the session is aborted there, behind its generate (a call could overtake it); one
-        # prefilled elsewhere by the Abort call (its reservation is the anchor, in either order; the call's answer
-        # means it is done, before a retry may reserve the same id again), and on the session too, which only
-        # stops its token stream there
-        calls: list[Awaitable[Any]] = [
-            worker.aio_stub().Abort(common_pb2.AbortRequest(request_id=request_id), timeout=timeout,
-                                    metadata=worker.metadata)
-            for worker in (d.decode, d.prefill)
-            if worker is not None and not (worker is d.decode and session is not None and d.local)]
-        if session is not None:
-            calls.append(session.abort(request_id))
-        for result in await asyncio.gather(*calls, return_exceptions=True):
-            if isinstance(result, BaseException) and not isinstance(result, grpc.RpcError):
-                logger.warning("aborting request %s on its workers failed: %r", request_id, result)
-            # an RpcError: the worker is gone; its reservation expires on its own
-        d.decode.seats.seat_freed()
+        return self._aborts.start(d, active.request_id, active.session)
 
 
 def _needs_local(params: SamplingParams) -> bool:

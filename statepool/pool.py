@@ -18,63 +18,16 @@ follow-up turn hits the whole previous turn. `cancel_plan` takes a failed step's
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 from hybridserve.common.block_hash import BlockHash, block_hashes
 from hybridserve.statepool.allocators import CheckpointAllocator, PageAllocator, SlotAllocator
 from hybridserve.statepool.events import CacheEvent, EventLog
 from hybridserve.statepool.pool_check import PoolIntegrityError, check_pool
+from hybridserve.statepool.pool_types import NO_HIT, CacheHit, EarlyCommit, PlannedCheckpoint, PooledSequence, StateSnapshot
 from hybridserve.statepool.radix_cache import Node, RadixCache
 from hybridserve.statepool.state_cache import StateCache
 
 __all__ = ["NO_HIT", "CacheHit", "PlannedCheckpoint", "PoolIntegrityError", "PooledSequence", "StatePool", "StateSnapshot"]
-
-
-class PooledSequence(Protocol):
-    """What the pool reads and writes on a sequence (the engine's `Request`)."""
-
-    page_ids: list[int]
-    state_slot: int | None
-    cache_nodes: list[Node]
-    block_hashes: list[BlockHash]
-    num_computed_tokens: int
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def all_token_ids(self) -> list[int]: ...
-
-
-class StateSnapshot(Protocol):
-    """Writes a sequence's state as it was after `num_tokens` tokens into checkpoint row `row`."""
-
-    def __call__(self, seq: PooledSequence, num_tokens: int, row: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class CacheHit:
-    nodes: list[Node]  # root-first path to the deepest usable checkpoint
-    num_tokens: int  # cached prefix length (a multiple of state_block, < the sequence's length)
-
-
-NO_HIT = CacheHit([], 0)
-
-
-@dataclass(frozen=True)
-class _EarlyCommit:
-    """What `commit_prefills` did, so that a failed forward can take it back."""
-
-    nodes_before: list[tuple[PooledSequence, int]]  # each prefilling sequence with its len(cache_nodes) before
-    checkpoints: list[Node]  # nodes that received one of this step's checkpoints
-
-
-@dataclass(frozen=True)
-class PlannedCheckpoint:
-    sequence: PooledSequence
-    num_tokens: int  # boundary position
-    slot: int  # checkpoint slot the forward writes, or -1 (not kept)
 
 
 class StatePool:
@@ -102,7 +55,7 @@ class StatePool:
             self.radix = RadixCache(self.block_size, state_block, self.pages, self.checkpoints, self.events)
         self._holders: dict[int, PooledSequence] = {}
         self._planned: list[PlannedCheckpoint] = []
-        self._early: _EarlyCommit | None = None  # this step's `commit_prefills`, until the forward completed
+        self._early: EarlyCommit | None = None  # this step's `commit_prefills`, until the forward completed
         self._free_ahead = (0, 0)  # (pages, checkpoint slots) `evict_ahead` keeps free: see `keep_free_for`
         self.num_queries = 0  # admissions whose prompt could hit (over one block) looked up (prefix-cache metrics)
         self.num_hits = 0
@@ -292,7 +245,7 @@ class StatePool:
         for seq, count in prefills:
             self._insert_blocks(seq, seq.num_computed_tokens + count)
         planned, self._planned = self._planned, []
-        self._early = _EarlyCommit(before, self._attach_planned(planned))
+        self._early = EarlyCommit(before, self._attach_planned(planned))
 
     def cancel_plan(self) -> None:
         """After a forward that did not complete: return planned checkpoint slots, and take back what

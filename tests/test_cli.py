@@ -1,16 +1,32 @@
-"""`hybridserve generate` end to end, as a user runs it."""
+"""`hybridserve generate` end to end, as a user runs it: once as a process of its own (`python -m hybridserve`),
+the other cases through the same `main` in this process (a process each cost the CI box seconds of imports)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
 
 from checkpoints import nemotron_h
 
+from hybridserve.cli import main
+
+
+def _cli_process(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hybridserve", *args], capture_output=True, text=True, timeout=300)
+
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hybridserve", *args], capture_output=True, text=True, timeout=300)
+    """`hybridserve ARGS` through the CLI's `main` in this process: its exit code and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse: --help, a malformed flag
+            code = exc.code if isinstance(exc.code, int) else 2
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
 
 
 def test_help_explains_itself() -> None:
@@ -21,7 +37,7 @@ def test_help_explains_itself() -> None:
 
 
 def test_generate_on_the_default_model_with_text() -> None:
-    out = _cli("generate", "--prompt", "def fib(n):", "--max-tokens", "6", "--ignore-eos", "--json")
+    out = _cli_process("generate", "--prompt", "def fib(n):", "--max-tokens", "6", "--ignore-eos", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(result["token_ids"]) == 6 and result["finish_reason"] == "length"

@@ -1,23 +1,16 @@
-"""Run by test_prefill_graphs.py in a subprocess under the Triton interpreter (the kernel mode is read at import):
-every prefill forward of a chunked, prefix-cached run is computed eagerly and, from the same cache contents, padded
-into a prefill graph's static buffers (what a CUDA-graph replay runs); hidden states of the real tokens and every
-cache tensor must agree (the padded result is what the engine then uses). Prints one JSON line: the greedy tokens
-and how many forwards of each kind were checked."""
+"""Used by test_prefill_graphs.py, on the Triton kernels under the interpreter (kernel_mode="interpret"): every
+prefill forward of a chunked, prefix-cached run is computed eagerly and, from the same cache contents, padded into
+a prefill graph's static buffers (what a CUDA-graph replay runs); hidden states of the real tokens and every cache
+tensor must agree (the padded result is what the engine then uses). Returns the greedy tokens and how many
+forwards of each kind were checked."""
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
 import torch
+from checkpoints import mamba2, nemotron_h, random_prompts
 
-sys.path[:0] = [str(Path(__file__).parents[1])]  # test helpers
-
-from checkpoints import mamba2, nemotron_h, random_prompts  # noqa: E402
-
-from hybridserve import LLM, SamplingParams  # noqa: E402
-from hybridserve.engine.prefill_graphs import SEQS, PrefillBuffers, PrefillShape  # noqa: E402
+from hybridserve import LLM, SamplingParams
+from hybridserve.engine.prefill_graphs import SEQS, PrefillBuffers, PrefillShape
 
 BUCKETS = (64, 128)
 
@@ -71,13 +64,14 @@ class PaddedCheck:
         return getattr(self.model, name)
 
 
-def main(kind: str) -> None:
+def run(kind: str) -> dict:
     """kind: "nemotron_h" or "mamba2"."""
     model_dir = mamba2()[0] if kind == "mamba2" else nemotron_h("M*-M*")[0]
     system, *tails = random_prompts([40, 3, 21, 57, 9], vocab=128, seed=12)
     prompts = [system + t for t in tails] + [tails[2]]
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    options = dict(prefill_chunk_size=50, state_block=16, page_size=8, max_model_len=256, max_num_seqs=4)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # the prefills are what is checked
+    options = dict(prefill_chunk_size=50, state_block=16, page_size=8, max_model_len=256, max_num_seqs=4,
+                   kernel_mode="interpret")
     llm = LLM(model_dir, **options)  # every forward is checked against the eager one as it runs (no second run:
     # the interpreter is slow, and the eager forwards are checked against transformers elsewhere)
     engine = llm.engine
@@ -86,9 +80,5 @@ def main(kind: str) -> None:
     engine.runner.model = check
     llm.generate(prompt_token_ids=[system + tails[0]], sampling_params=params)  # caches the system prompt
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-    print(json.dumps({"tokens": [o.token_ids for o in outs],
-                      "checked": check.checked, "resumed": check.resumed, "multi": check.multi, "kept": check.kept}))
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+    return {"tokens": [o.token_ids for o in outs],
+            "checked": check.checked, "resumed": check.resumed, "multi": check.multi, "kept": check.kept}

@@ -214,7 +214,7 @@ def test_follower_exits_when_rank0_is_killed() -> None:
     import signal
     import time
 
-    child = ("from hybridserve.engine.tp_worker import exit_with_parent; import time; "
+    child = ("from hybridserve.engine.tp_launch import exit_with_parent; import time; "
              "exit_with_parent(0.1); print('watching', flush=True); time.sleep(600)")
     parent = ("import subprocess, sys, time; "
               f"p = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE, text=True); "

@@ -1,6 +1,7 @@
 """A tensor-parallel leader whose follower rank dies raises RankError naming the rank and its exit status
 within a bounded time, at start-up (in the rendezvous or while loading) and mid-run, instead of waiting on
-the dead rank forever; a script fed on standard input (whose spawned follower cannot re-import it) fails fast."""
+the dead rank forever; a follower that is alive but stopped is named within the hang timeout; a script fed on
+standard input (whose spawned follower cannot re-import it) fails fast."""
 
 from __future__ import annotations
 
@@ -69,6 +70,25 @@ def test_a_follower_that_dies_mid_run_raises_and_every_later_step_does_too() -> 
         assert llm.engine.tp.failure is not None
         with pytest.raises(RankError):
             llm.engine.tp.send([0])
+    finally:
+        llm.engine.close()
+
+
+def test_a_follower_that_is_alive_but_stopped_is_named_within_the_hang_timeout() -> None:
+    """SIGSTOP: the process lives, its sockets stay open, and a collective would wait 10 minutes; its heartbeat
+    stands still, so the leader ends it and raises naming it."""
+    model_dir, _ = nemotron_h("M*-M")
+    llm = LLM(model_dir, tensor_parallel_size=2, prefill_chunk_size=8, tensor_parallel_hang_timeout_s=2.0)
+    try:
+        assert len(llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=GREEDY)[0].token_ids) == 4
+        process = llm.engine.tp.processes[0]
+        os.kill(process.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RankError, match=r"rank 1 .* is alive but has shown no sign of life for .*stopped or hung"):
+            llm.generate(prompt_token_ids=[[4, 5, 6]], sampling_params=GREEDY)
+        assert time.monotonic() - start < LIMIT_S
+        process.join(10)
+        assert process.exitcode == -signal.SIGKILL  # ended, not left stopped
     finally:
         llm.engine.close()
 

@@ -78,24 +78,23 @@ def test_triton_quantization_matches_reference_interpreter(cols: int, static: bo
 @ku.interp_only
 @pytest.mark.parametrize("per_channel,static", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_launcher_on_cpu_scaled_mm_interpreter(per_channel: bool, static: bool, dtype: torch.dtype,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """HYBRIDSERVE_KERNELS=interpret: `ops.fp8_linear` runs the GPU path's launcher on CPU tensors (the Triton
+def test_launcher_on_cpu_scaled_mm_interpreter(per_channel: bool, static: bool, dtype: torch.dtype) -> None:
+    """Kernel mode "interpret": `ops.fp8_linear` runs the GPU path's launcher on CPU tensors (the Triton
     quantization interpreted, torch's CPU _scaled_mm: tensor-wise and row-wise branches, bias added after)."""
     from hybridserve.kernels import ops
     from hybridserve.kernels.fp8_linear_triton import quantize_activation_triton
 
-    monkeypatch.setattr(ops, "_INTERPRET_ON_CPU", True)
+    interpret = ops.Kernels("interpret")
     x, q, scale, input_scale, _ = _operands(5, 64, 48, per_channel, static, "cpu", dtype)
     bias = torch.randn(48).to(dtype)
-    out = ops.fp8_linear(x, q, scale, input_scale, bias)
+    out = ops.fp8_linear(x, q, scale, input_scale, bias, interpret)
     assert out.dtype == dtype and out.shape == (5, 48)
     # the same fp8 operands as the launcher's (the interpreter's cast is not torch's, see above), fp32 math
     xq, xs = quantize_activation_triton(x, input_scale)
     want = (xq.float() @ q.float().t()) * xs * scale.reshape(1, -1) + bias.float()
     ku.assert_close(out, want, 1e-5 if dtype == torch.float32 else 1e-2, "interpreted fp8 linear")
     odd = _operands(2, 40, 24, per_channel, static, "cpu", dtype)  # K not a multiple of 16: the reference
-    torch.testing.assert_close(ops.fp8_linear(*odd[:4]), fp8_linear_ref(*odd[:4]))
+    torch.testing.assert_close(ops.fp8_linear(*odd[:4], kernels=interpret), fp8_linear_ref(*odd[:4]))
 
 
 @ku.gpu

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,9 +44,12 @@ def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
         from hybridserve.kernels.moe_small_triton import moe_layer_triton
         from hybridserve.kernels.moe_triton import moe_experts_triton
 
-        monkeypatch.setattr(ops, "moe_experts", moe_experts_triton)
-        monkeypatch.setattr(ops, "moe_route", route_topk_triton)
-        monkeypatch.setattr(ops, "moe_layer", moe_layer_triton)  # decode steps: small-M path; prefill: grouped
+        def triton_only(kernel: Callable[..., Any]) -> Callable[..., Any]:  # whatever the layers' kernel mode
+            return lambda *args, kernels=None, **kwargs: kernel(*args, **kwargs)
+
+        monkeypatch.setattr(ops, "moe_experts", triton_only(moe_experts_triton))
+        monkeypatch.setattr(ops, "moe_route", triton_only(route_topk_triton))
+        monkeypatch.setattr(ops, "moe_layer", triton_only(moe_layer_triton))  # decode: small-M path; prefill: grouped
     return str(request.param)
 
 
@@ -63,7 +66,9 @@ def test_logits_match_transformers(case: str, kernels: str) -> None:
         torch.testing.assert_close(llm.prompt_logits(prompt), hf_logits(hf, prompt), rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("case", ["grouped", "latent"])
+# the latent case on the Triton experts is test_whole_engine_on_interpreted_triton_kernels's first half
+@pytest.mark.parametrize(("case", "kernels"), [("grouped", "reference"), ("grouped", "triton"), ("latent", "reference")],
+                         indirect=["kernels"])
 def test_greedy_matches_transformers(case: str, kernels: str) -> None:
     model_dir, hf = _model(case)
     prompts = random_prompts([3, 11], vocab=VOCAB, seed=3)
@@ -179,6 +184,7 @@ def test_nvfp4_checkpoint_is_refused() -> None:
         load_model(directory, ModelConfig.from_dir(directory), torch.float32, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("kernels", ["reference"], indirect=True)  # on the Triton kernels: the whole-engine test below
 def test_mtp_with_a_moe_layer_drafts_and_verifies(kernels: str) -> None:
     """Nemotron 3's MTP module (attention + MoE) on a MoE trunk: speculative greedy output is transformers'
     greedy output of the trunk, with drafts proposed and verified through the fused experts."""
@@ -211,19 +217,23 @@ def test_cuda_decode_graph_of_a_moe_model(case: str) -> None:
     assert [o.token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
 
 
-@pytest.mark.slow  # ~40 s: a subprocess with every kernel interpreted
+@pytest.mark.slow  # ~40 s: every kernel interpreted
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA test above covers the Triton path on a GPU")
 def test_whole_engine_on_interpreted_triton_kernels() -> None:
-    """HYBRIDSERVE_KERNELS=interpret: every op (Mamba, attention, norms, router, experts) on its Triton kernel,
-    latent MoE and MTP-with-MoE speculative decoding give transformers' greedy tokens."""
+    """kernel_mode="interpret": every op (Mamba, attention, norms, router, experts) on its Triton kernel, latent
+    MoE and MTP-with-MoE speculative decoding give transformers' greedy tokens."""
     pytest.importorskip("triton")
-    env = {**os.environ, "HYBRIDSERVE_KERNELS": "interpret", "TRITON_INTERPRET": "1"}
-    case = Path(__file__).with_name("interpreted_moe_case.py")
-    done = subprocess.run([sys.executable, str(case)], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-4000:]
-    tokens = json.loads(done.stdout.strip().splitlines()[-1])
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter")
     prompts = random_prompts([3, 11], vocab=VOCAB, seed=3)
-    latent_hf = nemotron_h_moe("ME*E", moe_latent_size=8)[1]
-    mtp_hf = nemotron_h_mtp("ME*E", ("attention", "moe"), moe=True)[1]
-    assert tokens["latent"] == [hf_greedy(latent_hf, p, 5) for p in prompts]
-    assert tokens["mtp"] == [hf_greedy(mtp_hf, p, 5) for p in prompts]
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    latent_dir, latent_hf = nemotron_h_moe("ME*E", moe_latent_size=8)
+    latent = LLM(latent_dir, prefill_chunk_size=8, kernel_mode="interpret")
+    assert [o.token_ids for o in latent.generate(prompt_token_ids=prompts, sampling_params=greedy)] == [
+        hf_greedy(latent_hf, p, 5) for p in prompts]
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "rollback": "intermediate"}
+    mtp_dir, mtp_hf = nemotron_h_mtp("ME*E", ("attention", "moe"), moe=True)
+    mtp = LLM(mtp_dir, speculative_config=spec, max_model_len=96, state_block=16, page_size=8, max_num_seqs=4,
+              kernel_mode="interpret")
+    assert [o.token_ids for o in mtp.generate(prompt_token_ids=prompts, sampling_params=greedy)] == [
+        hf_greedy(mtp_hf, p, 5) for p in prompts]

@@ -1,8 +1,10 @@
-"""Workers as separate processes and as Ray actors: same tokens as in-process; a killed actor comes back."""
+"""Workers as separate processes and as Ray actors: same tokens as in-process; a killed actor comes back; the Ray
+head a bare `serve` started ends with it."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,6 +17,7 @@ from checkpoints import nemotron_h, random_prompts
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.deploy.launch import WorkerOptions, start_worker_process
+from hybridserve.deploy.ray_head import STOP_TIMEOUT_S
 from hybridserve.engine.config import EngineConfig
 from hybridserve.proto import common_pb2, router_pb2, router_pb2_grpc
 from hybridserve.proto.convert import sampling_to_proto
@@ -25,6 +28,22 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 def _reference(model_dir, prompts):
     return [o.token_ids for o in LLM(model_dir).generate(prompt_token_ids=prompts, sampling_params=GREEDY)]
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Live (not zombie) processes whose command line holds `marker`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline, open(f"/proc/{entry}/stat") as stat:
+                line, state = cmdline.read().decode(errors="replace"), stat.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in line and state != "Z":
+            found.append(int(entry))
+    return found
 
 
 def _generate(orchestrator: Orchestrator, prompt: list[int]) -> list[int]:
@@ -84,12 +103,23 @@ def test_serve_with_ray_actors_end_to_end() -> None:
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(bad, timeout=60))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    finally:
+        head = re.search(r"local Ray head at \S+ \(its log: (\S+)/head\.log\)", "".join(lines))
+        assert head is not None, "".join(lines)[-3000:]
+        head_processes = _processes_with(head[1])
+        assert head_processes, "no process of the local Ray head"
         proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        assert proc.wait(timeout=60 + STOP_TIMEOUT_S) == 0
+        deadline = time.monotonic() + 30
+        while _processes_with(head[1]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _processes_with(head[1]) == [], "the Ray head outlived serve"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 @pytest.mark.slow
