@@ -104,6 +104,13 @@ class EngineConfig:
     grammar_max_properties: int = 2048  # a JSON schema with more object properties in all is refused (400)
     # a regex larger than this with its counted repetitions expanded (a{100}{100}: 10,000) is refused (400)
     grammar_max_regex_states: int = 10_000
+    # one process runs a prefill lane and a decode lane at once, each in its own SM partition of the GPU (CUDA
+    # green contexts), sharing the weights and the state pool: a prompt's state passes to decode with no copy
+    # (engine/multiplex.py); where green contexts are unavailable the engine says so and runs co-located
+    pd_multiplex: bool = False
+    # with pd_multiplex: the prefill SM counts the split may choose from, comma-separated (each rounded up to the
+    # driver's granularity, decode taking the rest); auto: every eighth of the device's SMs
+    pd_multiplex_prefill_sms: str = "auto"
 
     def __post_init__(self) -> None:
         self.grammar_limits  # noqa: B018 - validated on construction
@@ -149,7 +156,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
-        for name in ("cuda_graphs", "split_mixed_steps", "prefill_cuda_graphs"):
+        for name in ("cuda_graphs", "split_mixed_steps", "prefill_cuda_graphs", "pd_multiplex"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         standby = self.standby_state_slots
@@ -176,6 +183,10 @@ class EngineConfig:
         parse_profile_steps(self.profile_steps)
         if self.profile_dir is not None and (not isinstance(self.profile_dir, str) or not self.profile_dir):
             raise ValueError(f"profile_dir must be a directory path or None, got {self.profile_dir!r}")
+        self.multiplex_menu(132)  # the menu's syntax, validated on construction (SM counts against the device later)
+        if self.pd_multiplex and tp > 1:
+            raise ValueError("pd_multiplex runs both lanes on one GPU in one process; it does not combine with "
+                             f"tensor_parallel_size={tp}: set tensor_parallel_size=1 or drop pd_multiplex")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -205,6 +216,20 @@ class EngineConfig:
         if self.prefill_chunk_size is not None:
             return self.prefill_chunk_size
         return CUDA_PREFILL_CHUNK if self.torch_device.type == "cuda" else CPU_PREFILL_CHUNK
+
+    def multiplex_menu(self, total_sms: int) -> tuple[int, ...]:
+        """pd_multiplex_prefill_sms as SM counts for a device of `total_sms` SMs (auto: its eighths)."""
+        text = self.pd_multiplex_prefill_sms
+        if text == "auto":
+            return tuple(total_sms * k // 8 for k in range(1, 8))
+        try:
+            menu = tuple(int(part) for part in str(text).split(","))
+        except ValueError:
+            menu = ()
+        if not menu or any(count <= 0 for count in menu):
+            raise ValueError(f"pd_multiplex_prefill_sms must be 'auto' or comma-separated positive SM counts "
+                             f"(e.g. 32,64,96), got {text!r}")
+        return menu
 
     @property
     def warmup_enabled(self) -> bool:

@@ -22,9 +22,10 @@ from hybridserve.common.outputs import RequestOutput
 from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.common.text_stream import TextStream
 from hybridserve.common.tokenizer import load_tokenizer
-from hybridserve.engine import handoff, tp_worker
+from hybridserve.engine import handoff, multiplex, tp_worker
 from hybridserve.engine.cache_plan import plan_engine_cache
 from hybridserve.engine.config import DTYPES, EngineConfig
+from hybridserve.engine.lane_scheduler import LaneScheduler
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -56,7 +57,8 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer()
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
         self.cache, self.pool = self._plan_cache()
-        self.scheduler = Scheduler(self.pool, config.prefill_chunk_tokens, self.max_running, self.lookahead,
+        scheduler_class = LaneScheduler if config.pd_multiplex else Scheduler  # a batch per lane (engine/multiplex.py)
+        self.scheduler = scheduler_class(self.pool, config.prefill_chunk_tokens, self.max_running, self.lookahead,
                                    config.max_num_batched_tokens, self.model_config.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(self.model, self.cache, config.page_size, config.torch_device, self.state_block,
                                   spec, self.tp, config.split_mixed_steps)
@@ -70,6 +72,8 @@ class LLMEngine:
         self._counter = itertools.count()
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
+        # pd_multiplex: the prefill and decode lanes' step (None: co-located steps, also where no SM partitions exist)
+        self.multiplexer = multiplex.open_multiplexer(self)
         self.warmup_report: WarmupReport | None = warm_up(self) if config.warmup_enabled else None
 
     # ---- start-up steps -------------------------------------------------------------------------
@@ -226,6 +230,8 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (queued, running, reserved, held); False if it is unknown."""
+        if self.multiplexer is not None and self.multiplexer.defer_abort(request_id):
+            return True  # its prefill forward is in flight: aborted once that completed
         request = self._requests.pop(request_id, None)
         if request is not None and not request.finished:
             self.connector.abort(request_id)
@@ -294,6 +300,8 @@ class LLMEngine:
         """Schedule -> execute (one forward; speculating, verify and accept) -> update; returns updated requests.
         `on_launched` runs once the forward is queued, while the GPU computes it (a worker loop hands the previous
         step's outputs to their streams there); not called when the step queues no forward."""
+        if self.multiplexer is not None:
+            return self.multiplexer.step(on_launched)
         clock = StepClock()
         self.last_step = NO_STEP
         work = self.scheduler.schedule()

@@ -129,14 +129,24 @@ class Scheduler:
             limit -= 1
 
     def _schedule_once(self) -> SchedulerOutput:
+        decodes = self.schedule_decodes()
+        return SchedulerOutput(decodes=decodes, prefills=self.schedule_prefills(self.prefill_budget(len(decodes))))
+
+    def schedule_decodes(self) -> list[Request]:
+        """Landed states join the batch, then one row per decoding request, pages reserved for it (newer running
+        requests preempted when they run out)."""
         self._promote_landed()
         decodes: list[Request] = []
         for request in list(self.running):
             if request.status is RequestStatus.RUNNING and request.is_decoding:
                 if self._make_room(request, request.num_tokens + self.decode_lookahead):
                     decodes.append(request)
+        return decodes
+
+    def schedule_prefills(self, budget: int) -> list[ScheduledChunk]:
+        """Prefill chunks of up to `budget` tokens in all: running prefills continue first, then waiting requests
+        are admitted FCFS while a slot and pages are free (after their longest cached prefix)."""
         prefills: list[ScheduledChunk] = []
-        budget = self.prefill_budget(len(decodes))
         for request in self.running:
             if budget == 0:
                 break
@@ -163,7 +173,7 @@ class Scheduler:
             self.running.append(request)
             prefills.append(ScheduledChunk(request, count))
             budget -= count
-        return SchedulerOutput(decodes=decodes, prefills=prefills)
+        return prefills
 
     def prepare_waiting(self) -> None:
         """Hash the prompts of the next requests to admit (while a forward runs), so admitting them is a lookup."""
@@ -180,11 +190,15 @@ class Scheduler:
     def _make_room(self, request: Request, num_tokens: int) -> bool:
         """Reserve pages, preempting newer running requests; False if `request` itself was preempted."""
         while not self.pool.reserve(request, num_tokens):
-            victim = self.running[-1]
+            victim = self.preemption_victim()
             self._preempt(victim)
             if victim is request:
                 return False
         return True
+
+    def preemption_victim(self) -> Request:
+        """The running request `_make_room` preempts next: the newest."""
+        return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
         """Drop the request's state; it goes back to the front of the queue and restarts from the cache."""
