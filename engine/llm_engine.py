@@ -62,6 +62,8 @@ class LLMEngine:
                                    config.max_num_batched_tokens, self.model_config.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(self.model, self.cache, config.page_size, config.torch_device, self.state_block,
                                   spec, self.tp, config.split_mixed_steps)
+        # pd_multiplex: the prefill and decode lanes' step (None: co-located steps, also where no SM partitions exist)
+        self.multiplexer = multiplex.open_multiplexer(self)
         self._capture_graphs()
         self.connector = StateConnector(self)
         # structured outputs' compile pool: callers prepare a request's grammar on their thread, off the loop
@@ -72,8 +74,6 @@ class LLMEngine:
         self._counter = itertools.count()
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
-        # pd_multiplex: the prefill and decode lanes' step (None: co-located steps, also where no SM partitions exist)
-        self.multiplexer = multiplex.open_multiplexer(self)
         self.warmup_report: WarmupReport | None = warm_up(self) if config.warmup_enabled else None
 
     # ---- start-up steps -------------------------------------------------------------------------
@@ -134,8 +134,9 @@ class LLMEngine:
             return
         if self.spec is not None and self.tp is not None:
             logger.info("speculative decoding with tensor parallelism: verify steps run without CUDA graphs")
-        self.runner.capture_graphs(self.max_running, -(-self.max_model_len // config.page_size),
-                                   config.prefill_chunk_tokens, config.prefill_cuda_graphs)
+        capture = self.runner if self.multiplexer is None else self.multiplexer  # the lanes': in their partitions
+        capture.capture_graphs(self.max_running, -(-self.max_model_len // config.page_size),
+                               config.prefill_chunk_tokens, config.prefill_cuda_graphs)
 
     @property
     def spec(self) -> SpecDecoder | None:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridserve.common.outputs import RequestOutput
+from hybridserve.engine.lane_graphs import LaneGraphs, capture_lane_graphs
 from hybridserve.engine.lane_scheduler import LaneScheduler
 from hybridserve.engine.model_runner import LaunchedStep
 from hybridserve.engine.scheduler import SchedulerOutput
@@ -48,6 +49,11 @@ if TYPE_CHECKING:
     from hybridserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+
+# The skinny linear kernel takes inputs of up to 16 rows and may split K through a workspace kept per weight
+# (kernels/skinny_linear_triton.py), which two launches in flight must not share: a prefill forward that small runs
+# before the decode step beside it instead of at the same time (larger ones take cuBLAS, or a prefill graph's buckets).
+SPLIT_K_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -119,7 +125,7 @@ class Multiplexer:
         self.in_flight: PrefillInFlight | None = None
         self.handoffs = 0  # requests whose prompt finished in the prefill lane and passed to the decode lane
         self.overlapped_steps = 0  # decode steps launched while a prefill forward was in flight
-        self.decode_graphs: dict[SmSplit, object] = {}  # per split, captured in its decode lane (CUDA)
+        self.graphs: dict[SmSplit, LaneGraphs] = {}  # per split, captured in its lanes (CUDA: `capture_graphs`)
         self._admitted: Fence | None = None  # prefill's admission copies, for the decode lane to wait on
         self._prefill_tail: Fence | None = None  # the end of prefill's last update
         self._decode_tail: Fence | None = None  # the end of decode's last update
@@ -181,6 +187,8 @@ class Multiplexer:
                 self.pool.cancel_plan()
                 raise
             done = Fence.after(lane, timing=True)
+        if self.runner.device.type == "cuda" and sum(c.num_tokens for c in work.prefills) <= SPLIT_K_ROWS:
+            self._admitted = done  # a forward this small may share split-K scratch with decode's: decode waits
         self.scheduler.hold(request for request, _ in prefills)
         self.in_flight = PrefillInFlight(work, launched, plan, self.split, lane, start, done, started,
                                          self.iteration + self.prefill_delay)
@@ -198,9 +206,6 @@ class Multiplexer:
                     fence.hold(lane)
             self._admitted = self._prefill_tail = None
             self.overlapped_steps += self.in_flight is not None
-            graphs = self.decode_graphs.get(self.split)
-            if graphs is not None:
-                self.runner.decode_graphs = graphs  # type: ignore[assignment]
             return self.runner.launch(work)
 
     def _finish_decode(self, lane: Lane, work: SchedulerOutput, launched: LaunchedStep,
@@ -251,6 +256,20 @@ class Multiplexer:
             logger.info("pd_multiplex: SM split %s -> %s (%d prompt tokens waiting, %d decoding)", self.split, split,
                         waiting, decoding)
             self.split = split
+            self._use_graphs()
+
+    # ---- CUDA graphs ------------------------------------------------------------------------------
+    def capture_graphs(self, max_batch: int, max_pages: int, prefill_tokens: int, prefill: bool) -> None:
+        """Decode (and, with `prefill`, prefill) graphs captured in the lanes of every split (engine/lane_graphs.py),
+        instead of the co-located engine's."""
+        self.graphs = capture_lane_graphs(self.runner, self.partitioner, max_batch, max_pages, prefill_tokens, prefill)
+        self._use_graphs()
+
+    def _use_graphs(self) -> None:
+        """The runner replays the graphs captured for the split in effect."""
+        graphs = self.graphs.get(self.split)
+        if graphs is not None:
+            self.runner.decode_graphs, self.runner.prefill_graphs = graphs.decode, graphs.prefill
 
     # ---- requests ---------------------------------------------------------------------------------
     def defer_abort(self, request_id: str) -> bool:
