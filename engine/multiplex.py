@@ -3,9 +3,11 @@ partition (a lane of engine/sm_partition.py), with one copy of the weights and o
 
 A step variant of the engine core (`LLMEngine.step` is schedule -> execute -> update), on the engine's one thread;
 each call:
-1. when no prefill forward is in flight, the split may change (engine/sm_split.py), then a prefill-only batch is
-   scheduled and launched on the prefill lane, without waiting for it;
-2. the decode-only batch of the decoding requests is scheduled and launched on the decode lane;
+1. the decode-only batch of the decoding requests is scheduled and launched on the decode lane (first, so that the
+   prefill's host work below overlaps the decode step on the GPU);
+2. when no prefill forward is in flight, the split may change (engine/sm_split.py; then the next decode step runs
+   in the new split's lanes), and a prefill-only batch is scheduled and launched on the prefill lane, without
+   waiting for it;
 3. the host waits for the decode step's tokens and applies them (outputs, stops, cache commit, drafts);
 4. the prefill forward's completion is polled (waited for when nothing decodes); once done, its first tokens are
    sampled and applied. A request whose prompt is done is now decoding: the decode lane takes it at its next step
@@ -19,9 +21,11 @@ What the two forwards in flight do not share:
   could evict a checkpoint still being written and reuse its slot);
 - requests: each is in one lane (engine/lane_scheduler.py); one in flight is never preempted, and its abort waits
   for the forward to complete before its pages and slot are freed.
-The lanes are ordered by events where one reads what the other wrote: decode waits for prefill's admission copies
-(cached checkpoint -> slot) and for the tail of prefill's update (sampling, drafter catch-up, freed pages);
-prefill's admission waits for the tail of the decode update (checkpoints it may copy from, pages it freed).
+The lanes are ordered by events where one reads what the other wrote: decode's update waits for prefill's admission
+copies (cached checkpoint -> slot: its commit may evict that checkpoint and reuse the slot), decode's next forward
+for the tail of prefill's update (sampling, drafter catch-up, freed pages); prefill's admission waits for the tail
+of the decode update (checkpoints it may copy from, pages it freed). The decode forward in flight while prefill
+schedules reads only its own rows' pages and slots, which admission never hands out.
 """
 
 from __future__ import annotations
@@ -140,11 +144,14 @@ class Multiplexer:
         by the prefill forward. `on_launched` runs once this iteration's forwards are queued."""
         self.iteration += 1
         clock = StepClock()
-        launched_prefill = self.in_flight is None and self._launch_prefill()
-        decode_lane = self.lanes()[1]
+        if self.in_flight is None:
+            self._choose_split()
+        prefill_lane, decode_lane = self.lanes()
         decode = self._schedule_decode(decode_lane)
         clock.schedule_done()
         launched = self._launch_decode(decode_lane, decode) if decode is not None else None
+        # the prefill's host work (scheduling, its launches) overlaps the decode step on the GPU
+        launched_prefill = self.in_flight is None and self._launch_prefill(prefill_lane, decode_lane)
         clock.overlap_started()
         if on_launched is not None and (launched_prefill or launched is not None):
             on_launched()
@@ -162,11 +169,8 @@ class Multiplexer:
         self.engine.last_step = clock.timing(len(decode.decodes) if decode is not None else 0, prefill_tokens)
         return outputs
 
-    def _launch_prefill(self) -> bool:
-        """Choose the split, then schedule and launch a prefill-only batch on its prefill lane; False: no prompt
-        could be scheduled."""
-        self._choose_split()
-        lane = self.lanes()[0]
+    def _launch_prefill(self, lane: Lane, decode_lane: Lane) -> bool:
+        """Schedule a prefill-only batch and launch it on the prefill lane; False: no prompt could be scheduled."""
         with lane:
             if self._decode_tail is not None:
                 self._decode_tail.hold(lane)
@@ -178,6 +182,8 @@ class Multiplexer:
             prefills = [(c.request, c.num_tokens) for c in work.prefills]
             checkpoint_slots = self.pool.plan_checkpoints(prefills)
             plan = self.pool.take_plan()
+            if self.runner.device.type == "cuda" and sum(c.num_tokens for c in work.prefills) <= SPLIT_K_ROWS:
+                lane.wait_for(decode_lane)  # a forward this small may share split-K scratch with decode's: after it
             start = Fence.after(lane, timing=True)
             started = time.perf_counter()
             try:
@@ -187,8 +193,6 @@ class Multiplexer:
                 self.pool.cancel_plan()
                 raise
             done = Fence.after(lane, timing=True)
-        if self.runner.device.type == "cuda" and sum(c.num_tokens for c in work.prefills) <= SPLIT_K_ROWS:
-            self._admitted = done  # a forward this small may share split-K scratch with decode's: decode waits
         self.scheduler.hold(request for request, _ in prefills)
         self.in_flight = PrefillInFlight(work, launched, plan, self.split, lane, start, done, started,
                                          self.iteration + self.prefill_delay)
@@ -201,10 +205,9 @@ class Multiplexer:
 
     def _launch_decode(self, lane: Lane, work: SchedulerOutput) -> LaunchedStep:
         with lane:
-            for fence in (self._admitted, self._prefill_tail):
-                if fence is not None:
-                    fence.hold(lane)
-            self._admitted = self._prefill_tail = None
+            if self._prefill_tail is not None:
+                self._prefill_tail.hold(lane)
+                self._prefill_tail = None
             self.overlapped_steps += self.in_flight is not None
             return self.runner.launch(work)
 
@@ -212,6 +215,9 @@ class Multiplexer:
                        clock: StepClock) -> list[RequestOutput]:
         with lane:
             output = self.runner.finish(launched)
+            if self._admitted is not None:  # the commit may evict a checkpoint the prefill's admission copies from
+                self._admitted.hold(lane)
+                self._admitted = None
             self.controller.record("decode", self.split, len(work.decodes),
                                    (time.perf_counter() - clock.scheduled) * 1e3)
             outputs = self.update(work, output)

@@ -8,6 +8,7 @@ import logging
 
 import pytest
 from checkpoints import nemotron_h, nemotron_h_mtp, random_prompts
+from multiplex_case import GREEDY, drive, staggered
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.common.sampling_params import StructuredOutput
@@ -17,29 +18,7 @@ from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.sm_partition import fake_partitioner
 from hybridserve.models.default_model import default_model_dir
 
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 LENGTHS = [3, 17, 40, 9, 33, 5, 64, 21]  # across chunk boundaries of 16
-
-
-def drive(engine: LLMEngine, arrivals: list[tuple[int, list[int], SamplingParams]]) -> dict[str, list[int]]:
-    """Step the engine, adding each (step, prompt, params) at its step; the finished requests' token ids."""
-    pending = sorted(arrivals, key=lambda a: a[0])
-    finished: dict[str, list[int]] = {}
-    step = 0
-    while pending or engine.has_unfinished():
-        while pending and pending[0][0] <= step:
-            _, prompt, params = pending.pop(0)
-            engine.add_request(prompt, params)
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out.token_ids
-        step += 1
-        assert step < 5000, "the engine made no progress"
-    return finished
-
-
-def staggered(prompts: list[list[int]], params: SamplingParams = GREEDY, every: int = 2):
-    return [(i * every, prompt, params) for i, prompt in enumerate(prompts)]
 
 
 def engines(model_dir, delay: int, **kwargs) -> tuple[LLMEngine, LLMEngine, multiplex.Multiplexer]:
