@@ -34,23 +34,21 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from hybridserve.common.outputs import RequestOutput
+from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.lane_graphs import LaneGraphs, capture_lane_graphs
 from hybridserve.engine.lane_scheduler import LaneScheduler
-from hybridserve.engine.model_runner import LaunchedStep
-from hybridserve.engine.scheduler import SchedulerOutput
+from hybridserve.engine.model_runner import LaunchedStep, ModelRunner
+from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
 from hybridserve.engine.sm_partition import Lane, PartitionUnavailable, SmPartitioner, SmSplit, open_partitioner
 from hybridserve.engine.sm_split import SplitController, SplitPolicy
 from hybridserve.engine.step_output import StepOutput
-from hybridserve.engine.step_timing import StepClock
-from hybridserve.statepool.pool import PlannedCheckpoint
-
-if TYPE_CHECKING:
-    from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.engine.step_timing import StepClock, StepTiming
+from hybridserve.statepool.pool import PlannedCheckpoint, StatePool
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +56,21 @@ logger = logging.getLogger(__name__)
 # (kernels/skinny_linear_triton.py), which two launches in flight must not share: a prefill forward that small runs
 # before the decode step beside it instead of at the same time (larger ones take cuBLAS, or a prefill graph's buckets).
 SPLIT_K_ROWS = 16
+
+
+class MultiplexedEngine(Protocol):
+    """What the multiplexer uses of its engine (`LLMEngine`)."""
+
+    config: EngineConfig
+    scheduler: Scheduler
+    runner: ModelRunner
+    pool: StatePool
+    multiplexer: Multiplexer | None
+    last_step: StepTiming
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def _update(self, work: SchedulerOutput, output: StepOutput) -> list[RequestOutput]: ...
 
 
 @dataclass(frozen=True)
@@ -109,10 +122,20 @@ class PrefillInFlight:
         return sum(c.num_tokens for c in self.work.prefills)
 
 
+@dataclass(frozen=True)
+class DecodeInFlight:
+    """The decode lane's step between its launch and its tokens."""
+
+    launched: LaunchedStep
+    start: Fence
+    done: Fence
+    launch_s: float  # host seconds of the launch (on a fake lane: the whole forward)
+
+
 class Multiplexer:
     """The multiplexed step of one engine (module docstring); `LLMEngine.step` hands over to `step`."""
 
-    def __init__(self, engine: LLMEngine, scheduler: LaneScheduler, partitioner: SmPartitioner,
+    def __init__(self, engine: MultiplexedEngine, scheduler: LaneScheduler, partitioner: SmPartitioner,
                  controller: SplitController,
                  update: Callable[[SchedulerOutput, StepOutput], list[RequestOutput]]) -> None:
         """`update`: the engine's update phase (tokens applied, finished requests retired, outputs made)."""
@@ -160,7 +183,7 @@ class Multiplexer:
         clock.overlap_ended()
         outputs: list[RequestOutput] = []
         if decode is not None and launched is not None:
-            outputs = self._finish_decode(decode_lane, decode, launched, clock)
+            outputs = self._finish_decode(decode_lane, decode, launched)
         clock.execute_done()
         prefill_tokens, prefill_outputs = self._poll_prefill(wait=decode is None)
         outputs += prefill_outputs
@@ -203,23 +226,25 @@ class Multiplexer:
             work = self.scheduler.schedule_decode_lane()
         return None if work.is_empty else work
 
-    def _launch_decode(self, lane: Lane, work: SchedulerOutput) -> LaunchedStep:
+    def _launch_decode(self, lane: Lane, work: SchedulerOutput) -> DecodeInFlight:
         with lane:
             if self._prefill_tail is not None:
                 self._prefill_tail.hold(lane)
                 self._prefill_tail = None
             self.overlapped_steps += self.in_flight is not None
-            return self.runner.launch(work)
+            start, started = Fence.after(lane, timing=True), time.perf_counter()
+            launched = self.runner.launch(work)
+            return DecodeInFlight(launched, start, Fence.after(lane, timing=True), time.perf_counter() - started)
 
-    def _finish_decode(self, lane: Lane, work: SchedulerOutput, launched: LaunchedStep,
-                       clock: StepClock) -> list[RequestOutput]:
+    def _finish_decode(self, lane: Lane, work: SchedulerOutput, decode: DecodeInFlight) -> list[RequestOutput]:
         with lane:
-            output = self.runner.finish(launched)
+            output = self.runner.finish(decode.launched)
             if self._admitted is not None:  # the commit may evict a checkpoint the prefill's admission copies from
                 self._admitted.hold(lane)
                 self._admitted = None
+            gpu_ms = decode.done.ms_since(decode.start)  # the forward's own time, not the prefill's host work
             self.controller.record("decode", self.split, len(work.decodes),
-                                   (time.perf_counter() - clock.scheduled) * 1e3)
+                                   gpu_ms if gpu_ms is not None else decode.launch_s * 1e3)
             outputs = self.update(work, output)
             self._decode_tail = Fence.after(lane)
         return outputs
@@ -295,7 +320,7 @@ class Multiplexer:
                 "overlapped_steps": self.overlapped_steps}
 
 
-def attach(engine: LLMEngine, partitioner: SmPartitioner, policy: SplitPolicy | None = None) -> Multiplexer:
+def attach(engine: MultiplexedEngine, partitioner: SmPartitioner, policy: SplitPolicy | None = None) -> Multiplexer:
     """The multiplexer of `engine` (built with pd_multiplex: a LaneScheduler) over `partitioner`'s lanes (a fake
     partitioner in CPU tests); its step replaces the co-located one from now on."""
     scheduler = engine.scheduler
@@ -307,7 +332,7 @@ def attach(engine: LLMEngine, partitioner: SmPartitioner, policy: SplitPolicy | 
     return multiplexer
 
 
-def open_multiplexer(engine: LLMEngine) -> Multiplexer | None:
+def open_multiplexer(engine: MultiplexedEngine) -> Multiplexer | None:
     """With pd_multiplex, the multiplexer over green-context lanes of the engine's GPU; None without pd_multiplex or
     where SM partitions cannot be made (one WARNING: the engine runs co-located)."""
     config = engine.config
