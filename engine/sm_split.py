@@ -1,0 +1,207 @@
+"""Which SM split prefill and decode run in: a cost model learned from the lanes' measured step times, with
+hysteresis so that the split follows the load without flapping.
+
+Model. Each lane's step time at an SM count is a line in its work (prefill: tokens in the step; decode: rows),
+`ms = fixed + per_unit * work`, fitted by least squares over exponentially weighted sums of the samples `record`
+gets (an EMA of x, y, x^2, xy: old steps fade). While one SM count has seen a single work size the line is
+`ms * (work / seen) ** work_exponent` (prefill scales with its tokens, decode barely with its rows); an SM count with
+no samples borrows the nearest measured one, scaled by `(measured_sms / sms) ** sm_exponent` (prefill is
+compute-bound: ~1; decode is memory-bound and saturates bandwidth with fewer SMs: below 1); a lane with no samples
+at all starts from the policy's priors (or a start-up profile).
+
+Choice. For each split of the menu, with W prefill tokens waiting and B decode rows:
+    decode_ms  = T_decode(split.decode_sms, B)              one decode step
+    prefill_ms = T_prefill(split.prefill_sms, W)            time to prefill what waits
+    cost = decode_ms + prefill_weight * prefill_ms + overload_weight * max(0, prefill_ms - prefill_drain_ms)
+i.e. the fastest decode step among the splits where prefill keeps up (drains its queue within
+`prefill_drain_ms`), and the time to first token as the tie-breaker. The best split replaces the current one only
+after winning by `switch_margin` (relative cost) in `switch_after` consecutive decisions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hybridserve.engine.sm_partition import LANES, SmSplit
+
+
+@dataclass(frozen=True)
+class ProfilePoint:
+    """One measured step of a start-up profile: `lane` ran `work` units (tokens or rows) on `sms` SMs in `ms`."""
+
+    lane: str
+    sms: int
+    work: int
+    ms: float
+
+    def __post_init__(self) -> None:
+        if self.lane not in LANES:
+            raise ValueError(f"ProfilePoint.lane must be one of {LANES}, got {self.lane!r}")
+        if self.sms <= 0 or self.work <= 0 or not (self.ms >= 0 and math.isfinite(self.ms)):
+            raise ValueError(f"ProfilePoint needs sms > 0, work > 0 and a finite ms >= 0, got {self}")
+
+
+@dataclass(frozen=True)
+class SplitPolicy:
+    """Knobs of the split controller (validated on construction)."""
+
+    # a new split must cost at most (1 - switch_margin) x the current one's ...
+    switch_margin: float = 0.15
+    # ... in this many consecutive decisions before it replaces the current one
+    switch_after: int = 3
+    ema_alpha: float = 0.2  # weight of the newest sample in a lane's fit
+    prefill_drain_ms: float = 250.0  # prefill keeps up when what waits is prefilled within this time
+    prefill_weight: float = 0.05  # weight of the time to prefill what waits (the queue's time to first token)
+    overload_weight: float = 1.0  # weight of the prefill time past prefill_drain_ms
+    # how a step's time grows with its work while only one work size was seen (1: proportional)
+    prefill_work_exponent: float = 1.0
+    decode_work_exponent: float = 0.2
+    # how a step's time falls with more SMs where an SM count was not measured (1: inversely proportional)
+    prefill_sm_exponent: float = 1.0
+    decode_sm_exponent: float = 0.6
+    # priors on the whole device until a lane is measured: ms per prefill token, ms per decode step (~a 9B
+    # hybrid's on an H200: ~30K prefill tokens/s, ~8 ms per decode step at 64 rows)
+    prior_prefill_ms_per_token: float = 0.035
+    prior_decode_step_ms: float = 8.0
+    prior_decode_rows: int = 64
+    initial_prefill_fraction: float = 0.5  # the split closest to this share of the SMs for prefill starts
+    profile: tuple[ProfilePoint, ...] = field(default=())  # start-up measurements that seed the model
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.switch_margin < 1.0:
+            raise ValueError(f"switch_margin must be in [0, 1), got {self.switch_margin}")
+        if self.switch_after < 1:
+            raise ValueError(f"switch_after must be >= 1, got {self.switch_after}")
+        if not 0.0 < self.ema_alpha <= 1.0:
+            raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
+        for name in ("prefill_drain_ms", "prior_prefill_ms_per_token", "prior_decode_step_ms"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("prefill_weight", "overload_weight", "prefill_work_exponent", "decode_work_exponent",
+                     "prefill_sm_exponent", "decode_sm_exponent"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.prior_decode_rows < 1:
+            raise ValueError(f"prior_decode_rows must be >= 1, got {self.prior_decode_rows}")
+        if not 0.0 <= self.initial_prefill_fraction <= 1.0:
+            raise ValueError(f"initial_prefill_fraction must be in [0, 1], got {self.initial_prefill_fraction}")
+        if not all(isinstance(p, ProfilePoint) for p in self.profile):
+            raise ValueError("profile must be a tuple of ProfilePoint")
+
+    def work_exponent(self, lane: str) -> float:
+        return self.prefill_work_exponent if lane == "prefill" else self.decode_work_exponent
+
+    def sm_exponent(self, lane: str) -> float:
+        return self.prefill_sm_exponent if lane == "prefill" else self.decode_sm_exponent
+
+
+class _LineFit:
+    """Exponentially weighted least squares of ms against work at one (lane, SM count)."""
+
+    def __init__(self) -> None:
+        self.w = self.x = self.y = self.xx = self.xy = 0.0
+
+    def add(self, work: float, ms: float, alpha: float) -> None:
+        keep = 1.0 - alpha
+        self.w = keep * self.w + alpha
+        self.x = keep * self.x + alpha * work
+        self.y = keep * self.y + alpha * ms
+        self.xx = keep * self.xx + alpha * work * work
+        self.xy = keep * self.xy + alpha * work * ms
+
+    def predict(self, work: float, work_exponent: float) -> float:
+        mx, my = self.x / self.w, self.y / self.w
+        var = self.xx / self.w - mx * mx
+        if var > (0.05 * mx) ** 2:  # two or more work sizes seen: the fitted line (never falling with work)
+            slope = max(0.0, (self.xy / self.w - mx * my) / var)
+            return max(0.0, my + slope * (work - mx))
+        return my * (work / mx) ** work_exponent if mx > 0 else my
+
+
+class SplitController:
+    """Picks the split of the menu for the next steps (`choose`) from the lanes' measured times (`record`)."""
+
+    def __init__(self, policy: SplitPolicy, splits: tuple[SmSplit, ...]) -> None:
+        if not splits:
+            raise ValueError("the split menu is empty")
+        self.policy = policy
+        self.splits = tuple(sorted(set(splits), key=lambda s: s.prefill_sms))
+        total = max(s.prefill_sms + s.decode_sms for s in self.splits)
+        self.total_sms = total
+        target = policy.initial_prefill_fraction * total
+        self.current: SmSplit = min(self.splits, key=lambda s: (abs(s.prefill_sms - target), s.prefill_sms))
+        self.changes = 0  # times the split changed
+        self.decisions = 0
+        self._fits: dict[tuple[str, int], _LineFit] = {}
+        self._candidate: SmSplit | None = None
+        self._streak = 0
+        for point in policy.profile:
+            self._add(point.lane, point.sms, point.work, point.ms, alpha=0.5)
+
+    def record(self, lane: str, split: SmSplit, work: int, ms: float) -> None:
+        """One step of `lane` ran `work` units (prefill tokens or decode rows) on its SMs of `split` in `ms`.
+        Steps with no work or a non-finite time are ignored."""
+        if lane not in LANES:
+            raise ValueError(f"lane must be one of {LANES}, got {lane!r}")
+        if work <= 0 or not (ms >= 0 and math.isfinite(ms)):
+            return
+        self._add(lane, split.sms(lane), work, ms, self.policy.ema_alpha)
+
+    def _add(self, lane: str, sms: int, work: int, ms: float, alpha: float) -> None:
+        fit = self._fits.get((lane, sms))
+        if fit is None:
+            fit = self._fits[(lane, sms)] = _LineFit()
+            alpha = 1.0  # a first sample is the estimate
+        fit.add(float(work), float(ms), alpha)
+
+    def predict_ms(self, lane: str, sms: int, work: int) -> float:
+        """The model's time for `lane` to run `work` units on `sms` SMs (0 for no work)."""
+        if work <= 0:
+            return 0.0
+        p = self.policy
+        measured = [s for (name, s) in self._fits if name == lane]
+        if measured:
+            near = min(measured, key=lambda s: (abs(math.log(s / sms)), -s))
+            base = self._fits[(lane, near)].predict(float(work), p.work_exponent(lane))
+        else:
+            near = self.total_sms
+            if lane == "prefill":
+                base = p.prior_prefill_ms_per_token * work
+            else:
+                base = p.prior_decode_step_ms * (work / p.prior_decode_rows) ** p.decode_work_exponent
+        return base * (near / sms) ** p.sm_exponent(lane)
+
+    def cost(self, split: SmSplit, prefill_tokens_waiting: int, decode_rows: int) -> float:
+        """The objective `choose` minimizes (module docstring)."""
+        p = self.policy
+        decode_ms = self.predict_ms("decode", split.decode_sms, decode_rows)
+        prefill_ms = self.predict_ms("prefill", split.prefill_sms, prefill_tokens_waiting)
+        return decode_ms + p.prefill_weight * prefill_ms + p.overload_weight * max(0.0, prefill_ms - p.prefill_drain_ms)
+
+    def best(self, prefill_tokens_waiting: int, decode_rows: int) -> SmSplit:
+        """The split of least cost for this load, without hysteresis (ties: the current one, then fewer prefill SMs)."""
+        return min(self.splits, key=lambda s: (self.cost(s, prefill_tokens_waiting, decode_rows), s != self.current,
+                                               s.prefill_sms))
+
+    def choose(self, prefill_tokens_waiting: int, decode_rows: int) -> SmSplit:
+        """The split for the next step: the current one unless another has won by the margin `switch_after` times in
+        a row."""
+        if prefill_tokens_waiting < 0 or decode_rows < 0:
+            raise ValueError(f"load must be >= 0, got {prefill_tokens_waiting} tokens, {decode_rows} rows")
+        self.decisions += 1
+        best = self.best(prefill_tokens_waiting, decode_rows)
+        if best != self.current:
+            now = self.cost(self.current, prefill_tokens_waiting, decode_rows)
+            wins = self.cost(best, prefill_tokens_waiting, decode_rows) < (1.0 - self.policy.switch_margin) * now
+        else:
+            wins = False
+        if not wins:
+            self._candidate, self._streak = None, 0
+            return self.current
+        self._streak = self._streak + 1 if best == self._candidate else 1
+        self._candidate = best
+        if self._streak >= self.policy.switch_after:
+            self.current, self.changes = best, self.changes + 1
+            self._candidate, self._streak = None, 0
+        return self.current

@@ -1,0 +1,115 @@
+"""The multiplexing serving benchmark's pure parts: options, the point plan, the goodput search, the table and the
+acceptance checks; and its refusal to run without a GPU."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "serving"))
+
+import multiplex  # noqa: E402
+
+
+def metrics(ttft: tuple[float, float], tpot: tuple[float, float], itl: tuple[float, float], tok_s: float,
+            failed: int = 0) -> dict[str, Any]:
+    def d(pair: tuple[float, float]) -> dict[str, float]:
+        return {"p50": pair[0], "p99": pair[1]}
+    return {"ttft_ms": d(ttft), "tpot_ms": d(tpot), "itl_ms": d(itl), "output_throughput": tok_s,
+            "completed": 10, "failed": failed}
+
+
+def test_options_and_server_flags_after_the_separator() -> None:
+    args, server = multiplex.parse_args(["--out", "/tmp/x", "--modes", "colocated,multiplexed", "--rates", "2,6",
+                                         "--point-s", "5", "--", "--mamba-ssm-cache-dtype", "bfloat16"])
+    assert args.modes == ["colocated", "multiplexed"] and args.rates == [2.0, 6.0] and args.point_s == 5
+    assert server == ["--mamba-ssm-cache-dtype", "bfloat16"]
+    for bad in (["--modes", "solo"], ["--rates", "0"], ["--rates", "inf"], ["--point-s", "0"], ["--budget-s", "-1"]):
+        with pytest.raises(SystemExit):
+            multiplex.parse_args(["--out", "/tmp/x", *bad])
+    with pytest.raises(SystemExit):
+        multiplex.parse_args([])  # --out is required
+
+
+def test_points_run_the_checks_points_first_and_scale_with_the_budget_knob() -> None:
+    points = multiplex.plan_points([4.0, 8.0, 16.0], point_s=10, min_prompts=16)
+    assert [p.key for p in points[:4]] == ["2048/256@4", "512/128@8", "512/128@all", "2048/256@all"]
+    assert len(points) == 8 and len({p.key for p in points}) == 8
+    by_key = {p.key: p for p in points}
+    assert by_key["512/128@16"].num_prompts == 160 and by_key["2048/256@4"].num_prompts == 40
+    assert by_key["512/128@all"].num_prompts == 64 and by_key["2048/256@all"].num_prompts == 48
+    assert {p.key: p.num_prompts for p in multiplex.plan_points([1.0], point_s=5, min_prompts=16)}["512/128@1"] == 16
+    assert math.isinf(by_key["2048/256@all"].rate)
+
+
+def test_slo_needs_both_p99s_and_no_failures() -> None:
+    assert multiplex.meets_slo(metrics((300, 900), (10, 19), (9, 30), 1000), 1000, 20)
+    assert not multiplex.meets_slo(metrics((300, 1100), (10, 19), (9, 30), 1000), 1000, 20)
+    assert not multiplex.meets_slo(metrics((300, 900), (10, 21), (9, 30), 1000), 1000, 20)
+    assert not multiplex.meets_slo(metrics((300, 900), (10, 19), (9, 30), 1000, failed=1), 1000, 20)
+    none = metrics((300, 900), (10, 19), (9, 30), 1000)
+    none["ttft_ms"]["p99"] = None
+    assert not multiplex.meets_slo(none, 1000, 20)
+
+
+def test_goodput_search_bisects_doubles_and_stops_on_budget() -> None:
+    capacity = 11.0
+    probed: list[float] = []
+
+    def probe(rate: float) -> bool:
+        probed.append(rate)
+        return rate <= capacity
+
+    found = multiplex.goodput_search({4.0: True, 8.0: True, 16.0: False}, probe, steps=3, max_rate=64)
+    assert probed == [12.0, 10.0, 11.0] and found["goodput_rps"] == 11.0
+    probed.clear()
+    found = multiplex.goodput_search({4.0: True, 8.0: True, 16.0: True}, lambda r: probed.append(r) or r <= 40,
+                                     steps=2, max_rate=64)
+    assert probed == [32.0, 64.0] and found["goodput_rps"] == 32.0
+    found = multiplex.goodput_search({4.0: False}, lambda r: r <= 1, steps=2, max_rate=64)
+    assert found["goodput_rps"] == 1.0 and [p["rate"] for p in found["probes"]] == [2.0, 1.0]
+    assert multiplex.goodput_search({4.0: True, 16.0: False}, lambda r: None, steps=3, max_rate=64) == {
+        "goodput_rps": 4.0, "probes": [], "rates": {"4": True, "16": False}}
+
+
+def test_result_table_and_acceptance_checks() -> None:
+    def point(m: dict[str, Any]) -> dict[str, Any]:
+        return {"num_prompts": 40, "metrics": m}
+
+    modes = {
+        "colocated": {"points": {"2048/256@4": point(metrics((77, 200), (9.2, 12), (8, 55), 900)),
+                                 "512/128@8": point(metrics((32, 90), (7.6, 9), (7, 23.5), 1000)),
+                                 "512/128@all": point(metrics((500, 900), (12, 14), (11, 40), 3159))},
+                      "goodput": {"goodput_rps": 4.0}, "skipped": ["2048/256@all"]},
+        "multiplexed": {"points": {"2048/256@4": point(metrics((80, 150), (9.0, 10), (9, 12), 950)),
+                                   "512/128@8": point(metrics((40, 90), (7.0, 8), (7, 9), 1000)),
+                                   "512/128@all": point(metrics((400, 800), (10, 12), (10, 20), 3300))},
+                        "goodput": {"goodput_rps": 8.0}, "skipped": []},
+    }
+    checks = multiplex.acceptance_checks(modes)
+    assert checks["ITL p99 / p50 at 2048/256@4"]["value"] == pytest.approx(12 / 9)
+    assert checks["ITL p99 / p50 at 2048/256@4"]["met"] is True
+    assert checks["TTFT p50 vs co-located at 512/128@8"]["met"] is False  # 40 / 32 = 1.25
+    assert checks["output tok/s vs co-located at 512/128@all"]["met"] is True
+    assert checks["output tok/s vs co-located at 2048/256@all"] == {"value": None, "goal": ">= 1.0", "met": None}
+    assert checks["goodput vs co-located"]["value"] == pytest.approx(2.0)
+    text = multiplex.table({"modes": modes, "slo": {"ttft_ms": 1000.0, "tpot_ms": 20.0}, "checks": checks})
+    assert "| 2048/256@4 | multiplexed | 40 | 80.0 / 150.0 | 9.0 / 10.0 | 9.0 / 12.0 | 950 | 0 |" in text
+    assert "| colocated | 4 | 2048/256@all |" in text and "| multiplexed | 8 | - |" in text
+    assert "| goodput vs co-located | 2.00 | >= 1.5 | yes |" in text
+
+
+def test_refuses_to_run_without_a_gpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+                                      tmp_path: Path) -> None:
+    monkeypatch.setattr(multiplex, "gpu_check", lambda: "no CUDA GPU is visible")
+    assert multiplex.main(["--out", str(tmp_path / "out")]) == 2
+    assert "cannot run: no CUDA GPU is visible" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    import torch
+
+    if not torch.cuda.is_available():
+        assert multiplex.gpu_check() is not None

@@ -1,0 +1,84 @@
+"""SM partitions: the menu arithmetic, the fake lanes CPU tests run on, and the clear refusal where green contexts
+cannot be made."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from hybridserve.engine.sm_partition import (
+    PartitionUnavailable,
+    SmSplit,
+    active_lane,
+    fake_partitioner,
+    open_partitioner,
+    plan_splits,
+)
+
+
+def test_menu_rounds_to_the_granularity_and_gives_decode_the_rest() -> None:
+    splits = plan_splits(132, 8, (20, 16, 64, 17, 120))
+    assert splits == (SmSplit(16, 116), SmSplit(24, 108), SmSplit(64, 68), SmSplit(120, 12))
+    assert all(s.prefill_sms % 8 == 0 and s.prefill_sms + s.decode_sms == 132 for s in splits)
+
+
+@pytest.mark.parametrize("menu", [(), (0,), (-8,), (128,), (132,), (True,)])
+def test_bad_menus_are_refused_with_what_to_change(menu: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="menu|positive|decode"):
+        plan_splits(132, 8, menu)
+
+
+def test_split_is_validated_and_names_its_lanes() -> None:
+    split = SmSplit(32, 100)
+    assert (split.sms("prefill"), split.sms("decode"), str(split)) == (32, 100, "32P/100D")
+    with pytest.raises(ValueError):
+        split.sms("both")
+    with pytest.raises(ValueError):
+        SmSplit(0, 132)
+
+
+def test_fake_lanes_are_disjoint_and_record_which_lane_is_active() -> None:
+    part = fake_partitioner(132, (32, 64))
+    assert part.fake and part.total_sms == 132 and part.splits == (SmSplit(32, 100), SmSplit(64, 68))
+    prefill, decode = part.lanes(SmSplit(64, 68))
+    assert (prefill.name, prefill.sm_count, decode.name, decode.sm_count) == ("prefill", 64, "decode", 68)
+    assert prefill.stream is None and active_lane() is None
+    with prefill:
+        assert active_lane() is prefill
+        with decode as entered:
+            assert entered is decode and active_lane() is decode
+        assert active_lane() is prefill
+    assert active_lane() is None
+    decode.wait_for(prefill)  # no streams: nothing to order
+    decode.synchronize()
+    with pytest.raises(RuntimeError, match="fake lane"):
+        decode.graph(None)  # type: ignore[arg-type]
+    assert part.nearest(50) == SmSplit(64, 68) and part.nearest(0) == SmSplit(32, 100)
+    with pytest.raises(ValueError, match="not in this partitioner's menu"):
+        part.lanes(SmSplit(40, 92))
+
+
+def test_active_lane_is_per_thread() -> None:
+    prefill, decode = fake_partitioner(132, (32,)).lanes(SmSplit(32, 100))
+    seen: list[object] = []
+    with prefill:
+        def other() -> None:
+            with decode:
+                seen.append(active_lane())
+            seen.append(active_lane())
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert active_lane() is prefill
+    assert seen == [decode, None]
+
+
+def test_open_partitioner_refuses_without_cuda_in_one_line() -> None:
+    with pytest.raises(PartitionUnavailable, match="CUDA device") as info:
+        open_partitioner(torch.device("cpu"), (32,))
+    assert "\n" not in str(info.value)
+    if not torch.cuda.is_available():
+        with pytest.raises(PartitionUnavailable, match="not available"):
+            open_partitioner(torch.device("cuda"), (32,))
