@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 # The skinny linear kernel takes inputs of up to 16 rows and may split K through a workspace kept per weight
 # (kernels/skinny_linear_triton.py), which two launches in flight must not share: a prefill forward that small runs
-# before the decode step beside it instead of at the same time (larger ones take cuBLAS, or a prefill graph's buckets).
+# between two decode steps instead of beside one (larger ones take cuBLAS, or a prefill graph's 64+ token buckets).
 SPLIT_K_ROWS = 16
 
 
@@ -89,6 +89,16 @@ class Fence:
 
     def done(self) -> bool:
         return self.event is None or bool(self.event.query())
+
+    @classmethod
+    def loop_stream(cls, lane: Lane) -> Fence:
+        """The work the loop thread queued outside the lanes so far (between-step calls: a committed state, scoring)
+        on the current stream: a lane's next launch waits for it."""
+        if lane.stream is None:
+            return cls(None)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(lane.stream.device))
+        return cls(event)
 
     def hold(self, lane: Lane) -> None:
         """Work queued on `lane` from now on starts after this fence (no host wait)."""
@@ -194,7 +204,9 @@ class Multiplexer:
 
     def _launch_prefill(self, lane: Lane, decode_lane: Lane) -> bool:
         """Schedule a prefill-only batch and launch it on the prefill lane; False: no prompt could be scheduled."""
+        outside = Fence.loop_stream(lane)
         with lane:
+            outside.hold(lane)
             if self._decode_tail is not None:
                 self._decode_tail.hold(lane)
                 self._decode_tail = None
@@ -205,8 +217,9 @@ class Multiplexer:
             prefills = [(c.request, c.num_tokens) for c in work.prefills]
             checkpoint_slots = self.pool.plan_checkpoints(prefills)
             plan = self.pool.take_plan()
-            if self.runner.device.type == "cuda" and sum(c.num_tokens for c in work.prefills) <= SPLIT_K_ROWS:
-                lane.wait_for(decode_lane)  # a forward this small may share split-K scratch with decode's: after it
+            tiny = self.runner.device.type == "cuda" and sum(c.num_tokens for c in work.prefills) <= SPLIT_K_ROWS
+            if tiny:  # a forward this small may share split-K scratch with decode's: between two decode steps
+                lane.wait_for(decode_lane)
             start = Fence.after(lane, timing=True)
             started = time.perf_counter()
             try:
@@ -216,6 +229,8 @@ class Multiplexer:
                 self.pool.cancel_plan()
                 raise
             done = Fence.after(lane, timing=True)
+        if tiny:
+            self._prefill_tail = done
         self.scheduler.hold(request for request, _ in prefills)
         self.in_flight = PrefillInFlight(work, launched, plan, self.split, lane, start, done, started,
                                          self.iteration + self.prefill_delay)
@@ -227,7 +242,9 @@ class Multiplexer:
         return None if work.is_empty else work
 
     def _launch_decode(self, lane: Lane, work: SchedulerOutput) -> DecodeInFlight:
+        outside = Fence.loop_stream(lane)
         with lane:
+            outside.hold(lane)
             if self._prefill_tail is not None:
                 self._prefill_tail.hold(lane)
                 self._prefill_tail = None

@@ -30,8 +30,9 @@ def test_cuda_multiplexed_greedy_equals_colocated(case: str) -> None:
                   gpu_memory_gb=1.0, pd_multiplex_prefill_sms="32,64", **extra)
     shared = random_prompts([70], vocab=128, seed=31)[0]
     prompts = random_prompts([3, 40, 130, 17, 90, 64, 9, 200], vocab=128, seed=32)
-    prompts += [shared + tail for tail in random_prompts([5, 33], vocab=128, seed=33)]
     arrivals = staggered(prompts, PARAMS, every=3)
+    # a shared prefix, the second request long after the first's chunks completed: a prefix-cache hit
+    arrivals += [(80 + 40 * i, shared + tail, PARAMS) for i, tail in enumerate(random_prompts([5, 33], vocab=128, seed=33))]
     colocated = LLMEngine(model_dir, EngineConfig(**kwargs))  # type: ignore[arg-type]
     expected = drive(colocated, arrivals)
     engine = LLMEngine(model_dir, EngineConfig(pd_multiplex=True, **kwargs))  # type: ignore[arg-type]
@@ -40,7 +41,7 @@ def test_cuda_multiplexed_greedy_equals_colocated(case: str) -> None:
         pytest.skip("no SM partitions on this machine (see the engine's WARNING)")
     mux.prefill_delay = 2
     assert drive(engine, arrivals) == expected
-    assert mux.handoffs >= len(prompts) and mux.overlapped_steps > 0
+    assert mux.handoffs >= len(arrivals) and mux.overlapped_steps > 0
     assert engine.graph_stats()["graph_decode_steps"] > 0  # decode graphs captured in the decode lane replayed
     assert engine.pool.num_hits > 0
     torch.cuda.synchronize()
