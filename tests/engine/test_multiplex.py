@@ -7,16 +7,19 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 from checkpoints import nemotron_h, nemotron_h_mtp, random_prompts
 from multiplex_case import GREEDY, drive, staggered
 
 from hybridserve import LLM, SamplingParams
+from hybridserve.common.model_config import ModelConfig
 from hybridserve.common.sampling_params import StructuredOutput
 from hybridserve.engine import multiplex
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.sm_partition import fake_partitioner
 from hybridserve.models.default_model import default_model_dir
+from hybridserve.statepool import CacheLayout
 
 LENGTHS = [3, 17, 40, 9, 33, 5, 64, 21]  # across chunk boundaries of 16
 
@@ -33,7 +36,7 @@ def engines(model_dir, delay: int, **kwargs) -> tuple[LLMEngine, LLMEngine, mult
 def check_idle(engine: LLMEngine) -> None:
     engine.pool.check()
     assert not engine.has_unfinished()
-    assert engine.pool.slots is None or engine.pool.slots.num_free == engine.pool.slots.capacity
+    assert engine.pool.slots is None or engine.pool.num_free_slots == engine.pool.slots.capacity  # cache may borrow
     assert not getattr(engine.scheduler, "in_flight", {})
 
 
@@ -119,6 +122,31 @@ def test_abort_during_prefill_in_flight_frees_the_slot_after_the_forward() -> No
                 finished[out.request_id] = out.token_ids
     assert finished == {keep: expected["req-0"], last: expected["req-1"]}
     assert not engine.abort(victim)
+    check_idle(engine)
+
+
+def test_preemption_under_page_pressure_spares_the_prefill_in_flight() -> None:
+    model_dir, _ = nemotron_h("M*")
+    prompts = random_prompts([20, 20, 20, 20, 20], vocab=128, seed=17)
+    config = ModelConfig.from_dir(model_dir)
+    # 4 slots and 16 pages of 4 tokens: two requests of 36 tokens cannot both hold their KV
+    budget = 4 * CacheLayout.bytes_per_slot(config, 3, torch.float32, torch.float32)
+    budget += 16 * CacheLayout.bytes_per_page(config, 4, torch.float32)
+    kwargs = dict(page_size=4, max_num_seqs=4, max_model_len=40, cpu_memory_gb=budget / 2**30, num_kv_pages=16,
+                  prefill_chunk_size=8)
+    colocated, engine, mux = engines(model_dir, 3, **kwargs)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    expected = drive(colocated, staggered(prompts, params, every=1))
+    held_preempted = []
+    preempt = engine.scheduler._preempt
+
+    def watched(request):  # a request whose prefill forward is in flight is never the victim
+        held_preempted.append(id(request) in engine.scheduler.in_flight)
+        preempt(request)
+
+    engine.scheduler._preempt = watched
+    assert drive(engine, staggered(prompts, params, every=1)) == expected
+    assert engine.scheduler.num_preemptions > 0 and not any(held_preempted)
     check_idle(engine)
 
 
