@@ -109,7 +109,8 @@ class EngineConfig:
     # (engine/multiplex.py); where green contexts are unavailable the engine says so and runs co-located
     pd_multiplex: bool = False
     # with pd_multiplex: the prefill SM counts the split may choose from, comma-separated (each rounded up to the
-    # driver's granularity, decode taking the rest); auto: every eighth of the device's SMs
+    # driver's granularity, decode taking the rest); auto: 2/8 .. 6/8 of the device's SMs (each split's CUDA graphs
+    # are captured at start-up, so a longer menu costs start-up time)
     pd_multiplex_prefill_sms: str = "auto"
 
     def __post_init__(self) -> None:
@@ -218,10 +219,10 @@ class EngineConfig:
         return CUDA_PREFILL_CHUNK if self.torch_device.type == "cuda" else CPU_PREFILL_CHUNK
 
     def multiplex_menu(self, total_sms: int) -> tuple[int, ...]:
-        """pd_multiplex_prefill_sms as SM counts for a device of `total_sms` SMs (auto: its eighths)."""
+        """pd_multiplex_prefill_sms as SM counts for a device of `total_sms` SMs (auto: 2/8 .. 6/8 of them)."""
         text = self.pd_multiplex_prefill_sms
         if text == "auto":
-            return tuple(total_sms * k // 8 for k in range(1, 8))
+            return tuple(total_sms * k // 8 for k in range(2, 7))
         try:
             menu = tuple(int(part) for part in str(text).split(","))
         except ValueError:

@@ -170,4 +170,4 @@ def test_config_refuses_tensor_parallel_and_bad_menus() -> None:
     with pytest.raises(ValueError, match="pd_multiplex_prefill_sms"):
         EngineConfig(pd_multiplex=True, pd_multiplex_prefill_sms="32,lots")
     assert EngineConfig(pd_multiplex_prefill_sms="32,64").multiplex_menu(132) == (32, 64)
-    assert EngineConfig().multiplex_menu(128) == (16, 32, 48, 64, 80, 96, 112)
+    assert EngineConfig().multiplex_menu(128) == (32, 48, 64, 80, 96)
