@@ -46,7 +46,17 @@ def test_greedy_tokens_equal_colocated_while_requests_arrive(delay: int) -> None
     prompts = random_prompts(LENGTHS, vocab=128, seed=11)
     colocated, engine, mux = engines(model_dir, delay, prefill_chunk_size=16, enable_prefix_caching=False)
     expected = drive(colocated, staggered(prompts))
+    launch, shared = engine.runner.launch, []
+
+    def checked_launch(work, checkpoint_slots=None):  # a request is never in both lanes' forwards at once
+        assert not (work.decodes and work.prefills), "a lane's batch mixes decodes and prefill chunks"
+        if mux.in_flight is not None:
+            shared.extend({id(c.request) for c in mux.in_flight.work.prefills} & {id(r) for r in work.decodes})
+        return launch(work, checkpoint_slots)
+
+    engine.runner.launch = checked_launch
     assert drive(engine, staggered(prompts)) == expected
+    assert not shared
     assert mux.handoffs == len(prompts)  # every prompt passed from the prefill lane to the decode lane
     if delay:
         assert mux.overlapped_steps > 0  # decode steps ran while a prefill forward was in flight
