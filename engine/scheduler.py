@@ -131,9 +131,14 @@ class Scheduler:
     def _schedule_once(self) -> SchedulerOutput:
         self._promote_landed()
         decodes: list[Request] = []
+        pages_for, lookahead, running = self.pool.pages_for, self.decode_lookahead, RequestStatus.RUNNING
         for request in list(self.running):
-            if request.status is RequestStatus.RUNNING and request.is_decoding:
-                if self._make_room(request, request.num_tokens + self.decode_lookahead):
+            # is_decoding and the page check inlined: this loop runs once per row per step (1,024 rows)
+            computed = request.num_computed_tokens
+            needed = len(request.prompt_token_ids) + len(request.output_token_ids)
+            if request.status is running and computed > 0 and needed - computed == 1:
+                needed += lookahead
+                if pages_for(needed) <= len(request.page_ids) or self._make_room(request, needed):
                     decodes.append(request)
         prefills: list[ScheduledChunk] = []
         budget = self.prefill_budget(len(decodes))
@@ -226,7 +231,17 @@ class Scheduler:
         rows = [(r, 1) for r in work.decodes] + [(c.request, c.num_tokens) for c in work.prefills]
         before = [r.num_computed_tokens for r, _ in rows]
         stops: dict[int, str] = {}
+        plain = output.logprobs is None and output.prompt_logprobs is None and output.num_verify_rows == 0
         for index, (request, count) in enumerate(rows):
+            new_tokens = output.new_token_ids[index]
+            if plain and len(new_tokens) == 1 and request.grammar is None:  # the common row, without the loop below
+                token = new_tokens[0]
+                request.output_token_ids.append(token)
+                request.num_computed_tokens += count
+                reason = self.stop_reason(request, token)
+                if reason is not None:
+                    stops[index] = reason
+                continue
             appended = 0
             logprobs = output.logprobs[index] if output.logprobs is not None else []
             if output.prompt_logprobs is not None and index in output.prompt_logprobs:

@@ -36,7 +36,7 @@ TINY = {  # a NemotronH in miniature: the host's work per row does not depend on
     "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 256, "hidden_size": 32,
     "intermediate_size": 48, "num_hidden_layers": 4, "hybrid_override_pattern": "M*ME", "num_attention_heads": 4,
     "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 8192, "mamba_num_heads": 4,
-    "mamba_head_dim": 16, "ssm_state_size": 8, "n_groups": 2, "conv_kernel": 4, "expand": 2, "chunk_size": 8,
+    "mamba_head_dim": 16, "ssm_state_size": 8, "n_groups": 2, "conv_kernel": 4, "expand": 2, "chunk_size": 128,
     "moe_intermediate_size": 16, "moe_shared_expert_intermediate_size": 32, "n_routed_experts": 8,
     "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
     "mamba_ssm_cache_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0,
@@ -121,7 +121,9 @@ def run_rows(model_dir: Path, rows: int, args: argparse.Namespace) -> dict[str, 
             session_message(engine.step(), sent)
         profiler.disable()
         text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        stats = pstats.Stats(profiler, stream=text)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)
         args.profile.mkdir(parents=True, exist_ok=True)
         (args.profile / f"rows{rows}.txt").write_text(text.getvalue())
     engine.pool.check()
