@@ -62,6 +62,11 @@ class EngineConfig:
     # with cuda_graphs: a step's prefill chunks (up to 7 sequences and 1024 tokens) replay a CUDA graph captured
     # per token bucket, padded to it, instead of ~400 eager kernel launches (engine/prefill_graphs.py)
     prefill_cuda_graphs: bool = True
+    # schedule and launch step N+1 while step N runs on the GPU; its sampled tokens feed step N+1 on the device
+    # and the host applies them (stop rules, outputs) during step N+1 (vLLM's --async-scheduling; same tokens as
+    # synchronous steps). Requests with logprobs, grammars, penalties or state export, speculative decoding and
+    # tensor parallelism step synchronously
+    async_scheduling: bool = False
     # Tokens between cached Mamba checkpoints; a multiple of the model's SSD chunk_size (and of page_size
     # for models with attention). None: 4 x chunk_size (rounded up to a page multiple). Each checkpoint is a
     # whole state (137 MiB for Nemotron-Nano-9B-v2 in fp32, ~8.8K tokens of its KV), so every chunk would
@@ -149,7 +154,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
-        for name in ("cuda_graphs", "split_mixed_steps", "prefill_cuda_graphs"):
+        for name in ("cuda_graphs", "split_mixed_steps", "prefill_cuda_graphs", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         standby = self.standby_state_slots

@@ -57,6 +57,10 @@ class Request:
         self.draft_probs: torch.Tensor | None = None  # [len(draft_tokens), vocab]
         self.replay_pending = 0
         self.num_draft_tokens = 0
+        # async scheduling: output tokens sampled on the device whose values the host does not know yet (their
+        # place in output_token_ids holds a placeholder), and whether the request takes the async path at all
+        self.num_inflight = 0
+        self.plain: bool | None = None
         self.num_accepted_tokens = 0
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)

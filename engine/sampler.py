@@ -73,8 +73,15 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> list[int]:
     """logits: [B, V], one row per request -> one token id per row."""
+    return sample_tensor(logits, params, generators).tolist()
+
+
+def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+                  ) -> torch.Tensor:
+    """`sample` left on the logits' device, int64 [B], without a host sync (async scheduling feeds it to the next
+    step's input there)."""
     if all(p.greedy for p in params):
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
     vocab = logits.shape[-1]
     # plain-temperature rows: Gumbel-max with a fresh seed from the request's generator; greedy and filtered rows
     # ride along as argmax rows (the filtered ones are drawn below)
@@ -88,4 +95,4 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         index = _to_device(filtered, torch.int64, logits.device)
         probs = params_probs(logits[index], [params[i] for i in filtered])
         tokens[index] = draw(probs, [generators[i] for i in filtered])
-    return tokens.tolist()
+    return tokens

@@ -93,6 +93,9 @@ class Scheduler:
         # pages (standby slots) and join the batch, oldest first, as seats free up
         self.landed: deque[Request] = deque()
         self.num_preemptions = 0
+        # async scheduling (engine/async_step.py): running requests not to schedule this step (their token in flight
+        # is their last by length)
+        self.skip: frozenset[Request] | set[Request] = frozenset()
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -111,7 +114,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         while True:
             out = self._schedule_once()
-            if not out.is_empty or not self.running:
+            if not out.is_empty or not self.running or self.skip:  # with `skip`: its rows' tokens free pages next
                 return out
             # every running request is stuck waiting for pages held by the others: free the newest
             self._preempt(self.running[-1])
@@ -131,8 +134,10 @@ class Scheduler:
     def _schedule_once(self) -> SchedulerOutput:
         self._promote_landed()
         decodes: list[Request] = []
-        pages_for, lookahead, running = self.pool.pages_for, self.decode_lookahead, RequestStatus.RUNNING
+        pages_for, lookahead, running, skip = self.pool.pages_for, self.decode_lookahead, RequestStatus.RUNNING, self.skip
         for request in list(self.running):
+            if skip and request in skip:
+                continue
             # is_decoding and the page check inlined: this loop runs once per row per step (1,024 rows)
             computed = request.num_computed_tokens
             needed = len(request.prompt_token_ids) + len(request.output_token_ids)
@@ -153,7 +158,7 @@ class Scheduler:
                 budget -= count
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if not self.pool.can_admit():
+            if request.num_inflight or not self.pool.can_admit():  # preempted with its last token still on the GPU
                 break
             # prompt logprobs need the logits of every prompt position: such a request recomputes its prefix
             hit = self.pool.match(request) if request.params.prompt_logprobs is None else NO_HIT
@@ -173,7 +178,8 @@ class Scheduler:
     def prepare_waiting(self) -> None:
         """Hash the prompts of the next requests to admit (while a forward runs), so admitting them is a lookup."""
         for request in itertools.islice(self.waiting, PREPARE_WAITING):
-            self.pool.prepare(request)
+            if not request.num_inflight:  # its hashes would cover a token not known yet
+                self.pool.prepare(request)
 
     def prefill_budget(self, num_decodes: int) -> int:
         """Prefill tokens a step may add beside `num_decodes` decode rows (each computes 1 + lookahead tokens)."""
