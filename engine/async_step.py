@@ -29,7 +29,7 @@ import torch
 from hybridserve.common.outputs import RequestOutput
 from hybridserve.engine.batch_builder import build_forward_batch
 from hybridserve.engine.logits_processors import needs_processing
-from hybridserve.engine.request import Request
+from hybridserve.engine.request import Request, RequestStatus
 from hybridserve.engine.sampler import sample_tensor
 from hybridserve.engine.scheduler import SchedulerOutput
 from hybridserve.engine.step_timing import StepClock
@@ -123,6 +123,8 @@ class AsyncStepper:
         self.inflight: InFlight | None = None
         self.num_async_steps = 0
         self.num_wasted_rows = 0  # rows launched for requests that had stopped on the step before
+        self._pinned: list[torch.Tensor | None] = [None, None]  # host copies of the samples, alternating
+        self._flip = 0
 
     @property
     def busy(self) -> bool:
@@ -131,7 +133,9 @@ class AsyncStepper:
     def step(self, on_launched: Callable[[], None] | None) -> list[RequestOutput] | None:
         engine, prev = self.engine, self.inflight
         scheduler = engine.scheduler
-        if not all(plain(r) for r in itertools.chain(scheduler.running, scheduler.waiting, scheduler.landed)):
+        everyone = itertools.chain(scheduler.running, scheduler.waiting, scheduler.landed)
+        if any(r.plain is not True for r in everyone) and not all(plain(r) for r in itertools.chain(
+                scheduler.running, scheduler.waiting, scheduler.landed)):
             return None if prev is None else self._resolve(prev)
         scheduler.skip = prev.final if prev is not None else frozenset()
         try:
@@ -174,26 +178,37 @@ class AsyncStepper:
         except BaseException:
             engine.pool.cancel_plan()
             raise
-        if sampled.is_cuda:
-            host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-            host.copy_(sampled, non_blocking=True)
-            ready: torch.cuda.Event | None = torch.cuda.Event()
-            ready.record()
-        else:
-            host, ready = sampled, None
+        host, ready = self._to_host(sampled)
         return InFlight(rows, nd, due, sampled, host, ready, clock)
+
+    def _to_host(self, sampled: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A copy of the samples on the host, queued behind the step (pinned buffers, two: the previous step's is
+        read while this one's copy is in flight), and the event that says it landed."""
+        if not sampled.is_cuda:
+            return sampled, None
+        n = sampled.shape[0]
+        self._flip ^= 1
+        buffer = self._pinned[self._flip]
+        if buffer is None or buffer.shape[0] < n:
+            buffer = self._pinned[self._flip] = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
+        host = buffer[:n]
+        host.copy_(sampled, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
 
     def _feed(self, input_ids: torch.Tensor, rows: list[tuple[Request, int]], prev: InFlight) -> None:
         """Input positions holding a placeholder take the previous step's sample there (one device copy)."""
         dst: list[int] = []
         src: list[int] = []
         offset = 0
+        index = prev.index
         for request, count in rows:
-            source = prev.index.get(id(request))
-            if source is not None and request.num_inflight:
-                last = request.num_tokens - 1  # the placeholder's position
+            if request.num_inflight:
+                source = index.get(id(request))
+                last = len(request.prompt_token_ids) + len(request.output_token_ids) - 1  # the placeholder's position
                 start = request.num_computed_tokens
-                if start <= last < start + count:
+                if source is not None and start <= last < start + count:
                     dst.append(offset + last - start)
                     src.append(source)
             offset += count
@@ -222,8 +237,9 @@ class AsyncStepper:
         live: list[tuple[Request, int]] = []
         decodes: list[tuple[Request, int]] = []
         max_model_len = engine.scheduler.max_model_len
+        finished = RequestStatus.FINISHED
         for i, (request, count) in enumerate(step.rows):
-            if request.finished:
+            if request.status is finished:
                 self.num_wasted_rows += 1
                 continue
             before = request.num_computed_tokens
@@ -237,8 +253,9 @@ class AsyncStepper:
                 request.num_inflight = 1
                 step.index[id(request)] = position
                 step.owners.append(request)
-                if len(request.output_token_ids) >= request.params.max_tokens or (
-                        max_model_len is not None and request.num_tokens >= max_model_len):
+                num_output = len(request.output_token_ids)
+                if num_output >= request.params.max_tokens or (
+                        max_model_len is not None and len(request.prompt_token_ids) + num_output >= max_model_len):
                     step.final.add(request)
         engine.pool.commit([r for r, _ in live], decodes, None)
 
