@@ -213,7 +213,7 @@ class AsyncStepper:
                     src.append(source)
             offset += count
         if dst:
-            to, frm = pack_to_device([dst, src], torch.int64, input_ids.device)
+            to, frm = _to_device([dst, src], input_ids.device)
             input_ids[to] = prev.sampled[frm]
 
     def _sample(self, rows: list[tuple[Request, int]], due: list[int], hidden: torch.Tensor,
@@ -223,7 +223,7 @@ class AsyncStepper:
         if not due:
             return torch.empty(0, dtype=torch.int64, device=hidden.device)
         ends = list(itertools.accumulate(query_lens))
-        index = pack_to_device([[ends[i] - 1 for i in due]], torch.int64, runner.device)[0]
+        index = _to_device([[ends[i] - 1 for i in due]], runner.device)[0]
         logits = runner.compute_logits(hidden[index])  # [num_due, V]
         requests = [rows[i][0] for i in due]
         return sample_tensor(logits, [r.params for r in requests], [r.generator for r in requests])
@@ -287,3 +287,16 @@ class AsyncStepper:
         engine.last_step = step.clock.timing(step.num_decode, sum(c for _, c in step.rows[step.num_decode:]))
         return outputs
 
+
+def _to_device(arrays: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Small int64 index lists on the device, queued behind the step in flight: from pinned memory on CUDA (from
+    pageable memory the driver may first wait for the stream, which would serialize the two steps)."""
+    if device.type != "cuda":
+        return pack_to_device(arrays, torch.int64, device)
+    packed = torch.tensor([v for values in arrays for v in values], dtype=torch.int64).pin_memory()
+    on_device = packed.to(device, non_blocking=True)
+    out, offset = [], 0
+    for values in arrays:
+        out.append(on_device[offset : offset + len(values)])
+        offset += len(values)
+    return out

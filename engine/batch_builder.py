@@ -126,7 +126,10 @@ def _pack(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     packed = np.zeros(sum(padded), dtype=np.int64)
     for array, offset, n in zip(arrays, offsets, sizes):
         packed[offset : offset + n] = array
-    on_device = torch.from_numpy(packed).to(device, non_blocking=True)
+    host = torch.from_numpy(packed)
+    if device.type == "cuda":  # from pageable memory the driver may wait for the stream (async scheduling's step
+        host = host.pin_memory()  # in flight) before it copies; from pinned memory the copy is queued behind it
+    on_device = host.to(device, non_blocking=True)
     return [on_device[offset : offset + n] for offset, n in zip(offsets, sizes)]
 
 

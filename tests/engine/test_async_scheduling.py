@@ -100,3 +100,35 @@ def test_config_field() -> None:
 
     with pytest.raises(ValueError, match="async_scheduling must be a bool"):
         EngineConfig(async_scheduling="yes")  # type: ignore[arg-type]
+
+
+def test_the_engine_loop_streams_async_steps() -> None:
+    """A worker's loop over an async engine: concurrent generate calls stream the synchronous tokens, each
+    output a longer prefix, and the loop ends idle with nothing in flight."""
+    import threading
+
+    from hybridserve.worker_runtime.engine_loop import EngineLoop
+
+    reference = run(engine(False))
+    loop = EngineLoop(LLMEngine(default_model_dir(), EngineConfig(max_num_seqs=4, max_model_len=48,
+                                                                  async_scheduling=True, prefill_chunk_size=16)))
+    got: dict[str, tuple[list[int], str | None, str | None]] = {}
+
+    def client(i: int) -> None:
+        seen: list[int] = []
+        for out in loop.generate(loop.engine.encode(PROMPTS[i]), params(i), f"r{i}"):
+            assert out.token_ids[: len(seen)] == seen
+            seen = list(out.token_ids)
+            got[out.request_id] = (seen, out.finish_reason, out.text)
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert got == reference
+        assert not loop.call(loop.engine.has_unfinished)
+        loop.call(loop.engine.pool.check)
+    finally:
+        loop.stop()
