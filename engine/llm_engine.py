@@ -23,6 +23,7 @@ from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.common.text_stream import TextStream
 from hybridserve.common.tokenizer import load_tokenizer
 from hybridserve.engine import handoff, multiplex, tp_worker
+from hybridserve.engine.async_step import AsyncStepper, async_stepper
 from hybridserve.engine.cache_plan import plan_engine_cache
 from hybridserve.engine.config import DTYPES, EngineConfig
 from hybridserve.engine.lane_scheduler import LaneScheduler
@@ -74,6 +75,7 @@ class LLMEngine:
         self._counter = itertools.count()
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
+        self.async_steps: AsyncStepper | None = async_stepper(self) if config.async_scheduling else None
         self.warmup_report: WarmupReport | None = warm_up(self) if config.warmup_enabled else None
 
     # ---- start-up steps -------------------------------------------------------------------------
@@ -294,7 +296,7 @@ class LLMEngine:
         return self.runner.graph_stats()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self.async_steps is not None and self.async_steps.busy)
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self, on_launched: Callable[[], None] | None = None) -> list[RequestOutput]:
@@ -305,6 +307,8 @@ class LLMEngine:
             return self.multiplexer.step(on_launched)
         clock = StepClock()
         self.last_step = NO_STEP
+        if self.async_steps is not None and (ahead := self.async_steps.step(on_launched)) is not None:
+            return ahead  # engine/async_step.py; None: this step runs synchronously
         work = self.scheduler.schedule()
         if work.is_empty:
             return []
