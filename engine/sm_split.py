@@ -21,6 +21,7 @@ after winning by `switch_margin` (relative cost) in `switch_after` consecutive d
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hybridserve.engine.sm_partition import LANES, SmSplit
@@ -57,9 +58,11 @@ class SplitPolicy:
     # how a step's time grows with its work while only one work size was seen (1: proportional)
     prefill_work_exponent: float = 1.0
     decode_work_exponent: float = 0.2
-    # how a step's time falls with more SMs where an SM count was not measured (1: inversely proportional)
+    # how a step's time grows with fewer SMs where an SM count was not measured (1: inversely proportional). On an
+    # H200 (bench/results/h200/multiplex/) prefill's GEMMs and scan follow ~1; decode's skinny GEMMs and state
+    # update lose 1-28% at 64-68 of 132 SMs and 2.6-4.2x at 16: ~0.2 above half the GPU, ~0.5-0.7 below
     prefill_sm_exponent: float = 1.0
-    decode_sm_exponent: float = 0.6
+    decode_sm_exponent: float = 0.4
     # priors on the whole device until a lane is measured: ms per prefill token, ms per decode step (~a 9B
     # hybrid's on an H200: ~30K prefill tokens/s, ~8 ms per decode step at 64 rows)
     prior_prefill_ms_per_token: float = 0.035
@@ -136,7 +139,12 @@ class SplitController:
         self._fits: dict[tuple[str, int], _LineFit] = {}
         self._candidate: SmSplit | None = None
         self._streak = 0
-        for point in policy.profile:
+        self.seed(policy.profile)
+
+    def seed(self, points: Iterable[ProfilePoint]) -> None:
+        """Start-up measurements (e.g. one decode step and one prefill chunk timed in each lane of the menu while
+        the lanes' graphs are captured): weighted like half the history, so live steps soon take over."""
+        for point in points:
             self._add(point.lane, point.sms, point.work, point.ms, alpha=0.5)
 
     def record(self, lane: str, split: SmSplit, work: int, ms: float) -> None:

@@ -30,57 +30,18 @@ from typing import Any
 
 import torch
 import triton
-import triton.language as tl
 
 from hybridserve.engine.sm_partition import Lane, SmPartitioner, SmSplit, open_partitioner
 from hybridserve.kernels import ops
 from hybridserve.kernels.ssd_scan_meta import chunk_metadata
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sm_probe import SmProbe  # noqa: E402
+
 # prefill SMs wanted (on an H200, 132 SMs in groups of 8, decode lanes get 124, 116, 100, 68, 36, 12); counts the
 # device's granularity cannot give beside a decode lane are dropped
 MENU = (8, 16, 32, 64, 96, 120)
 NANO = {"hidden": 4480, "ffn": 15680, "heads": 128, "head_dim": 80, "groups": 8, "state": 128, "chunk": 128}
-
-
-@triton.jit
-def _smid_kernel(sm_ptr, acc_ptr, spin):
-    """Each program spins `spin` dependent FMAs, then writes the id of the SM it ran on."""
-    pid = tl.program_id(0)
-    ids = pid + tl.zeros([1], dtype=tl.int32)
-    smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [ids], dtype=tl.int32, is_pure=False, pack=1)
-    acc = ids.to(tl.float32)
-    for _ in range(spin):
-        acc = acc * 0.999 + 1.0
-    offs = pid + tl.arange(0, 1)
-    tl.store(sm_ptr + offs, smid)
-    tl.store(acc_ptr + offs, acc)
-
-
-class SmProbe:
-    """Launches the %smid kernel and reads back the set of SMs it ran on."""
-
-    def __init__(self, programs: int = 8192, spin: int = 4000) -> None:
-        self.programs, self.spin = programs, spin
-        self.sm = torch.full((programs,), -1, dtype=torch.int32, device="cuda")
-        self.acc = torch.zeros(programs, dtype=torch.float32, device="cuda")
-
-    def launch(self) -> None:
-        _smid_kernel[(self.programs,)](self.sm, self.acc, self.spin, num_warps=1)
-
-    def used(self) -> list[int]:
-        torch.cuda.synchronize()
-        sms = sorted(set(self.sm.tolist()))
-        self.sm.fill_(-1)
-        torch.cuda.synchronize()
-        return sms
-
-    def on(self, lane: Lane | None) -> list[int]:
-        if lane is None:
-            self.launch()
-        else:
-            with lane:
-                self.launch()
-        return self.used()
 
 
 def timed_ms(fn: Callable[[], Any], reps: int, lane: Lane | None = None, warmup: int = 2) -> tuple[list[float], str]:

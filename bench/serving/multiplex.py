@@ -39,6 +39,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
+from multiplex_report import acceptance_checks, meets_slo, pair_text, split_metrics, table  # noqa: E402
 from serve_client import ClientConfig, metrics_urls, run_with_metrics, server_info  # noqa: E402
 from serve_metrics import summarize  # noqa: E402
 from serve_workloads import WorkloadConfig, arrival_offsets, build_workload  # noqa: E402
@@ -52,7 +53,7 @@ MODES = {  # serve flags per mode, after throughput.Server's own (--prefill-work
     "pair": ["--prefill-workers", "1", "--decode-workers", "1", "--gpus", "0,0"],
 }
 WORKLOADS = ((512, 128), (2048, 256))
-ALL_AT_ONCE = {(512, 128): 64, (2048, 256): 48}  # prompts sent at once (the issue's baseline table)
+ALL_AT_ONCE = {(512, 128): 64, (2048, 256): 48}  # prompts sent at once (as in the earlier one-GPU pair measurements)
 GOODPUT_SHAPE = (2048, 256)
 # the points the acceptance checks read, run first
 PRIORITY = (((2048, 256), 4.0), ((512, 128), 8.0), ((512, 128), math.inf), ((2048, 256), math.inf))
@@ -139,13 +140,6 @@ def plan_points(rates: list[float], point_s: float, min_prompts: int) -> list[Po
     return [make(s, r) for s, r in ordered]
 
 
-def meets_slo(metrics: dict[str, Any], slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
-    """No failures, something completed, TTFT p99 and TPOT p99 within the SLO."""
-    ttft, tpot = metrics["ttft_ms"]["p99"], metrics["tpot_ms"]["p99"]
-    return (metrics["completed"] > 0 and metrics["failed"] == 0 and ttft is not None and tpot is not None
-            and ttft <= slo_ttft_ms and tpot <= slo_tpot_ms)
-
-
 def goodput_search(known: dict[float, bool], probe: Callable[[float], bool | None], steps: int, max_rate: float
                    ) -> dict[str, Any]:
     """The highest passing rate: from the rates already measured (`known`: rate -> met the SLO), double past the
@@ -177,71 +171,20 @@ def goodput_search(known: dict[float, bool], probe: Callable[[float], bool | Non
             "rates": {f"{r:g}": ok for r, ok in sorted(results.items())}}
 
 
-def _pair(metrics: dict[str, Any], key: str) -> str:
-    d = metrics[key]
-    return "-" if d["p50"] is None else f"{d['p50']:.1f} / {d['p99']:.1f}"
+async def scrape_text(urls: list[str]) -> str:
+    """The Prometheus text of every URL that answers, concatenated."""
+    import httpx
 
-
-def table(result: dict[str, Any]) -> str:
-    """Markdown: one row per (point, mode), then goodput per mode and the acceptance checks."""
-    lines = ["| point | mode | prompts | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms | output tok/s | failed |",
-             "|---|---|---|---|---|---|---|---|"]
-    keys = list(dict.fromkeys(k for m in result["modes"].values() for k in m["points"]))
-    for key in keys:
-        for mode, data in result["modes"].items():
-            point = data["points"].get(key)
-            if point is None:
+    texts = []
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        for url in urls:
+            try:
+                resp = await client.get(url)
+            except httpx.HTTPError:
                 continue
-            m = point["metrics"]
-            lines.append(f"| {key} | {mode} | {point['num_prompts']} | {_pair(m, 'ttft_ms')} | {_pair(m, 'tpot_ms')} | "
-                         f"{_pair(m, 'itl_ms')} | {m['output_throughput']:,.0f} | {m['failed']} |")
-    lines += ["", "| mode | goodput req/s (2048/256, TTFT p99 <= "
-              f"{result['slo']['ttft_ms']:g} ms, TPOT p99 <= {result['slo']['tpot_ms']:g} ms) | skipped |", "|---|---|---|"]
-    for mode, data in result["modes"].items():
-        g = data.get("goodput")
-        goodput = "-" if g is None else f"{g['goodput_rps']:g}"
-        lines.append(f"| {mode} | {goodput} | {', '.join(data['skipped']) or '-'} |")
-    checks = result.get("checks") or {}
-    if checks:
-        lines += ["", "| check (multiplexed vs co-located) | value | goal | met |", "|---|---|---|---|"]
-        for name, c in checks.items():
-            value = "-" if c["value"] is None else f"{c['value']:.2f}"
-            lines.append(f"| {name} | {value} | {c['goal']} | {'-' if c['met'] is None else ('yes' if c['met'] else 'no')} |")
-    return "\n".join(lines) + "\n"
-
-
-def acceptance_checks(modes: dict[str, Any]) -> dict[str, Any]:
-    """The issue's done-when figures that this run can compute (None where a point is missing)."""
-    mux, col = modes.get("multiplexed", {}).get("points", {}), modes.get("colocated", {}).get("points", {})
-
-    def metric(points: dict[str, Any], key: str, name: str, q: str | None) -> float | None:
-        point = points.get(key)
-        if point is None:
-            return None
-        value = point["metrics"][name] if q is None else point["metrics"][name][q]
-        return None if value is None else float(value)
-
-    def ratio(a: float | None, b: float | None) -> float | None:
-        return None if a is None or b is None or b == 0 else a / b
-
-    def check(value: float | None, goal: str, ok: Callable[[float], bool]) -> dict[str, Any]:
-        return {"value": value, "goal": goal, "met": None if value is None else ok(value)}
-
-    out = {
-        "ITL p99 / p50 at 2048/256@4": check(ratio(metric(mux, "2048/256@4", "itl_ms", "p99"),
-                                                   metric(mux, "2048/256@4", "itl_ms", "p50")), "<= 1.5", lambda v: v <= 1.5),
-    }
-    for key in ("512/128@8", "2048/256@4"):
-        out[f"TTFT p50 vs co-located at {key}"] = check(ratio(metric(mux, key, "ttft_ms", "p50"),
-                                                              metric(col, key, "ttft_ms", "p50")), "<= 1.1", lambda v: v <= 1.1)
-    for key in ("512/128@all", "2048/256@all"):
-        out[f"output tok/s vs co-located at {key}"] = check(
-            ratio(metric(mux, key, "output_throughput", None), metric(col, key, "output_throughput", None)),
-            ">= 1.0", lambda v: v >= 1.0)
-    g_mux = (modes.get("multiplexed", {}).get("goodput") or {}).get("goodput_rps")
-    g_col = (modes.get("colocated", {}).get("goodput") or {}).get("goodput_rps")
-    out["goodput vs co-located"] = check(ratio(g_mux, g_col), ">= 1.5", lambda v: v >= 1.5)
-    return out
+            if resp.status_code == 200:
+                texts.append(resp.text)
+    return "\n".join(texts)
 
 
 def gpu_check() -> str | None:
@@ -293,10 +236,12 @@ class ModeRun:
         entry = {"input_len": point.input_len, "output_len": point.output_len,
                  "rate": "inf" if math.isinf(point.rate) else point.rate, "num_prompts": point.num_prompts,
                  "metrics": metrics}
+        if self.mode == "multiplexed":  # the split in effect after the point and the changes so far
+            entry["pd_multiplex"] = split_metrics(asyncio.run(scrape_text(urls)))
         self.points[point.key] = entry
         m = metrics
         logger.info("%s %s: TTFT p50/p99 %s, TPOT %s, ITL %s, %.0f tok/s, %d failed", self.mode, point.key,
-                    _pair(m, "ttft_ms"), _pair(m, "tpot_ms"), _pair(m, "itl_ms"), m["output_throughput"], m["failed"])
+                    pair_text(m, "ttft_ms"), pair_text(m, "tpot_ms"), pair_text(m, "itl_ms"), m["output_throughput"], m["failed"])
         return entry
 
     def run(self) -> dict[str, Any]:

@@ -87,7 +87,9 @@ def test_result_table_and_acceptance_checks() -> None:
                       "goodput": {"goodput_rps": 4.0}, "skipped": ["2048/256@all"]},
         "multiplexed": {"points": {"2048/256@4": point(metrics((80, 150), (9.0, 10), (9, 12), 950)),
                                    "512/128@8": point(metrics((40, 90), (7.0, 8), (7, 9), 1000)),
-                                   "512/128@all": point(metrics((400, 800), (10, 12), (10, 20), 3300))},
+                                   "512/128@all": {**point(metrics((400, 800), (10, 12), (10, 20), 3300)),
+                                                   "pd_multiplex": {"prefill_sms": 64.0, "decode_sms": 68.0,
+                                                                    "split_changes": 2.0, "handoffs": 64.0}}},
                         "goodput": {"goodput_rps": 8.0}, "skipped": []},
     }
     checks = multiplex.acceptance_checks(modes)
@@ -101,6 +103,19 @@ def test_result_table_and_acceptance_checks() -> None:
     assert "| 2048/256@4 | multiplexed | 40 | 80.0 / 150.0 | 9.0 / 10.0 | 9.0 / 12.0 | 950 | 0 |" in text
     assert "| colocated | 4 | 2048/256@all |" in text and "| multiplexed | 8 | - |" in text
     assert "| goodput vs co-located | 2.00 | >= 1.5 | yes |" in text
+    assert "| 512/128@all | 64P/68D | 2 | 64 |" in text
+
+
+def test_split_metrics_are_read_from_the_workers_exposition() -> None:
+    text = "\n".join([
+        "# TYPE hybridserve_worker_pd_multiplex_prefill_sms gauge",
+        'hybridserve_worker_pd_multiplex_prefill_sms{role="decode"} 64.0',
+        "# TYPE hybridserve_worker_pd_multiplex_split_changes counter",
+        'hybridserve_worker_pd_multiplex_split_changes_total{role="decode"} 3.0',
+        "# TYPE hybridserve_worker_engine_steps counter",
+        "hybridserve_worker_engine_steps_total 10.0", ""])
+    assert multiplex.split_metrics(text) == {"prefill_sms": 64.0, "split_changes": 3.0}
+    assert multiplex.split_metrics("") == {}
 
 
 def test_refuses_to_run_without_a_gpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
@@ -113,3 +128,15 @@ def test_refuses_to_run_without_a_gpu(monkeypatch: pytest.MonkeyPatch, capsys: p
 
     if not torch.cuda.is_available():
         assert multiplex.gpu_check() is not None
+
+
+def test_points_past_the_mode_share_are_skipped_and_listed(tmp_path: Path) -> None:
+    args, extra = multiplex.parse_args(["--out", str(tmp_path), "--", "--mamba-ssm-cache-dtype", "bfloat16"])
+    run = multiplex.ModeRun("multiplexed", args, extra, tmp_path, share_s=30.0)
+    assert run.flags[:1] == ["--pd-multiplex"] and run.flags[-2:] == ["--mamba-ssm-cache-dtype", "bfloat16"]
+    assert "--gpu-memory-gb" in run.flags and "--max-num-seqs" in run.flags
+    run.deadline = multiplex.time.monotonic() + 30.0
+    assert run.fits(multiplex.Point(512, 128, math.inf, 64))  # all at once: no arrival span
+    long = multiplex.Point(2048, 256, 4.0, 80)  # 20 s of arrivals + as long to drain: past the 30 s share
+    assert not run.fits(long)
+    assert run.measure(long) is None and run.skipped == ["2048/256@4"] and run.points == {}

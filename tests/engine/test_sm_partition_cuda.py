@@ -20,7 +20,7 @@ def test_lanes_use_their_own_sms_and_share_tensors() -> None:
     except PartitionUnavailable as err:
         pytest.skip(f"no green contexts here: {err}")
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "kernels"))
-    from sm_partition_scaling import SmProbe
+    from sm_probe import SmProbe
 
     probe = SmProbe(programs=4096, spin=2000)
     for split in part.splits:

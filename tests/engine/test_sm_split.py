@@ -105,6 +105,15 @@ def test_learned_times_override_the_priors_and_unmeasured_sms_are_scaled() -> No
         c.choose(-1, 0)
 
 
+def test_seed_after_construction_matches_the_policy_profile() -> None:
+    points = (ProfilePoint("decode", 68, 64, 9.0), ProfilePoint("prefill", 64, 2048, 120.0))
+    late = SplitController(SplitPolicy(), SPLITS)
+    late.seed(points)
+    early = SplitController(SplitPolicy(profile=points), SPLITS)
+    for lane, sms, work in (("decode", 68, 64), ("prefill", 64, 2048), ("prefill", 32, 1024)):
+        assert late.predict_ms(lane, sms, work) == pytest.approx(early.predict_ms(lane, sms, work))
+
+
 def test_a_startup_profile_seeds_the_model() -> None:
     profile = tuple(ProfilePoint("decode", s, 64, synthetic_ms("decode", s, 64)) for s in (20, 52, 116)) + tuple(
         ProfilePoint("prefill", s, 2048, synthetic_ms("prefill", s, 2048)) for s in (16, 64, 112))

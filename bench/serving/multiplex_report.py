@@ -1,0 +1,100 @@
+"""The multiplexing benchmark's report: the SLO test, the markdown table, the acceptance checks (multiplexed
+against co-located, as the one-GPU multiplexing work defines done) and the worker's split metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from serve_metrics import parse_counters
+
+# the multiplexed worker's split metrics (worker_runtime/worker_metrics.py), read after every point
+SPLIT_METRICS = tuple(f"hybridserve_worker_pd_multiplex_{name}{suffix}" for name in (
+    "prefill_sms", "decode_sms", "split_changes", "handoffs", "overlapped_decode_steps") for suffix in ("", "_total"))
+
+
+def meets_slo(metrics: dict[str, Any], slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
+    """No failures, something completed, TTFT p99 and TPOT p99 within the SLO."""
+    ttft, tpot = metrics["ttft_ms"]["p99"], metrics["tpot_ms"]["p99"]
+    return (metrics["completed"] > 0 and metrics["failed"] == 0 and ttft is not None and tpot is not None
+            and ttft <= slo_ttft_ms and tpot <= slo_tpot_ms)
+
+
+def pair_text(metrics: dict[str, Any], key: str) -> str:
+    d = metrics[key]
+    return "-" if d["p50"] is None else f"{d['p50']:.1f} / {d['p99']:.1f}"
+
+
+def table(result: dict[str, Any]) -> str:
+    """Markdown: one row per (point, mode), then goodput per mode and the acceptance checks."""
+    lines = ["| point | mode | prompts | TTFT p50 / p99 ms | TPOT p50 / p99 ms | ITL p50 / p99 ms | output tok/s | failed |",
+             "|---|---|---|---|---|---|---|---|"]
+    keys = list(dict.fromkeys(k for m in result["modes"].values() for k in m["points"]))
+    for key in keys:
+        for mode, data in result["modes"].items():
+            point = data["points"].get(key)
+            if point is None:
+                continue
+            m = point["metrics"]
+            lines.append(f"| {key} | {mode} | {point['num_prompts']} | {pair_text(m, 'ttft_ms')} | {pair_text(m, 'tpot_ms')} | "
+                         f"{pair_text(m, 'itl_ms')} | {m['output_throughput']:,.0f} | {m['failed']} |")
+    lines += ["", "| mode | goodput req/s (2048/256, TTFT p99 <= "
+              f"{result['slo']['ttft_ms']:g} ms, TPOT p99 <= {result['slo']['tpot_ms']:g} ms) | skipped |", "|---|---|---|"]
+    for mode, data in result["modes"].items():
+        g = data.get("goodput")
+        goodput = "-" if g is None else f"{g['goodput_rps']:g}"
+        lines.append(f"| {mode} | {goodput} | {', '.join(data['skipped']) or '-'} |")
+    splits = {k: p["pd_multiplex"] for k, p in result["modes"].get("multiplexed", {}).get("points", {}).items()
+              if p.get("pd_multiplex")}
+    if splits:
+        lines += ["", "| point (multiplexed) | split after it | split changes so far | handoffs so far |", "|---|---|---|---|"]
+        for key, m in splits.items():
+            split = f"{m.get('prefill_sms', 0):.0f}P/{m.get('decode_sms', 0):.0f}D"
+            lines.append(f"| {key} | {split} | {m.get('split_changes', 0):.0f} | {m.get('handoffs', 0):.0f} |")
+    checks = result.get("checks") or {}
+    if checks:
+        lines += ["", "| check (multiplexed vs co-located) | value | goal | met |", "|---|---|---|---|"]
+        for name, c in checks.items():
+            value = "-" if c["value"] is None else f"{c['value']:.2f}"
+            lines.append(f"| {name} | {value} | {c['goal']} | {'-' if c['met'] is None else ('yes' if c['met'] else 'no')} |")
+    return "\n".join(lines) + "\n"
+
+
+def acceptance_checks(modes: dict[str, Any]) -> dict[str, Any]:
+    """The multiplexing goals this run can compute, multiplexed against co-located (None where a point is missing)."""
+    mux, col = modes.get("multiplexed", {}).get("points", {}), modes.get("colocated", {}).get("points", {})
+
+    def metric(points: dict[str, Any], key: str, name: str, q: str | None) -> float | None:
+        point = points.get(key)
+        if point is None:
+            return None
+        value = point["metrics"][name] if q is None else point["metrics"][name][q]
+        return None if value is None else float(value)
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None or b == 0 else a / b
+
+    def check(value: float | None, goal: str, ok: Callable[[float], bool]) -> dict[str, Any]:
+        return {"value": value, "goal": goal, "met": None if value is None else ok(value)}
+
+    out = {
+        "ITL p99 / p50 at 2048/256@4": check(ratio(metric(mux, "2048/256@4", "itl_ms", "p99"),
+                                                   metric(mux, "2048/256@4", "itl_ms", "p50")), "<= 1.5", lambda v: v <= 1.5),
+    }
+    for key in ("512/128@8", "2048/256@4"):
+        out[f"TTFT p50 vs co-located at {key}"] = check(ratio(metric(mux, key, "ttft_ms", "p50"),
+                                                              metric(col, key, "ttft_ms", "p50")), "<= 1.1", lambda v: v <= 1.1)
+    for key in ("512/128@all", "2048/256@all"):
+        out[f"output tok/s vs co-located at {key}"] = check(
+            ratio(metric(mux, key, "output_throughput", None), metric(col, key, "output_throughput", None)),
+            ">= 1.0", lambda v: v >= 1.0)
+    g_mux = (modes.get("multiplexed", {}).get("goodput") or {}).get("goodput_rps")
+    g_col = (modes.get("colocated", {}).get("goodput") or {}).get("goodput_rps")
+    out["goodput vs co-located"] = check(ratio(g_mux, g_col), ">= 1.5", lambda v: v >= 1.5)
+    return out
+
+
+def split_metrics(text: str) -> dict[str, float]:
+    """The multiplexed worker's split metrics in a Prometheus text (names without their common prefix)."""
+    prefix = "hybridserve_worker_pd_multiplex_"
+    return {k.removeprefix(prefix).removesuffix("_total"): v for k, v in parse_counters(text, SPLIT_METRICS).items()}
