@@ -106,6 +106,9 @@ class ClusterOptions:
                              f"{3 * (self.num_prefill + self.num_decode)} ports below 65536 (or is below 1024)")
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError("a deployment needs --decode-workers >= 1 and --prefill-workers >= 0")
+        if self.worker.engine.pd_multiplex and self.num_prefill > 0:
+            raise ValueError("--pd-multiplex decode workers prefill their own prompts (in their prefill lane): "
+                             "set --prefill-workers 0")
         if self.num_gpus_per_worker < 0:
             raise ValueError("--num-gpus-per-worker must be >= 0")
         if self.router.model_dir != self.worker.model_dir:

@@ -63,6 +63,11 @@ class EngineConfig:
     # with cuda_graphs: a step's prefill chunks (up to 7 sequences and 1024 tokens) replay a CUDA graph captured
     # per token bucket, padded to it, instead of ~400 eager kernel launches (engine/prefill_graphs.py)
     prefill_cuda_graphs: bool = True
+    # schedule and launch step N+1 while step N runs on the GPU; its sampled tokens feed step N+1 on the device
+    # and the host applies them (stop rules, outputs) during step N+1 (vLLM's --async-scheduling; same tokens as
+    # synchronous steps). Requests with logprobs, grammars, penalties or state export, speculative decoding and
+    # tensor parallelism step synchronously
+    async_scheduling: bool = False
     # Tokens between cached Mamba checkpoints; a multiple of the model's SSD chunk_size (and of page_size
     # for models with attention). None: 4 x chunk_size (rounded up to a page multiple). Each checkpoint is a
     # whole state (137 MiB for Nemotron-Nano-9B-v2 in fp32, ~8.8K tokens of its KV), so every chunk would
@@ -112,6 +117,14 @@ class EngineConfig:
     # reference (the torch references everywhere: debugging, A/B checks) or interpret (the Triton kernels on
     # CPU tensors under Triton's interpreter, TRITON_INTERPRET=1: checks the kernels without a GPU, slow)
     kernel_mode: str = "auto"
+    # one process runs a prefill lane and a decode lane at once, each in its own SM partition of the GPU (CUDA
+    # green contexts), sharing the weights and the state pool: a prompt's state passes to decode with no copy
+    # (engine/multiplex.py); where green contexts are unavailable the engine says so and runs co-located
+    pd_multiplex: bool = False
+    # with pd_multiplex: the prefill SM counts the split may choose from, comma-separated (each rounded up to the
+    # driver's granularity, decode taking the rest); auto: 2/8 .. 6/8 of the device's SMs (each split's CUDA graphs
+    # are captured at start-up, so a longer menu costs start-up time)
+    pd_multiplex_prefill_sms: str = "auto"
 
     def __post_init__(self) -> None:
         self.grammar_limits  # noqa: B018 - validated on construction
@@ -163,7 +176,7 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_hang_timeout_s must be > 0, got {hang!r}")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
-        for name in ("cuda_graphs", "split_mixed_steps", "prefill_cuda_graphs"):
+        for name in ("cuda_graphs", "split_mixed_steps", "prefill_cuda_graphs", "async_scheduling", "pd_multiplex"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         standby = self.standby_state_slots
@@ -190,6 +203,12 @@ class EngineConfig:
         parse_profile_steps(self.profile_steps)
         if self.profile_dir is not None and (not isinstance(self.profile_dir, str) or not self.profile_dir):
             raise ValueError(f"profile_dir must be a directory path or None, got {self.profile_dir!r}")
+        self.multiplex_menu(132)  # the menu's syntax, validated on construction (SM counts against the device later)
+        if self.pd_multiplex and self.async_scheduling:
+            raise ValueError("pd_multiplex and async_scheduling are two different engine steps: drop one of them")
+        if self.pd_multiplex and tp > 1:
+            raise ValueError("pd_multiplex runs both lanes on one GPU in one process; it does not combine with "
+                             f"tensor_parallel_size={tp}: set tensor_parallel_size=1 or drop pd_multiplex")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
@@ -219,6 +238,20 @@ class EngineConfig:
         if self.prefill_chunk_size is not None:
             return self.prefill_chunk_size
         return CUDA_PREFILL_CHUNK if self.torch_device.type == "cuda" else CPU_PREFILL_CHUNK
+
+    def multiplex_menu(self, total_sms: int) -> tuple[int, ...]:
+        """pd_multiplex_prefill_sms as SM counts for a device of `total_sms` SMs (auto: 2/8 .. 6/8 of them)."""
+        text = self.pd_multiplex_prefill_sms
+        if text == "auto":
+            return tuple(total_sms * k // 8 for k in range(2, 7))
+        try:
+            menu = tuple(int(part) for part in str(text).split(","))
+        except ValueError:
+            menu = ()
+        if not menu or any(count <= 0 for count in menu):
+            raise ValueError(f"pd_multiplex_prefill_sms must be 'auto' or comma-separated positive SM counts "
+                             f"(e.g. 32,64,96), got {text!r}")
+        return menu
 
     @property
     def warmup_enabled(self) -> bool:

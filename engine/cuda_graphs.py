@@ -82,9 +82,11 @@ class DecodeGraphs:
         )
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket, largest first so the smaller ones reuse its memory pool."""
-        stream = torch.cuda.Stream()
+    def capture(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Capture every bucket, largest first so the smaller ones reuse its memory pool; on `stream` when given (an
+        SM partition's: the graphs' kernels then run on its SMs), else on side streams."""
+        lane = stream
+        stream = lane if lane is not None else torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for size in reversed(self.buckets):  # warm-up: compiles / autotunes every kernel eagerly
@@ -93,7 +95,7 @@ class DecodeGraphs:
         for size in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
             batch = self._batch(size)
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=lane):
                 hidden = self.model(self.input_ids[: size * self.tokens], batch, self.cache)
             if self.pool is None:
                 self.pool = graph.pool()

@@ -22,9 +22,11 @@ from hybridserve.common.outputs import RequestOutput
 from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.common.text_stream import TextStream
 from hybridserve.common.tokenizer import load_tokenizer
-from hybridserve.engine import handoff, tp_launch, tp_worker
+from hybridserve.engine import handoff, multiplex, tp_launch, tp_worker
+from hybridserve.engine.async_step import AsyncStepper, async_stepper
 from hybridserve.engine.cache_plan import plan_engine_cache
 from hybridserve.engine.config import DTYPES, EngineConfig
+from hybridserve.engine.lane_scheduler import LaneScheduler
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -56,10 +58,13 @@ class LLMEngine:
         self.tokenizer = self._load_tokenizer()
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
         self.cache, self.pool = self._plan_cache()
-        self.scheduler = Scheduler(self.pool, config.prefill_chunk_tokens, self.max_running, self.lookahead,
+        scheduler_class = LaneScheduler if config.pd_multiplex else Scheduler  # a batch per lane (engine/multiplex.py)
+        self.scheduler = scheduler_class(self.pool, config.prefill_chunk_tokens, self.max_running, self.lookahead,
                                    config.max_num_batched_tokens, self.model_config.eos_token_ids, self.max_model_len)
         self.runner = ModelRunner(self.model, self.cache, config.page_size, config.torch_device, self.state_block,
                                   spec, self.tp, config.split_mixed_steps)
+        # pd_multiplex: the prefill and decode lanes' step (None: co-located steps, also where no SM partitions exist)
+        self.multiplexer = multiplex.open_multiplexer(self)
         self._capture_graphs()
         self.connector = StateConnector(self)
         # structured outputs' compile pool: callers prepare a request's grammar on their thread, off the loop
@@ -70,6 +75,7 @@ class LLMEngine:
         self._counter = itertools.count()
         self._arrivals = itertools.count()
         self._seeds = torch.Generator().manual_seed(config.seed)
+        self.async_steps: AsyncStepper | None = async_stepper(self) if config.async_scheduling else None
         self.warmup_report: WarmupReport | None = warm_up(self) if config.warmup_enabled else None
 
     # ---- start-up steps -------------------------------------------------------------------------
@@ -131,8 +137,9 @@ class LLMEngine:
             return
         if self.spec is not None and self.tp is not None:
             logger.info("speculative decoding with tensor parallelism: verify steps run without CUDA graphs")
-        self.runner.capture_graphs(self.max_running, -(-self.max_model_len // config.page_size),
-                                   config.prefill_chunk_tokens, config.prefill_cuda_graphs)
+        capture = self.runner if self.multiplexer is None else self.multiplexer  # the lanes': in their partitions
+        capture.capture_graphs(self.max_running, -(-self.max_model_len // config.page_size),
+                               config.prefill_chunk_tokens, config.prefill_cuda_graphs)
 
     @property
     def spec(self) -> SpecDecoder | None:
@@ -227,6 +234,8 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is (queued, running, reserved, held); False if it is unknown."""
+        if self.multiplexer is not None and self.multiplexer.defer_abort(request_id):
+            return True  # its prefill forward is in flight: aborted once that completed
         request = self._requests.pop(request_id, None)
         if request is not None and not request.finished:
             self.connector.abort(request_id)
@@ -288,15 +297,19 @@ class LLMEngine:
         return self.runner.graph_stats()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or (self.async_steps is not None and self.async_steps.busy)
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self, on_launched: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Schedule -> execute (one forward; speculating, verify and accept) -> update; returns updated requests.
         `on_launched` runs once the forward is queued, while the GPU computes it (a worker loop hands the previous
         step's outputs to their streams there); not called when the step queues no forward."""
+        if self.multiplexer is not None:
+            return self.multiplexer.step(on_launched)
         clock = StepClock()
         self.last_step = NO_STEP
+        if self.async_steps is not None and (ahead := self.async_steps.step(on_launched)) is not None:
+            return ahead  # engine/async_step.py; None: this step runs synchronously
         work = self.scheduler.schedule()
         if work.is_empty:
             return []

@@ -37,6 +37,18 @@ from hybridserve.models.hybrid_model import HybridLM
 from hybridserve.statepool.state_cache import StateCache
 
 
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step whose forward is queued (`ModelRunner.launch`) and not yet sampled (`ModelRunner.finish`)."""
+
+    work: SchedulerOutput
+    chunks: list[tuple[Request, int]]  # (request, tokens it computes), decode rows first
+    verify: VerifyInputs | None
+    hidden: torch.Tensor  # [N, hidden], being computed
+    batch: ForwardBatch
+    checkpoint_slots: list[int]
+
+
 @dataclass
 class ForwardCounts:
     """Which path the runner's forwards took (`LLMEngine.graph_stats`)."""
@@ -157,7 +169,7 @@ class ModelRunner:
         with self.tp.checked():
             return self.model.mtp_forward(input_ids, prev_hidden, batch, cache)
 
-    # ---- a step ---------------------------------------------------------------------------------
+    # ---- a step ----------------------------------------------------------------------------------
     def execute(
         self, work: SchedulerOutput, checkpoint_slots: list[int] | None = None,
         while_running: Callable[[], None] | None = None,
@@ -166,6 +178,13 @@ class ModelRunner:
         verify their drafts and keep the accepted ones. `checkpoint_slots`: from `StatePool.plan_checkpoints` for this
         step's prefill chunks; `while_running`: host work to do once the forward is queued, before the host waits for
         its tokens."""
+        launched = self.launch(work, checkpoint_slots)
+        if while_running is not None:
+            while_running()
+        return self.finish(launched)
+
+    def launch(self, work: SchedulerOutput, checkpoint_slots: list[int] | None = None) -> LaunchedStep:
+        """The step's inputs built and its forward queued on the current stream, without waiting for it."""
         nd = len(work.decodes)
         verify = self.spec.verify_inputs(work.decodes) if self.spec is not None else None
         tokens = len(verify.tokens[0]) if verify is not None and nd else 1
@@ -173,14 +192,16 @@ class ModelRunner:
         input_ids, batch = build_forward_batch(
             chunks, nd, self.page_size, self.device, self.state_block, checkpoint_slots, verify
         )
-        hidden = self.forward(input_ids, batch)
-        if while_running is not None:
-            while_running()
-        output = self._sample(chunks, nd, verify, hidden, batch)
+        return LaunchedStep(work, chunks, verify, self.forward(input_ids, batch), batch, checkpoint_slots or [])
+
+    def finish(self, launched: LaunchedStep) -> StepOutput:
+        """Logits and samples of a launched step (the host waits for its tokens here); speculating, acceptance."""
+        work, nd = launched.work, len(launched.work.decodes)
+        output = self._sample(launched.chunks, nd, launched.verify, launched.hidden, launched.batch)
         if self.spec is None:
             return output
         assert self.state_block is not None  # an engine's runner
-        write_checkpoint_hidden(self.cache, work.prefills, checkpoint_slots or [], output, nd, self.state_block)
+        write_checkpoint_hidden(self.cache, work.prefills, launched.checkpoint_slots, output, nd, self.state_block)
         return self.spec.accept(work.decodes, output)
 
     def _sample(self, chunks: list[tuple[Request, int]], nd: int, verify: VerifyInputs | None, hidden: torch.Tensor,

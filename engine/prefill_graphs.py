@@ -290,9 +290,11 @@ class PrefillGraphs:
         self.pool: Any = None
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket, largest first so the smaller ones reuse its memory pool."""
-        stream = torch.cuda.Stream()
+    def capture(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Capture every bucket, largest first so the smaller ones reuse its memory pool; on `stream` when given (an
+        SM partition's: the graphs' kernels then run on its SMs), else on side streams."""
+        lane = stream
+        stream = lane if lane is not None else torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for size in reversed(self.buckets):  # compiles / autotunes every kernel at this shape eagerly
@@ -303,7 +305,7 @@ class PrefillGraphs:
         for size in reversed(self.buckets):
             buffers = self.buffers[size]
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=lane):
                 hidden = self.model(buffers.input_ids, buffers.new_batch(), self.cache)
             if self.pool is None:
                 self.pool = graph.pool()

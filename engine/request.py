@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from hybridserve.common.block_hash import BlockHash
@@ -56,9 +57,18 @@ class Request:
         self.draft_probs: torch.Tensor | None = None  # [len(draft_tokens), vocab]
         self.replay_pending = 0
         self.num_draft_tokens = 0
+        # async scheduling: output tokens sampled on the device whose values the host does not know yet (their
+        # place in output_token_ids holds a placeholder), and whether the request takes the async path at all
+        self.num_inflight = 0
+        self.plain: bool | None = None
         self.num_accepted_tokens = 0
         self.generator = torch.Generator(device="cpu")
         self.generator.manual_seed(seed)
+        # a numpy copy of page_ids for the batch builder, kept in step as pages are appended (the pool only ever
+        # extends the list it gave, or replaces it on admission and release)
+        self._pages_of: list[int] | None = None
+        self._pages = np.empty(0, dtype=np.int64)
+        self._num_pages = 0
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +77,34 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start:end] of prompt + output without joining the two lists (a decode row takes one token)."""
+        prompt = self.prompt_token_ids
+        n = len(prompt)
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        if end <= n:
+            return prompt[start:end]
+        return prompt[start:] + self.output_token_ids[: end - n]
+
+    def page_array(self) -> np.ndarray:
+        """page_ids as int64 [num_pages]: only the pages appended since the last call are converted."""
+        pages = self.page_ids
+        if pages is not self._pages_of:
+            self._pages_of, self._pages = pages, np.array(pages, dtype=np.int64)
+            self._num_pages = len(pages)
+        elif len(pages) != self._num_pages:
+            grown = len(pages)
+            if grown > len(self._pages) or grown < self._num_pages:
+                capacity = max(2 * grown, 16)
+                buffer = np.empty(capacity, dtype=np.int64)
+                buffer[:grown] = pages
+                self._pages = buffer
+            else:
+                self._pages[self._num_pages : grown] = pages[self._num_pages :]
+            self._num_pages = grown
+        return self._pages[: self._num_pages]
 
     @property
     def num_pending_tokens(self) -> int:
@@ -85,21 +123,16 @@ class Request:
     def output(self, tokenizer: Any | None) -> RequestOutput:
         """The request's state after a step. Text only once it finished (one decode, for `LLM.generate`): streams
         take the ids and detokenize incrementally where the text is needed (the router), not on the engine loop."""
+        finished = self.status is RequestStatus.FINISHED
         text = None
-        if self.finished and self.stop_text is not None:  # cut at the stop string (the token ids end with it)
+        if finished and self.stop_text is not None:  # cut at the stop string (the token ids end with it)
             text = self.stop_text.text + self.stop_text.finish()
-        elif self.finished and tokenizer is not None:
+        elif finished and tokenizer is not None:
             text = tokenizer.decode(self.output_token_ids)
+        params = self.params
         return RequestOutput(
-            request_id=self.request_id,
-            prompt_token_ids=self.prompt_token_ids,
-            token_ids=list(self.output_token_ids),
-            text=text,
-            finish_reason=self.finish_reason,
-            num_cached_tokens=self.num_cached_tokens,
-            finished=self.finished,
-            num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens,
-            logprobs=list(self.output_logprobs) if self.params.logprobs is not None else None,
-            prompt_logprobs=list(self.prompt_logprobs) if self.params.prompt_logprobs is not None else None,
+            self.request_id, self.prompt_token_ids, self.output_token_ids[:], text, self.finish_reason,
+            self.num_cached_tokens, finished, self.num_draft_tokens, self.num_accepted_tokens,
+            self.output_logprobs[:] if params.logprobs is not None else None,
+            self.prompt_logprobs[:] if params.prompt_logprobs is not None else None,
         )

@@ -34,8 +34,11 @@ def processed_probs(
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device without a stream sync (torch.tensor(..., device=) waits for the device)."""
-    return pack_to_device([values], dtype, device)[0]
+    """A small host list on the device without a stream sync (torch.tensor(..., device=) waits for the device;
+    pinned, so the copy queues behind a step still in flight under async scheduling)."""
+    if device.type != "cuda":
+        return pack_to_device([values], dtype, device)[0]
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
 def _filters(param: SamplingParams, vocab: int) -> bool:
@@ -64,7 +67,10 @@ def target_probs(logits: torch.Tensor, param: SamplingParams) -> torch.Tensor:
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """One token per row of probs [R, V] by inverse CDF, each row's uniform from its own CPU generator -> [R]."""
-    uniforms = torch.stack([torch.rand((), generator=g) for g in generators]).to(probs.device, non_blocking=True)
+    uniforms = torch.stack([torch.rand((), generator=g) for g in generators])
+    if probs.is_cuda:
+        uniforms = uniforms.pin_memory()  # queued behind the device's work, as `_to_device`
+    uniforms = uniforms.to(probs.device, non_blocking=True)
     cdf = torch.cumsum(probs, dim=-1)
     # the first index whose cdf exceeds u * total: never a zero-probability token
     index = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)
@@ -74,8 +80,15 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
            kernels: Kernels = AUTO_KERNELS) -> list[int]:
     """logits: [B, V], one row per request -> one token id per row (`kernels`: the engine's kernel mode)."""
+    return sample_tensor(logits, params, generators, kernels).tolist()
+
+
+def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator],
+                  kernels: Kernels = AUTO_KERNELS) -> torch.Tensor:
+    """`sample` left on the logits' device, int64 [B], without a host sync (async scheduling feeds it to the next
+    step's input there)."""
     if all(p.greedy for p in params):
-        return logits.argmax(dim=-1).tolist()
+        return logits.argmax(dim=-1)
     vocab = logits.shape[-1]
     # plain-temperature rows: Gumbel-max with a fresh seed from the request's generator; greedy and filtered rows
     # ride along as argmax rows (the filtered ones are drawn below)
@@ -89,4 +102,4 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         index = _to_device(filtered, torch.int64, logits.device)
         probs = params_probs(logits[index], [params[i] for i in filtered])
         tokens[index] = draw(probs, [generators[i] for i in filtered])
-    return tokens.tolist()
+    return tokens

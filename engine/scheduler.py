@@ -93,6 +93,9 @@ class Scheduler:
         # pages (standby slots) and join the batch, oldest first, as seats free up
         self.landed: deque[Request] = deque()
         self.num_preemptions = 0
+        # async scheduling (engine/async_step.py): running requests not to schedule this step (their token in flight
+        # is their last by length)
+        self.skip: frozenset[Request] | set[Request] = frozenset()
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -111,7 +114,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         while True:
             out = self._schedule_once()
-            if not out.is_empty or not self.running:
+            if not out.is_empty or not self.running or self.skip:  # with `skip`: its rows' tokens free pages next
                 return out
             # every running request is stuck waiting for pages held by the others: free the newest
             self._preempt(self.running[-1])
@@ -129,14 +132,31 @@ class Scheduler:
             limit -= 1
 
     def _schedule_once(self) -> SchedulerOutput:
+        decodes = self.schedule_decodes()
+        return SchedulerOutput(decodes=decodes, prefills=self.schedule_prefills(self.prefill_budget(len(decodes))))
+
+    def schedule_decodes(self) -> list[Request]:
+        """Landed states join the batch, then one row per decoding request, pages reserved for it (newer running
+        requests preempted when they run out)."""
         self._promote_landed()
         decodes: list[Request] = []
+        pages_for, lookahead, running, skip = self.pool.pages_for, self.decode_lookahead, RequestStatus.RUNNING, self.skip
         for request in list(self.running):
-            if request.status is RequestStatus.RUNNING and request.is_decoding:
-                if self._make_room(request, request.num_tokens + self.decode_lookahead):
+            if skip and request in skip:
+                continue
+            # is_decoding and the page check inlined: this loop runs once per row per step (1,024 rows)
+            computed = request.num_computed_tokens
+            needed = len(request.prompt_token_ids) + len(request.output_token_ids)
+            if request.status is running and computed > 0 and needed - computed == 1:
+                needed += lookahead
+                if pages_for(needed) <= len(request.page_ids) or self._make_room(request, needed):
                     decodes.append(request)
+        return decodes
+
+    def schedule_prefills(self, budget: int) -> list[ScheduledChunk]:
+        """Prefill chunks of up to `budget` tokens in all: running prefills continue first, then waiting requests
+        are admitted FCFS while a slot and pages are free (after their longest cached prefix)."""
         prefills: list[ScheduledChunk] = []
-        budget = self.prefill_budget(len(decodes))
         for request in self.running:
             if budget == 0:
                 break
@@ -148,7 +168,7 @@ class Scheduler:
                 budget -= count
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            if not self.pool.can_admit():
+            if request.num_inflight or not self.pool.can_admit():  # preempted with its last token still on the GPU
                 break
             # prompt logprobs need the logits of every prompt position: such a request recomputes its prefix
             hit = self.pool.match(request) if request.params.prompt_logprobs is None else NO_HIT
@@ -163,12 +183,13 @@ class Scheduler:
             self.running.append(request)
             prefills.append(ScheduledChunk(request, count))
             budget -= count
-        return SchedulerOutput(decodes=decodes, prefills=prefills)
+        return prefills
 
     def prepare_waiting(self) -> None:
         """Hash the prompts of the next requests to admit (while a forward runs), so admitting them is a lookup."""
         for request in itertools.islice(self.waiting, PREPARE_WAITING):
-            self.pool.prepare(request)
+            if not request.num_inflight:  # its hashes would cover a token not known yet
+                self.pool.prepare(request)
 
     def prefill_budget(self, num_decodes: int) -> int:
         """Prefill tokens a step may add beside `num_decodes` decode rows (each computes 1 + lookahead tokens)."""
@@ -180,11 +201,15 @@ class Scheduler:
     def _make_room(self, request: Request, num_tokens: int) -> bool:
         """Reserve pages, preempting newer running requests; False if `request` itself was preempted."""
         while not self.pool.reserve(request, num_tokens):
-            victim = self.running[-1]
+            victim = self.preemption_victim()
             self._preempt(victim)
             if victim is request:
                 return False
         return True
+
+    def preemption_victim(self) -> Request:
+        """The running request `_make_room` preempts next: the newest."""
+        return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
         """Drop the request's state; it goes back to the front of the queue and restarts from the cache."""
@@ -226,7 +251,17 @@ class Scheduler:
         rows = [(r, 1) for r in work.decodes] + [(c.request, c.num_tokens) for c in work.prefills]
         before = [r.num_computed_tokens for r, _ in rows]
         stops: dict[int, str] = {}
+        plain = output.logprobs is None and output.prompt_logprobs is None and output.num_verify_rows == 0
         for index, (request, count) in enumerate(rows):
+            new_tokens = output.new_token_ids[index]
+            if plain and len(new_tokens) == 1 and request.grammar is None:  # the common row, without the loop below
+                token = new_tokens[0]
+                request.output_token_ids.append(token)
+                request.num_computed_tokens += count
+                reason = self.stop_reason(request, token)
+                if reason is not None:
+                    stops[index] = reason
+                continue
             appended = 0
             logprobs = output.logprobs[index] if output.logprobs is not None else []
             if output.prompt_logprobs is not None and index in output.prompt_logprobs:

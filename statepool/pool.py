@@ -199,6 +199,15 @@ class StatePool:
                 out.append(slot)
         return out
 
+    def take_plan(self) -> list[PlannedCheckpoint]:
+        """Take the planned checkpoints out (the pool then holds none): an engine with two forwards in flight keeps
+        each one's plan and gives it back (`put_plan`) right before that forward's `commit` or `cancel_plan`."""
+        planned, self._planned = self._planned, []
+        return planned
+
+    def put_plan(self, planned: list[PlannedCheckpoint]) -> None:
+        self._planned = planned
+
     def commit(
         self,
         scheduled: Sequence[PooledSequence],

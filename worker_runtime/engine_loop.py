@@ -318,7 +318,9 @@ class EngineLoop:
             self._step_started = None
             self._hand_off()  # the previous step's outputs, where this step queued no forward
             self._pending = list(outputs)
-            if not (self.late_handoff and self.engine.has_unfinished()):
+            # async scheduling returns a step's outputs once the next step is already launched: they go out now,
+            # while the GPU computes it (holding them to the next launch would delay every token by a step)
+            if not (self.late_handoff and self.engine.has_unfinished()) or getattr(self.engine, "async_steps", None):
                 self._hand_off()  # no next step to overlap with: now
             self.stats.record(start, stepped, len(outputs), self.engine.last_step)
 

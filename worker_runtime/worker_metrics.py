@@ -34,7 +34,7 @@ class _EngineGauges(Collector):
         self._role = role
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        def sample() -> tuple[dict[str, float], SpecMetrics | None]:
+        def sample() -> tuple[dict[str, float], SpecMetrics | None, dict[str, int] | None]:
             engine = self._loop.engine
             pool, stats, graphs = engine.pool, engine.stats(), engine.graph_stats()
             pages, slots = pool.pages, pool.slots
@@ -55,10 +55,11 @@ class _EngineGauges(Collector):
                 "graph_prefills": graphs["graph_prefill_forwards"],
                 "eager_prefills": graphs["eager_prefill_forwards"],
             }, dataclasses.replace(engine.spec.metrics, accepted_per_position=list(
-                engine.spec.metrics.accepted_per_position)) if engine.spec is not None else None
+                engine.spec.metrics.accepted_per_position)) if engine.spec is not None else None, \
+                engine.multiplexer.stats() if engine.multiplexer is not None else None
 
         try:
-            v, spec = self._loop.call(sample, timeout=SCRAPE_TIMEOUT_S)
+            v, spec, multiplex = self._loop.call(sample, timeout=SCRAPE_TIMEOUT_S)
         except Exception as exc:  # a stopping loop: report nothing rather than fail the scrape
             logger.warning("worker metrics sample failed: %s", exc)
             return
@@ -116,6 +117,7 @@ class _EngineGauges(Collector):
         yield phases
         # without speculative decoding the families still exist, at 0 (dashboards show 0, not "No data")
         yield from _spec_families(spec if spec is not None else SpecMetrics(accepted_per_position=[0]), self._role)
+        yield from _multiplex_families(multiplex or {}, self._role)
 
 
 def _role_families(
@@ -143,6 +145,26 @@ def _spec_families(spec: SpecMetrics, role: str) -> Iterator[GaugeMetricFamily |
     for position, count in enumerate(spec.accepted_per_position, start=1):
         family.add_metric([role, str(position)], float(count))
     yield family
+
+
+def _multiplex_families(stats: dict[str, int], role: str) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """pd_multiplex: the SM split in effect and its changes (engine/multiplex.py); 0 on a co-located worker."""
+    gauges: list[tuple[str, str, float]] = [
+        ("hybridserve_worker_pd_multiplex_prefill_sms", "SMs of the prefill lane in the split in effect",
+         stats.get("prefill_sms", 0)),
+        ("hybridserve_worker_pd_multiplex_decode_sms", "SMs of the decode lane in the split in effect",
+         stats.get("decode_sms", 0)),
+    ]
+    yield from _role_families(GaugeMetricFamily, gauges, role)
+    counters: list[tuple[str, str, float]] = [
+        ("hybridserve_worker_pd_multiplex_split_changes", "Times the SM split between the lanes changed",
+         stats.get("split_changes", 0)),
+        ("hybridserve_worker_pd_multiplex_handoffs", "Requests whose prompt passed from the prefill to the decode lane",
+         stats.get("handoffs", 0)),
+        ("hybridserve_worker_pd_multiplex_overlapped_decode_steps",
+         "Decode steps that ran while a prefill forward was in flight", stats.get("overlapped_steps", 0)),
+    ]
+    yield from _role_families(CounterMetricFamily, counters, role)
 
 
 class _GcPauseCounters(Collector):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import httpx
 from serve_metrics import RequestRecord, counters_delta, parse_counters
 from serve_workloads import Session
+from sse_stream import HttpError, sse_post
 
 
 @dataclass
@@ -28,6 +29,9 @@ class ClientConfig:
     max_concurrency: int | None = None
     token_range: tuple[int, int] = (3, 256)  # filler answers when the server returns no token ids
     seed: int = 0
+    # "raw": streams over plain asyncio connections (sse_stream.py), which keep up with 1,024 streams at 16k
+    # tokens/s where httpx's streaming cost the client ~160 us per chunk; "httpx" otherwise (and for https)
+    transport: str = "raw"
 
 
 def request_body(cfg: ClientConfig, prompt: list[int], max_tokens: int) -> dict:
@@ -49,63 +53,103 @@ def _error_text(status: int, raw: bytes) -> str:
     return f"HTTP {status}: {message}"
 
 
+class _Stream:
+    """One streamed answer as its chunks arrive: tokens, times, usage (shared by both transports)."""
+
+    def __init__(self, record: RequestRecord) -> None:
+        self.record = record
+        self.answer: list[int] = []
+        self.n_chunk_tokens = 0
+        self.usage: dict | None = None
+        self.start = time.perf_counter()
+        self.last = self.start
+
+    def payload(self, payload: str | bytes, now: float) -> bool:
+        """Take one `data:` payload received at `now`; False at the end of the stream ([DONE] or an error)."""
+        if payload in ("[DONE]", b"[DONE]"):
+            return False
+        record = self.record
+        obj = json.loads(payload)
+        if "error" in obj:
+            record.error = f"stream error: {obj['error'].get('message', obj['error'])}"
+            return False
+        if obj.get("usage"):
+            self.usage = obj["usage"]
+        for choice in obj.get("choices") or []:
+            ids = choice.get("token_ids") or []
+            text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            if choice.get("finish_reason"):
+                record.finish_reason = choice["finish_reason"]
+            if not ids and not text:
+                continue
+            self.answer.extend(ids)
+            self.n_chunk_tokens += len(ids) if ids else 1
+            if record.ttft is None:
+                record.ttft = now - self.start
+            else:
+                record.itl.append(now - self.last)
+            self.last = now
+        return True
+
+    def finish(self) -> list[int]:
+        record = self.record
+        if record.error is not None:
+            return self.answer
+        record.e2e = time.perf_counter() - self.start
+        if self.usage is not None:
+            record.output_tokens = int(self.usage.get("completion_tokens", self.n_chunk_tokens))
+            details = self.usage.get("prompt_tokens_details") or {}
+            record.cached_tokens = details.get("cached_tokens")
+            record.prompt_len = int(self.usage.get("prompt_tokens", record.prompt_len))
+        else:
+            record.output_tokens = self.n_chunk_tokens
+        if record.ttft is None:
+            record.error = "no tokens streamed"
+            return self.answer
+        record.success = True
+        return self.answer
+
+
 async def stream_completion(client: httpx.AsyncClient, cfg: ClientConfig, prompt: list[int], max_tokens: int,
                             record: RequestRecord) -> list[int]:
-    """Send one streamed request, filling `record` (times from the send); returns the answer's token ids."""
-    answer: list[int] = []
-    n_chunk_tokens = 0
-    usage = None
-    start = time.perf_counter()
-    last = start
+    """Send one streamed request through httpx, filling `record` (times from the send); returns the answer's
+    token ids."""
+    stream = _Stream(record)
     try:
         body = request_body(cfg, prompt, max_tokens)
         async with client.stream("POST", cfg.base_url + cfg.endpoint, json=body) as resp:
             if resp.status_code != 200:
                 record.error = _error_text(resp.status_code, await resp.aread())
-                return answer
+                return stream.answer
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
+                if not stream.payload(line[5:].strip(), time.perf_counter()):
                     break
-                now = time.perf_counter()
-                obj = json.loads(payload)
-                if "error" in obj:
-                    record.error = f"stream error: {obj['error'].get('message', obj['error'])}"
-                    return answer
-                if obj.get("usage"):
-                    usage = obj["usage"]
-                for choice in obj.get("choices") or []:
-                    ids = choice.get("token_ids") or []
-                    text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
-                    if choice.get("finish_reason"):
-                        record.finish_reason = choice["finish_reason"]
-                    if not ids and not text:
-                        continue
-                    answer.extend(ids)
-                    n_chunk_tokens += len(ids) if ids else 1
-                    if record.ttft is None:
-                        record.ttft = now - start
-                    else:
-                        record.itl.append(now - last)
-                    last = now
     except (httpx.HTTPError, ValueError, asyncio.TimeoutError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:200] if str(exc) else type(exc).__name__
-        return answer
-    record.e2e = time.perf_counter() - start
-    if usage is not None:
-        record.output_tokens = int(usage.get("completion_tokens", n_chunk_tokens))
-        details = usage.get("prompt_tokens_details") or {}
-        record.cached_tokens = details.get("cached_tokens")
-        record.prompt_len = int(usage.get("prompt_tokens", record.prompt_len))
-    else:
-        record.output_tokens = n_chunk_tokens
-    if record.ttft is None:
-        record.error = "no tokens streamed"
-        return answer
-    record.success = True
-    return answer
+        return stream.answer
+    return stream.finish()
+
+
+async def stream_completion_raw(cfg: ClientConfig, prompt: list[int], max_tokens: int,
+                                record: RequestRecord) -> list[int]:
+    """`stream_completion` over a plain asyncio connection (sse_stream.py); every event of one read gets the
+    read's time (they arrived together)."""
+    stream = _Stream(record)
+    try:
+        async with asyncio.timeout(cfg.timeout_s):
+            async for payloads in sse_post(cfg.base_url + cfg.endpoint, request_body(cfg, prompt, max_tokens)):
+                now = time.perf_counter()
+                if not all(stream.payload(p, now) for p in payloads):
+                    break
+    except HttpError as exc:
+        record.error = _error_text(exc.status, exc.body)
+        return stream.answer
+    except (OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:200] if str(exc) else type(exc).__name__
+        return stream.answer
+    return stream.finish()
 
 
 async def run_sessions(cfg: ClientConfig, sessions: list[Session], offsets: list[float]
@@ -114,6 +158,7 @@ async def run_sessions(cfg: ClientConfig, sessions: list[Session], offsets: list
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     records: list[RequestRecord] = []
     filler = random.Random(cfg.seed + 1)
+    raw = cfg.transport == "raw" and cfg.base_url.startswith("http://")
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(cfg.timeout_s, connect=min(30.0, cfg.timeout_s))
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
@@ -133,7 +178,10 @@ async def run_sessions(cfg: ClientConfig, sessions: list[Session], offsets: list
                     await sem.acquire()
                 try:
                     rec.start = time.perf_counter() - t0_perf
-                    answer = await stream_completion(client, cfg, prompt, turn.max_tokens, rec)
+                    if raw:
+                        answer = await stream_completion_raw(cfg, prompt, turn.max_tokens, rec)
+                    else:
+                        answer = await stream_completion(client, cfg, prompt, turn.max_tokens, rec)
                 finally:
                     if sem is not None:
                         sem.release()

@@ -31,10 +31,10 @@ class _IdleLoop:
 
         self.stats = LoopStats("idle")
 
-    def call(self, fn, timeout: float | None = None) -> tuple[dict, types.SimpleNamespace]:
+    def call(self, fn, timeout: float | None = None) -> tuple[dict, types.SimpleNamespace, None]:
         spec = types.SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
                                      accepted_per_position=[0, 0])
-        return collections.defaultdict(float), spec
+        return collections.defaultdict(float), spec, None  # no pd-multiplex lanes: their families at 0
 
 
 def _exported_metrics() -> set[str]:
@@ -138,7 +138,8 @@ def test_grafana_queries_name_defined_metrics() -> None:
     assert not used - exported, f"queries name metrics the code does not export: {sorted(used - exported)}"
     for wanted in ("time_to_first_token", "inter_token", "transfer_bytes", "kv_cache_usage", "state_slot_usage",
                    "routing_decisions", "prefix_cache_hits", "queued_requests", "spec_accepted_tokens",
-                   "spec_draft_tokens", "spec_verify_steps", "spec_accepted_by_position"):
+                   "spec_draft_tokens", "spec_verify_steps", "spec_accepted_by_position", "pd_multiplex_prefill_sms",
+                   "pd_multiplex_split_changes"):
         assert any(wanted in name for name in used), wanted
 
 

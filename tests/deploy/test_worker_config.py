@@ -21,19 +21,21 @@ from hybridserve.transfer.planes import TransferConfig
 ENGINE = EngineConfig(
     device="cpu", dtype="bfloat16", prefill_chunk_size=48, max_num_seqs=3, page_size=8, max_model_len=500,
     cpu_memory_gb=0.5, gpu_memory_utilization=0.5, gpu_memory_gb=3.0, seed=7, enable_prefix_caching=False,
-    cuda_graphs=False, split_mixed_steps=False, prefill_cuda_graphs=False, state_block=64,
+    cuda_graphs=False, split_mixed_steps=False, prefill_cuda_graphs=False, async_scheduling=True, state_block=64,
     num_kv_pages=96, num_checkpoint_slots=2, max_cache_events=100,
     speculative_config={"method": "ngram", "num_speculative_tokens": 2}, load_format="dummy", warmup=False,
     max_num_batched_tokens=20, max_num_waiting=50, standby_state_slots=2, plan_seq_len=256,
     mamba_ssm_cache_dtype="bfloat16", kv_cache_dtype="fp8", grammar_compile_timeout_s=3.0,
     grammar_max_spec_bytes=4096, grammar_max_properties=64, grammar_max_regex_states=500, kernel_mode="reference",
-    tensor_parallel_hang_timeout_s=12.5,
+    tensor_parallel_hang_timeout_s=12.5, pd_multiplex_prefill_sms="32,64",
     # a window no test run reaches: the trace is never written
     profile_dir="hybridserve-profile-never-written", profile_steps="1000000:1:stack",
 )
 # ... and tensor parallelism: its flag and JSON round trip are checked here; a worker process at TP=2 starts follower
 # processes, which tests/engine/test_tensor_parallel.py covers, so the worker-process test below runs ENGINE at TP=1
 ENGINE_ALL = dataclasses.replace(ENGINE, tensor_parallel_size=2, enable_expert_parallel=True)
+# pd_multiplex is its own step, refused beside async scheduling and tensor parallelism: round-tripped on its own
+ENGINE_MULTIPLEX = dataclasses.replace(ENGINE, pd_multiplex=True, async_scheduling=False)
 TRANSFER = TransferConfig(planes=("grpc",), staging_mb=16, grpc_streams=3, grpc_chunk_bytes=65536, arena_wait_s=5.0)
 
 
@@ -41,10 +43,11 @@ def test_every_field_differs_from_its_default() -> None:
     for config in (ENGINE_ALL, TRANSFER):
         default = type(config)()
         same = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) == getattr(default, f.name)]
+        same = [name for name in same if name != "pd_multiplex"]  # ENGINE_MULTIPLEX sets it
         assert same in ([], ["device"]), f"{type(config).__name__} fields left at their default: {same}"  # CI: cpu
 
 
-@pytest.mark.parametrize("config, prefix", [(ENGINE_ALL, ""), (TRANSFER, "transfer-")])
+@pytest.mark.parametrize("config, prefix", [(ENGINE_ALL, ""), (ENGINE_MULTIPLEX, ""), (TRANSFER, "transfer-")])
 def test_flags_are_generated_from_the_dataclass_and_round_trip(config, prefix: str) -> None:  # noqa: ANN001
     parser = argparse.ArgumentParser()
     add_config_flags(parser, type(config), "config", prefix=prefix)

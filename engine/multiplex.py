@@ -1,0 +1,367 @@
+"""PD multiplexing: one engine runs a prefill forward and a decode forward at once, each launching on its own SM
+partition (a lane of engine/sm_partition.py), with one copy of the weights and one state pool.
+
+A step variant of the engine core (`LLMEngine.step` is schedule -> execute -> update), on the engine's one thread;
+each call:
+1. the decode-only batch of the decoding requests is scheduled and launched on the decode lane (first, so that the
+   prefill's host work below overlaps the decode step on the GPU);
+2. when no prefill forward is in flight, the split may change (engine/sm_split.py; then the next decode step runs
+   in the new split's lanes), and a prefill-only batch is scheduled and launched on the prefill lane, without
+   waiting for it;
+3. the host waits for the decode step's tokens and applies them (outputs, stops, cache commit, drafts);
+4. the prefill forward's completion is polled (waited for when nothing decodes); once done, its first tokens are
+   sampled and applied. A request whose prompt is done is now decoding: the decode lane takes it at its next step
+   with the same pages and Mamba slot (ownership passes, no bytes move); the prefill lane never schedules it again.
+
+What the two forwards in flight do not share:
+- inputs and scratch: each launch builds its own batch tensors on its lane's stream; the decode graphs (static
+  inputs, their memory pool) serve the decode lane only, the prefill graphs (their own pool) the prefill lane only;
+- the pool's checkpoint plan: the prefill forward's plan leaves the pool at launch and comes back for its own
+  commit, and its blocks and checkpoints are filed only once it completed (filed early, the decode lane's commit
+  could evict a checkpoint still being written and reuse its slot);
+- requests: each is in one lane (engine/lane_scheduler.py); one in flight is never preempted, and its abort waits
+  for the forward to complete before its pages and slot are freed.
+The lanes are ordered by events where one reads what the other wrote: decode's update waits for prefill's admission
+copies (cached checkpoint -> slot: its commit may evict that checkpoint and reuse the slot), decode's next forward
+for the tail of prefill's update (sampling, drafter catch-up, freed pages); prefill's admission waits for the tail
+of the decode update (checkpoints it may copy from, pages it freed). The decode forward in flight while prefill
+schedules reads only its own rows' pages and slots, which admission never hands out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from hybridserve.common.outputs import RequestOutput
+from hybridserve.engine.config import EngineConfig
+from hybridserve.engine.lane_graphs import LaneGraphs, capture_lane_graphs
+from hybridserve.engine.lane_scheduler import LaneScheduler
+from hybridserve.engine.model_runner import LaunchedStep, ModelRunner
+from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
+from hybridserve.engine.sm_partition import Lane, PartitionUnavailable, SmPartitioner, SmSplit, open_partitioner
+from hybridserve.engine.sm_split import SplitController, SplitPolicy
+from hybridserve.engine.step_output import StepOutput
+from hybridserve.engine.step_timing import StepClock, StepTiming
+from hybridserve.statepool.pool import PlannedCheckpoint, StatePool
+
+logger = logging.getLogger(__name__)
+
+# The skinny linear kernel takes inputs of up to 16 rows and may split K through a workspace kept per weight
+# (kernels/skinny_linear_triton.py), which two launches in flight must not share: a prefill forward that small runs
+# between two decode steps instead of beside one (larger ones take cuBLAS, or a prefill graph's 64+ token buckets).
+SPLIT_K_ROWS = 16
+
+
+class MultiplexedEngine(Protocol):
+    """What the multiplexer uses of its engine (`LLMEngine`)."""
+
+    config: EngineConfig
+    scheduler: Scheduler
+    runner: ModelRunner
+    pool: StatePool
+    multiplexer: Multiplexer | None
+    last_step: StepTiming
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def _update(self, work: SchedulerOutput, output: StepOutput) -> list[RequestOutput]: ...
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The work queued on a lane so far: a CUDA event on a real lane; on a fake lane (CPU) always complete."""
+
+    event: torch.cuda.Event | None
+
+    @classmethod
+    def after(cls, lane: Lane, timing: bool = False) -> Fence:
+        if lane.stream is None:
+            return cls(None)
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(lane.stream)
+        return cls(event)
+
+    def done(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    @classmethod
+    def loop_stream(cls, lane: Lane) -> Fence:
+        """The work the loop thread queued outside the lanes so far (between-step calls: a committed state, scoring)
+        on the current stream: a lane's next launch waits for it."""
+        if lane.stream is None:
+            return cls(None)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(lane.stream.device))
+        return cls(event)
+
+    def hold(self, lane: Lane) -> None:
+        """Work queued on `lane` from now on starts after this fence (no host wait)."""
+        if self.event is not None and lane.stream is not None:
+            lane.stream.wait_event(self.event)
+
+    def ms_since(self, start: Fence) -> float | None:
+        """GPU milliseconds from `start` to this fence (both timing fences, both complete); None on a fake lane."""
+        if self.event is None or start.event is None:
+            return None
+        return float(start.event.elapsed_time(self.event))
+
+
+@dataclass
+class PrefillInFlight:
+    """The prefill lane's forward between its launch and its completion."""
+
+    work: SchedulerOutput
+    launched: LaunchedStep
+    plan: list[PlannedCheckpoint]  # its checkpoints, out of the pool until its commit
+    split: SmSplit
+    lane: Lane
+    start: Fence
+    done: Fence
+    started: float  # perf_counter at launch
+    ready_at: int  # the first iteration whose poll may take it (tests hold a fake lane's completion back)
+    aborted: list[str] = field(default_factory=list)  # aborted while in flight: finished once it completed
+
+    @property
+    def tokens(self) -> int:
+        return sum(c.num_tokens for c in self.work.prefills)
+
+
+@dataclass(frozen=True)
+class DecodeInFlight:
+    """The decode lane's step between its launch and its tokens."""
+
+    launched: LaunchedStep
+    start: Fence
+    done: Fence
+    launch_s: float  # host seconds of the launch (on a fake lane: the whole forward)
+
+
+class Multiplexer:
+    """The multiplexed step of one engine (module docstring); `LLMEngine.step` hands over to `step`."""
+
+    def __init__(self, engine: MultiplexedEngine, scheduler: LaneScheduler, partitioner: SmPartitioner,
+                 controller: SplitController,
+                 update: Callable[[SchedulerOutput, StepOutput], list[RequestOutput]]) -> None:
+        """`update`: the engine's update phase (tokens applied, finished requests retired, outputs made)."""
+        self.engine = engine
+        self.scheduler = scheduler
+        self.runner = engine.runner
+        self.pool = engine.pool
+        self.partitioner = partitioner
+        self.controller = controller
+        self.update = update
+        self.split = controller.current  # changes only while no prefill forward is in flight
+        self.prefill_delay = 0  # tests: iterations a (fake) lane's completed prefill stays unseen
+        self.iteration = 0
+        self.in_flight: PrefillInFlight | None = None
+        self.handoffs = 0  # requests whose prompt finished in the prefill lane and passed to the decode lane
+        self.overlapped_steps = 0  # decode steps launched while a prefill forward was in flight
+        self.graphs: dict[SmSplit, LaneGraphs] = {}  # per split, captured in its lanes (CUDA: `capture_graphs`)
+        self._admitted: Fence | None = None  # prefill's admission copies, for the decode lane to wait on
+        self._prefill_tail: Fence | None = None  # the end of prefill's last update
+        self._decode_tail: Fence | None = None  # the end of decode's last update
+
+    def lanes(self) -> tuple[Lane, Lane]:
+        """(prefill lane, decode lane) of the split in effect."""
+        return self.partitioner.lanes(self.split)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def step(self, on_launched: Callable[[], None] | None = None) -> list[RequestOutput]:
+        """One iteration (module docstring); returns the requests updated by the decode step and, once it completed,
+        by the prefill forward. `on_launched` runs once this iteration's forwards are queued."""
+        self.iteration += 1
+        clock = StepClock()
+        if self.in_flight is None:
+            self._choose_split()
+        prefill_lane, decode_lane = self.lanes()
+        decode = self._schedule_decode(decode_lane)
+        clock.schedule_done()
+        launched = self._launch_decode(decode_lane, decode) if decode is not None else None
+        # the prefill's host work (scheduling, its launches) overlaps the decode step on the GPU
+        launched_prefill = self.in_flight is None and self._launch_prefill(prefill_lane, decode_lane)
+        clock.overlap_started()
+        if on_launched is not None and (launched_prefill or launched is not None):
+            on_launched()
+        self.pool.evict_ahead()  # safe beside a prefill in flight: its checkpoints are not filed yet
+        self.scheduler.prepare_waiting()
+        clock.overlap_ended()
+        outputs: list[RequestOutput] = []
+        if decode is not None and launched is not None:
+            outputs = self._finish_decode(decode_lane, decode, launched)
+        clock.execute_done()
+        prefill_tokens, prefill_outputs = self._poll_prefill(wait=decode is None)
+        outputs += prefill_outputs
+        if not launched_prefill and decode is None and not prefill_tokens and self.in_flight is None:
+            self.scheduler.unblock()  # every running request waits for pages the others hold
+        self.engine.last_step = clock.timing(len(decode.decodes) if decode is not None else 0, prefill_tokens)
+        return outputs
+
+    def _launch_prefill(self, lane: Lane, decode_lane: Lane) -> bool:
+        """Schedule a prefill-only batch and launch it on the prefill lane; False: no prompt could be scheduled."""
+        outside = Fence.loop_stream(lane)
+        with lane:
+            outside.hold(lane)
+            if self._decode_tail is not None:
+                self._decode_tail.hold(lane)
+                self._decode_tail = None
+            work = self.scheduler.schedule_prefill_lane()
+            if work.is_empty:
+                return False
+            self._admitted = Fence.after(lane)
+            prefills = [(c.request, c.num_tokens) for c in work.prefills]
+            checkpoint_slots = self.pool.plan_checkpoints(prefills)
+            plan = self.pool.take_plan()
+            tiny = self.runner.device.type == "cuda" and sum(c.num_tokens for c in work.prefills) <= SPLIT_K_ROWS
+            if tiny:  # a forward this small may share split-K scratch with decode's: between two decode steps
+                lane.wait_for(decode_lane)
+            start = Fence.after(lane, timing=True)
+            started = time.perf_counter()
+            try:
+                launched = self.runner.launch(work, checkpoint_slots)
+            except BaseException:
+                self.pool.put_plan(plan)
+                self.pool.cancel_plan()
+                raise
+            done = Fence.after(lane, timing=True)
+        if tiny:
+            self._prefill_tail = done
+        self.scheduler.hold(request for request, _ in prefills)
+        self.in_flight = PrefillInFlight(work, launched, plan, self.split, lane, start, done, started,
+                                         self.iteration + self.prefill_delay)
+        return True
+
+    def _schedule_decode(self, lane: Lane) -> SchedulerOutput | None:
+        with lane:
+            work = self.scheduler.schedule_decode_lane()
+        return None if work.is_empty else work
+
+    def _launch_decode(self, lane: Lane, work: SchedulerOutput) -> DecodeInFlight:
+        outside = Fence.loop_stream(lane)
+        with lane:
+            outside.hold(lane)
+            if self._prefill_tail is not None:
+                self._prefill_tail.hold(lane)
+                self._prefill_tail = None
+            self.overlapped_steps += self.in_flight is not None
+            start, started = Fence.after(lane, timing=True), time.perf_counter()
+            launched = self.runner.launch(work)
+            return DecodeInFlight(launched, start, Fence.after(lane, timing=True), time.perf_counter() - started)
+
+    def _finish_decode(self, lane: Lane, work: SchedulerOutput, decode: DecodeInFlight) -> list[RequestOutput]:
+        with lane:
+            output = self.runner.finish(decode.launched)
+            if self._admitted is not None:  # the commit may evict a checkpoint the prefill's admission copies from
+                self._admitted.hold(lane)
+                self._admitted = None
+            gpu_ms = decode.done.ms_since(decode.start)  # the forward's own time, not the prefill's host work
+            self.controller.record("decode", self.split, len(work.decodes),
+                                   gpu_ms if gpu_ms is not None else decode.launch_s * 1e3)
+            outputs = self.update(work, output)
+            self._decode_tail = Fence.after(lane)
+        return outputs
+
+    def _poll_prefill(self, wait: bool) -> tuple[int, list[RequestOutput]]:
+        """The prefill forward's results once it completed (`wait`: wait for it): (its tokens, updated requests)."""
+        flight = self.in_flight
+        if flight is None or (not wait and (self.iteration < flight.ready_at or not flight.done.done())):
+            return 0, []
+        with flight.lane:
+            try:
+                output = self.runner.finish(flight.launched)
+            except BaseException:
+                self.pool.put_plan(flight.plan)
+                self.pool.cancel_plan()
+                raise
+            finally:
+                self.in_flight = None
+                self.scheduler.release_held()
+            self.pool.put_plan(flight.plan)
+            outputs = self.update(flight.work, output)
+            self._prefill_tail = Fence.after(lane=flight.lane)
+        gpu_ms = flight.done.ms_since(flight.start)
+        self.controller.record("prefill", flight.split, flight.tokens,
+                               gpu_ms if gpu_ms is not None else (time.perf_counter() - flight.started) * 1e3)
+        self.handoffs += sum(1 for c in flight.work.prefills if c.request.is_decoding and not c.request.finished)
+        for request_id in flight.aborted:
+            self.engine.abort(request_id)
+        aborted = set(flight.aborted)
+        return flight.tokens, [o for o in outputs if o.request_id not in aborted]
+
+    def _choose_split(self) -> None:
+        """The split for the next prefill forward and the decode steps beside it, from the load now."""
+        running = self.scheduler.running
+        decoding = sum(1 for r in running if r.is_decoding)
+        waiting = sum(r.num_pending_tokens for r in self.scheduler.waiting)
+        waiting += sum(r.num_pending_tokens for r in running if not r.is_decoding)
+        split = self.controller.choose(waiting, decoding)
+        if split != self.split:
+            logger.info("pd_multiplex: SM split %s -> %s (%d prompt tokens waiting, %d decoding)", self.split, split,
+                        waiting, decoding)
+            self.split = split
+            self._use_graphs()
+
+    # ---- CUDA graphs ------------------------------------------------------------------------------
+    def capture_graphs(self, max_batch: int, max_pages: int, prefill_tokens: int, prefill: bool) -> None:
+        """Decode (and, with `prefill`, prefill) graphs captured in the lanes of every split (engine/lane_graphs.py),
+        instead of the co-located engine's."""
+        self.graphs = capture_lane_graphs(self.runner, self.partitioner, max_batch, max_pages, prefill_tokens, prefill)
+        self._use_graphs()
+
+    def _use_graphs(self) -> None:
+        """The runner replays the graphs captured for the split in effect."""
+        graphs = self.graphs.get(self.split)
+        if graphs is not None:
+            self.runner.decode_graphs, self.runner.prefill_graphs = graphs.decode, graphs.prefill
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def defer_abort(self, request_id: str) -> bool:
+        """Whether the request's prefill forward is in flight: then its abort waits until the forward completed (its
+        pages and slot are being written); True: deferred."""
+        flight = self.in_flight
+        if flight is None or all(c.request.request_id != request_id for c in flight.work.prefills):
+            return False
+        if request_id not in flight.aborted:
+            flight.aborted.append(request_id)
+        return True
+
+    def stats(self) -> dict[str, int]:
+        """The split in effect and how often it changed, for a worker's metrics."""
+        return {"prefill_sms": self.split.prefill_sms, "decode_sms": self.split.decode_sms,
+                "split_changes": self.controller.changes, "handoffs": self.handoffs,
+                "overlapped_steps": self.overlapped_steps}
+
+
+def attach(engine: MultiplexedEngine, partitioner: SmPartitioner, policy: SplitPolicy | None = None) -> Multiplexer:
+    """The multiplexer of `engine` (built with pd_multiplex: a LaneScheduler) over `partitioner`'s lanes (a fake
+    partitioner in CPU tests); its step replaces the co-located one from now on."""
+    scheduler = engine.scheduler
+    if not isinstance(scheduler, LaneScheduler):
+        raise ValueError("the engine was not built for pd_multiplex (its scheduler has no lanes): set pd_multiplex")
+    controller = SplitController(policy or SplitPolicy(), partitioner.splits)
+    multiplexer = Multiplexer(engine, scheduler, partitioner, controller, engine._update)
+    engine.multiplexer = multiplexer
+    return multiplexer
+
+
+def open_multiplexer(engine: MultiplexedEngine) -> Multiplexer | None:
+    """With pd_multiplex, the multiplexer over green-context lanes of the engine's GPU; None without pd_multiplex or
+    where SM partitions cannot be made (one WARNING: the engine runs co-located)."""
+    config = engine.config
+    if not config.pd_multiplex:
+        return None
+    device = config.torch_device
+    total = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+    try:
+        partitioner = open_partitioner(device, config.multiplex_menu(total) if total else (1,))
+    except PartitionUnavailable as exc:
+        logger.warning("pd_multiplex: no SM partitions here (%s); prefill and decode run co-located, in the same "
+                       "steps", exc)
+        return None
+    logger.info("pd_multiplex: prefill and decode lanes over %s", partitioner.describe())
+    return attach(engine, partitioner)

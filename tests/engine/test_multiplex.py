@@ -1,0 +1,185 @@
+"""PD multiplexing on CPU with the fake partition: the prefill lane's forward is held in flight for a few decode
+iterations, so prompts arrive, prefill and pass to the decode lane while other requests decode; greedy tokens equal
+the co-located engine's, and the pool passes its check after every test."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from checkpoints import nemotron_h, nemotron_h_mtp, random_prompts
+from multiplex_case import GREEDY, drive, staggered
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.common.model_config import ModelConfig
+from hybridserve.common.sampling_params import StructuredOutput
+from hybridserve.engine import multiplex
+from hybridserve.engine.config import EngineConfig
+from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.engine.sm_partition import fake_partitioner
+from hybridserve.models.default_model import default_model_dir
+from hybridserve.statepool import CacheLayout
+
+LENGTHS = [3, 17, 40, 9, 33, 5, 64, 21]  # across chunk boundaries of 16
+
+
+def engines(model_dir, delay: int, **kwargs) -> tuple[LLMEngine, LLMEngine, multiplex.Multiplexer]:
+    """(co-located engine, multiplexed engine over a fake partition, its multiplexer)."""
+    colocated = LLMEngine(model_dir, EngineConfig(**kwargs))
+    engine = LLMEngine(model_dir, EngineConfig(pd_multiplex=True, **kwargs))
+    mux = multiplex.attach(engine, fake_partitioner(132, (32, 64, 96)))
+    mux.prefill_delay = delay
+    return colocated, engine, mux
+
+
+def check_idle(engine: LLMEngine) -> None:
+    engine.pool.check()
+    assert not engine.has_unfinished()
+    assert engine.pool.slots is None or engine.pool.num_free_slots == engine.pool.slots.capacity  # cache may borrow
+    assert not getattr(engine.scheduler, "in_flight", {})
+
+
+@pytest.mark.parametrize("delay", [0, 3])
+def test_greedy_tokens_equal_colocated_while_requests_arrive(delay: int) -> None:
+    model_dir, _ = nemotron_h("M*-M*")
+    prompts = random_prompts(LENGTHS, vocab=128, seed=11)
+    colocated, engine, mux = engines(model_dir, delay, prefill_chunk_size=16, enable_prefix_caching=False)
+    expected = drive(colocated, staggered(prompts))
+    launch, shared = engine.runner.launch, []
+
+    def checked_launch(work, checkpoint_slots=None):  # a request is never in both lanes' forwards at once
+        assert not (work.decodes and work.prefills), "a lane's batch mixes decodes and prefill chunks"
+        if mux.in_flight is not None:
+            shared.extend({id(c.request) for c in mux.in_flight.work.prefills} & {id(r) for r in work.decodes})
+        return launch(work, checkpoint_slots)
+
+    engine.runner.launch = checked_launch
+    assert drive(engine, staggered(prompts)) == expected
+    assert not shared
+    assert mux.handoffs == len(prompts)  # every prompt passed from the prefill lane to the decode lane
+    if delay:
+        assert mux.overlapped_steps > 0  # decode steps ran while a prefill forward was in flight
+    check_idle(engine)
+    check_idle(colocated)
+
+
+def test_prefix_cache_hits_while_multiplexed() -> None:
+    model_dir, _ = nemotron_h("M*-M*")
+    shared = random_prompts([48], vocab=128, seed=12)[0]
+    tails = random_prompts([5, 19, 2, 30], vocab=128, seed=13)
+    first = [(0, shared + tails[0], GREEDY)]
+    later = [(40 + 3 * i, shared + tail, GREEDY) for i, tail in enumerate(tails[1:])]
+    colocated, engine, mux = engines(model_dir, 2, prefill_chunk_size=16, state_block=16)
+    expected = drive(colocated, first + later)
+    assert drive(engine, first + later) == expected
+    assert engine.pool.num_hits >= 3 and engine.pool.num_hit_tokens >= 3 * 48
+    check_idle(engine)
+
+
+@pytest.mark.parametrize("rollback", ["intermediate", "replay"])
+def test_mtp_speculative_decoding_while_multiplexed(rollback: str) -> None:
+    model_dir, _ = nemotron_h_mtp()
+    prompts = random_prompts([3, 40, 9, 33, 21], vocab=128, seed=14)
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "rollback": rollback}
+    colocated, engine, mux = engines(model_dir, 2, prefill_chunk_size=16, speculative_config=spec, state_block=16)
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    expected = drive(colocated, staggered(prompts, params, every=3))
+    assert engine.spec is not None
+    # the greedy answers as drafts (the MTP drafter still runs): verify rows accept several tokens per step
+    engine.spec.set_drafter(lambda r: expected[r.request_id][len(r.output_token_ids) :])
+    assert drive(engine, staggered(prompts, params, every=3)) == expected
+    assert engine.spec.metrics.num_accepted_tokens > 0
+    assert mux.overlapped_steps > 0
+    check_idle(engine)
+
+
+def test_structured_output_while_multiplexed() -> None:
+    model_dir = default_model_dir()
+    colocated, engine, _ = engines(model_dir, 2, prefill_chunk_size=16)
+    grammars = [StructuredOutput("regex", spec="[a-z]{3,8}@[a-z]{2,5}\\.com"),
+                StructuredOutput("choice", choices=("red", "green", "blue")),
+                StructuredOutput("json_object")]
+    prompts = [colocated.encode(text) for text in ("An email address:", "A colour of the sky at noon",
+                                                   "A JSON object describing a cat, with its name and age:")]
+    arrivals = [(2 * i, prompt, SamplingParams(max_tokens=24, temperature=0.0, structured=grammar))
+                for i, (prompt, grammar) in enumerate(zip(prompts, grammars))]
+    expected = drive(colocated, arrivals)
+    assert drive(engine, arrivals) == expected
+    check_idle(engine)
+
+
+def test_abort_during_prefill_in_flight_frees_the_slot_after_the_forward() -> None:
+    model_dir, _ = nemotron_h("M*-M*")
+    prompts = random_prompts([20, 40, 12], vocab=128, seed=15)
+    colocated, engine, mux = engines(model_dir, 4, prefill_chunk_size=16, enable_prefix_caching=False)
+    expected = drive(colocated, [(0, prompts[0], GREEDY), (0, prompts[2], GREEDY)])
+    keep = engine.add_request(prompts[0], GREEDY)
+    while not (engine.scheduler.running and engine.scheduler.running[0].is_decoding):
+        engine.step()
+    victim = engine.add_request(prompts[1], GREEDY)
+    engine.step()  # the victim's first chunk is launched in the prefill lane and held in flight
+    assert mux.in_flight is not None and [c.request.request_id for c in mux.in_flight.work.prefills] == [victim]
+    slot = next(r for r in engine.scheduler.running if r.request_id == victim).state_slot
+    assert engine.abort(victim)  # deferred: the forward still writes its pages and slot
+    assert slot is not None and slot in engine.pool.slots.used_ids()  # type: ignore[union-attr]
+    last = engine.add_request(prompts[2], GREEDY)
+    finished: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id != victim, "an aborted request produced an output"
+            if out.finished:
+                finished[out.request_id] = out.token_ids
+    assert finished == {keep: expected["req-0"], last: expected["req-1"]}
+    assert not engine.abort(victim)
+    check_idle(engine)
+
+
+def test_preemption_under_page_pressure_spares_the_prefill_in_flight() -> None:
+    model_dir, _ = nemotron_h("M*")
+    prompts = random_prompts([20, 20, 20, 20, 20], vocab=128, seed=17)
+    config = ModelConfig.from_dir(model_dir)
+    # 4 slots and 16 pages of 4 tokens: two requests of 36 tokens cannot both hold their KV
+    budget = 4 * CacheLayout.bytes_per_slot(config, 3, torch.float32, torch.float32)
+    budget += 16 * CacheLayout.bytes_per_page(config, 4, torch.float32)
+    kwargs = dict(page_size=4, max_num_seqs=4, max_model_len=40, cpu_memory_gb=budget / 2**30, num_kv_pages=16,
+                  prefill_chunk_size=8)
+    colocated, engine, mux = engines(model_dir, 3, **kwargs)
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    expected = drive(colocated, staggered(prompts, params, every=1))
+    held_preempted = []
+    preempt = engine.scheduler._preempt
+
+    def watched(request):  # a request whose prefill forward is in flight is never the victim
+        held_preempted.append(id(request) in engine.scheduler.in_flight)
+        preempt(request)
+
+    engine.scheduler._preempt = watched
+    assert drive(engine, staggered(prompts, params, every=1)) == expected
+    assert engine.scheduler.num_preemptions > 0 and not any(held_preempted)
+    check_idle(engine)
+
+
+def test_without_sm_partitions_the_mode_warns_once_and_runs_colocated(caplog) -> None:
+    model_dir, _ = nemotron_h("M*-M*")
+    prompts = random_prompts([9, 30], vocab=128, seed=16)
+    with caplog.at_level(logging.WARNING, logger="hybridserve.engine.multiplex"):
+        llm = LLM(model_dir, pd_multiplex=True, prefill_chunk_size=16)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "co-located" in warnings[0].getMessage()
+    assert llm.engine.multiplexer is None
+    reference = LLM(model_dir, prefill_chunk_size=16).generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in reference]
+    llm.engine.pool.check()
+
+
+def test_config_refuses_tensor_parallel_and_bad_menus() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size=1 or drop pd_multiplex"):
+        EngineConfig(pd_multiplex=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="drop one of them"):
+        EngineConfig(pd_multiplex=True, async_scheduling=True)
+    with pytest.raises(ValueError, match="pd_multiplex_prefill_sms"):
+        EngineConfig(pd_multiplex=True, pd_multiplex_prefill_sms="32,lots")
+    assert EngineConfig(pd_multiplex_prefill_sms="32,64").multiplex_menu(132) == (32, 64)
+    assert EngineConfig().multiplex_menu(128) == (32, 48, 64, 80, 96)
