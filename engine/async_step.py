@@ -99,7 +99,7 @@ class InFlight:
     host: torch.Tensor  # [len(due)] int64: the host copy (pinned on CUDA), valid once `ready` completed
     ready: torch.cuda.Event | None  # None on the CPU: `host` is valid at once
     clock: StepClock
-    owners: list[Request] = field(default_factory=list)  # due rows' requests holding a placeholder (advance)
+    owners: list[tuple[Request, int]] = field(default_factory=list)  # (request, position in `sampled`) per placeholder
     index: dict[int, int] = field(default_factory=dict)  # id(request) -> its position in `sampled`
     final: set[Request] = field(default_factory=set)  # owners whose in-flight token is their last by length
 
@@ -133,9 +133,8 @@ class AsyncStepper:
     def step(self, on_launched: Callable[[], None] | None) -> list[RequestOutput] | None:
         engine, prev = self.engine, self.inflight
         scheduler = engine.scheduler
-        everyone = itertools.chain(scheduler.running, scheduler.waiting, scheduler.landed)
-        if any(r.plain is not True for r in everyone) and not all(plain(r) for r in itertools.chain(
-                scheduler.running, scheduler.waiting, scheduler.landed)):
+        queues = (scheduler.running, scheduler.waiting, scheduler.landed)
+        if not all(r.plain or (r.plain is None and plain(r)) for queue in queues for r in queue):
             return None if prev is None else self._resolve(prev)
         scheduler.skip = prev.final if prev is not None else frozenset()
         try:
@@ -150,10 +149,6 @@ class AsyncStepper:
         self.inflight = launched
         self.num_async_steps += 1
         return outputs
-
-    def flush(self) -> list[RequestOutput]:
-        """Apply the step in flight, if any (its outputs)."""
-        return [] if self.inflight is None else self._resolve(self.inflight)
 
     # ---- launch ---------------------------------------------------------------------------------
     def _launch(self, work: SchedulerOutput, prev: InFlight | None, on_launched: Callable[[], None] | None
@@ -172,9 +167,9 @@ class AsyncStepper:
             if prev is not None:
                 self._feed(input_ids, rows, prev)
             hidden = runner.forward(input_ids, batch)  # [N, hidden]
-            engine._while_running(prefills, clock, on_launched)()
             due = [i for i, (r, count) in enumerate(rows) if count == r.num_pending_tokens]
-            sampled = self._sample(rows, due, hidden, batch.query_lens)
+            sampled = self._sample(rows, due, hidden, batch.query_lens)  # queued before the host's overlap work
+            engine._while_running(prefills, clock, on_launched)()
         except BaseException:
             engine.pool.cancel_plan()
             raise
@@ -253,7 +248,7 @@ class AsyncStepper:
                 request.output_token_ids.append(PLACEHOLDER)
                 request.num_inflight = 1
                 step.index[id(request)] = position
-                step.owners.append(request)
+                step.owners.append((request, position))
                 num_output = len(request.output_token_ids)
                 if num_output >= request.params.max_tokens or (
                         max_model_len is not None and len(request.prompt_token_ids) + num_output >= max_model_len):
@@ -271,8 +266,8 @@ class AsyncStepper:
         tokens = step.host.tolist()
         step.clock.execute_done()
         outputs: list[RequestOutput] = []
-        for request in step.owners:
-            token = tokens[step.index[id(request)]]
+        for request, position in step.owners:
+            token = tokens[position]
             request.num_inflight = 0
             if request.finished:  # aborted while its token was in flight
                 request.output_token_ids.pop()
