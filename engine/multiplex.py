@@ -109,7 +109,14 @@ class Fence:
         """GPU milliseconds from `start` to this fence (both timing fences, both complete); None on a fake lane."""
         if self.event is None or start.event is None:
             return None
-        return float(start.event.elapsed_time(self.event))
+        # the host has the step's results by now, but an event recorded on a green-context stream can still read
+        # as pending here (seen on an H200): wait for both (no cost once complete), else time it on the host
+        start.event.synchronize()
+        self.event.synchronize()
+        try:
+            return float(start.event.elapsed_time(self.event))
+        except RuntimeError:
+            return None
 
 
 @dataclass
