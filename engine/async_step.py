@@ -71,6 +71,8 @@ PLACEHOLDER = -1  # an in-flight token's place in output_token_ids (never read a
 
 def fallback_reason(engine: LLMEngine) -> str | None:
     """Why this engine never steps asynchronously (None: it does, request by request)."""
+    if engine.config.pd_multiplex:
+        return "the multiplexed prefill/decode step overlaps its own lanes"
     if engine.spec is not None:
         return "speculative decoding verifies drafts against the host's tokens"
     if engine.tp is not None:
@@ -108,7 +110,7 @@ def async_stepper(engine: LLMEngine) -> AsyncStepper | None:
     """The engine's async stepper, or None (logged) where it always steps synchronously."""
     reason = fallback_reason(engine)
     if reason is not None:
-        logger.warning("async_scheduling: every step runs synchronously here: %s", reason)
+        logger.info("async scheduling off: every step runs synchronously here: %s", reason)
         return None
     logger.info("async scheduling: steps are scheduled one ahead of their tokens (requests with logprobs, grammars, "
                 "logits processors or state export step synchronously)")

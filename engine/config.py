@@ -67,7 +67,7 @@ class EngineConfig:
     # and the host applies them (stop rules, outputs) during step N+1 (vLLM's --async-scheduling; same tokens as
     # synchronous steps). Requests with logprobs, grammars, penalties or state export, speculative decoding and
     # tensor parallelism step synchronously
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     # Tokens between cached Mamba checkpoints; a multiple of the model's SSD chunk_size (and of page_size
     # for models with attention). None: 4 x chunk_size (rounded up to a page multiple). Each checkpoint is a
     # whole state (137 MiB for Nemotron-Nano-9B-v2 in fp32, ~8.8K tokens of its KV), so every chunk would
@@ -204,8 +204,6 @@ class EngineConfig:
         if self.profile_dir is not None and (not isinstance(self.profile_dir, str) or not self.profile_dir):
             raise ValueError(f"profile_dir must be a directory path or None, got {self.profile_dir!r}")
         self.multiplex_menu(132)  # the menu's syntax, validated on construction (SM counts against the device later)
-        if self.pd_multiplex and self.async_scheduling:
-            raise ValueError("pd_multiplex and async_scheduling are two different engine steps: drop one of them")
         if self.pd_multiplex and tp > 1:
             raise ValueError("pd_multiplex runs both lanes on one GPU in one process; it does not combine with "
                              f"tensor_parallel_size={tp}: set tensor_parallel_size=1 or drop pd_multiplex")
