@@ -181,7 +181,7 @@ def run_point(base_url: str, model: str, concurrency: int, num_prompts: int, arg
                           output_len=args.output_len, token_range=(3, min(30000, vocab)), seed=args.seed, id_seed=index + 1)
     sessions = build_workload(wcfg)
     ccfg = ClientConfig(base_url=base_url, model=model, ignore_eos=True, timeout_s=args.request_timeout,
-                        max_concurrency=concurrency)
+                        max_concurrency=concurrency, transport=args.client_transport)
     urls = asyncio.run(metrics_urls(base_url, []))
     records, duration, delta = asyncio.run(run_with_metrics(ccfg, sessions, [0.0] * len(sessions), urls))
     # per-request records without their inter-token gaps (1,024 per request: summarized in the metrics)
@@ -207,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds from start after which no new point begins (the rest are listed as skipped)")
     p.add_argument("--copy-gbps", type=float, default=None, help="copy bandwidth for the floor (default: measured)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--client-transport", choices=("raw", "httpx"), default="raw",
+                   help="the client's HTTP streaming (raw asyncio: keeps up at 16k tokens/s; httpx: the earlier runs')")
     p.add_argument("--device", default="cuda", help="the worker's device (cpu: a smoke test of the harness)")
     p.add_argument("--dtype", default="bfloat16", help="weights and activations")
     p.add_argument("--server-pythonpath", type=Path, default=None,
