@@ -38,6 +38,7 @@ from hybridserve.kernels.host_index import pack_to_device
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from hybridserve.engine.config import EngineConfig
     from hybridserve.engine.model_runner import ModelRunner
     from hybridserve.engine.scheduler import Scheduler
     from hybridserve.engine.spec_decode import SpecDecoder
@@ -50,6 +51,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine(Protocol):
     """The parts of engine/llm_engine.py's LLMEngine a stepper drives (a Protocol: that file imports this one)."""
 
+    config: EngineConfig
     scheduler: Scheduler
     runner: ModelRunner
     pool: StatePool
