@@ -27,7 +27,7 @@ LENGTHS = [3, 17, 40, 9, 33, 5, 64, 21]  # across chunk boundaries of 16
 def engines(model_dir, delay: int, **kwargs) -> tuple[LLMEngine, LLMEngine, multiplex.Multiplexer]:
     """(co-located engine, multiplexed engine over a fake partition, its multiplexer)."""
     colocated = LLMEngine(model_dir, EngineConfig(**kwargs))
-    engine = LLMEngine(model_dir, EngineConfig(pd_multiplex=True, **kwargs))
+    engine = LLMEngine(model_dir, EngineConfig(pd_multiplex=True, async_scheduling=True, **kwargs))
     assert engine.async_steps is None  # the multiplexed step overlaps its own lanes instead
     mux = multiplex.attach(engine, fake_partitioner(132, (32, 64, 96)))
     mux.prefill_delay = delay
