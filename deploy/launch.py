@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from hybridserve.deploy.child_log import last_log_line
 from hybridserve.deploy.options import WorkerOptions, configs_from_json
 from hybridserve.deploy.parent_pipe import watch_parent_pipe
 from hybridserve.deploy.process_heap import freeze_startup_heap
@@ -99,11 +100,7 @@ class PendingWorker:
     ports: WorkerPorts
 
     def log_tail(self) -> str:
-        try:
-            lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
-        except OSError:
-            return ""
-        return lines[-1].strip() if lines else ""
+        return last_log_line(self.log_path)
 
     def cleanup(self) -> None:
         """Remove the ready file's temporary directory."""

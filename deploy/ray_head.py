@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridserve.deploy.child_log import last_log_line
 from hybridserve.deploy.parent_pipe import watch_parent_pipe
 
 STOP_TIMEOUT_S = 30.0  # `ray start --block` stops its processes on SIGTERM; SIGKILL after this
@@ -139,11 +140,7 @@ class RayHead:
             time.sleep(0.1)
 
     def log_tail(self) -> str:
-        try:
-            lines = [line for line in self.log_path.read_text(errors="replace").splitlines() if line.strip()]
-        except OSError:
-            return ""
-        return lines[-1].strip() if lines else ""
+        return last_log_line(self.log_path)
 
     def stop(self) -> None:
         """Stop the head and its processes (SIGTERM, SIGKILL after STOP_TIMEOUT_S); remove its temp dir."""

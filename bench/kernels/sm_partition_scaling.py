@@ -52,14 +52,7 @@ def timed_ms(fn: Callable[[], Any], reps: int, lane: Lane | None = None, warmup:
             fn()
         torch.cuda.synchronize()
         try:
-            stream = torch.cuda.current_stream()
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-            events[0].record(stream)
-            for i in range(reps):
-                fn()
-                events[i + 1].record(stream)
-            torch.cuda.synchronize()
-            return [events[i].elapsed_time(events[i + 1]) for i in range(reps)], "events"
+            return per_iteration_ms(contextlib.nullcontext, fn, reps), "events"  # already inside the lane
         except RuntimeError:
             times = []
             for _ in range(reps):

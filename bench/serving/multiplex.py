@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 from multiplex_report import acceptance_checks, meets_slo, pair_text, split_metrics, table  # noqa: E402
-from serve_client import ClientConfig, metrics_urls, run_with_metrics, server_info  # noqa: E402
+from serve_client import ClientConfig, metrics_texts, metrics_urls, run_with_metrics, server_info  # noqa: E402
 from serve_metrics import summarize  # noqa: E402
 from serve_workloads import WorkloadConfig, arrival_offsets, build_workload  # noqa: E402
 from throughput import Server, measure_copy_gbps  # noqa: E402
@@ -171,22 +171,6 @@ def goodput_search(known: dict[float, bool], probe: Callable[[float], bool | Non
             "rates": {f"{r:g}": ok for r, ok in sorted(results.items())}}
 
 
-async def scrape_text(urls: list[str]) -> str:
-    """The Prometheus text of every URL that answers, concatenated."""
-    import httpx
-
-    texts = []
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        for url in urls:
-            try:
-                resp = await client.get(url)
-            except httpx.HTTPError:
-                continue
-            if resp.status_code == 200:
-                texts.append(resp.text)
-    return "\n".join(texts)
-
-
 def gpu_check() -> str | None:
     """Why this cannot run here (no CUDA GPU), or None."""
     try:
@@ -237,7 +221,7 @@ class ModeRun:
                  "rate": "inf" if math.isinf(point.rate) else point.rate, "num_prompts": point.num_prompts,
                  "metrics": metrics}
         if self.mode == "multiplexed":  # the split in effect after the point and the changes so far
-            entry["pd_multiplex"] = split_metrics(asyncio.run(scrape_text(urls)))
+            entry["pd_multiplex"] = split_metrics("\n".join(asyncio.run(metrics_texts(urls))))
         self.points[point.key] = entry
         m = metrics
         logger.info("%s %s: TTFT p50/p99 %s, TPOT %s, ITL %s, %.0f tok/s, %d failed", self.mode, point.key,

@@ -216,22 +216,28 @@ async def metrics_urls(base_url: str, extra: list[str]) -> list[str]:
     return urls + [u for u in extra if u not in urls]
 
 
-async def scrape(urls: list[str]) -> dict[str, float] | None:
-    """Summed benchmark counters over `urls` (None when no URL answered)."""
-    total: dict[str, float] = {}
-    answered = False
+async def metrics_texts(urls: list[str]) -> list[str]:
+    """The Prometheus text of every URL in `urls` that answers 200 (the others are left out)."""
+    texts = []
     async with httpx.AsyncClient(timeout=10.0) as client:
         for url in urls:
             try:
                 resp = await client.get(url)
             except httpx.HTTPError:
                 continue
-            if resp.status_code != 200:
-                continue
-            answered = True
-            for k, v in parse_counters(resp.text).items():
-                total[k] = total.get(k, 0.0) + v
-    return total if answered else None
+            if resp.status_code == 200:
+                texts.append(resp.text)
+    return texts
+
+
+async def scrape(urls: list[str]) -> dict[str, float] | None:
+    """Summed benchmark counters over `urls` (None when no URL answered)."""
+    texts = await metrics_texts(urls)
+    total: dict[str, float] = {}
+    for text in texts:
+        for k, v in parse_counters(text).items():
+            total[k] = total.get(k, 0.0) + v
+    return total if texts else None
 
 
 async def run_with_metrics(cfg: ClientConfig, sessions: list[Session], offsets: list[float], urls: list[str] | None

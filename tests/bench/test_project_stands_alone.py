@@ -15,7 +15,7 @@ SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", ".ruff_cac
              ".demo_data", "build", "dist", "node_modules"}
 OUTSIDE = re.compile(re.escape("../" + "shared") + "|" + re.escape("/work/" + "shared"))
 RUN_NAME = re.compile(r"\b(?:session|call)[0-9]+\b", re.IGNORECASE)  # e.g. a results folder named after a run
-# in code only as a path component, so that a variable such as `call2` stays a variable
+# in code only as a path component, so that a variable named like a run (a word and a digit) stays a variable
 RUN_FOLDER = re.compile(r"[/\\](?:session|call)[0-9]+\b|\b(?:session|call)[0-9]+[/\\]", re.IGNORECASE)
 
 
