@@ -48,7 +48,9 @@ class SessionHost(Protocol):
     metrics: WorkerMetrics
     drain_state: Drain
 
-    def take(self, ticket: str) -> Reservation: ...
+    def claim(self, ticket: str, request_id: str) -> tuple[Reservation, bool]: ...
+
+    def handed_over(self, request_id: str) -> None: ...
 
     def abort(self, request_id: str) -> bool: ...
 
@@ -153,15 +155,14 @@ class WorkerSession:
 
         rid = request.request_id
         try:
-            reservation = self._worker.take(request.ticket)
+            reservation, handover = self._worker.claim(request.ticket, rid)
         except TransferError as exc:
             self._refuse(rid, getattr(grpc.StatusCode, exc.code), str(exc))
             return
-        if reservation.request_id != rid:
-            self._refuse(rid, grpc.StatusCode.INVALID_ARGUMENT, "ticket and request_id do not match")
-            return
         if self._open_request(rid, reservation.stream, remote=True):
             reservation.stream.redirect(_Tagged(rid, self._outbound))
+        if handover:  # committed before this claim: its in-flight count passes to the session's
+            self._worker.handed_over(rid)
 
     def _open_request(self, rid: str, sink: OutputSink, remote: bool) -> bool:
         """Count a request as open on this session (and in flight for the drain); refused if its id already is."""

@@ -8,7 +8,6 @@ ever joins the batch.
 
 from __future__ import annotations
 
-import collections
 import logging
 import queue
 import threading
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import grpc
 
-from hybridserve.decode_worker.reservation import Reservation
+from hybridserve.decode_worker.reservation import Reservation, ReservationBook
 from hybridserve.decode_worker.session import WorkerSession
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.handoff import CapacityError
@@ -43,7 +42,6 @@ from hybridserve.worker_runtime.worker_metrics import WorkerMetrics
 logger = logging.getLogger(__name__)
 
 DEFAULT_RESERVATION_TIMEOUT_S = 60.0
-CANCELLED_KEPT = 1024  # causes of recently cancelled reservations kept for their late streams
 
 
 
@@ -63,10 +61,7 @@ class DecodeWorker:
         self.events = CacheEventFeed(self.worker_id, self.loop)
         self.metrics = WorkerMetrics(self.loop, "decode")
         self._metrics_port = metrics_port  # None: no /metrics server
-        self._reservations: dict[str, Reservation] = {}
-        # why recent reservations were cancelled: a state's other streams arriving after the first one failed a
-        # check get that cause, not "unknown ticket" (bounded: oldest dropped)
-        self._cancelled: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._reservations = ReservationBook()
         self.transfer = transfer or TransferConfig()
         self._health_answer = HealthAnswer(self.loop, lambda: health_response(
             "decode", self.worker_id, self.fingerprint, self.engine, self.metrics.port, self.transfer))
@@ -113,8 +108,7 @@ class DecodeWorker:
 
     def _abort_at_drain_timeout(self, request_id: str) -> None:
         error = RuntimeError("the decode worker shut down before the request finished (drain timeout)")
-        with self._lock:
-            reservation = next((r for r in self._reservations.values() if r.request_id == request_id), None)
+        reservation = self._reservations.find(request_id)
         if reservation is not None:
             self.cancel(reservation, error)
         else:
@@ -135,22 +129,24 @@ class DecodeWorker:
         params = sampling_from_proto(sampling)
         self.engine.grammars.prepare(params)  # compiled off the loop, before the reservation takes pages
         stream = self.loop.submit(request_id, lambda: self.engine.reserve(request_id, prompt_token_ids, params))
-        reservation = Reservation(uuid.uuid4().hex, request_id, len(prompt_token_ids), time.monotonic() + timeout_s, stream)
-        with self._lock:
-            self._reservations[reservation.ticket] = reservation
-        self.drain_state.begin(request_id)  # until committed (its token stream has begun by then) or cancelled
+        reservation = Reservation(uuid.uuid4().hex, request_id, len(prompt_token_ids), time.monotonic() + timeout_s,
+                                  stream, ttl_s=timeout_s)
+        self._reservations.add(reservation)
+        self.drain_state.begin(request_id)  # until its reader has the committed stream, or it is cancelled
         return reservation
 
     def take(self, ticket: str) -> Reservation:
-        with self._lock:
-            reservation = self._reservations.get(ticket)
-        if reservation is None:
-            with self._lock:
-                cause = self._cancelled.get(ticket)
-            if cause is not None:
-                raise TransferError("FAILED_PRECONDITION", f"the reservation of ticket {ticket!r} was cancelled: {cause}")
-            raise TransferError("FAILED_PRECONDITION", f"unknown or expired ticket {ticket!r}")
-        return reservation
+        """The open reservation a state transfer names (TransferError when there is none)."""
+        return self._reservations.for_state(ticket)
+
+    def claim(self, ticket: str, request_id: str) -> tuple[Reservation, bool]:
+        """A reader takes a reservation's token stream (ReservationBook.claim); when the state was committed
+        before the reader came, the reservation's in-flight count passes to the reader (see `handed_over`)."""
+        return self._reservations.claim(ticket, request_id)
+
+    def handed_over(self, request_id: str) -> None:
+        """A reader that claimed a committed reservation has begun its own in-flight count: end the reservation's."""
+        self.drain_state.end(request_id)
 
     def assembly_for(self, reservation: Reservation, manifest, specs) -> StateAssembly:
         """The receive buffer shared by the parallel streams of one reservation's state."""
@@ -174,10 +170,9 @@ class DecodeWorker:
         """Install a landed, checked state unless the reservation was cancelled meanwhile (abort, expiry).
         The loop's share is one short step: device-local copies into the reserved pages and slot."""
         manifest = landed.manifest
-        with self._lock:
-            if self._reservations.get(reservation.ticket) is not reservation:
-                landed.release()
-                raise TransferError("FAILED_PRECONDITION", f"reservation for {reservation.request_id} was cancelled")
+        if not self._reservations.is_open(reservation):
+            landed.release()
+            raise TransferError("FAILED_PRECONDITION", f"reservation for {reservation.request_id} was cancelled")
 
         def install() -> None:
             try:
@@ -189,27 +184,19 @@ class DecodeWorker:
             reservation.stream.put(first)  # on the loop thread: ahead of any output of a later step
 
         self.loop.call(install)
-        reservation.committed = True
-        with self._lock:
-            popped = self._reservations.pop(reservation.ticket, None)
-        if popped is not None:
+        if self._reservations.settle(reservation):  # its reader has the stream (else it counts until claimed)
             self.drain_state.end(reservation.request_id)
 
     def cancel(self, reservation: Reservation, error: BaseException) -> None:
-        with self._lock:
-            if self._reservations.pop(reservation.ticket, None) is None:
-                return
-            self._cancelled[reservation.ticket] = str(error)
-            while len(self._cancelled) > CANCELLED_KEPT:
-                self._cancelled.popitem(last=False)
+        if not self._reservations.cancel(reservation, str(error)):
+            return
         self.drain_state.end(reservation.request_id)
         self.loop.call(lambda: self.engine.abort(reservation.request_id))
         reservation.stream.put(error)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request, cancelling its reservation if it has one."""
-        with self._lock:
-            reservation = next((r for r in self._reservations.values() if r.request_id == request_id), None)
+        reservation = self._reservations.find(request_id)
         if reservation is not None:
             self.cancel(reservation, ConnectionAbortedError("aborted"))
             return True
@@ -217,12 +204,11 @@ class DecodeWorker:
 
     def _reap_expired(self) -> None:
         while not self._closed.wait(0.5):
-            now = time.monotonic()
-            with self._lock:
-                expired = [r for r in self._reservations.values() if r.deadline < now and not r.committed]
-            for reservation in expired:
+            for reservation in self._reservations.expired(time.monotonic()):
                 logger.warning("reservation %s for %s expired", reservation.ticket, reservation.request_id)
-                self.cancel(reservation, TimeoutError("no state arrived before the reservation expired"))
+                self.cancel(reservation, TimeoutError(
+                    "no reader claimed the token stream in time" if reservation.committed else
+                    "no state arrived before the reservation expired"))
 
     def health(self) -> common_pb2.HealthResponse:
         health = self._health_answer()
@@ -296,12 +282,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def StreamTokens(self, request, context):  # noqa: N802
         try:
-            reservation = self.worker.take(request.ticket)
+            reservation, handover = self.worker.claim(request.ticket, request.request_id)
         except TransferError as exc:
             _abort(context, exc.code, str(exc))
-        if reservation.request_id != request.request_id:
-            _abort(context, "INVALID_ARGUMENT", "ticket and request_id do not match")
-        yield from _events(self.worker, reservation.request_id, reservation.stream, context, local=False)
+        yield from _events(self.worker, reservation.request_id, reservation.stream, context, local=False,
+                           handover=handover)
 
     def GenerateLocal(self, request, context):  # noqa: N802
         self.worker.drain_state.refuse_new(context)
@@ -355,11 +340,14 @@ def _handle_transfer(worker: DecodeWorker, context: grpc.ServicerContext, reserv
 
 
 def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context: grpc.ServicerContext,
-            local: bool):
-    """TokenEvents from a request's output stream; a client that goes away aborts the request."""
+            local: bool, handover: bool = False):
+    """TokenEvents from a request's output stream; a client that goes away aborts the request. `handover`:
+    the stream's reservation was committed before this reader claimed it (its in-flight count ends here)."""
     sent = 0
     finished = False
     worker.drain_state.begin(request_id)
+    if handover:
+        worker.handed_over(request_id)
     try:
         for out in worker.loop.iterate(request_id, stream):
             finished = out.finished

@@ -287,6 +287,19 @@ def test_disaggregated_token_streams_go_on_the_session_and_aborts_free_both_side
         follow = worker_pb2.StreamTokensRequest(request_id="nope", ticket="no-such-ticket")
         _, refused = _drive(stub, [worker_pb2.SessionRequest(stream_tokens=follow)], [], set(), 1)
         assert [(rid, code) for rid, code, _ in refused] == [("nope", grpc.StatusCode.FAILED_PRECONDITION)]
+        # a state committed before the session asks for its stream (the prefill won the race): every token comes
+        prompt = random_prompts([25], vocab=300, seed=74)[0]
+        ticket = stub.Reserve(worker_pb2.ReserveRequest(request_id="early", prompt_token_ids=prompt,
+                                                        sampling=sampling_to_proto(GREEDY))).ticket
+        prefill = worker_pb2_grpc.PrefillWorkerStub(insecure_channel(cluster.prefill[0].address))
+        prefill.Prefill(worker_pb2.PrefillRequest(request_id="early", prompt_token_ids=prompt,
+                                                  sampling=sampling_to_proto(GREEDY),
+                                                  decode_address=cluster.decode[0].address, ticket=ticket), timeout=60)
+        follow = worker_pb2.StreamTokensRequest(request_id="early", ticket=ticket)
+        tokens, _ = _drive(stub, [worker_pb2.SessionRequest(stream_tokens=follow)], [], {"early"}, 0)
+        assert tokens["early"] == LLM(model_dir, max_model_len=256).generate(
+            prompt_token_ids=[prompt], sampling_params=GREEDY)[0].token_ids
+        _quiet(cluster)
     finally:
         cluster.stop()
 

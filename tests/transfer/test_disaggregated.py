@@ -157,6 +157,42 @@ def test_sender_dying_mid_stream_frees_the_reservation(nemotron_cluster) -> None
     cluster.check_pools()
 
 
+def test_a_state_that_lands_before_its_reader_streams_all_its_tokens(nemotron_cluster) -> None:
+    """The prefill can finish before the router's StreamTokens arrives: the committed request runs and its
+    reader, when it comes, gets every token (it used to find an "unknown or expired ticket")."""
+    model_dir, cluster = nemotron_cluster
+    prompt = random_prompts([30], vocab=128, seed=47)[0]
+    stub, request_id, ticket = _reserve(cluster, prompt)
+    assert stub.PushState(iter(_state_messages(cluster, prompt, request_id, ticket)), timeout=30).committed
+    events = list(stub.StreamTokens(worker_pb2.StreamTokensRequest(request_id=request_id, ticket=ticket), timeout=30))
+    assert events[-1].finish_reason == "length"
+    assert [t for e in events for t in e.token_ids] == _reference(model_dir, [prompt])[0]
+    with pytest.raises(grpc.RpcError) as info:  # claimed once: a second reader is told it is gone
+        list(stub.StreamTokens(worker_pb2.StreamTokensRequest(request_id=request_id, ticket=ticket), timeout=30))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert cluster.idle()
+    cluster.check_pools()
+
+
+def test_a_committed_state_no_reader_claims_expires(nemotron_cluster) -> None:
+    _, cluster = nemotron_cluster
+    decode = cluster.decode[0]
+    stub = worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(decode.address))
+    request_id = uuid.uuid4().hex
+    prompt = random_prompts([20], vocab=128, seed=48)[0]
+    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    ticket = stub.Reserve(worker_pb2.ReserveRequest(request_id=request_id, prompt_token_ids=prompt,
+                                                    sampling=sampling_to_proto(params), timeout_ms=500)).ticket
+    assert stub.PushState(iter(_state_messages(cluster, prompt, request_id, ticket)), timeout=30).committed
+    assert cluster.idle(timeout=30)  # the reaper aborted the unread request and freed its room
+    assert not decode._reservations
+    assert request_id not in decode.drain_state.in_flight()
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.StreamTokens(worker_pb2.StreamTokensRequest(request_id=request_id, ticket=ticket), timeout=30))
+    assert "no reader claimed the token stream" in (info.value.details() or "")
+    cluster.check_pools()
+
+
 def test_decode_abort_mid_stream(nemotron_cluster) -> None:
     model_dir, cluster = nemotron_cluster
     prompt = random_prompts([30], vocab=128, seed=45)[0]
