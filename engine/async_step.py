@@ -102,7 +102,6 @@ class InFlight:
     sampled: torch.Tensor  # [len(due)] int64 on the device
     host: torch.Tensor  # [len(due)] int64: the host copy (pinned on CUDA), valid once `ready` completed
     ready: torch.cuda.Event | None  # None on the CPU: `host` is valid at once
-    clock: StepClock
     owners: list[tuple[Request, int]] = field(default_factory=list)  # (request, position in `sampled`) per placeholder
     index: dict[int, int] = field(default_factory=dict)  # id(request) -> its position in `sampled`
     final: set[Request] = field(default_factory=set)  # owners whose in-flight token is their last by length
@@ -135,31 +134,46 @@ class AsyncStepper:
         return self.inflight is not None
 
     def step(self, on_launched: Callable[[], None] | None) -> list[RequestOutput] | None:
+        """Launch the next step and apply the one in flight. `engine.last_step` times this call (its phases:
+        scheduling and launching step N+1, the wait for step N's tokens, applying them), with the shape of the
+        step it launched (of the one it applied when it launched none)."""
         engine, prev = self.engine, self.inflight
+        clock = StepClock()
         scheduler = engine.scheduler
         queues = (scheduler.running, scheduler.waiting, scheduler.landed)
         if not all(r.plain or (r.plain is None and plain(r)) for queue in queues for r in queue):
-            return None if prev is None else self._resolve(prev)
+            return None if prev is None else self._resolve_only(prev, clock)
         scheduler.skip = prev.final if prev is not None else frozenset()
         try:
             work = scheduler.schedule()
         finally:
             scheduler.skip = frozenset()
         if work.is_empty:
-            return [] if prev is None else self._resolve(prev)
-        launched = self._launch(work, prev, on_launched)
-        outputs = self._resolve(prev) if prev is not None else []
+            return [] if prev is None else self._resolve_only(prev, clock)
+        launched = self._launch(work, prev, on_launched, clock)
+        outputs = self._resolve(prev, clock) if prev is not None else []
+        if prev is None:
+            clock.execute_done()  # nothing to wait for yet
         self._advance(launched)
         self.inflight = launched
         self.num_async_steps += 1
+        engine.last_step = clock.timing(launched.num_decode, _prefill_tokens(launched))
+        return outputs
+
+    def _resolve_only(self, step: InFlight, clock: StepClock) -> list[RequestOutput]:
+        """Apply the step in flight without launching another (the next steps run synchronously, or none is left)."""
+        clock.schedule_done()
+        clock.overlap_started()
+        clock.overlap_ended()
+        outputs = self._resolve(step, clock)
+        self.engine.last_step = clock.timing(step.num_decode, _prefill_tokens(step))
         return outputs
 
     # ---- launch ---------------------------------------------------------------------------------
-    def _launch(self, work: SchedulerOutput, prev: InFlight | None, on_launched: Callable[[], None] | None
-                ) -> InFlight:
+    def _launch(self, work: SchedulerOutput, prev: InFlight | None, on_launched: Callable[[], None] | None,
+                clock: StepClock) -> InFlight:
         engine = self.engine
         runner = engine.runner
-        clock = StepClock()
         prefills = [(c.request, c.num_tokens) for c in work.prefills]
         checkpoint_slots = engine.pool.plan_checkpoints(prefills)
         clock.schedule_done()
@@ -178,7 +192,7 @@ class AsyncStepper:
             engine.pool.cancel_plan()
             raise
         host, ready = self._to_host(sampled)
-        return InFlight(rows, nd, due, sampled, host, ready, clock)
+        return InFlight(rows, nd, due, sampled, host, ready)
 
     def _to_host(self, sampled: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """A copy of the samples on the host, queued behind the step (pinned buffers, two: the previous step's is
@@ -259,16 +273,16 @@ class AsyncStepper:
                     step.final.add(request)
         engine.pool.commit([r for r, _ in live], decodes, None)
 
-    def _resolve(self, step: InFlight) -> list[RequestOutput]:
-        """Wait for the step's tokens on the host, put them in place of the placeholders and apply the stop rules;
-        the requests' outputs, in sample order."""
+    def _resolve(self, step: InFlight, clock: StepClock) -> list[RequestOutput]:
+        """Wait for the step's tokens on the host (the wait ends `clock`'s execution), put them in place of the
+        placeholders and apply the stop rules; the requests' outputs, in sample order."""
         engine = self.engine
         scheduler = engine.scheduler
         self.inflight = None
         if step.ready is not None:
             step.ready.synchronize()
         tokens = step.host.tolist()
-        step.clock.execute_done()
+        clock.execute_done()
         outputs: list[RequestOutput] = []
         for request, position in step.owners:
             token = tokens[position]
@@ -284,8 +298,11 @@ class AsyncStepper:
                 engine.connector.request_finished(request)
             outputs.append(request.output(engine.tokenizer))
         engine.connector.step_finished()
-        engine.last_step = step.clock.timing(step.num_decode, sum(c for _, c in step.rows[step.num_decode:]))
         return outputs
+
+
+def _prefill_tokens(step: InFlight) -> int:
+    return sum(count for _, count in step.rows[step.num_decode:])
 
 
 def _to_device(arrays: list[list[int]], device: torch.device) -> list[torch.Tensor]:

@@ -65,9 +65,9 @@ class EngineConfig:
     prefill_cuda_graphs: bool = True
     # schedule and launch step N+1 while step N runs on the GPU; its sampled tokens feed step N+1 on the device
     # and the host applies them (stop rules, outputs) during step N+1 (vLLM's --async-scheduling; same tokens as
-    # synchronous steps). Requests with logprobs, grammars, penalties or state export, speculative decoding and
-    # tensor parallelism step synchronously
-    async_scheduling: bool = False
+    # synchronous steps; +21 % output tok/s at 256 in flight on an H200). Requests with logprobs, grammars, penalties
+    # or state export, speculative decoding and tensor parallelism step synchronously
+    async_scheduling: bool = True
     # Tokens between cached Mamba checkpoints; a multiple of the model's SSD chunk_size (and of page_size
     # for models with attention). None: 4 x chunk_size (rounded up to a page multiple). Each checkpoint is a
     # whole state (137 MiB for Nemotron-Nano-9B-v2 in fp32, ~8.8K tokens of its KV), so every chunk would

@@ -2,11 +2,12 @@
 
     python bench/system/mixed_step.py --decode-rows 1 4 8 --prompt-len 1024 --repeats 20 --out DIR
 
-The same engine settings as the serving benchmark (Nemotron-Nano-9B-v2 shapes, dummy weights), built once with
-the cache off and once with it on. For each number of decode rows it keeps that many requests decoding and
-times, `--repeats` times, the step that prefills one fresh unique prompt beside them (wall time and the GPU
-time between CUDA events), and the decode-only step, under torch.profiler; the kernels and CPU ops whose
-totals over all measured steps differ most between cache on and off are written to DIR/mixed_step_diff.txt.
+The same engine settings as the serving benchmark (Nemotron-Nano-9B-v2 shapes, dummy weights), built once with the
+cache off and once with it on, stepping synchronously (the step whose phases it times). For each number of decode
+rows it keeps that many requests decoding and times, `--repeats` times, the step that prefills one fresh unique
+prompt beside them (wall time and the GPU time between CUDA events), and the decode-only step, under
+torch.profiler; the kernels and CPU ops whose totals over all measured steps differ most between cache on and off
+are written to DIR/mixed_step_diff.txt.
 """
 
 from __future__ import annotations
@@ -336,7 +337,7 @@ def main() -> None:
     if args.host_time or args.timeline:  # one engine with the cache on, as served
         out = Path(args.out or ".")
         out.mkdir(parents=True, exist_ok=True)
-        engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=True))
+        engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=True, async_scheduling=False))
     if args.host_time:
         found_host = host_time(engine, args.decode_rows[0], args, out)
         (out / "mixed_step_host.json").write_text(json.dumps(found_host, indent=1) + "\n")
@@ -348,7 +349,7 @@ def main() -> None:
             print({k: v for k, v in row.items() if k != "largest_gaps"})
         return
     if args.sync_sites:
-        engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=True))
+        engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=True, async_scheduling=False))
         text = sync_sites(engine, args.decode_rows[0], args)
         print(text)
         if args.out:
@@ -357,7 +358,7 @@ def main() -> None:
         return
     results: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
     for caching in (False, True, False, True):  # alternated, so drift hits both settings alike
-        engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=caching))
+        engine = LLMEngine(model_dir, engine_config(args, enable_prefix_caching=caching, async_scheduling=False))
         for seed, rows in enumerate(args.decode_rows):
             results["on" if caching else "off"].append(measure(engine, rows, args, seed + 1))
         del engine

@@ -21,7 +21,7 @@ from hybridserve.transfer.planes import TransferConfig
 ENGINE = EngineConfig(
     device="cpu", dtype="bfloat16", prefill_chunk_size=48, max_num_seqs=3, page_size=8, max_model_len=500,
     cpu_memory_gb=0.5, gpu_memory_utilization=0.5, gpu_memory_gb=3.0, seed=7, enable_prefix_caching=False,
-    cuda_graphs=False, split_mixed_steps=False, prefill_cuda_graphs=False, async_scheduling=True, state_block=64,
+    cuda_graphs=False, split_mixed_steps=False, prefill_cuda_graphs=False, async_scheduling=False, state_block=64,
     num_kv_pages=96, num_checkpoint_slots=2, max_cache_events=100,
     speculative_config={"method": "ngram", "num_speculative_tokens": 2}, load_format="dummy", warmup=False,
     max_num_batched_tokens=20, max_num_waiting=50, standby_state_slots=2, plan_seq_len=256,

@@ -105,7 +105,8 @@ def _hold_after(worker: DecodeWorker, steps: int) -> None:
 
     def held(**kw) -> list:  # type: ignore[no-untyped-def]
         nonlocal taken
-        if taken >= steps:
+        # held, unless nothing is left to run: then a step only applies the async step still in flight
+        if taken >= steps and worker.engine.scheduler.has_unfinished():
             time.sleep(0.005)  # a stopped engine: an empty step, not a busy loop
             return []
         taken += 1

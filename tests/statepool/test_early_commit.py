@@ -1,5 +1,6 @@
 """The prefix cache's host work runs while the forward is on the device (`StatePool.commit_prefills`): what it
-files is exactly what a commit after the forward files, and a forward that fails takes all of it back."""
+files is exactly what a commit after the forward files, with synchronous and async steps alike, and a forward
+that fails takes all of it back (the synchronous step, whose forward raises where it runs)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,17 @@ from hybridserve.statepool.events import EventKind
 
 class _ForwardFailed(RuntimeError):
     pass
+
+
+def _wrap_while_running(engine, wrap) -> None:
+    """Run `wrap(hook)` in place of the work each step does while its forward runs (both step paths call it)."""
+    original = engine._while_running
+
+    def wrapped(prefills, clock, on_launched):
+        hook = original(prefills, clock, on_launched)
+        return lambda: wrap(hook)
+
+    engine._while_running = wrapped
 
 
 def _fail_next_forward(engine) -> None:
@@ -31,24 +43,19 @@ def _cache_view(engine) -> tuple[set[bytes], set[bytes]]:
     return {n.block_hash for n in nodes}, {n.block_hash for n in nodes if n.checkpoint is not None}
 
 
-def test_prefill_blocks_and_checkpoints_are_filed_during_the_forward() -> None:
-    engine = warm_llm("nemotron_h").engine
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prefill_blocks_and_checkpoints_are_filed_during_the_forward(async_scheduling: bool) -> None:
+    engine = warm_llm("nemotron_h", async_scheduling=async_scheduling).engine
+    assert (engine.async_steps is not None) == async_scheduling
     prompt = random_prompts([70], vocab=128, seed=5)[0]
     engine.add_request(prompt, greedy(3))
     seen = {}
-    execute = engine.runner.execute
 
-    def spy(*args, **kwargs):
-        hook = kwargs["while_running"]
+    def run_and_look(hook) -> None:
+        hook()
+        seen.setdefault("during", _cache_view(engine))
 
-        def run_and_look() -> None:
-            hook()
-            seen.setdefault("during", _cache_view(engine))
-
-        kwargs["while_running"] = run_and_look
-        return execute(*args, **kwargs)
-
-    engine.runner.execute = spy
+    _wrap_while_running(engine, run_and_look)
     outputs = []
     while engine.has_unfinished():
         outputs += engine.step()
@@ -65,7 +72,7 @@ def test_prefill_blocks_and_checkpoints_are_filed_during_the_forward() -> None:
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_a_failed_forward_takes_its_early_commit_back(shared: bool) -> None:
-    engine = warm_llm("nemotron_h").engine
+    engine = warm_llm("nemotron_h", async_scheduling=False).engine
     base = random_prompts([48], vocab=128, seed=6)[0]
     if shared:  # part of the failing prompt is cached already: those nodes stay, only the new ones go
         engine.add_request(base[:32] + [1, 2, 3], greedy(1))
@@ -97,10 +104,12 @@ def test_a_failed_forward_takes_its_early_commit_back(shared: bool) -> None:
     engine.pool.check()
 
 
-def test_eviction_and_hashing_happen_off_the_critical_path() -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_eviction_and_hashing_happen_off_the_critical_path(async_scheduling: bool) -> None:
     """Once the cache is full, a stream of unique prompts evicts only inside `while_running` (the reserve of
     `keep_free_for` covers each admission and checkpoint plan), and prompts hashed by the caller are not rehashed."""
-    engine = warm_llm("nemotron_h", num_kv_pages=40, num_checkpoint_slots=8, prefill_chunk_size=32).engine
+    engine = warm_llm("nemotron_h", num_kv_pages=40, num_checkpoint_slots=8, prefill_chunk_size=32,
+                      async_scheduling=async_scheduling).engine
     pool, radix = engine.pool, engine.pool.radix
     in_window = [False]
     outside: list[str] = []
@@ -113,22 +122,15 @@ def test_eviction_and_hashing_happen_off_the_critical_path() -> None:
             return _original(*args)
 
         setattr(radix, name, spy)
-    execute = engine.runner.execute
 
-    def windowed(*args, **kwargs):
-        hook = kwargs["while_running"]
+    def windowed(hook) -> None:
+        in_window[0] = True
+        try:
+            hook()
+        finally:
+            in_window[0] = False
 
-        def run() -> None:
-            in_window[0] = True
-            try:
-                hook()
-            finally:
-                in_window[0] = False
-
-        kwargs["while_running"] = run
-        return execute(*args, **kwargs)
-
-    engine.runner.execute = windowed
+    _wrap_while_running(engine, windowed)
     hashed = []
     original_hashes = pool._hashes
 

@@ -1,5 +1,6 @@
-"""Late hand-off (on by default): a step's outputs reach their streams once the next step's forward is
-queued, never lost, in order, and the last ones at once when no step follows."""
+"""Late hand-off (on by default): a synchronous step's outputs reach their streams once the next step's forward is
+queued, never lost, in order, and the last ones at once when no step follows. Async steps return their outputs
+after the next forward is queued already: they go out at once."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ class _Recorder(queue.Queue):
         super().put(item, block, timeout)
 
 
-def _run(late: bool, model_dir) -> tuple[dict[str, list[tuple[int, int, bool]]], dict[str, list[int]]]:
-    loop = EngineLoop(LLM(model_dir).engine, late_handoff=late)
+def _run(late: bool, model_dir, async_scheduling: bool = False
+         ) -> tuple[dict[str, list[tuple[int, int, bool]]], dict[str, list[int]]]:
+    loop = EngineLoop(LLM(model_dir, async_scheduling=async_scheduling).engine, late_handoff=late)
     steps: list[int] = []
     real_step = loop.engine.step
 
@@ -67,6 +69,13 @@ def test_late_hand_off_delivers_every_output_one_launch_later() -> None:
             # early: handed off before the next step starts; late: once the next step runs, or at once after the
             # last step (no step follows it)
             assert late_steps == early_steps + (early_steps != last_step)
+    # async steps: the same tokens and outputs; each output goes out in the step call that returned it (the step
+    # that computed its token is the one before)
+    async_log, async_tokens = _run(True, model_dir, async_scheduling=True)
+    assert async_tokens == early_tokens
+    for name, early in early_log.items():
+        assert [entry[1:] for entry in async_log[name]] == [entry[1:] for entry in early]
+        assert [entry[0] for entry in async_log[name]] == [steps + 1 for steps, *_ in early]
 
 
 def test_overlap_tasks_run_while_forwards_compute_and_when_idle(caplog) -> None:
