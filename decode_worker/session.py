@@ -266,13 +266,13 @@ class WorkerSession:
         if item.finished:  # prompt tokens only for prompts this worker prefilled itself
             with self._lock:
                 remote = rid in self._remote
-            self._worker.metrics.observe_finished(0 if remote else len(item.prompt_token_ids), len(item.token_ids),
+            self._worker.metrics.observe_finished(0 if remote else len(item.prompt_token_ids), item.num_tokens,
                                                   item.finish_reason or "")
             self._forget(rid)
         else:
             with self._lock:
                 if rid in self._open:
-                    self._open[rid] = max(sent, len(item.token_ids))
+                    self._open[rid] = max(sent, item.num_tokens)
 
     def _forget(self, request_id: str) -> bool:
         """Close an open request's stream and drain count; False if it was not open."""

@@ -354,10 +354,10 @@ def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context:
             # counted before the last event goes out: a client that stops reading after it cancels the call,
             # and the generator is not resumed past that yield
             if out.finished:  # prompt tokens only for prompts this worker prefilled itself
-                worker.metrics.observe_finished(len(out.prompt_token_ids) if local else 0, len(out.token_ids),
+                worker.metrics.observe_finished(len(out.prompt_token_ids) if local else 0, out.num_tokens,
                                                 out.finish_reason or "")
             yield token_event(out, sent)
-            sent = max(sent, len(out.token_ids))
+            sent = max(sent, out.num_tokens)
     except (TransferError, TimeoutError, ConnectionError, RuntimeError, ValueError) as exc:
         finished = True
         yield common_pb2.TokenEvent(request_id=request_id, finish_reason="error", error=str(exc))

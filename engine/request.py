@@ -130,9 +130,12 @@ class Request:
         elif finished and tokenizer is not None:
             text = tokenizer.decode(self.output_token_ids)
         params = self.params
+        # the token list itself, not a copy (O(1) per row and step): the output owns its first num_tokens entries,
+        # which the engine never changes (it only appends; an async step's in-flight placeholder is past them)
         return RequestOutput(
-            self.request_id, self.prompt_token_ids, self.output_token_ids[:], text, self.finish_reason,
+            self.request_id, self.prompt_token_ids, self.output_token_ids, text, self.finish_reason,
             self.num_cached_tokens, finished, self.num_draft_tokens, self.num_accepted_tokens,
             self.output_logprobs[:] if params.logprobs is not None else None,
             self.prompt_logprobs[:] if params.prompt_logprobs is not None else None,
+            num_tokens=len(self.output_token_ids) - self.num_inflight,
         )

@@ -81,7 +81,7 @@ def token_event(out: RequestOutput, sent: int) -> common_pb2.TokenEvent:
     the first event), and the finish reason and usage once finished."""
     event = common_pb2.TokenEvent(
         request_id=out.request_id,
-        token_ids=out.token_ids[sent:],
+        token_ids=out.new_token_ids(sent),
         finish_reason=out.finish_reason or "" if out.finished else "",
         num_prompt_tokens=len(out.prompt_token_ids),
         num_cached_tokens=out.num_cached_tokens,

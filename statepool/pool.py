@@ -221,8 +221,10 @@ class StatePool:
         planned, self._planned, self._early = self._planned, [], None
         if self.radix is None:
             return
+        block_size = self.block_size
         for seq in scheduled:
-            self._insert_blocks(seq, seq.num_computed_tokens)
+            if seq.num_computed_tokens // block_size > len(seq.cache_nodes):  # a block filled (most decodes: none)
+                self._insert_blocks(seq, seq.num_computed_tokens)
         self._attach_planned(planned)
         for seq, before in decodes:
             if seq.state_slot is None:

@@ -77,7 +77,7 @@ def session_message(outputs: list[Any], sent: dict[str, int]) -> bytes:
     for out in outputs:
         prior = sent.get(out.request_id, 0)
         message.events.append(token_event(out, prior))
-        sent[out.request_id] = len(out.token_ids)
+        sent[out.request_id] = out.num_tokens  # as the session counts it (no copy of the list)
     return message.SerializeToString()
 
 
