@@ -6,8 +6,8 @@ The engine (scheduler, state pool with prefix caching, batch builder, sampler, u
 on the CPU on a miniature NemotronH config; the model's forward returns zeros at once and the LM head returns
 fixed logits, so every millisecond measured is host work the GPU step would have to hide. Each row count runs
 `rows` requests of --prompt-len tokens (prefilled first, untimed) and times --steps decode-only steps, split
-into the engine's phases (with async scheduling the phases are those of the step applied, whose
-clock starts at its launch a call earlier), then the worker's output path for the same outputs: the session's per-step message
+into the engine's phases (with async scheduling, those of one step call: launching step N+1, waiting for step N's
+tokens, applying them), then the worker's output path for the same outputs: the session's per-step message
 (`decode_worker/session.py`: one TokenEvent per request, serialized) and the router's parse of it. `--profile`
 writes a cProfile listing of the timed steps per row count.
 """
@@ -144,7 +144,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=1536,
                         help="context of each row (1,536: the mean of a 1k/1k request mid-decode)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the benchmark's setting)")
-    parser.add_argument("--async-scheduling", action="store_true", help="the engine's async_scheduling on")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="async scheduling on (the engine's default; without it the synchronous step is timed)")
     parser.add_argument("--profile", type=Path, default=None, help="folder for cProfile listings")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
