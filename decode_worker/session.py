@@ -50,7 +50,7 @@ class SessionHost(Protocol):
 
     def claim(self, ticket: str, request_id: str) -> tuple[Reservation, bool]: ...
 
-    def handed_over(self, request_id: str) -> None: ...
+    def handed_over(self, request_id: str, parked: bool) -> None: ...
 
     def abort(self, request_id: str) -> bool: ...
 
@@ -161,8 +161,7 @@ class WorkerSession:
             return
         if self._open_request(rid, reservation.stream, remote=True):
             reservation.stream.redirect(_Tagged(rid, self._outbound))
-        if handover:  # committed before this claim: its in-flight count passes to the session's
-            self._worker.handed_over(rid)
+        self._worker.handed_over(rid, handover)  # the session counts it now (or refused it)
 
     def _open_request(self, rid: str, sink: OutputSink, remote: bool) -> bool:
         """Count a request as open on this session (and in flight for the drain); refused if its id already is."""

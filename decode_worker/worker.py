@@ -140,13 +140,19 @@ class DecodeWorker:
         return self._reservations.for_state(ticket)
 
     def claim(self, ticket: str, request_id: str) -> tuple[Reservation, bool]:
-        """A reader takes a reservation's token stream (ReservationBook.claim); when the state was committed
-        before the reader came, the reservation's in-flight count passes to the reader (see `handed_over`)."""
-        return self._reservations.claim(ticket, request_id)
+        """A reader takes a reservation's token stream (ReservationBook.claim). The claim counts the request in
+        flight until the reader has begun its own count and calls `handed_over`, so a drain never sees it at
+        zero in between (the reservation's own count may end at its commit meanwhile)."""
+        reservation, parked = self._reservations.claim(ticket, request_id)
+        self.drain_state.begin(request_id)
+        return reservation, parked
 
-    def handed_over(self, request_id: str) -> None:
-        """A reader that claimed a committed reservation has begun its own in-flight count: end the reservation's."""
+    def handed_over(self, request_id: str, parked: bool) -> None:
+        """The claiming reader counts the request itself now: end the claim's count, and the reservation's too
+        when it was committed before the claim (its commit left that count to the reader)."""
         self.drain_state.end(request_id)
+        if parked:
+            self.drain_state.end(request_id)
 
     def assembly_for(self, reservation: Reservation, manifest, specs) -> StateAssembly:
         """The receive buffer shared by the parallel streams of one reservation's state."""
@@ -193,6 +199,8 @@ class DecodeWorker:
         self.drain_state.end(reservation.request_id)
         self.loop.call(lambda: self.engine.abort(reservation.request_id))
         reservation.stream.put(error)
+        if not reservation.claimed:  # no reader will come for it (a late one gets the cause): drop the stream
+            self.loop.close_stream(reservation.request_id, reservation.stream)
 
     def abort(self, request_id: str) -> bool:
         """Abort a request, cancelling its reservation if it has one."""
@@ -340,14 +348,14 @@ def _handle_transfer(worker: DecodeWorker, context: grpc.ServicerContext, reserv
 
 
 def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context: grpc.ServicerContext,
-            local: bool, handover: bool = False):
-    """TokenEvents from a request's output stream; a client that goes away aborts the request. `handover`:
-    the stream's reservation was committed before this reader claimed it (its in-flight count ends here)."""
+            local: bool, handover: bool | None = None):
+    """TokenEvents from a request's output stream; a client that goes away aborts the request. `handover`: the
+    stream was claimed from a reservation (True: one committed before the claim), whose counts end here."""
     sent = 0
     finished = False
     worker.drain_state.begin(request_id)
-    if handover:
-        worker.handed_over(request_id)
+    if handover is not None:
+        worker.handed_over(request_id, handover)
     try:
         for out in worker.loop.iterate(request_id, stream):
             finished = out.finished

@@ -103,10 +103,10 @@ def replay(engine: LLMEngine, prompts: list[list[int]], output_len: int, rate: f
             write_profile(profiler, profile_out)
             profiler = None
         for out in outs:
-            if out.token_ids and out.request_id not in first:
+            if out.num_tokens and out.request_id not in first:
                 first[out.request_id] = t1
             if out.finished:
-                done[out.request_id] = (t1, len(out.token_ids))
+                done[out.request_id] = (t1, out.num_tokens)
         steps.append({"ms": round((t1 - t0) * 1e3, 3), "decode_rows": num_decode,
                       "prefill_tokens": getattr(engine, "_last_prefill_tokens", None),
                       "compiles": compiles.count - work_before, "gc": round(1e3 * gc_pauses.total, 3),

@@ -44,7 +44,7 @@ def ttft_ms(engine: LLMEngine, prompt: list[int]) -> float:
     first = None
     while engine.has_unfinished():
         for out in engine.step():
-            if out.request_id == rid and out.token_ids and first is None:
+            if out.request_id == rid and out.num_tokens and first is None:
                 sync(engine)
                 first = time.perf_counter()
     if first is None:

@@ -115,7 +115,7 @@ def run_batch(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> d
         else:
             steps_with_prefill += 1
         for out in outs:
-            if out.token_ids:
+            if out.num_tokens:
                 first.add(out.request_id)
         if len(first) == len(ids) and not prefill_s:
             prefill_s = t1 - start

@@ -190,6 +190,7 @@ def test_a_committed_state_no_reader_claims_expires(nemotron_cluster) -> None:
         time.sleep(0.05)
     assert not decode._reservations
     assert cluster.idle(timeout=30)  # aborted (or finished, unread): its room is free
+    assert decode.loop.call(lambda: request_id not in decode.loop._streams)  # its unread stream was dropped
     assert request_id not in decode.drain_state.in_flight()
     with pytest.raises(grpc.RpcError) as info:
         list(stub.StreamTokens(worker_pb2.StreamTokensRequest(request_id=request_id, ticket=ticket), timeout=30))
