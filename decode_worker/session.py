@@ -154,6 +154,11 @@ class WorkerSession:
         from hybridserve.transfer.manifest import TransferError
 
         rid = request.request_id
+        with self._lock:
+            duplicate = rid in self._open
+        if duplicate:  # refused before claiming: the reservation stays for a reader that may still come
+            self._refuse(rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running on this session")
+            return
         try:
             reservation, handover = self._worker.claim(request.ticket, rid)
         except TransferError as exc:

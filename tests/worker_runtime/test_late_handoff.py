@@ -1,6 +1,7 @@
 """Late hand-off (on by default): a synchronous step's outputs reach their streams once the next step's forward is
 queued, never lost, in order, and the last ones at once when no step follows. Async steps return their outputs
-after the next forward is queued already: they go out at once."""
+after the next forward is queued already: they go out at once; requests that step synchronously on an async engine
+(logprobs) keep the late hand-off."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class _Recorder(queue.Queue):
         super().put(item, block, timeout)
 
 
-def _run(late: bool, model_dir, async_scheduling: bool = False
+def _run(late: bool, model_dir, async_scheduling: bool = False, logprobs: int | None = None
          ) -> tuple[dict[str, list[tuple[int, int, bool]]], dict[str, list[int]]]:
     loop = EngineLoop(LLM(model_dir, async_scheduling=async_scheduling).engine, late_handoff=late)
     steps: list[int] = []
@@ -46,7 +47,7 @@ def _run(late: bool, model_dir, async_scheduling: bool = False
             for (name, sink), prompt in zip(sinks.items(), prompts):
                 loop._streams[name] = sink
                 loop.engine.add_request(prompt, SamplingParams(max_tokens=4 + len(prompt) % 3, temperature=0.0,
-                                                               ignore_eos=True), name)
+                                                               ignore_eos=True, logprobs=logprobs), name)
 
         loop.call(add_all)
         tokens = {name: list(loop.iterate(name, sink))[-1].token_ids for name, sink in sinks.items()}
@@ -76,6 +77,10 @@ def test_late_hand_off_delivers_every_output_one_launch_later() -> None:
     for name, early in early_log.items():
         assert [entry[1:] for entry in async_log[name]] == [entry[1:] for entry in early]
         assert [entry[0] for entry in async_log[name]] == [steps + 1 for steps, *_ in early]
+    # requests that step synchronously on an async engine (logprobs) keep the late hand-off
+    sync_log, _ = _run(True, model_dir, logprobs=1)
+    fallback_log, fallback_tokens = _run(True, model_dir, async_scheduling=True, logprobs=1)
+    assert fallback_tokens == early_tokens and fallback_log == sync_log
 
 
 def test_overlap_tasks_run_while_forwards_compute_and_when_idle(caplog) -> None:
