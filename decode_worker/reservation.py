@@ -69,9 +69,8 @@ class ReservationBook:
         with self._lock:
             return self._open.get(reservation.ticket) is reservation
 
-    def claim(self, ticket: str, request_id: str) -> tuple[Reservation, bool]:
-        """A reader takes the reservation's token stream, before or after its commit. Returns it and whether
-        it was committed and waiting (its in-flight count passes to the reader)."""
+    def claim(self, ticket: str, request_id: str) -> Reservation:
+        """A reader takes the reservation's token stream, before or after its commit."""
         with self._lock:
             reservation = self._open.get(ticket) or self._unclaimed.get(ticket)
             if reservation is None:
@@ -81,20 +80,17 @@ class ReservationBook:
             if reservation.claimed:
                 raise TransferError("ALREADY_EXISTS", f"the token stream of {request_id!r} is already being read")
             reservation.claimed = True
-            return reservation, self._unclaimed.pop(ticket, None) is not None
+            self._unclaimed.pop(ticket, None)  # committed before this claim: done here
+            return reservation
 
-    def settle(self, reservation: Reservation) -> bool:
-        """After its commit: the reservation leaves the open ones. Returns True when its reader has it already
-        (it is done here); otherwise it waits for its reader until `ttl_s` from now."""
+    def settle(self, reservation: Reservation) -> None:
+        """After its commit: the reservation leaves the open ones; unless its reader has it already, it waits for
+        one until `ttl_s` from now."""
         with self._lock:
             reservation.committed = True
-            if self._open.pop(reservation.ticket, None) is None:
-                return False  # cancelled meanwhile: cancel() settled it
-            if reservation.claimed:
-                return True
-            reservation.deadline = time.monotonic() + reservation.ttl_s
-            self._unclaimed[reservation.ticket] = reservation
-            return False
+            if self._open.pop(reservation.ticket, None) is not None and not reservation.claimed:
+                reservation.deadline = time.monotonic() + reservation.ttl_s
+                self._unclaimed[reservation.ticket] = reservation
 
     def cancel(self, reservation: Reservation, cause: str) -> bool:
         """Remove an open or unclaimed reservation, keeping its cause; False when it was not there."""

@@ -48,9 +48,9 @@ class SessionHost(Protocol):
     metrics: WorkerMetrics
     drain_state: Drain
 
-    def claim(self, ticket: str, request_id: str) -> tuple[Reservation, bool]: ...
+    def claim(self, ticket: str, request_id: str) -> Reservation: ...
 
-    def handed_over(self, request_id: str, parked: bool) -> None: ...
+    def handed_over(self, request_id: str) -> None: ...
 
     def abort(self, request_id: str) -> bool: ...
 
@@ -154,25 +154,33 @@ class WorkerSession:
         from hybridserve.transfer.manifest import TransferError
 
         rid = request.request_id
-        with self._lock:
-            duplicate = rid in self._open
-        if duplicate:  # refused before claiming: the reservation stays for a reader that may still come
-            self._refuse(rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running on this session")
+        if self._refused_as_open(rid):  # before claiming: the reservation stays for a reader that may still come
             return
         try:
-            reservation, handover = self._worker.claim(request.ticket, rid)
+            reservation = self._worker.claim(request.ticket, rid)
         except TransferError as exc:
             self._refuse(rid, getattr(grpc.StatusCode, exc.code), str(exc))
             return
         if self._open_request(rid, reservation.stream, remote=True):
             reservation.stream.redirect(_Tagged(rid, self._outbound))
-        self._worker.handed_over(rid, handover)  # the session counts it now (or refused it)
+        self._worker.handed_over(rid)  # the session counts it in flight now
+
+    def _refused_as_open(self, rid: str) -> bool:
+        """Refuse (ALREADY_EXISTS) a request whose id is already open on this session."""
+        with self._lock:
+            duplicate = rid in self._open
+        if duplicate:
+            self._refuse_duplicate(rid)
+        return duplicate
+
+    def _refuse_duplicate(self, rid: str) -> None:
+        self._refuse(rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running on this session")
 
     def _open_request(self, rid: str, sink: OutputSink, remote: bool) -> bool:
         """Count a request as open on this session (and in flight for the drain); refused if its id already is."""
         with self._lock:
             if rid in self._open:
-                self._refuse(rid, grpc.StatusCode.ALREADY_EXISTS, f"request {rid!r} is already running on this session")
+                self._refuse_duplicate(rid)
                 return False
             self._open[rid] = 0
             self._sinks[rid] = sink

@@ -132,27 +132,21 @@ class DecodeWorker:
         reservation = Reservation(uuid.uuid4().hex, request_id, len(prompt_token_ids), time.monotonic() + timeout_s,
                                   stream, ttl_s=timeout_s)
         self._reservations.add(reservation)
-        self.drain_state.begin(request_id)  # until its reader has the committed stream, or it is cancelled
+        self.drain_state.begin(request_id)  # until a reader took its stream (handed_over), or it is cancelled
         return reservation
 
     def take(self, ticket: str) -> Reservation:
         """The open reservation a state transfer names (TransferError when there is none)."""
         return self._reservations.for_state(ticket)
 
-    def claim(self, ticket: str, request_id: str) -> tuple[Reservation, bool]:
-        """A reader takes a reservation's token stream (ReservationBook.claim). The claim counts the request in
-        flight until the reader has begun its own count and calls `handed_over`, so a drain never sees it at
-        zero in between (the reservation's own count may end at its commit meanwhile)."""
-        reservation, parked = self._reservations.claim(ticket, request_id)
-        self.drain_state.begin(request_id)
-        return reservation, parked
+    def claim(self, ticket: str, request_id: str) -> Reservation:
+        """A reader takes a reservation's token stream (ReservationBook.claim), before or after its commit. The
+        request stays counted in flight under the reservation until the reader calls `handed_over`."""
+        return self._reservations.claim(ticket, request_id)
 
-    def handed_over(self, request_id: str, parked: bool) -> None:
-        """The claiming reader counts the request itself now: end the claim's count, and the reservation's too
-        when it was committed before the claim (its commit left that count to the reader)."""
+    def handed_over(self, request_id: str) -> None:
+        """The claiming reader counts the request in flight itself now: the reservation's count ends."""
         self.drain_state.end(request_id)
-        if parked:
-            self.drain_state.end(request_id)
 
     def assembly_for(self, reservation: Reservation, manifest, specs) -> StateAssembly:
         """The receive buffer shared by the parallel streams of one reservation's state."""
@@ -190,16 +184,15 @@ class DecodeWorker:
             reservation.stream.put(first)  # on the loop thread: ahead of any output of a later step
 
         self.loop.call(install)
-        if self._reservations.settle(reservation):  # its reader has the stream (else it counts until claimed)
-            self.drain_state.end(reservation.request_id)
+        self._reservations.settle(reservation)
 
     def cancel(self, reservation: Reservation, error: BaseException) -> None:
         if not self._reservations.cancel(reservation, str(error)):
             return
-        self.drain_state.end(reservation.request_id)
         self.loop.call(lambda: self.engine.abort(reservation.request_id))
         reservation.stream.put(error)
-        if not reservation.claimed:  # no reader will come for it (a late one gets the cause): drop the stream
+        if not reservation.claimed:  # no reader took it (a late one gets the cause): its count and stream end here
+            self.drain_state.end(reservation.request_id)
             self.loop.close_stream(reservation.request_id, reservation.stream)
 
     def abort(self, request_id: str) -> bool:
@@ -290,11 +283,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def StreamTokens(self, request, context):  # noqa: N802
         try:
-            reservation, handover = self.worker.claim(request.ticket, request.request_id)
+            reservation = self.worker.claim(request.ticket, request.request_id)
         except TransferError as exc:
             _abort(context, exc.code, str(exc))
         yield from _events(self.worker, reservation.request_id, reservation.stream, context, local=False,
-                           handover=handover)
+                           claimed=True)
 
     def GenerateLocal(self, request, context):  # noqa: N802
         self.worker.drain_state.refuse_new(context)
@@ -348,14 +341,14 @@ def _handle_transfer(worker: DecodeWorker, context: grpc.ServicerContext, reserv
 
 
 def _events(worker: DecodeWorker, request_id: str, stream: queue.Queue, context: grpc.ServicerContext,
-            local: bool, handover: bool | None = None):
-    """TokenEvents from a request's output stream; a client that goes away aborts the request. `handover`: the
-    stream was claimed from a reservation (True: one committed before the claim), whose counts end here."""
+            local: bool, claimed: bool = False):
+    """TokenEvents from a request's output stream; a client that goes away aborts the request. `claimed`: the
+    stream was claimed from a reservation, whose in-flight count this reader's replaces."""
     sent = 0
     finished = False
     worker.drain_state.begin(request_id)
-    if handover is not None:
-        worker.handed_over(request_id, handover)
+    if claimed:
+        worker.handed_over(request_id)
     try:
         for out in worker.loop.iterate(request_id, stream):
             finished = out.finished

@@ -151,8 +151,10 @@ class AsyncStepper:
         if work.is_empty:
             return [] if prev is None else self._resolve_only(prev, clock)
         launched = self._launch(work, prev, on_launched, clock)
-        outputs = self._resolve(prev, clock) if prev is not None else []
-        if prev is None:
+        if prev is not None:
+            outputs = self._resolve(prev, clock)
+        else:
+            outputs = []
             clock.execute_done()  # nothing to wait for yet
         self._advance(launched)
         self.inflight = launched

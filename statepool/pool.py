@@ -221,10 +221,8 @@ class StatePool:
         planned, self._planned, self._early = self._planned, [], None
         if self.radix is None:
             return
-        block_size = self.block_size
         for seq in scheduled:
-            if seq.num_computed_tokens // block_size > len(seq.cache_nodes):  # a block filled (most decodes: none)
-                self._insert_blocks(seq, seq.num_computed_tokens)
+            self._insert_blocks(seq, seq.num_computed_tokens)
         self._attach_planned(planned)
         for seq, before in decodes:
             if seq.state_slot is None:
@@ -340,6 +338,8 @@ class StatePool:
         """File the sequence's full blocks up to `num_tokens` tokens as (locked) nodes of its cached chain."""
         assert self.radix is not None
         full = num_tokens // self.block_size
+        if full <= len(seq.cache_nodes):  # no block filled since the last call (most decode steps)
+            return
         hashes = self._hashes(seq, full)
         while len(seq.cache_nodes) < full:
             i = len(seq.cache_nodes)
