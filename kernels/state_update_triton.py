@@ -116,6 +116,12 @@ def _block_p(head_dim: int, state_size: int, batch: int, heads: int) -> int:
     return min(16, next_pow2(head_dim))
 
 
+def _warps(batch: int, tokens: int) -> int:
+    """Warps per tile, measured on H200: 2 below 256 sequences; 1 from 256 single-token rows, 2-5 % faster there
+    (16 x 128 tiles, fp32 and bf16 state, Nano-9B-v2 and 30B-A3B shapes; bench/results/h200/decode_step)."""
+    return 1 if batch >= 256 and tokens == 1 else 2
+
+
 def multi_token_state_update_triton(
     state_pool: torch.Tensor,  # [num_slots, H, P, N] (any strides)
     slots: torch.Tensor,  # [B] int, -1 = padded row
@@ -165,6 +171,6 @@ def multi_token_state_update_triton(
         HAS_D=D is not None, HAS_BIAS=dt_bias is not None, HAS_Z=z is not None,
         HAS_INTER=intermediate_states is not None, DT_SOFTPLUS=dt_softplus, HAS_LIMIT=has_limit,
         WRITE_FINAL=write_final_state, **pdl_launch(x.device),
-        num_warps=num_warps or 2,  # measured on H200: 2 warps per 16 x 128 tile moves the most bytes
+        num_warps=num_warps or _warps(batch, tokens),
     )
     return y
