@@ -25,6 +25,20 @@ def test_token_out_of_vocab(llm: LLM, bad: int) -> None:
         llm.generate(prompt_token_ids=[[5, bad]], sampling_params=SamplingParams(max_tokens=2))
 
 
+@pytest.mark.parametrize("bad", [True, 5.0, "7", None])
+def test_token_not_an_integer(llm: LLM, bad: object) -> None:
+    """bool is an int subclass and a float may equal an int: both are refused, as any non-integer."""
+    with pytest.raises(ValueError, match=r"integers in \[0, 128\)"):
+        llm.engine.validate_prompt([5, bad, 6])  # type: ignore[list-item]
+
+
+def test_int_subclasses_in_range_pass(llm: LLM) -> None:
+    class TokenId(int):
+        pass
+
+    assert llm.engine.validate_prompt([TokenId(3), 4]) == [3, 4]
+
+
 @pytest.mark.parametrize("max_tokens", [0, -3])
 def test_max_tokens_not_positive(max_tokens: int) -> None:
     with pytest.raises(ValueError, match="max_tokens"):
