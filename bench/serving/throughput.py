@@ -214,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server-pythonpath", type=Path, default=None,
                    help="put this folder first on the server's PYTHONPATH (run another tree's server, e.g. one "
                    "installed with pip --target, under the same client)")
-    p.add_argument("--out", type=Path, required=True, help="folder for the JSON results and table.md")
+    p.add_argument("--out", type=Path, required=True,
+                   help="folder for the JSON results, table.md and the workers' logs (LABEL-logs/, unless --log-dir is given)")
     return p
 
 
@@ -236,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("no CUDA device to measure the copy bandwidth on: pass --copy-gbps")
     max_seqs = int(flag_value(server_args, "--max-num-seqs", "32") or 32)
     args.out.mkdir(parents=True, exist_ok=True)
+    if flag_value(server_args, "--log-dir", None) is None:  # the workers' logs (memory plan, loop lines) come back
+        server_args = [*server_args, "--log-dir", str((args.out / f"{label}-logs").resolve())]
     table = args.out / "table.md"
     if not table.exists():
         table.write_text(TABLE_HEADER)
