@@ -152,14 +152,9 @@ class LLMEngine:
         if len(prompt_token_ids) == 0:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.model_config.vocab_size
-        # this runs on a worker's engine loop, between steps, once per admitted request: plain ints in range pass
-        # with C-level scans (~25 us per 1K tokens against ~0.9 ms for a per-token Python check); anything else
-        # takes the per-token check that names the bad ids
-        if not (set(map(type, prompt_token_ids)) == {int} and min(prompt_token_ids) >= 0
-                and max(prompt_token_ids) < vocab):
-            bad = [t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        bad = [t for t in prompt_token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(prompt_token_ids)} tokens; the model's limit is max_model_len="

@@ -196,12 +196,14 @@ def _moe_combine_kernel(pair_ptr, route_w_ptr, shared_ptr, out_ptr, D, K: tl.con
 
 def choose_block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per aligned block from the mean pairs per expert: 16 (the smallest tl.dot tile) at small decode
-    batches; from 25 per expert one 64-row block per expert, which reads each expert's weights once where
-    32-row blocks read them twice (30B-A3B fp8 experts on H200, 768 / 1,024 tokens: 637 / 664 us against
-    869 / 1,036 us at 32 rows; bench/results/h200/decode_step); 128 rows at prefill."""
+    batches, 32 while one such block holds an expert's rows; above 32, one 64-row block per expert, which reads
+    each expert's weights once where 32-row blocks read them twice (30B-A3B fp8 experts on H200, 36 / 48 per
+    expert: 637 / 664 us against 869 / 1,036 us at 32 rows; bench/results/h200/decode_step); 128 at prefill."""
     per_expert = num_pairs / num_experts
     if per_expert <= 24:
         return 16
+    if per_expert <= 32:
+        return 32
     return 64 if per_expert <= 160 else 128
 
 

@@ -33,16 +33,19 @@ from hybridserve.kernels.state_update_triton import multi_token_state_update_tri
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SHAPES = {"nano-9b-v2": "nemotron-nano-9b-v2.json", "30b-a3b": "nemotron-3-nano-30b-a3b.json"}
-BATCHES = (256, 768, 1024)
-BLOCK_M = (32, 64, 128)  # rows per aligned block (16 is the decode default below ~400 tokens)
+BATCHES = (256, 768, 1024)  # state update rows
+BLOCK_M = (16, 32, 64, 128)  # rows per aligned block
+MOE_TOKENS = (256, 384, 512, 640, 768, 1024)  # 12-48 pairs per expert at top 6 of 128: where the default changes
 POOL_BUDGET = 64e9  # bytes of state pool per case; fewer layers in the pool when all of them do not fit
 
 
 def graph_us(fn: Any, quick: bool) -> float:
+    """Median us of fn replayed as a CUDA graph (L2 flushed between replays)."""
     return median_ms(capture(fn).replay, quick) * 1e3
 
 
 def _config(name: str) -> dict[str, Any]:
+    """The shape's config.json from bench/configs."""
     return json.loads((CONFIGS / SHAPES[name]).read_text())
 
 
@@ -56,12 +59,13 @@ def bench_moe(ceil: dict[str, float], quick: bool) -> list[dict[str, Any]]:
     w_down, down_scale = quantize_fp8_rows(torch.randn(experts, d, inter, device="cuda", generator=gen) * 0.02)
     weight_bytes = 2 * experts * inter * d  # fp8: up + down, every expert touched at these batches
     rows = []
-    for n in BATCHES:
+    for n in MOE_TOKENS:
         x = torch.randn(n, d, device="cuda", generator=gen).to(torch.bfloat16)
         ids = torch.rand(n, experts, device="cuda", generator=gen).topk(top_k, dim=-1)[1]
         weights = torch.rand(n, top_k, device="cuda", generator=gen)
         pairs = n * top_k
-        act_bytes = 2 * (n * d * 2 + pairs * inter * 2 + pairs * d * 2)  # x, hidden, pair rows: written + read
+        # x read + out written; hidden and pair rows written + read
+        act_bytes = 2 * (n * d * 2 + pairs * inter * 2 + pairs * d * 2)
         floor_us = (weight_bytes + act_bytes) / ceil["copy_GBps"] / 1e3
         flops_us = 2 * 2 * pairs * inter * d / ceil["bf16_matmul_TFLOPs"] / 1e6
         for block_m in BLOCK_M:
@@ -76,6 +80,7 @@ def bench_moe(ceil: dict[str, float], quick: bool) -> list[dict[str, Any]]:
 
 
 def _state_case(name: str, batch: int, dtype: torch.dtype, gen: torch.Generator) -> dict[str, Any]:
+    """A request-major pool of `batch` slots (as many layers as POOL_BUDGET holds), one layer's view, random inputs."""
     cfg = _config(name)
     heads, head_dim, groups, state = cfg["mamba_num_heads"], cfg["mamba_head_dim"], cfg["n_groups"], cfg["ssm_state_size"]
     layers = cfg["hybrid_override_pattern"].count("M")
@@ -89,11 +94,12 @@ def _state_case(name: str, batch: int, dtype: torch.dtype, gen: torch.Generator)
     return dict(pool=pool[:, layers // 2], layers=layers, slots=torch.randperm(batch, device="cuda", generator=gen),
                 x=r(batch, 1, heads, head_dim), z=r(batch, 1, heads, head_dim), dt=r(batch, 1, heads, scale=0.5),
                 B=r(batch, 1, groups, state), C=r(batch, 1, groups, state),
-                A=-torch.rand(heads, device="cuda", generator=gen) - 0.5, D=torch.randn(heads, device="cuda"),
-                bias=torch.randn(heads, device="cuda") * 0.5, state_bytes=2 * batch * per_layer)
+                A=-torch.rand(heads, device="cuda", generator=gen) - 0.5, D=torch.randn(heads, device="cuda", generator=gen),
+                bias=torch.randn(heads, device="cuda", generator=gen) * 0.5, state_bytes=2 * batch * per_layer)
 
 
 def _update(t: dict[str, Any], block_p: int | None, warps: int | None) -> Callable[[], torch.Tensor]:
+    """One single-token update of the case's layer at this launch shape (None: the launcher's default)."""
     return lambda: multi_token_state_update_triton(t["pool"], t["slots"], t["x"], t["dt"], t["A"], t["B"], t["C"],
                                                    D=t["D"], dt_bias=t["bias"], z=t["z"], block_p=block_p,
                                                    num_warps=warps)
@@ -124,9 +130,11 @@ def bench_state_update(ceil: dict[str, float], quick: bool) -> list[dict[str, An
 
 
 def main() -> None:
+    """Ceilings, then each section; the JSON is rewritten after each."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--quick", action="store_true", help="shorter timing loops, the default launch only")
+    parser.add_argument("--quick", action="store_true",
+                        help="shorter timing loops; the state update's default launch and one other")
     parser.add_argument("--skip", nargs="*", default=[], choices=["moe", "state_update"])
     args = parser.parse_args()
     ceil = ceilings(args.quick)

@@ -194,7 +194,7 @@ def test_block_m_override_gives_the_same_result():
 
 
 def test_block_m_grows_with_rows_per_expert():
-    assert [choose_block_m(p, 128) for p in (6, 768, 3072, 4608, 6144, 24576)] == [16, 16, 16, 64, 64, 128]
+    assert [choose_block_m(p, 128) for p in (6, 768, 3072, 3840, 4608, 6144, 24576)] == [16, 16, 16, 32, 64, 64, 128]
 
 
 @pytest.mark.parametrize("n_group,topk_group,norm", [(1, 1, True), (4, 2, True), (2, 1, False), (8, 3, True)])
