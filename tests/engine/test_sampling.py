@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+import torch
 from checkpoints import nemotron_h, random_prompts
 
 from hybridserve import LLM, SamplingParams
@@ -33,6 +35,17 @@ def test_engine_seed_makes_unseeded_runs_repeatable() -> None:
     first = [o.token_ids for o in _llm(seed=7).generate(prompt_token_ids=prompts, sampling_params=params)]
     again = [o.token_ids for o in _llm(seed=7).generate(prompt_token_ids=prompts, sampling_params=params)]
     assert first == again
+
+
+def test_admission_draws_seeds_without_a_torch_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch op releases the GIL; on a worker's engine loop that cost each admission a trip back for it. The
+    seeds of unseeded requests come from Python's generator: different engine seeds give different seeds."""
+    llm, other = _llm(seed=7), _llm(seed=8)
+    monkeypatch.setattr(torch, "randint", lambda *a, **k: pytest.fail("torch.randint on admission"))
+    params = SamplingParams(max_tokens=2, temperature=1.0)
+    seeds = [llm.engine._requests[llm.engine.add_request([5, 6], params)].generator.initial_seed() for _ in range(3)]
+    assert len(set(seeds)) == 3
+    assert other.engine._requests[other.engine.add_request([5, 6], params)].generator.initial_seed() != seeds[0]
 
 
 def test_top_k_one_is_greedy() -> None:
