@@ -20,7 +20,9 @@ import io
 import json
 import pstats
 import statistics
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,40 @@ def session_message(outputs: list[Any], sent: dict[str, int]) -> bytes:
     return message.SerializeToString()
 
 
+class BusyThreads:
+    """Threads doing what a worker's I/O threads do beside its engine loop (building and serializing token events,
+    pure Python holding the GIL): the loop's torch calls release the GIL, and taking it back waits on them."""
+
+    def __init__(self, count: int, duty: float = 1.0, period_s: float = 0.02) -> None:
+        self.duty, self.period_s = duty, period_s  # busy for duty x period, then asleep for the rest
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(count)]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            start = time.perf_counter()
+            while time.perf_counter() - start < self.duty * self.period_s:
+                self._serialize()
+            if self.duty < 1.0:
+                self.stop.wait(self.period_s * (1.0 - self.duty))
+
+    @staticmethod
+    def _serialize() -> None:
+        message = worker_pb2.SessionEvents()
+        for i in range(64):
+            event = message.events.add()
+            event.request_id = f"r{i}"
+            event.token_ids.extend(range(i, i + 4))
+        message.SerializeToString()
+
+    def close(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join()
+
+
 def run_rows(model_dir: Path, rows: int, args: argparse.Namespace) -> dict[str, Any]:
     # rows decode while later ones prefill: max_tokens leaves every row running through the timed steps
     max_tokens = args.prompt_len // 2 + args.steps + 10
@@ -98,6 +134,7 @@ def run_rows(model_dir: Path, rows: int, args: argparse.Namespace) -> dict[str, 
         session_message(engine.step(), sent)
     phases: dict[str, list[float]] = {k: [] for k in ("schedule", "launch", "wait", "update", "step", "step_cpu",
                                                       "message", "router_parse")}
+    busy = BusyThreads(args.busy_threads, args.busy_duty)
     for _ in range(args.steps):
         t0, c0 = time.perf_counter(), time.thread_time()
         outputs = engine.step()
@@ -118,6 +155,7 @@ def run_rows(model_dir: Path, rows: int, args: argparse.Namespace) -> dict[str, 
         phases["step_cpu"].append((c1 - c0) * 1e3)  # the thread's CPU time: robust to a shared machine's load
         phases["message"].append((t2 - t1) * 1e3)
         phases["router_parse"].append((t3 - t2) * 1e3)
+    busy.close()
     if args.profile is not None:  # separate steps: cProfile's own cost would inflate the timings above
         profiler = cProfile.Profile()
         profiler.enable()
@@ -146,10 +184,18 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the benchmark's setting)")
     parser.add_argument("--async-scheduling", action="store_true",
                         help="async scheduling on (the engine's default; without it the synchronous step is timed)")
+    parser.add_argument("--busy-threads", type=int, default=0,
+                        help="Python threads serializing token events during the timed steps (a worker's I/O)")
+    parser.add_argument("--busy-duty", type=float, default=1.0,
+                        help="the share of each 20 ms the busy threads work (1: always)")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="CPython's GIL switch interval in ms (default: the interpreter's, 5 ms)")
     parser.add_argument("--profile", type=Path, default=None, help="folder for cProfile listings")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval / 1e3)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
         (model_dir / "config.json").write_text(json.dumps(TINY))
