@@ -300,8 +300,13 @@ class LLMEngine:
         them (all 0 without graphs)."""
         return self.runner.graph_stats()
 
+    @property
+    def step_in_flight(self) -> bool:
+        """An async step is launched whose tokens the host has not applied yet."""
+        return self.async_steps is not None and self.async_steps.busy
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or (self.async_steps is not None and self.async_steps.busy)
+        return self.scheduler.has_unfinished() or self.step_in_flight
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self, on_launched: Callable[[], None] | None = None) -> list[RequestOutput]:

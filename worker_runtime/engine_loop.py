@@ -321,8 +321,7 @@ class EngineLoop:
             # an async step returns the previous step's outputs once the next step is already launched: they go out
             # now, while the GPU computes it (holding them to the next launch would delay every token by a step); a
             # step that ran synchronously (logprobs, grammars) leaves nothing in flight and hands off late
-            async_steps = getattr(self.engine, "async_steps", None)
-            if not (self.late_handoff and self.engine.has_unfinished()) or (async_steps is not None and async_steps.busy):
+            if not (self.late_handoff and self.engine.has_unfinished()) or self.engine.step_in_flight:
                 self._hand_off()  # no next step to overlap with: now
             self.stats.record(start, stepped, len(outputs), self.engine.last_step)
 

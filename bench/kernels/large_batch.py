@@ -13,6 +13,7 @@ figure is triton's do_bench median of CUDA-graph replays with L2 flushed between
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -23,8 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from cuda_graph import capture  # noqa: E402
-from kernel_table import ceilings, median_ms  # noqa: E402
+from kernel_table import ceilings, graph_ms  # noqa: E402
 from sections import run_sections, write_json  # noqa: E402
 
 from hybridserve.kernels.moe import quantize_fp8_rows  # noqa: E402
@@ -40,10 +40,11 @@ POOL_BUDGET = 64e9  # bytes of state pool per case; fewer layers in the pool whe
 
 
 def graph_us(fn: Any, quick: bool) -> float:
-    """Median us of fn replayed as a CUDA graph (L2 flushed between replays)."""
-    return median_ms(capture(fn).replay, quick) * 1e3
+    """`graph_ms` in us."""
+    return graph_ms(fn, quick) * 1e3
 
 
+@functools.cache
 def _config(name: str) -> dict[str, Any]:
     """The shape's config.json from bench/configs."""
     return json.loads((CONFIGS / SHAPES[name]).read_text())
