@@ -105,6 +105,9 @@ class MoEConfig:
     # routed expert weights held as float8_e4m3fn with per-output-channel fp32 scales: config.json's
     # `quantization_config` says FP8 (dummy weights follow it); the loader sets it from the tensors it finds
     fp8_experts: bool = False
+    # with fp8_experts: the grouped expert GEMMs quantize their inputs to fp8 per row and multiply fp8 x fp8 (W8A8,
+    # as vLLM runs fp8 MoE checkpoints); a runtime choice (EngineConfig.moe_fp8_activations)
+    fp8_activations: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "experts_per_token", "intermediate_size", "n_group", "topk_group"):

@@ -93,7 +93,7 @@ class LLMEngine:
             self.tp, model = tp_launch.start_leader(self.model_dir, config)
             weakref.finalize(self, self.tp.shutdown)
             return model
-        model_config = config.cache_dtypes(ModelConfig.from_dir(self.model_dir))
+        model_config = config.runtime_model_config(ModelConfig.from_dir(self.model_dir))
         if config.load_format == "dummy":
             if not with_mtp:
                 model_config = dataclasses.replace(model_config, mtp_layer_types=())

@@ -42,7 +42,7 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
 def rank_model_config(model_dir: Path, config: EngineConfig) -> ModelConfig:
     """The checkpoint's config, with its MTP drafter only when the engine drafts with it and it ships weights
     (as `weights.load_model` decides at TP=1)."""
-    model_config = config.cache_dtypes(ModelConfig.from_dir(model_dir))
+    model_config = config.runtime_model_config(ModelConfig.from_dir(model_dir))
     spec = config.speculative
     keep = spec is not None and spec.method == "mtp" and model_config.has_mtp and (
         config.load_format == "dummy" or has_mtp_weights(model_dir))
@@ -74,7 +74,7 @@ def start_leader(model_dir: Path, config: EngineConfig) -> tuple[Leader, HybridL
     """Rank 0 of a TP group: joins torch.distributed's group when a launcher (torchrun) made one, else spawns
     ranks 1..N-1 on this host; returns the leader handle and rank 0's model."""
     size = config.tensor_parallel_size
-    model_config = config.cache_dtypes(ModelConfig.from_dir(model_dir))
+    model_config = config.runtime_model_config(ModelConfig.from_dir(model_dir))
     for rank in range(size):  # shape errors before any process starts
         local_config(rank_model_config(model_dir, config), TPGroup(rank, size, None, config.enable_expert_parallel))
     backend = "nccl" if config.torch_device.type == "cuda" else "gloo"

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.launch import lean_launch
-from hybridserve.kernels.moe import RouterSpec
+from hybridserve.kernels.moe import RouterSpec, fp8_activations_apply
 from hybridserve.kernels.moe_router_triton import groups_fit, route_topk_triton, router_logits, topk_choice
 from hybridserve.kernels.moe_triton import check_expert_inputs, moe_experts_triton
 from hybridserve.kernels.triton_utils import (
@@ -261,9 +261,11 @@ def moe_layer_triton(
     shared_up: torch.Tensor | None = None,
     shared_down: torch.Tensor | None = None,
     small_max_pairs: int | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """Same contract as `moe_layer_ref`: router + routed experts (+ shared) -> [N, D]. Up to `small_max_pairs`
-    (default SMALL_M_MAX_PAIRS) pairs the three-launch small-M path, above it the grouped GEMMs."""
+    (default SMALL_M_MAX_PAIRS) pairs the three-launch small-M path (weight-only fp8), above it the grouped GEMMs
+    (W8A8 with fp8_activations and fp8 experts)."""
     limit = SMALL_M_MAX_PAIRS if small_max_pairs is None else small_max_pairs
     xe = x if expert_x is None else expert_x
     n, width = x.shape[0], spec.top_k + spec.num_shared
@@ -275,8 +277,9 @@ def moe_layer_triton(
         raise ValueError(f"expert_x has {xe.shape[0]} rows, x has {n}")
     if not (0 < n * width <= limit and groups_fit(spec)):
         weights, ids = route_topk_triton(x, router_weight, correction_bias, spec)
+        a8 = fp8_activations_apply(fp8_activations, w_up)
         return moe_experts_triton(xe, w_up, w_down, weights, ids, up_scale, down_scale, shared_out, shared_up,
-                                  shared_down)
+                                  shared_down, fp8_activations=a8)
     shared_up, shared_down, shared_out = (t.contiguous() if t is not None else None
                                           for t in (shared_up, shared_down, shared_out))
     return moe_small_triton(x, router_weight, correction_bias, spec, w_up.contiguous(), w_down.contiguous(),

@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from hybridserve.kernels.fp8_linear_triton import quantize_activation_triton
 from hybridserve.kernels.launch import lean_launch
-from hybridserve.kernels.moe import align_capacity
+from hybridserve.kernels.moe import align_capacity, check_fp8_activations
 from hybridserve.kernels.triton_utils import PERSIST_AUTOTUNE, cdiv, dot_launch, interpreting, next_pow2
 
 
@@ -96,6 +97,10 @@ _PREFILL_TILES = {  # by BLOCK_M: 128 rows as two warpgroups (8 warps), 64 rows 
           (128, 64, 8, 4, 1)],
     64: [(128, 64, 4, 4, 8), (256, 64, 4, 3, 8), (128, 128, 4, 3, 8), (256, 64, 8, 3, 8), (64, 64, 4, 4, 8)],
 }
+_FP8_PREFILL_TILES = {  # fp8 x fp8 (A_FP8): a K step of 128 bytes, as the bf16 tiles' 64 elements
+    128: [(128, 128, 8, 3, 8), (128, 128, 8, 4, 8), (256, 128, 8, 3, 8), (128, 64, 8, 4, 8)],
+    64: [(128, 128, 4, 4, 8), (256, 128, 4, 3, 8), (128, 128, 8, 3, 8), (128, 64, 4, 4, 8)],
+}
 
 
 def _gemm_configs() -> list[triton.Config]:
@@ -103,34 +108,37 @@ def _gemm_configs() -> list[triton.Config]:
     if interpreting():
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2}, num_warps=4, num_stages=1)]
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k, "GROUP_M": g}, num_warps=w, num_stages=s)
-            for n, k, w, s, g in sorted(set(_DECODE_TILES).union(*_PREFILL_TILES.values()))]
+            for n, k, w, s, g in sorted(set(_DECODE_TILES).union(*_PREFILL_TILES.values(),
+                                                                *_FP8_PREFILL_TILES.values()))]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    """The decode tiles for BLOCK_M <= 32, the prefill tiles of that BLOCK_M above."""
+    """The decode tiles for BLOCK_M <= 32, the prefill tiles of that BLOCK_M (and operand type) above."""
     block_m = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 16))
     block_m = block_m if isinstance(block_m, int) else 16
-    tiles = set(_DECODE_TILES if block_m <= 32 else _PREFILL_TILES[64 if block_m <= 64 else 128])
+    prefill = _FP8_PREFILL_TILES if kwargs.get("A_FP8", named_args.get("A_FP8")) is True else _PREFILL_TILES
+    tiles = set(_DECODE_TILES if block_m <= 32 else prefill[64 if block_m <= 64 else 128])
     kept = [c for c in configs
             if (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages, c.kwargs["GROUP_M"]) in tiles]
     return kept or configs
 
 
 @lean_launch
-@triton.autotune(configs=_gemm_configs(), key=["N_OUT", "K", "BLOCK_M", "A_ROW_DIV", "HAS_SCALE", "SHARED"],
+@triton.autotune(configs=_gemm_configs(), key=["N_OUT", "K", "BLOCK_M", "A_ROW_DIV", "HAS_SCALE", "SHARED", "A_FP8"],
                  prune_configs_by={"early_config_prune": _prune}, cache_results=PERSIST_AUTOTUNE)
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, ws_ptr, scale_ptr, out_ptr, sorted_ptr, block_expert_ptr, used_rows_ptr,
+    a_ptr, a_scale_ptr, w_ptr, ws_ptr, scale_ptr, out_ptr, sorted_ptr, block_expert_ptr, used_rows_ptr,
     num_pairs, num_routed, num_blocks, N_OUT, K, a_m, w_e, w_n, ws_e, ws_n, out_m,
     SHARED: tl.constexpr, A_ROW_DIV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, RELU2: tl.constexpr, HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
+    GROUP_M: tl.constexpr, RELU2: tl.constexpr, HAS_SCALE: tl.constexpr, A_FP8: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """out[pair, n] = act(sum_k a[pair // A_ROW_DIV, k] * W[e, n, k] * scale[e, n]), rounded to out's dtype;
-    with SHARED, experts e >= num_routed are chunks of the shared expert's weight at ws_ptr. One program per
-    (row block, column tile), GROUP_M row blocks at a time walking the column tiles (the swizzle that keeps a
-    group's gathered rows and each weight tile in L2)."""
+    with SHARED, experts e >= num_routed are chunks of the shared expert's weight at ws_ptr. With A_FP8, a is
+    fp8 with a scale per row (a_scale_ptr) and the fp8 x fp8 products run on the fp8 tensor cores. One program
+    per (row block, column tile), GROUP_M row blocks at a time walking the column tiles (the swizzle that keeps
+    a group's gathered rows and each weight tile in L2)."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N_OUT, BLOCK_N)
     group = pid // (GROUP_M * n_tiles)
@@ -161,10 +169,13 @@ def _moe_gemm_kernel(
         k_ok = k < K
         a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        w = w.to(a.dtype)  # fp8 -> the activation dtype: exact
+        if not A_FP8:
+            w = w.to(a.dtype)  # fp8 -> the activation dtype: exact
         if DOT_UPCAST:  # the interpreter's bf16 dot is wrong; fp32 operands give the same exact products
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if A_FP8:  # each row's activation scale, then (HAS_SCALE) each column's weight scale
+        acc *= tl.load(a_scale_ptr + pairs // A_ROW_DIV, mask=row_ok, other=0.0)[:, None]
     if HAS_SCALE:
         acc *= tl.load(scale_ptr + expert * N_OUT + offs_n, mask=n_ok, other=0.0)[None, :]
     if RELU2:  # on the projection rounded to the output dtype, as relu2(linear(x)) computes it
@@ -195,14 +206,15 @@ def _moe_combine_kernel(pair_ptr, route_w_ptr, shared_ptr, out_ptr, D, K: tl.con
 
 
 def choose_block_m(num_pairs: int, num_experts: int) -> int:
-    """Rows per aligned block from the mean pairs per expert: 16 (the smallest tl.dot tile) at small decode
-    batches, 32 while one such block holds an expert's rows; above 32, one 64-row block per expert, which reads
-    each expert's weights once where 32-row blocks read them twice (30B-A3B fp8 experts on H200, 36 / 48 per
-    expert: 637 / 664 us against 869 / 1,036 us at 32 rows; bench/results/h200/decode_step); 128 at prefill."""
+    """Rows per aligned block from the mean pairs per expert, so that one block holds an expert's rows (two
+    blocks read its weights twice): 16 (the smallest tl.dot tile) up to 12, 32 up to 24, 64 up to 160, 128 at
+    prefill. 30B-A3B fp8 experts on H200 (bench/results/h200/decode_step/large_batch.json): at 18 / 24 per expert
+    32 rows take 532 / 565 us against 764 / 929 us at 16; at 30 / 36 / 48, 64 rows 629 / 640 / 663 us against
+    700 / 868 / 1,018 at 32; at 12, 16 and 32 rows tie."""
     per_expert = num_pairs / num_experts
-    if per_expert <= 24:
+    if per_expert <= 12:
         return 16
-    if per_expert <= 32:
+    if per_expert <= 24:
         return 32
     return 64 if per_expert <= 160 else 128
 
@@ -211,8 +223,10 @@ def _grouped_gemm(
     a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None,
     out: torch.Tensor, align: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_pairs: int, a_row_div: int,
     block_m: int, relu2: bool, shared: tuple[torch.Tensor, int, int] | None = None,
+    a_scale: torch.Tensor | None = None,
 ) -> None:
-    """`shared`: (weight, chunk stride, row stride) of the shared expert's chunks, experts E, E+1, ..."""
+    """`shared`: (weight, chunk stride, row stride) of the shared expert's chunks, experts E, E+1, ...;
+    `a_scale` [rows of a] fp32: a is fp8 with these per-row scales (w must be fp8 too)."""
     sorted_pairs, block_expert, used_rows = align
     n_out, k = w.shape[1], w.shape[2]
     ws, ws_e, ws_n = shared if shared is not None else (w, 0, 0)
@@ -223,10 +237,10 @@ def _grouped_gemm(
         return (num_blocks * cdiv(n_out, meta["BLOCK_N"]),)
 
     _moe_gemm_kernel[grid](
-        a, w, ws, scale if scale is not None else a, out,
+        a, a_scale if a_scale is not None else a, w, ws, scale if scale is not None else a, out,
         sorted_pairs, block_expert, used_rows, num_pairs, w.shape[0], num_blocks, n_out, k, a.stride(0), w.stride(0),
         w.stride(1), ws_e, ws_n, out.stride(0), SHARED=shared is not None, A_ROW_DIV=a_row_div, BLOCK_M=block_m,
-        RELU2=relu2, HAS_SCALE=scale is not None,
+        RELU2=relu2, HAS_SCALE=scale is not None, A_FP8=a_scale is not None,
         **dot_launch(a.dtype),
     )
 
@@ -266,9 +280,11 @@ def moe_experts_triton(
     shared_up: torch.Tensor | None = None,  # [S * I, D] the shared expert's chunks: experts E .. E + S - 1
     shared_down: torch.Tensor | None = None,  # [D, S * I]
     block_m: int | None = None,  # rows per aligned block (16 / 32 / 64 / 128); default `choose_block_m`
+    fp8_activations: bool = False,  # fp8 weights: quantize each GEMM's input rows to fp8 (W8A8)
 ) -> torch.Tensor:
     """Same contract as `moe_experts_ref`: [N, D] in x's dtype (sum, rounding and shared add in one kernel;
-    shared chunks run in the grouped GEMMs with the routed experts)."""
+    shared chunks run in the grouped GEMMs with the routed experts). With fp8_activations the expert inputs
+    and the relu2 rows are quantized per row (one Triton kernel each) and both GEMMs multiply fp8 x fp8."""
     n, d = x.shape
     num_experts, inter = w_up.shape[0], w_up.shape[1]
     chunks = check_expert_inputs(x, w_up, w_down, up_scale, shared_out, shared_up, shared_down)
@@ -287,13 +303,18 @@ def moe_experts_triton(
         block_m = choose_block_m(pairs, num_experts + chunks)
     elif block_m not in (16, 32, 64, 128):
         raise ValueError(f"block_m must be 16, 32, 64 or 128, got {block_m}")
+    check_fp8_activations(fp8_activations, w_up, chunks)
     align = moe_align_triton(topk_ids, num_experts + chunks, block_m)
     hidden = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     up_shared = (cast(torch.Tensor, shared_up), inter * d, d) if chunks else None  # chunk c: rows c*I .. of [S*I, D]
-    _grouped_gemm(x, w_up, up_scale, hidden, align, pairs, k, block_m, relu2=True, shared=up_shared)
+    up_in, up_in_scale = quantize_activation_triton(x) if fp8_activations else (x, None)  # [N, D] fp8, [N, 1]
+    _grouped_gemm(up_in, w_up, up_scale, hidden, align, pairs, k, block_m, relu2=True, shared=up_shared,
+                  a_scale=up_in_scale)
     pair_out = torch.empty(pairs, d, dtype=x.dtype, device=x.device)  # each pair's rounded product
     down_shared = (cast(torch.Tensor, shared_down), inter, chunks * inter) if chunks else None  # columns c*I ..
-    _grouped_gemm(hidden, w_down, down_scale, pair_out, align, pairs, 1, block_m, relu2=False, shared=down_shared)
+    down_in, down_in_scale = quantize_activation_triton(hidden) if fp8_activations else (hidden, None)
+    _grouped_gemm(down_in, w_down, down_scale, pair_out, align, pairs, 1, block_m, relu2=False, shared=down_shared,
+                  a_scale=down_in_scale)
     out = torch.empty_like(x)
     shared = shared_out.contiguous() if shared_out is not None else out
     route_w = topk_weights.reshape(-1).float().contiguous()

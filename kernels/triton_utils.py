@@ -63,9 +63,10 @@ def process_dt_tl(dt, bias, DT_SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, 
 def dot_launch(dtype: torch.dtype) -> dict[str, object]:
     """The DOT_PRECISION / DOT_UPCAST constexprs of a kernel whose tl.dot takes `dtype` activations: fp32 (and
     everything under the interpreter) exact ("ieee"), half precision on the GPU "tf32" (ignored by bf16 MMAs);
-    DOT_UPCAST under the interpreter for bf16, whose dot there is wrong (fp32 operands: the same exact products)."""
+    DOT_UPCAST under the interpreter for bf16 and fp8, whose dot there is wrong (fp32 operands: the same exact
+    products)."""
     return {"DOT_PRECISION": "ieee" if dtype == torch.float32 or interpreting() else "tf32",
-            "DOT_UPCAST": interpreting() and dtype == torch.bfloat16}
+            "DOT_UPCAST": interpreting() and dtype in (torch.bfloat16, torch.float8_e4m3fn)}
 
 
 def pdl_enabled(device: torch.device) -> bool:

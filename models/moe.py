@@ -10,7 +10,7 @@ from torch import nn
 
 from hybridserve.common.model_config import MoEConfig
 from hybridserve.kernels import ops
-from hybridserve.kernels.moe import RouterSpec
+from hybridserve.kernels.moe import RouterSpec, fp8_activations_apply
 from hybridserve.kernels.ops import AUTO_KERNELS, Kernels
 from hybridserve.models.layers import MLP, Linear
 
@@ -43,6 +43,7 @@ class Experts(nn.Module):
     def __init__(self, config: MoEConfig, expert_in: int, kernels: Kernels = AUTO_KERNELS) -> None:
         super().__init__()
         self.kernels = kernels
+        self.fp8_activations = config.fp8_activations  # fp8 experts: W8A8 grouped GEMMs (kernels.moe)
         dtype = torch.float8_e4m3fn if config.fp8_experts else None
         self.up_proj = _param(config.num_experts, config.intermediate_size, expert_in, dtype=dtype)
         self.down_proj = _param(config.num_experts, expert_in, config.intermediate_size, dtype=dtype)
@@ -59,8 +60,10 @@ class Experts(nn.Module):
         routed experts)."""
         shared_up = shared.up_proj.weight if shared is not None else None
         shared_down = shared.down_proj.weight if shared is not None else None
+        a8 = fp8_activations_apply(self.fp8_activations, self.up_proj)
         return ops.moe_experts(x, self.up_proj, self.down_proj, weights, ids, self.up_proj_scale,
-                               self.down_proj_scale, shared_out, shared_up, shared_down, kernels=self.kernels)
+                               self.down_proj_scale, shared_out, shared_up, shared_down, fp8_activations=a8,
+                               kernels=self.kernels)
 
 
 class MoE(nn.Module):
@@ -94,9 +97,10 @@ class MoE(nn.Module):
             shared = self.shared_experts
             return ops.moe_layer(x, *args, shared_up=shared.up_proj.weight, shared_down=shared.down_proj.weight,
                                  small_max_pairs=small_max_pairs, kernels=self.kernels)
+        a8 = experts.fp8_activations
         if isinstance(self.fc1_latent_proj, nn.Identity):  # the shared expert's add fused into the combine
             return ops.moe_layer(x, *args, shared_out=self.shared_experts(x), small_max_pairs=small_max_pairs,
-                                 kernels=self.kernels)
+                                 fp8_activations=a8, kernels=self.kernels)
         routed = ops.moe_layer(x, *args, expert_x=self.fc1_latent_proj(x), small_max_pairs=small_max_pairs,
-                               kernels=self.kernels)
+                               fp8_activations=a8, kernels=self.kernels)
         return self.fc2_latent_proj(routed) + self.shared_experts(x)

@@ -6,7 +6,8 @@ request-major layout (a per-layer strided view of [slots, layers, H, P, N]).
     python bench/kernels/large_batch.py --out bench/results/<device>/decode_step/large_batch.json [--quick]
 
 Floors: bytes / the copy bandwidth measured in the same run (read + write); the MoE row also gives its flops at
-the bf16 matmul peak measured in the run (the grouped GEMM multiplies in bf16 after an exact fp8 upcast). Each
+the bf16 matmul peak measured in the run (weight-only: the grouped GEMM multiplies in bf16 after an exact fp8
+upcast; W8A8 rows, `fp8_activations`: fp8 x fp8 after a per-row quantization of each GEMM's input). Each
 figure is triton's do_bench median of CUDA-graph replays with L2 flushed between them.
 """
 
@@ -50,7 +51,7 @@ def _config(name: str) -> dict[str, Any]:
     return json.loads((CONFIGS / SHAPES[name]).read_text())
 
 
-def bench_moe(ceil: dict[str, float], quick: bool) -> list[dict[str, Any]]:
+def bench_moe(ceil: dict[str, float], quick: bool, tokens: tuple[int, ...] = MOE_TOKENS) -> list[dict[str, Any]]:
     """Routed fp8 experts (up relu2 + down + combine, no shared expert) at N tokens x top-k, uniform routing."""
     cfg = _config("30b-a3b")
     d, inter, experts, top_k = (cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["n_routed_experts"],
@@ -60,7 +61,7 @@ def bench_moe(ceil: dict[str, float], quick: bool) -> list[dict[str, Any]]:
     w_down, down_scale = quantize_fp8_rows(torch.randn(experts, d, inter, device="cuda", generator=gen) * 0.02)
     weight_bytes = 2 * experts * inter * d  # fp8: up + down, every expert touched at these batches
     rows = []
-    for n in MOE_TOKENS:
+    for n in tokens:
         x = torch.randn(n, d, device="cuda", generator=gen).to(torch.bfloat16)
         ids = torch.rand(n, experts, device="cuda", generator=gen).topk(top_k, dim=-1)[1]
         weights = torch.rand(n, top_k, device="cuda", generator=gen)
@@ -69,14 +70,17 @@ def bench_moe(ceil: dict[str, float], quick: bool) -> list[dict[str, Any]]:
         act_bytes = 2 * (n * d * 2 + pairs * inter * 2 + pairs * d * 2)
         floor_us = (weight_bytes + act_bytes) / ceil["copy_GBps"] / 1e3
         flops_us = 2 * 2 * pairs * inter * d / ceil["bf16_matmul_TFLOPs"] / 1e6
-        for block_m in BLOCK_M:
-            us = graph_us(lambda bm=block_m: moe_experts_triton(x, w_up, w_down, weights, ids, up_scale, down_scale,
-                                                                 block_m=bm), quick)
-            row = {"tokens": n, "pairs": pairs, "block_m": block_m, "default": block_m == choose_block_m(pairs, experts),
-                   "us": us, "bytes_floor_us": floor_us, "flops_floor_us": flops_us, "over_floor": us / floor_us}
-            rows.append(row)
-            print(f"moe fp8 n={n:<5d} block_m={block_m:<4d}{'*' if row['default'] else ' '} {us:8.1f} us  "
-                  f"floor {floor_us:6.1f} us ({us / floor_us:.2f}x)  flops floor {flops_us:6.1f} us", flush=True)
+        for a8 in (False, True):  # weight-only fp8 (bf16 activations), then W8A8 (rows quantized per GEMM)
+            for block_m in BLOCK_M:
+                us = graph_us(lambda bm=block_m, a8=a8: moe_experts_triton(
+                    x, w_up, w_down, weights, ids, up_scale, down_scale, block_m=bm, fp8_activations=a8), quick)
+                row = {"tokens": n, "pairs": pairs, "block_m": block_m, "fp8_activations": a8,
+                       "default": block_m == choose_block_m(pairs, experts), "us": us, "bytes_floor_us": floor_us,
+                       "flops_floor_us": flops_us, "over_floor": us / floor_us}
+                rows.append(row)
+                print(f"moe fp8{' a8' if a8 else '   '} n={n:<5d} block_m={block_m:<4d}{'*' if row['default'] else ' '} "
+                      f"{us:8.1f} us  floor {floor_us:6.1f} us ({us / floor_us:.2f}x)  flops floor {flops_us:6.1f} us",
+                      flush=True)
     return rows
 
 
@@ -137,11 +141,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="shorter timing loops; the state update's default launch and one other")
     parser.add_argument("--skip", nargs="*", default=[], choices=["moe", "state_update"])
+    parser.add_argument("--moe-tokens", type=int, nargs="+", default=list(MOE_TOKENS),
+                        help="token counts of the MoE section (default: 256 .. 1,024)")
     args = parser.parse_args()
     ceil = ceilings(args.quick)
     print(f"copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s", flush=True)
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "ceilings": ceil}
-    sections = {"state_update": lambda: bench_state_update(ceil, args.quick), "moe": lambda: bench_moe(ceil, args.quick)}
+    sections = {"state_update": lambda: bench_state_update(ceil, args.quick),
+                "moe": lambda: bench_moe(ceil, args.quick, tuple(args.moe_tokens))}
     for name, section in sections.items():  # the JSON is written after each (the MoE section spends most on tuning)
         run_sections({name: section}, args.skip, result)
         write_json(result, args.out)

@@ -8,9 +8,11 @@ model's layers run; the graph's own launch is spread over them), the time is per
   `grouped` (alignment + grouped GEMMs + combine) and `small` (the small-M path: logits, up, down), and the
   `default` dispatch (SMALL_M_MAX_PAIRS); floor = bytes the layer must read (the distinct routed experts, the
   shared expert, the router) / copy bandwidth.
-  prefill 4096 tokens: the expert GEMMs' TFLOP/s beside torch.mm of the same shapes in this run (the up and down
-  projections of every (token, expert) pair as one dense [pairs, D] x [D, I] and [pairs, I] x [I, D]) and beside
-  the square 8192^3 bf16 peak; the autotuner's chosen tiles are recorded. fp8 experts (weight-only) get rows too.
+  prefill 4096 tokens (--prefill-tokens): the expert GEMMs' TFLOP/s beside torch.mm of the same shapes in this
+  run (the up and down projections of every (token, expert) pair as one dense [pairs, D] x [D, I] and [pairs, I] x
+  [I, D]) and beside
+  the square 8192^3 bf16 peak; the autotuner's chosen tiles are recorded. fp8 experts get rows too: weight-only
+  (bf16 activations) and W8A8 (`fp8_activations`: both GEMMs fp8 x fp8, the row quantizations included).
 Whole model, decode batch 1 with 512 tokens of context, captured as one CUDA graph (default dispatch and with the
 small path off): floor = the weights the step reads (every dense weight, the active experts of every MoE layer,
 lm_head; not the embedding table) plus the Mamba state read + written, over copy bandwidth (the KV cache read,
@@ -184,6 +186,13 @@ def bench_prefill(config: ModelConfig, device: torch.device, timer: Timer, ceil:
                     experts.down_proj_scale, None, *shared_w, block_m=bm))
             row[f"experts_ms_block_m{block_m}"] = ms
             row[f"experts_pct_of_same_shape_mm_block_m{block_m}"] = 100 * mm_ms / ms
+            if fp8:  # W8A8: both GEMMs fp8 x fp8, the two row quantizations included
+                with torch.no_grad():
+                    ms = timer(lambda bm=block_m: moe_experts_triton(
+                        latent, experts.up_proj, experts.down_proj, weights, ids, experts.up_proj_scale,
+                        experts.down_proj_scale, None, block_m=bm, fp8_activations=True))
+                row[f"experts_a8_ms_block_m{block_m}"] = ms
+                row[f"experts_a8_TFLOPs_block_m{block_m}"] = flops / ms / 1e9
         row["gemm_configs"] = _best_configs(_moe_gemm_kernel)
     print(_fmt("prefill ", {k: v for k, v in row.items() if k != "gemm_configs"}), flush=True)
     return row
@@ -264,14 +273,18 @@ def summary(result: dict[str, Any]) -> list[str]:
         faster = [r["tokens"] for r in rows if r["small_ms"] < r["grouped_ms"]]
         lines.append(f"small path faster at tokens {faster}")
     for section in ("prefill", "fp8_prefill"):
-        r = result.get(section)
-        if isinstance(r, dict) and "experts_ms" in r:
+        for r in result.get(section) or []:
+            if not isinstance(r, dict) or "experts_ms" not in r:
+                continue
             lines.append(f"{section} {r['tokens']} tokens: expert GEMMs {r['experts_ms']:.3f} ms = "
                          f"{r['experts_TFLOPs']:.0f} TFLOP/s, {r['experts_pct_of_same_shape_mm']:.0f} % of torch.mm of "
                          f"the same shapes ({r['same_shape_mm_TFLOPs']:.0f} TFLOP/s), "
                          f"{r['experts_pct_of_square_peak']:.0f} % of the square bf16 peak; layer {r['layer_ms']:.3f} ms"
                          + "".join(f"; block_m {m}: {r[f'experts_pct_of_same_shape_mm_block_m{m}']:.0f} %"
-                                   for m in PREFILL_BLOCK_M if f"experts_ms_block_m{m}" in r))
+                                   for m in PREFILL_BLOCK_M if f"experts_ms_block_m{m}" in r)
+                         + "".join(f"; W8A8 block_m {m}: {r[f'experts_a8_ms_block_m{m}']:.3f} ms "
+                                   f"({r[f'experts_a8_TFLOPs_block_m{m}']:.0f} TFLOP/s)"
+                                   for m in PREFILL_BLOCK_M if f"experts_a8_ms_block_m{m}" in r))
     step = result.get("step")
     if isinstance(step, dict) and "floor_ms" in step:
         for name in ("graph", "graph_grouped_only"):
@@ -296,6 +309,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="shorter timing loops")
     parser.add_argument("--skip", nargs="*", default=[],
                         help="sections to skip: decode prefill fp8_decode fp8_prefill step")
+    parser.add_argument("--prefill-tokens", type=int, nargs="*", default=[PREFILL_TOKENS],
+                        help="token counts of the prefill sections (GPU)")
     parser.add_argument("--decode-tokens", type=int, nargs="*", default=list(DECODE_BATCHES),
                         help="token counts of the decode section (GPU; fp8_decode takes the first four)")
     args = parser.parse_args()
@@ -323,12 +338,13 @@ def main() -> None:
     result["ceilings"] = ceil = ceilings(device, timer, big=not cpu)
     print(f"{result['device']}: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_matmul_TFLOPs']:.1f} TFLOP/s",
           flush=True)
-    batches, prefill, copies = (tuple(args.decode_tokens), PREFILL_TOKENS, LAYER_COPIES) if not cpu else ((1, 4), 64, 2)
+    batches, prefill, copies = ((tuple(args.decode_tokens), tuple(args.prefill_tokens), LAYER_COPIES) if not cpu
+                                else ((1, 4), (64,), 2))
     sections: dict[str, Callable[[], Any]] = {
         "decode": lambda: bench_decode(config, device, timer, ceil, False, batches, copies),
-        "prefill": lambda: bench_prefill(config, device, timer, ceil, False, prefill),
+        "prefill": lambda: [bench_prefill(config, device, timer, ceil, False, n) for n in prefill],
         "fp8_decode": lambda: bench_decode(config, device, timer, ceil, True, batches[:4], copies),
-        "fp8_prefill": lambda: bench_prefill(config, device, timer, ceil, True, prefill),
+        "fp8_prefill": lambda: [bench_prefill(config, device, timer, ceil, True, n) for n in prefill],
         "step": lambda: bench_model_step(config, device, timer, ceil),
     }
     run_sections(sections, args.skip, result)

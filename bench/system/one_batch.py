@@ -44,6 +44,7 @@ def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
         load_format="dummy" if args.model is None else "safetensors", max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len, gpu_memory_gb=args.gpu_memory_gb if cuda else None,
         prefill_chunk_size=args.prefill_chunk_size, prefill_cuda_graphs=not args.no_prefill_cuda_graphs,
+        moe_fp8_activations=args.moe_fp8_activations,
     )
     fields.update(overrides)
     return EngineConfig(**fields)
@@ -59,6 +60,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-gb", type=float, default=24.0)
     parser.add_argument("--prefill-chunk-size", type=int, default=None, help="default: the engine's for the device")
     parser.add_argument("--no-prefill-cuda-graphs", action="store_true", help="prefill steps eagerly (A/B)")
+    parser.add_argument("--moe-fp8-activations", action=argparse.BooleanOptionalAction, default=True,
+                        help="fp8 experts: W8A8 in prefill-sized expert GEMMs (the engine's default; A/B)")
 
 
 def random_prompts(count: int, length: int, seed: int, vocab: int) -> list[list[int]]:

@@ -33,23 +33,26 @@ def compile_for_hopper(kernel: Any, signature: dict, constexprs: dict, aligned: 
     return {"cubin": bool(compiled.asm.get("cubin")), "cp.async": "cp.async" in ptx, "wgmma": "wgmma" in ptx,
             "ld.global.v4": "ld.global.v4" in ptx, "cp.async 16B": "cp.async.cg.shared.global" in ptx,
             "prefetch.L2": "prefetch.global.L2" in ptx, "pdl wait": "griddepcontrol.wait" in ptx,
-            "pdl trigger": "griddepcontrol.launch_dependents" in ptx}
+            "pdl trigger": "griddepcontrol.launch_dependents" in ptx,
+            "wgmma e4m3": "e4m3.e4m3" in ptx}
 
 
 def main() -> None:
     found = {}
-    pointers = {"a_ptr": "*bf16", "w_ptr": "*bf16", "ws_ptr": "*bf16", "scale_ptr": "*fp32",
+    pointers = {"a_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_ptr": "*bf16", "ws_ptr": "*bf16", "scale_ptr": "*fp32",
                 "out_ptr": "*fp32", "sorted_ptr": "*i32", "block_expert_ptr": "*i32", "used_rows_ptr": "*i32"}
     strides = ("N_OUT", "K", "a_m", "w_e", "w_n", "ws_e", "ws_n", "out_m")
     ints = {n: "i32" for n in ("num_pairs", "num_routed", "num_blocks", *strides)}
-    for weights, block_m in (("*bf16", 16), ("*bf16", 128), ("*fp8e4nv", 16), ("*fp8e4nv", 128)):
+    for weights, block_m, a8 in (("*bf16", 16, False), ("*bf16", 128, False), ("*fp8e4nv", 16, False),
+                                 ("*fp8e4nv", 128, False), ("*fp8e4nv", 128, True)):
         for up in (True, False):
             constexprs = {"SHARED": weights == "*bf16", "A_ROW_DIV": 6 if up else 1, "BLOCK_M": block_m,
-                          "BLOCK_N": 64 if block_m == 16 else 128, "BLOCK_K": 128 if block_m == 16 else 64,
+                          "BLOCK_N": 64 if block_m == 16 else 128, "BLOCK_K": 128 if block_m == 16 or a8 else 64,
                           "GROUP_M": 1 if block_m == 16 else 8, "RELU2": up,
-                          "HAS_SCALE": weights != "*bf16", "DOT_PRECISION": "tf32", "DOT_UPCAST": False}
-            signature = {**pointers, "w_ptr": weights, "ws_ptr": weights, "out_ptr": "*bf16", **ints}
-            found[f"gemm {weights} {'up' if up else 'down'} {block_m}"] = compile_for_hopper(
+                          "HAS_SCALE": weights != "*bf16", "A_FP8": a8, "DOT_PRECISION": "tf32", "DOT_UPCAST": False}
+            signature = {**pointers, "a_ptr": "*fp8e4nv" if a8 else "*bf16", "w_ptr": weights, "ws_ptr": weights,
+                         "out_ptr": "*bf16", **ints}
+            found[f"gemm {weights}{' a8' if a8 else ''} {'up' if up else 'down'} {block_m}"] = compile_for_hopper(
                 _moe_gemm_kernel, signature, constexprs, aligned=(*pointers, *strides),
                 num_warps=4 if block_m == 16 else 8)
     align = {"E": 128, "E_BINS": 128, "BLOCK_M": 16, "CHUNK": 1024, "BLOCK_CHUNK": 64}

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from hybridserve.kernels.fp8_linear import quantize_activation_ref
 from hybridserve.kernels.moe import (
     RouterSpec,
     align_capacity,
@@ -157,6 +158,51 @@ def test_fp8_experts_triton_and_reference(per_tensor):
 
 
 @ku.interp_only
+@pytest.mark.parametrize("tokens,block_m", [(5, 16), (70, 64)])
+def test_fp8_activation_experts_triton_and_reference(tokens, block_m, monkeypatch):
+    """W8A8 experts: the kernel's fp8 x fp8 GEMMs against the reference that quantizes the same rows, and both
+    within e4m3's reach of the weight-only and bf16 results. The rows are quantized by the reference here: the
+    interpreter's own fp8 cast is not the GPU's (test_fp8_linear.py), the quantization kernel is tested there."""
+    from hybridserve.kernels import moe_triton
+
+    monkeypatch.setattr(moe_triton, "quantize_activation_triton", quantize_activation_ref)
+    x, w_up, w_down, weights, ids = _case(tokens, 2, 4, 32, 32, torch.bfloat16, seed=5)
+    up8, up_s = quantize_fp8_rows(w_up)
+    down8, down_s = quantize_fp8_rows(w_down)
+    ref = moe_experts_ref(x, up8, down8, weights, ids, up_s, down_s, fp8_activations=True)
+    weight_only = moe_experts_ref(x, up8, down8, weights, ids, up_s, down_s)
+    ku.assert_close(ref, weight_only, 0.08, "w8a8 vs weight-only fp8")
+    ku.assert_close(ref, moe_experts_ref(x, w_up, w_down, weights, ids), 0.12, "w8a8 vs bf16")
+    out = moe_experts_triton(x, up8, down8, weights, ids, up_s, down_s, block_m=block_m, fp8_activations=True)
+    ku.assert_close(out, ref, 3e-2, "w8a8 triton")
+
+
+@ku.gpu
+@ku.cuda_only
+@pytest.mark.parametrize("tokens", [700, 2048])  # block_m 64 and 128 at 128 experts, top 6
+def test_fp8_activation_experts_cuda(tokens):
+    """30B-A3B expert shapes on the GPU: the W8A8 kernels (the Triton quantization, fp8 wgmma) against the
+    reference on the same tensors, and against the weight-only result."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    d, inter, experts, k = 2688, 1856, 128, 6
+    x = torch.randn(tokens, d, device="cuda", generator=gen).to(torch.bfloat16)
+    up8, up_s = quantize_fp8_rows(torch.randn(experts, inter, d, device="cuda", generator=gen) * d**-0.5)
+    down8, down_s = quantize_fp8_rows(torch.randn(experts, d, inter, device="cuda", generator=gen) * inter**-0.5)
+    ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(k, dim=-1)[1]
+    weights = torch.rand(tokens, k, device="cuda", generator=gen)
+    out = moe_experts_triton(x, up8, down8, weights, ids, up_s, down_s, fp8_activations=True)
+    ref = moe_experts_ref(x, up8, down8, weights, ids, up_s, down_s, fp8_activations=True)
+    ku.assert_close(out, ref, 3e-2, "w8a8 cuda")  # measured 1.55e-2: a relu2 row rounds before its quantization
+    ku.assert_close(out, moe_experts_triton(x, up8, down8, weights, ids, up_s, down_s), 0.08, "w8a8 vs weight-only")
+
+
+def test_fp8_activations_need_fp8_weights():
+    x, w_up, w_down, weights, ids = _case(3, 2, 4, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="fp8_activations needs fp8 expert weights"):
+        moe_experts_ref(x, w_up, w_down, weights, ids, fp8_activations=True)
+
+
+@ku.interp_only
 def test_triton_router_with_one_expert_per_group_matches_the_reference():
     """transformers cannot run this (its top-2 per group needs 2 experts); the reference takes each group's one."""
     gen = torch.Generator().manual_seed(4)
@@ -194,7 +240,8 @@ def test_block_m_override_gives_the_same_result():
 
 
 def test_block_m_grows_with_rows_per_expert():
-    assert [choose_block_m(p, 128) for p in (6, 768, 3072, 3840, 4608, 6144, 24576)] == [16, 16, 16, 32, 64, 64, 128]
+    pairs = (6, 1536, 2304, 3072, 3840, 4608, 6144, 24576)  # 12, 18, 24, 30, 36, 48, 192 per expert after the first
+    assert [choose_block_m(p, 128) for p in pairs] == [16, 16, 32, 32, 64, 64, 64, 128]
 
 
 @pytest.mark.parametrize("n_group,topk_group,norm", [(1, 1, True), (4, 2, True), (2, 1, False), (8, 3, True)])
@@ -243,6 +290,8 @@ def test_kernels_compile_for_hopper():
         if name.startswith("gemm"):
             assert found["cp.async"] and found["cp.async 16B"], name
             assert found["wgmma"] == name.endswith("128"), name
+    # W8A8 tiles multiply fp8 x fp8 on the tensor cores (e4m3 operands of the warpgroup MMA)
+    assert ptx["gemm *fp8e4nv a8 up 128"]["wgmma e4m3"] and not ptx["gemm *fp8e4nv up 128"]["wgmma e4m3"]
     # under PDL the bf16 up kernel asks L2 for the shared expert's rows before waiting on the router kernel
     assert ptx["small up *bf16"]["prefetch.L2"] and not ptx["small up *fp8e4nv"]["prefetch.L2"]
     # under PDL a kernel waits on its predecessor and lets its successor launch (the up kernel after its work)

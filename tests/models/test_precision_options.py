@@ -80,8 +80,8 @@ def test_cache_dtype_options_validate_and_apply() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype="int8")
     base = ModelConfig.from_dir(nemotron_h("M*-M*M*-")[0])
-    assert EngineConfig().cache_dtypes(base).ssm_state_dtype == base.ssm_state_dtype  # auto: the checkpoint's
-    cfg = EngineConfig(mamba_ssm_cache_dtype="float16", kv_cache_dtype="fp8").cache_dtypes(base)
+    assert EngineConfig().runtime_model_config(base).ssm_state_dtype == base.ssm_state_dtype  # auto: the checkpoint's
+    cfg = EngineConfig(mamba_ssm_cache_dtype="float16", kv_cache_dtype="fp8").runtime_model_config(base)
     assert (cfg.ssm_state_dtype, cfg.kv_cache_dtype) == ("float16", "fp8")
 
 
