@@ -23,7 +23,14 @@ declare -A ROWS=(
   [30b-fp8-1024]="30b-fp8 $CFG/nemotron-3-nano-30b-a3b.json 1 1024 2 --max-num-seqs 1024 --max-model-len 4096"
   [30b-fp8-sweep]="30b-fp8 $CFG/nemotron-3-nano-30b-a3b.json 1 64,256,512,1024 2 --max-num-seqs 1024 --max-model-len 4096"
   [30b-bf16-sweep]="30b-bf16 $CFG/nemotron-3-nano-30b-a3b.json 0 64,256,512,1024 2 --max-num-seqs 1024 --max-model-len 4096"
+  [30b-bf16-1024]="30b-bf16 $CFG/nemotron-3-nano-30b-a3b.json 0 1024 2 --max-num-seqs 1024 --max-model-len 4096"
 )
+# the memory plan at one budget: --max-num-seqs 64 .. 1,024 at --gpu-memory-gb 40, 512 prompts at 512 in flight,
+# 1,024 in / 256 out (rows 9b-mem64 .. 9b-mem1024; prefill graphs off in every row to shorten the server's start)
+for seqs in 64 128 256 512 1024; do
+  ROWS[9b-mem$seqs]="nano9b-mem$seqs $CFG/nemotron-nano-9b-v2.json 0 512 1 --max-num-seqs $seqs --gpu-memory-gb 40 \
+--max-model-len 4096 --no-prefill-cuda-graphs"
+done
 [ "$#" -eq 0 ] && set -- 9b-256 30b-fp8-512
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.csv" 2>/dev/null || true
@@ -38,8 +45,9 @@ for row in "$@"; do
   fp8_flag=(); [ "$fp8" = 1 ] && fp8_flag=(--fp8)
   per=${WAVES:-$per}
   input=1024; [[ $row == *-8k ]] && input=8192
+  output=1024; [[ $row == 9b-mem* ]] && output=256
   python3 bench/serving/throughput.py --config "$config" "${fp8_flag[@]}" --label "$label" --concurrency "$levels" \
-    --input-len "$input" \
+    --input-len "$input" --output-len "$output" \
     --waves "$per" --time-budget "$(( left - 60 ))" --out "$OUT" -- $flags ${EXTRA:-} >> "$OUT/$label.client.log" 2>&1 &
   child=$!
   wait "$child"
