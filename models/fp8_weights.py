@@ -2,8 +2,9 @@
 `*.weight_scale` and an `*.input_scale`; compressed-tensors FP8: per-channel `weight_scale` [out, 1]).
 
 Routed expert weights stay fp8 (the fused MoE GEMMs read them as they are, with per-output-channel scales: a
-per-tensor scale is broadcast to its rows), their activation scales (`input_scale`) dropped: the expert GEMMs run
-weight-only fp8 with bf16 activations. Dense fp8 linears: models/fp8_dense.py."""
+per-tensor scale is broadcast to its rows), their activation scales (`input_scale`) dropped: the expert GEMMs
+quantize their inputs per row at run time (W8A8, EngineConfig.moe_fp8_activations) or keep bf16 activations.
+Dense fp8 linears: models/fp8_dense.py."""
 
 from __future__ import annotations
 
