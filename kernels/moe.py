@@ -103,11 +103,18 @@ def moe_align_ref(
     return sorted_pairs, block_expert, ends[-1:].to(torch.int32)
 
 
-def fp8_activations_apply(enabled: bool, w_up: torch.Tensor) -> bool:
-    """Whether a layer with `fp8_activations` runs its grouped expert GEMMs W8A8: it has fp8 expert weights. The
-    fp8 x fp8 GEMMs (no fp8 -> bf16 cast of each weight tile) are faster at every measured size on an H200: 2.0-2.2x
-    at 2K-8K prefill tokens, 1.3-1.5x at 256-1,024 decode rows (bench/results/h200/decode_step/)."""
-    return enabled and w_up.dtype == torch.float8_e4m3fn
+# calls of at most this many (token, expert) pairs take the Triton small-M path (moe_small_triton.py: router, up and
+# down GEMVs in three launches; one Nano token), which reads fp8 experts weight-only; larger calls take the grouped
+# GEMMs
+SMALL_M_MAX_PAIRS = 8
+
+
+def uses_fp8_activations(enabled: bool, w_up: torch.Tensor, num_pairs: int) -> bool:
+    """Whether a layer with `fp8_activations` runs this call of `num_pairs` pairs W8A8: fp8 expert weights and a
+    call above the small-M path's size, on every path alike (reference, Triton, expert parallel). The grouped
+    fp8 x fp8 GEMMs (no fp8 -> bf16 cast of each weight tile) are faster at every measured size on an H200:
+    1.8-2.0x at 2K-8K prefill tokens, 1.2-1.5x at 16-1,024 decode rows (bench/results/h200/decode_step/, prefill/)."""
+    return enabled and w_up.dtype == torch.float8_e4m3fn and num_pairs > SMALL_M_MAX_PAIRS
 
 
 def check_fp8_activations(fp8_activations: bool, w_up: torch.Tensor, shared_chunks: int) -> None:
@@ -197,11 +204,11 @@ def moe_layer_ref(
     shared_up: torch.Tensor | None = None,  # [S * I, D] with spec.num_shared = S
     shared_down: torch.Tensor | None = None,  # [D, S * I]
     small_max_pairs: int | None = None,  # the Triton path's dispatch threshold: one path here
-    fp8_activations: bool = False,  # fp8 experts: W8A8 (`fp8_activations_apply`)
+    fp8_activations: bool = False,  # fp8 experts: W8A8 where `uses_fp8_activations` says so
 ) -> torch.Tensor:
     """A whole MoE layer's routed part: `route_topk` then `moe_experts_ref` -> [N, D] in the experts' dtype."""
     weights, ids = route_topk(x, router_weight, correction_bias, spec)
-    a8 = fp8_activations_apply(fp8_activations, w_up)
+    a8 = uses_fp8_activations(fp8_activations, w_up, ids.numel())
     return moe_experts_ref(x if expert_x is None else expert_x, w_up, w_down, weights, ids, up_scale, down_scale,
                            shared_out, shared_up, shared_down, a8)
 

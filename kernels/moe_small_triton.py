@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from hybridserve.kernels.launch import lean_launch
-from hybridserve.kernels.moe import RouterSpec, fp8_activations_apply
+from hybridserve.kernels.moe import SMALL_M_MAX_PAIRS, RouterSpec, uses_fp8_activations
 from hybridserve.kernels.moe_router_triton import groups_fit, route_topk_triton, router_logits, topk_choice
 from hybridserve.kernels.moe_triton import check_expert_inputs, moe_experts_triton
 from hybridserve.kernels.triton_utils import (
@@ -44,10 +44,10 @@ from hybridserve.kernels.triton_utils import (
     prefetch_l2,
 )
 
-# pairs (tokens x (top_k + shared chunks)) up to which the layer takes the small-M path; Nano has 6 + 2 slots,
-# so 8 is one token. On the H200 (bench/results/h200/kernels/moe.json) the small path ties the grouped
-# GEMMs at 1 token (59.2 vs 59.6 us) and loses from 8 tokens on (301 vs 220 us).
-SMALL_M_MAX_PAIRS = 8
+# SMALL_M_MAX_PAIRS (kernels/moe.py, imported here so tests and benchmarks set it on this module): pairs (tokens x
+# (top_k + shared chunks)) up to which the layer takes the small-M path; Nano has 6 + 2 slots, so 8 is one token.
+# On the H200 (bench/results/h200/kernels/moe.json) the small path ties the grouped GEMMs at 1 token (59.2 vs
+# 59.6 us) and loses from 8 tokens on (301 vs 220 us).
 
 
 def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -265,7 +265,7 @@ def moe_layer_triton(
 ) -> torch.Tensor:
     """Same contract as `moe_layer_ref`: router + routed experts (+ shared) -> [N, D]. Up to `small_max_pairs`
     (default SMALL_M_MAX_PAIRS) pairs the three-launch small-M path (weight-only fp8), above it the grouped GEMMs
-    (W8A8 with fp8_activations and fp8 experts)."""
+    (W8A8 with fp8_activations and fp8 experts, `uses_fp8_activations`)."""
     limit = SMALL_M_MAX_PAIRS if small_max_pairs is None else small_max_pairs
     xe = x if expert_x is None else expert_x
     n, width = x.shape[0], spec.top_k + spec.num_shared
@@ -277,7 +277,7 @@ def moe_layer_triton(
         raise ValueError(f"expert_x has {xe.shape[0]} rows, x has {n}")
     if not (0 < n * width <= limit and groups_fit(spec)):
         weights, ids = route_topk_triton(x, router_weight, correction_bias, spec)
-        a8 = fp8_activations_apply(fp8_activations, w_up)
+        a8 = uses_fp8_activations(fp8_activations, w_up, ids.numel())
         return moe_experts_triton(xe, w_up, w_down, weights, ids, up_scale, down_scale, shared_out, shared_up,
                                   shared_down, fp8_activations=a8)
     shared_up, shared_down, shared_out = (t.contiguous() if t is not None else None

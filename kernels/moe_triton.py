@@ -7,8 +7,9 @@ rows, prefix sums give its first row; every pair then takes the next row of its 
 per-expert cursor (the order inside an expert is arbitrary, which changes nothing: GEMM rows are independent).
 The GEMM (`_moe_gemm_kernel`) runs one program per (block of BLOCK_M aligned rows, BLOCK_N output columns):
 the block's rows gather their inputs by pair index, the block's expert streams its weight tile, fp8 weights
-are cast to the activation dtype in registers (weight-only fp8: half the bytes at decode) and the per-channel
-scale multiplies the fp32 accumulator; blocks past the used rows exit at once.
+are cast to the activation dtype in registers (weight-only fp8) or, with fp8 inputs (W8A8: each GEMM's input rows
+quantized per row first), multiplied fp8 x fp8; the row and per-channel scales multiply the fp32 accumulator;
+blocks past the used rows exit at once.
 The router kernels are in `moe_router_triton.py`, the torch references in `moe.py`; `kernels.ops.moe_experts`
 dispatches.
 """
@@ -171,7 +172,7 @@ def _moe_gemm_kernel(
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         if not A_FP8:
             w = w.to(a.dtype)  # fp8 -> the activation dtype: exact
-        if DOT_UPCAST:  # the interpreter's bf16 dot is wrong; fp32 operands give the same exact products
+        if DOT_UPCAST:  # the interpreter's bf16 / fp8 dot is wrong; fp32 operands give the same exact products
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if A_FP8:  # each row's activation scale, then (HAS_SCALE) each column's weight scale
@@ -207,16 +208,17 @@ def _moe_combine_kernel(pair_ptr, route_w_ptr, shared_ptr, out_ptr, D, K: tl.con
 
 def choose_block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per aligned block from the mean pairs per expert, so that one block holds an expert's rows (two
-    blocks read its weights twice): 16 (the smallest tl.dot tile) up to 12, 32 up to 24, 64 up to 160, 128 at
-    prefill. 30B-A3B fp8 experts on H200 (bench/results/h200/decode_step/large_batch.json): at 18 / 24 per expert
-    32 rows take 532 / 565 us against 764 / 929 us at 16; at 30 / 36 / 48, 64 rows 629 / 640 / 663 us against
-    700 / 868 / 1,018 at 32; at 12, 16 and 32 rows tie."""
+    blocks read its weights twice): 16 (the smallest tl.dot tile) up to 12, 32 up to 24, 64 up to 64, 128 above.
+    30B-A3B fp8 experts on H200 (bench/results/h200/decode_step/large_batch_block_m.json, large_batch_w8a8.json,
+    ../prefill/moe_fp8_prefill.json): at 18 / 24 per expert 32 rows take 532 / 565 us against 764 / 929 us at 16;
+    at 30 / 36 / 48, 64 rows 629 / 640 / 663 us against 700 / 868 / 1,018 at 32 (W8A8 at 48: 448 against 482
+    at 128); at 96, 128 rows 996 / 564 us (weight-only / W8A8) against 1,223 / 628 at 64; at 12, 16 and 32 tie."""
     per_expert = num_pairs / num_experts
     if per_expert <= 12:
         return 16
     if per_expert <= 24:
         return 32
-    return 64 if per_expert <= 160 else 128
+    return 64 if per_expert <= 64 else 128
 
 
 def _grouped_gemm(
@@ -229,6 +231,9 @@ def _grouped_gemm(
     `a_scale` [rows of a] fp32: a is fp8 with these per-row scales (w must be fp8 too)."""
     sorted_pairs, block_expert, used_rows = align
     n_out, k = w.shape[1], w.shape[2]
+    if a_scale is not None and (a_scale.numel() != a.shape[0] or a_scale.stride(0) != 1 or w.dtype != a.dtype):
+        raise ValueError(f"fp8 inputs need fp8 weights and one contiguous scale per row: a {tuple(a.shape)} "
+                         f"{a.dtype}, w {w.dtype}, a_scale {tuple(a_scale.shape)}")
     ws, ws_e, ws_n = shared if shared is not None else (w, 0, 0)
 
     num_blocks = block_expert.numel()

@@ -10,7 +10,7 @@ from torch import nn
 
 from hybridserve.common.model_config import MoEConfig
 from hybridserve.kernels import ops
-from hybridserve.kernels.moe import RouterSpec, fp8_activations_apply
+from hybridserve.kernels.moe import RouterSpec, uses_fp8_activations
 from hybridserve.kernels.ops import AUTO_KERNELS, Kernels
 from hybridserve.models.layers import MLP, Linear
 
@@ -60,7 +60,7 @@ class Experts(nn.Module):
         routed experts)."""
         shared_up = shared.up_proj.weight if shared is not None else None
         shared_down = shared.down_proj.weight if shared is not None else None
-        a8 = fp8_activations_apply(self.fp8_activations, self.up_proj)
+        a8 = uses_fp8_activations(self.fp8_activations, self.up_proj, ids.numel())
         return ops.moe_experts(x, self.up_proj, self.down_proj, weights, ids, self.up_proj_scale,
                                self.down_proj_scale, shared_out, shared_up, shared_down, fp8_activations=a8,
                                kernels=self.kernels)

@@ -71,7 +71,9 @@ def read_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
                 name = _normalize(raw_name)
                 match = _EXPERT_KEY.match(name)
                 if match:
-                    if match[4] != "input_scale":  # activation scales: the expert GEMMs keep bf16 activations
+                    # activation scales dropped: the expert GEMMs scale their input rows at run time (W8A8) or
+                    # keep bf16 activations
+                    if match[4] != "input_scale":
                         key = (match[1], match[3], match[4])
                         experts.setdefault(key, {})[int(match[2])] = handle.get_tensor(raw_name)
                 else:

@@ -61,7 +61,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-chunk-size", type=int, default=None, help="default: the engine's for the device")
     parser.add_argument("--no-prefill-cuda-graphs", action="store_true", help="prefill steps eagerly (A/B)")
     parser.add_argument("--moe-fp8-activations", action=argparse.BooleanOptionalAction, default=True,
-                        help="fp8 experts: W8A8 in prefill-sized expert GEMMs (the engine's default; A/B)")
+                        help="fp8 experts: W8A8 expert GEMMs (the engine's default; A/B)")
 
 
 def random_prompts(count: int, length: int, seed: int, vocab: int) -> list[list[int]]:

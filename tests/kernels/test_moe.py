@@ -179,8 +179,8 @@ def test_fp8_activation_experts_triton_and_reference(tokens, block_m, monkeypatc
 
 @ku.gpu
 @ku.cuda_only
-@pytest.mark.parametrize("tokens", [700, 2048])  # block_m 64 and 128 at 128 experts, top 6
-def test_fp8_activation_experts_cuda(tokens):
+@pytest.mark.parametrize("tokens,block_m", [(64, 16), (384, 32), (700, 64), (2048, 128)])  # each tile family
+def test_fp8_activation_experts_cuda(tokens, block_m):
     """30B-A3B expert shapes on the GPU: the W8A8 kernels (the Triton quantization, fp8 wgmma) against the
     reference on the same tensors, and against the weight-only result."""
     gen = torch.Generator(device="cuda").manual_seed(tokens)
@@ -190,7 +190,7 @@ def test_fp8_activation_experts_cuda(tokens):
     down8, down_s = quantize_fp8_rows(torch.randn(experts, d, inter, device="cuda", generator=gen) * inter**-0.5)
     ids = torch.rand(tokens, experts, device="cuda", generator=gen).topk(k, dim=-1)[1]
     weights = torch.rand(tokens, k, device="cuda", generator=gen)
-    out = moe_experts_triton(x, up8, down8, weights, ids, up_s, down_s, fp8_activations=True)
+    out = moe_experts_triton(x, up8, down8, weights, ids, up_s, down_s, block_m=block_m, fp8_activations=True)
     ref = moe_experts_ref(x, up8, down8, weights, ids, up_s, down_s, fp8_activations=True)
     ku.assert_close(out, ref, 3e-2, "w8a8 cuda")  # measured 1.55e-2: a relu2 row rounds before its quantization
     ku.assert_close(out, moe_experts_triton(x, up8, down8, weights, ids, up_s, down_s), 0.08, "w8a8 vs weight-only")
@@ -240,7 +240,7 @@ def test_block_m_override_gives_the_same_result():
 
 
 def test_block_m_grows_with_rows_per_expert():
-    pairs = (6, 1536, 2304, 3072, 3840, 4608, 6144, 24576)  # 12, 18, 24, 30, 36, 48, 192 per expert after the first
+    pairs = (6, 1536, 2304, 3072, 3840, 6144, 8192, 12288)  # 12, 18, 24, 30, 48, 64, 96 per expert after the first
     assert [choose_block_m(p, 128) for p in pairs] == [16, 16, 32, 32, 64, 64, 64, 128]
 
 

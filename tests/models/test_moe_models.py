@@ -159,12 +159,13 @@ def test_fp8_expert_activations_agree_with_the_unquantized_model(w8a8: bool) -> 
     assert got.max_logprob_error < (0.2 if w8a8 else 0.06), got
 
 
-def test_w8a8_needs_fp8_expert_weights() -> None:
-    from hybridserve.kernels.moe import fp8_activations_apply
+def test_w8a8_needs_fp8_expert_weights_and_a_grouped_call() -> None:
+    from hybridserve.kernels.moe import SMALL_M_MAX_PAIRS, uses_fp8_activations
 
     fp8, bf16 = torch.zeros(8, 4, 4, dtype=torch.float8_e4m3fn), torch.zeros(8, 4, 4)
-    assert fp8_activations_apply(True, fp8)
-    assert not fp8_activations_apply(False, fp8) and not fp8_activations_apply(True, bf16)
+    above = SMALL_M_MAX_PAIRS + 1
+    assert uses_fp8_activations(True, fp8, above) and not uses_fp8_activations(True, fp8, SMALL_M_MAX_PAIRS)
+    assert not uses_fp8_activations(False, fp8, above) and not uses_fp8_activations(True, bf16, above)
 
 
 def test_quantize_and_dequantize_experts_at_load() -> None:
