@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_graph import capture  # noqa: E402
 
 from hybridserve.common.model_config import ModelConfig  # noqa: E402
+from hybridserve.engine.config import EngineConfig  # noqa: E402
 from hybridserve.kernels import ops  # noqa: E402
 from hybridserve.models.forward_batch import ForwardBatch  # noqa: E402
 from hybridserve.models.weights import dummy_model  # noqa: E402
@@ -129,7 +130,8 @@ def main() -> None:
     if args.skinny_min_weight is not None:  # an A/B of the dispatch threshold, this process only
         ops.SKINNY_MIN_WEIGHT = args.skinny_min_weight
     device = torch.device("cuda")
-    config = ModelConfig.from_hf_dict(json.loads(args.config.read_text()))
+    # the engine's precision defaults (W8A8 fp8 experts; the checkpoint's state dtypes), as a served step runs
+    config = EngineConfig(device="cpu").runtime_model_config(ModelConfig.from_hf_dict(json.loads(args.config.read_text())))
     step, _model = decode_step(config, args.batch, device)
     outputs: list[torch.Tensor] = []
     with torch.no_grad():
