@@ -23,8 +23,9 @@ def test_moe_bench_smoke_run(tmp_path: Path) -> None:
         for path in ("grouped", "small", "default"):
             assert all(r[f"{path}_ms"] > 0 and r[f"{path}_over_floor"] > 0 for r in rows)
         assert all(r["shared_fused"] == (section == "decode") for r in rows)  # fp8 experts keep the shared MLP apart
-    for section in ("prefill", "fp8_prefill"):
-        assert result[section]["experts_TFLOPs"] > 0 and result[section]["same_shape_mm_TFLOPs"] > 0
+    for section in ("prefill", "fp8_prefill"):  # one row per --prefill-tokens count
+        assert [r["tokens"] for r in result[section]] == [64], result[section]
+        assert all(r["experts_TFLOPs"] > 0 and r["same_shape_mm_TFLOPs"] > 0 for r in result[section])
     assert result["step"]["graph_ms"] > 0 and result["step"]["graph_grouped_only_ms"] > 0
     assert result["step"]["floor_ms"] > 0
     assert any(line.startswith("step batch 1") for line in result["summary"])

@@ -25,7 +25,7 @@ ENGINE = EngineConfig(
     num_kv_pages=96, num_checkpoint_slots=2, max_cache_events=100,
     speculative_config={"method": "ngram", "num_speculative_tokens": 2}, load_format="dummy", warmup=False,
     max_num_batched_tokens=20, max_num_waiting=50, standby_state_slots=2, plan_seq_len=256,
-    mamba_ssm_cache_dtype="bfloat16", kv_cache_dtype="fp8", grammar_compile_timeout_s=3.0,
+    mamba_ssm_cache_dtype="bfloat16", kv_cache_dtype="fp8", moe_fp8_activations=False, grammar_compile_timeout_s=3.0,
     grammar_max_spec_bytes=4096, grammar_max_properties=64, grammar_max_regex_states=500, kernel_mode="reference",
     tensor_parallel_hang_timeout_s=12.5, pd_multiplex_prefill_sms="32,64",
     # a window no test run reaches: the trace is never written
