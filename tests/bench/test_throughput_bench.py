@@ -91,3 +91,27 @@ def test_port_in_use_sees_a_listener() -> None:
         sock.bind(("127.0.0.1", 0))
         free = sock.getsockname()[1]
     assert not throughput.port_in_use(free)
+
+
+def test_sweep_rows_are_valid_serve_flags() -> None:
+    """Every row of bench/serving/h200_sweep.sh (its server flags, with the EXTRA the recipe rows use) parses as
+    `hybridserve serve` flags, so a GPU lease never starts a sweep that dies on a typo."""
+    import shlex
+    import subprocess
+
+    from hybridserve.cli import build_parser
+
+    script = Path(__file__).parents[2] / "bench" / "serving" / "h200_sweep.sh"
+    table = script.read_text().split("CFG=bench/configs\n", 1)[1].split("\n[ \"$#\" -eq 0 ]", 1)[0]
+    listing = subprocess.run(["bash", "-c", "CFG=bench/configs\n" + table + '\nfor k in "${!ROWS[@]}"; do '
+                              'printf "%s\\t%s\\n" "$k" "${ROWS[$k]}"; done'],
+                             capture_output=True, text=True, check=True).stdout
+    rows = dict(line.split("\t", 1) for line in listing.splitlines())
+    assert {"9b-mem64", "9b-mem1024", "30b-fp8-1024", "30b-bf16-1024"} <= set(rows)
+    extra = ["--kv-cache-dtype", "fp8", "--mamba-ssm-cache-dtype", "bfloat16", "--prefill-chunk-size", "8192"]
+    for name, spec in rows.items():
+        label, config, fp8, levels, waves, *flags = shlex.split(spec)
+        assert Path(config).name.endswith(".json") and fp8 in ("0", "1") and int(waves) > 0, name
+        assert all(int(n) > 0 for n in levels.split(",")), name
+        args = build_parser().parse_args(["serve", *flags, *extra])
+        assert args.max_num_seqs > 0, name
