@@ -103,9 +103,11 @@ def moe_align_ref(
     return sorted_pairs, block_expert, ends[-1:].to(torch.int32)
 
 
-# calls of at most this many (token, expert) pairs take the Triton small-M path (moe_small_triton.py: router, up and
-# down GEMVs in three launches; one Nano token), which reads fp8 experts weight-only; larger calls take the grouped
-# GEMMs
+# calls of at most this many (token, expert) pairs, tokens x (top_k + shared chunks), take the Triton small-M path
+# (moe_small_triton.py: router, up and down GEMVs in three launches), which reads fp8 experts weight-only; larger
+# calls take the grouped GEMMs. Nano has 6 + 2 slots, so 8 is one token: on the H200
+# (bench/results/h200/kernels/moe.json) the small path ties the grouped GEMMs at 1 token (59.2 vs 59.6 us) and
+# loses from 8 tokens on (301 vs 220 us)
 SMALL_M_MAX_PAIRS = 8
 
 

@@ -44,10 +44,8 @@ from hybridserve.kernels.triton_utils import (
     prefetch_l2,
 )
 
-# SMALL_M_MAX_PAIRS (kernels/moe.py, imported here so tests and benchmarks set it on this module): pairs (tokens x
-# (top_k + shared chunks)) up to which the layer takes the small-M path; Nano has 6 + 2 slots, so 8 is one token.
-# On the H200 (bench/results/h200/kernels/moe.json) the small path ties the grouped GEMMs at 1 token (59.2 vs
-# 59.6 us) and loses from 8 tokens on (301 vs 220 us).
+# SMALL_M_MAX_PAIRS is kernels/moe.py's (its W8A8 rule reads it too), imported here so that tests and benchmarks can
+# set it on this module, whose dispatch reads it
 
 
 def _configs(tiles: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -277,7 +275,7 @@ def moe_layer_triton(
         raise ValueError(f"expert_x has {xe.shape[0]} rows, x has {n}")
     if not (0 < n * width <= limit and groups_fit(spec)):
         weights, ids = route_topk_triton(x, router_weight, correction_bias, spec)
-        a8 = uses_fp8_activations(fp8_activations, w_up, ids.numel())
+        a8 = uses_fp8_activations(fp8_activations, w_up, n * width)
         return moe_experts_triton(xe, w_up, w_down, weights, ids, up_scale, down_scale, shared_out, shared_up,
                                   shared_down, fp8_activations=a8)
     shared_up, shared_down, shared_out = (t.contiguous() if t is not None else None

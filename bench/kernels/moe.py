@@ -179,20 +179,18 @@ def bench_prefill(config: ModelConfig, device: torch.device, timer: Timer, ceil:
         from hybridserve.kernels.moe_triton import _moe_gemm_kernel, moe_experts_triton
 
         shared_w = (shared.up_proj.weight, shared.down_proj.weight) if shared is not None else (None, None)
-        for block_m in PREFILL_BLOCK_M:
+        # fp8 experts also run W8A8: both GEMMs fp8 x fp8, the two row quantizations included
+        for block_m, a8 in [(m, a8) for a8 in ((False, True) if fp8 else (False,)) for m in PREFILL_BLOCK_M]:
             with torch.no_grad():
-                ms = timer(lambda bm=block_m: moe_experts_triton(
+                ms = timer(lambda bm=block_m, a8=a8: moe_experts_triton(
                     latent, experts.up_proj, experts.down_proj, weights, ids, experts.up_proj_scale,
-                    experts.down_proj_scale, None, *shared_w, block_m=bm))
-            row[f"experts_ms_block_m{block_m}"] = ms
-            row[f"experts_pct_of_same_shape_mm_block_m{block_m}"] = 100 * mm_ms / ms
-            if fp8:  # W8A8: both GEMMs fp8 x fp8, the two row quantizations included
-                with torch.no_grad():
-                    ms = timer(lambda bm=block_m: moe_experts_triton(
-                        latent, experts.up_proj, experts.down_proj, weights, ids, experts.up_proj_scale,
-                        experts.down_proj_scale, None, block_m=bm, fp8_activations=True))
+                    experts.down_proj_scale, None, *shared_w, block_m=bm, fp8_activations=a8))
+            if a8:
                 row[f"experts_a8_ms_block_m{block_m}"] = ms
                 row[f"experts_a8_TFLOPs_block_m{block_m}"] = flops / ms / 1e9
+            else:
+                row[f"experts_ms_block_m{block_m}"] = ms
+                row[f"experts_pct_of_same_shape_mm_block_m{block_m}"] = 100 * mm_ms / ms
         row["gemm_configs"] = _best_configs(_moe_gemm_kernel)
     print(_fmt("prefill ", {k: v for k, v in row.items() if k != "gemm_configs"}), flush=True)
     return row
