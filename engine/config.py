@@ -11,6 +11,7 @@ import torch
 
 from hybridserve.common.model_config import KV_CACHE_DTYPES, SSM_CACHE_DTYPES, ModelConfig
 from hybridserve.engine.grammar_limits import GrammarLimits
+from hybridserve.engine.sm_split import SplitPolicy
 from hybridserve.engine.spec_config import SpeculativeConfig
 from hybridserve.kernels.ops import KERNEL_MODES, Kernels
 
@@ -127,9 +128,15 @@ class EngineConfig:
     # (engine/multiplex.py); where green contexts are unavailable the engine says so and runs co-located
     pd_multiplex: bool = False
     # with pd_multiplex: the prefill SM counts the split may choose from, comma-separated (each rounded up to the
-    # driver's granularity, decode taking the rest); auto: 2/8 .. 6/8 of the device's SMs (each split's CUDA graphs
+    # driver's granularity, decode taking the rest); auto: 1/8 .. 7/8 of the device's SMs (each split's CUDA graphs
     # are captured at start-up, so a longer menu costs start-up time)
     pd_multiplex_prefill_sms: str = "auto"
+    # with pd_multiplex, while prompts wait: the decode step may take this many times its fastest split's time (the
+    # running streams' inter-token tail); prefill gets every SM that budget leaves (engine/sm_split.py)
+    pd_multiplex_decode_slowdown: float = 1.3
+    # with pd_multiplex: a TPOT service-level objective in ms that replaces the slowdown budget when > 0: decode gets
+    # just the SMs that keep its step within it, prefill the rest (goodput under TTFT and TPOT SLOs)
+    pd_multiplex_tpot_slo_ms: float = 0.0
 
     def __post_init__(self) -> None:
         self.grammar_limits  # noqa: B018 - validated on construction
@@ -210,6 +217,11 @@ class EngineConfig:
         if self.profile_dir is not None and (not isinstance(self.profile_dir, str) or not self.profile_dir):
             raise ValueError(f"profile_dir must be a directory path or None, got {self.profile_dir!r}")
         self.multiplex_menu(132)  # the menu's syntax, validated on construction (SM counts against the device later)
+        if not (isinstance(self.pd_multiplex_decode_slowdown, (int, float)) and self.pd_multiplex_decode_slowdown >= 1):
+            raise ValueError("pd_multiplex_decode_slowdown must be >= 1 (a multiple of the fastest decode step), got "
+                             f"{self.pd_multiplex_decode_slowdown!r}")
+        if not (isinstance(self.pd_multiplex_tpot_slo_ms, (int, float)) and self.pd_multiplex_tpot_slo_ms >= 0):
+            raise ValueError(f"pd_multiplex_tpot_slo_ms must be >= 0 (0: no SLO), got {self.pd_multiplex_tpot_slo_ms!r}")
         if self.pd_multiplex and tp > 1:
             raise ValueError("pd_multiplex runs both lanes on one GPU in one process; it does not combine with "
                              f"tensor_parallel_size={tp}: set tensor_parallel_size=1 or drop pd_multiplex")
@@ -248,10 +260,10 @@ class EngineConfig:
         return CUDA_PREFILL_CHUNK if self.torch_device.type == "cuda" else CPU_PREFILL_CHUNK
 
     def multiplex_menu(self, total_sms: int) -> tuple[int, ...]:
-        """pd_multiplex_prefill_sms as SM counts for a device of `total_sms` SMs (auto: 2/8 .. 6/8 of them)."""
+        """pd_multiplex_prefill_sms as SM counts for a device of `total_sms` SMs (auto: 1/8 .. 7/8 of them)."""
         text = self.pd_multiplex_prefill_sms
-        if text == "auto":
-            return tuple(total_sms * k // 8 for k in range(2, 7))
+        if text == "auto":  # at most all but two 8-SM groups, so rounding up to the driver's groups leaves decode one
+            return tuple(sorted({max(1, min(total_sms * k // 8, total_sms - 16)) for k in range(1, 8)}))
         try:
             menu = tuple(int(part) for part in str(text).split(","))
         except ValueError:
@@ -260,6 +272,12 @@ class EngineConfig:
             raise ValueError(f"pd_multiplex_prefill_sms must be 'auto' or comma-separated positive SM counts "
                              f"(e.g. 32,64,96), got {text!r}")
         return menu
+
+    @property
+    def split_policy(self) -> SplitPolicy:
+        """The pd_multiplex split controller's policy (its decode budget from the two pd_multiplex_* fields)."""
+        return SplitPolicy(decode_slowdown=self.pd_multiplex_decode_slowdown,
+                           tpot_slo_ms=self.pd_multiplex_tpot_slo_ms)
 
     @property
     def warmup_enabled(self) -> bool:

@@ -371,4 +371,4 @@ def open_multiplexer(engine: MultiplexedEngine) -> Multiplexer | None:
                        "steps", exc)
         return None
     logger.info("pd_multiplex: prefill and decode lanes over %s", partitioner.describe())
-    return attach(engine, partitioner)
+    return attach(engine, partitioner, config.split_policy)

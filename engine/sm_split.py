@@ -6,16 +6,22 @@ Model. Each lane's step time at an SM count is a line in its work (prefill: toke
 gets (an EMA of x, y, x^2, xy: old steps fade). While one SM count has seen a single work size the line is
 `ms * (work / seen) ** work_exponent` (prefill scales with its tokens, decode barely with its rows); an SM count with
 no samples borrows the nearest measured one, scaled by `(measured_sms / sms) ** sm_exponent` (prefill is
-compute-bound: ~1; decode is memory-bound and saturates bandwidth with fewer SMs: below 1); a lane with no samples
-at all starts from the policy's priors (or a start-up profile).
+compute-bound: ~1; decode is memory-bound and saturates bandwidth with fewer SMs: below 1) and kept between the
+measured counts around it (more SMs are never slower); a lane with no samples at all starts from the policy's priors
+(or a start-up profile).
 
 Choice. For each split of the menu, with W prefill tokens waiting and B decode rows:
     decode_ms  = T_decode(split.decode_sms, B)              one decode step
     prefill_ms = T_prefill(split.prefill_sms, W)            time to prefill what waits
-    cost = decode_ms + prefill_weight * prefill_ms + overload_weight * max(0, prefill_ms - prefill_drain_ms)
-i.e. the fastest decode step among the splits where prefill keeps up (drains its queue within
-`prefill_drain_ms`), and the time to first token as the tie-breaker. The best split replaces the current one only
-after winning by `switch_margin` (relative cost) in `switch_after` consecutive decisions.
+    budget     = tpot_slo_ms, or decode_slowdown x the fastest decode_ms of the menu
+    cost = prefill_ms * (1 + over_budget_weight * max(0, decode_ms / budget - 1))    (W and B both > 0)
+    cost = decode_ms (W = 0: decode takes nearly the whole GPU), cost = prefill_ms (B = 0)
+i.e. the fastest prefill among the splits whose decode step stays within its budget. The default budget keeps the
+running streams' inter-token tail (a step beside a prefill against one without) within decode_slowdown; a TPOT
+service-level objective instead gives decode just the SMs that keep its step within the SLO and prefill the rest
+(goodput). Hysteresis: the best split replaces the current one after winning by `switch_margin` (relative cost)
+in `switch_after` consecutive decisions, or at once when it costs at most `switch_now_ratio` of the current one
+(a prompt arriving while decode holds nearly every SM must not prefill on the few left for three decisions).
 """
 
 from __future__ import annotations
@@ -51,10 +57,12 @@ class SplitPolicy:
     switch_margin: float = 0.15
     # ... in this many consecutive decisions before it replaces the current one
     switch_after: int = 3
+    switch_now_ratio: float = 0.5  # a split costing at most this share of the current one's replaces it at once
     ema_alpha: float = 0.2  # weight of the newest sample in a lane's fit
-    prefill_drain_ms: float = 250.0  # prefill keeps up when what waits is prefilled within this time
-    prefill_weight: float = 0.05  # weight of the time to prefill what waits (the queue's time to first token)
-    overload_weight: float = 1.0  # weight of the prefill time past prefill_drain_ms
+    # the decode step's budget while prompts wait: this many times the menu's fastest decode step ...
+    decode_slowdown: float = 1.3
+    tpot_slo_ms: float = 0.0  # ... or, when > 0, this many milliseconds (a TPOT service-level objective)
+    over_budget_weight: float = 20.0  # a split 10 % over the decode budget costs 3x its prefill time
     # how a step's time grows with its work while only one work size was seen (1: proportional)
     prefill_work_exponent: float = 1.0
     decode_work_exponent: float = 0.2
@@ -78,10 +86,15 @@ class SplitPolicy:
             raise ValueError(f"switch_after must be >= 1, got {self.switch_after}")
         if not 0.0 < self.ema_alpha <= 1.0:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
-        for name in ("prefill_drain_ms", "prior_prefill_ms_per_token", "prior_decode_step_ms"):
+        if not 0.0 < self.switch_now_ratio <= 1.0:
+            raise ValueError(f"switch_now_ratio must be in (0, 1], got {self.switch_now_ratio}")
+        for name in ("prior_prefill_ms_per_token", "prior_decode_step_ms"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("prefill_weight", "overload_weight", "prefill_work_exponent", "decode_work_exponent",
+        if not self.decode_slowdown >= 1.0:
+            raise ValueError(f"decode_slowdown must be >= 1 (a multiple of the fastest decode step), got "
+                             f"{self.decode_slowdown}")
+        for name in ("tpot_slo_ms", "over_budget_weight", "prefill_work_exponent", "decode_work_exponent",
                      "prefill_sm_exponent", "decode_sm_exponent"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -169,47 +182,77 @@ class SplitController:
             return 0.0
         p = self.policy
         measured = [s for (name, s) in self._fits if name == lane]
-        if measured:
-            near = min(measured, key=lambda s: (abs(math.log(s / sms)), -s))
-            base = self._fits[(lane, near)].predict(float(work), p.work_exponent(lane))
-        else:
-            near = self.total_sms
+        if not measured:
             if lane == "prefill":
                 base = p.prior_prefill_ms_per_token * work
             else:
                 base = p.prior_decode_step_ms * (work / p.prior_decode_rows) ** p.decode_work_exponent
-        return base * (near / sms) ** p.sm_exponent(lane)
+            return base * (self.total_sms / sms) ** p.sm_exponent(lane)
+        near = min(measured, key=lambda s: (abs(math.log(s / sms)), -s))
+        scaled = self._measured_ms(lane, near, work) * (near / sms) ** p.sm_exponent(lane)
+        # more SMs never make a step slower: between the measured counts around `sms`, not past either
+        above = [s for s in measured if s >= sms]
+        below = [s for s in measured if s <= sms]
+        if above:
+            scaled = max(scaled, self._measured_ms(lane, min(above), work))
+        if below:
+            scaled = min(scaled, self._measured_ms(lane, max(below), work))
+        return scaled
 
-    def cost(self, split: SmSplit, prefill_tokens_waiting: int, decode_rows: int) -> float:
-        """The objective `choose` minimizes (module docstring)."""
+    def _measured_ms(self, lane: str, sms: int, work: int) -> float:
+        return self._fits[(lane, sms)].predict(float(work), self.policy.work_exponent(lane))
+
+    def decode_budget_ms(self, decode_rows: int) -> float:
+        """The decode step's budget while prompts wait (module docstring)."""
         p = self.policy
+        if p.tpot_slo_ms > 0:
+            return p.tpot_slo_ms
+        return p.decode_slowdown * min(self.predict_ms("decode", s.decode_sms, decode_rows) for s in self.splits)
+
+    def cost(self, split: SmSplit, prefill_tokens_waiting: int, decode_rows: int,
+             budget_ms: float | None = None) -> float:
+        """The objective `choose` minimizes (module docstring); `budget_ms`: the decode budget, when known."""
         decode_ms = self.predict_ms("decode", split.decode_sms, decode_rows)
+        if prefill_tokens_waiting <= 0:
+            return decode_ms
         prefill_ms = self.predict_ms("prefill", split.prefill_sms, prefill_tokens_waiting)
-        return decode_ms + p.prefill_weight * prefill_ms + p.overload_weight * max(0.0, prefill_ms - p.prefill_drain_ms)
+        if decode_rows <= 0:
+            return prefill_ms
+        budget = budget_ms if budget_ms is not None else self.decode_budget_ms(decode_rows)
+        over = max(0.0, decode_ms / budget - 1.0) if budget > 0 else 0.0
+        return prefill_ms * (1.0 + self.policy.over_budget_weight * over)
 
     def best(self, prefill_tokens_waiting: int, decode_rows: int) -> SmSplit:
         """The split of least cost for this load, without hysteresis (ties: the current one, then fewer prefill SMs)."""
-        return min(self.splits, key=lambda s: (self.cost(s, prefill_tokens_waiting, decode_rows), s != self.current,
-                                               s.prefill_sms))
+        budget = self.decode_budget_ms(decode_rows) if decode_rows > 0 and prefill_tokens_waiting > 0 else None
+        return min(self.splits, key=lambda s: (self.cost(s, prefill_tokens_waiting, decode_rows, budget),
+                                               s != self.current, s.prefill_sms))
 
     def choose(self, prefill_tokens_waiting: int, decode_rows: int) -> SmSplit:
         """The split for the next step: the current one unless another has won by the margin `switch_after` times in
-        a row."""
+        a row, or by `switch_now_ratio` once."""
         if prefill_tokens_waiting < 0 or decode_rows < 0:
             raise ValueError(f"load must be >= 0, got {prefill_tokens_waiting} tokens, {decode_rows} rows")
         self.decisions += 1
         best = self.best(prefill_tokens_waiting, decode_rows)
-        if best != self.current:
-            now = self.cost(self.current, prefill_tokens_waiting, decode_rows)
-            wins = self.cost(best, prefill_tokens_waiting, decode_rows) < (1.0 - self.policy.switch_margin) * now
-        else:
-            wins = False
-        if not wins:
+        if best == self.current:
+            self._candidate, self._streak = None, 0
+            return self.current
+        budget = self.decode_budget_ms(decode_rows) if decode_rows > 0 and prefill_tokens_waiting > 0 else None
+        now = self.cost(self.current, prefill_tokens_waiting, decode_rows, budget)
+        new = self.cost(best, prefill_tokens_waiting, decode_rows, budget)
+        if new <= self.policy.switch_now_ratio * now:
+            self._switch(best)
+            return self.current
+        if not new < (1.0 - self.policy.switch_margin) * now:
             self._candidate, self._streak = None, 0
             return self.current
         self._streak = self._streak + 1 if best == self._candidate else 1
         self._candidate = best
         if self._streak >= self.policy.switch_after:
-            self.current, self.changes = best, self.changes + 1
-            self._candidate, self._streak = None, 0
+            self._switch(best)
         return self.current
+
+    def _switch(self, split: SmSplit) -> None:
+        self.current, self.changes = split, self.changes + 1
+        self._candidate, self._streak = None, 0

@@ -10,8 +10,10 @@ config's shapes) and runs, through the OpenAI streaming client of bench/serving/
     python bench/serving/multiplex.py --modes colocated,multiplexed --budget-s 200 --point-s 5 --out /tmp/mx
 
 Modes: colocated (`--prefill-workers 0 --decode-workers 1`), multiplexed (the same plus `--pd-multiplex`),
-pair (`--prefill-workers 1 --decode-workers 1 --gpus 0,0`: two processes on one GPU). Every worker gets
-`--gpu-memory-gb` (default 40) and `--max-num-seqs` (default 64); everything after `--` goes to every server.
+multiplexed-slo (`--pd-multiplex --pd-multiplex-tpot-slo-ms`: the split keeps the decode step within a TPOT budget
+rather than within 1.3x of its fastest), pair (`--prefill-workers 1 --decode-workers 1 --gpus 0,0`: two
+processes on one GPU). Every worker gets `--gpu-memory-gb` (default 40) and `--max-num-seqs` (default 64);
+everything after `--` goes to every server.
 The run fits a device budget: each point sends --point-s seconds of arrivals (at least --min-prompts), the
 points run most important first (the ones the acceptance checks name), and a point that would end past its mode's
 share of --budget-s (counted from the server's /ready) is skipped and listed. Wall time is about --budget-s plus
@@ -50,6 +52,8 @@ logger = logging.getLogger("multiplex")
 MODES = {  # serve flags per mode, after throughput.Server's own (--prefill-workers 0 --decode-workers 1)
     "colocated": [],
     "multiplexed": ["--pd-multiplex"],
+    # the split's decode budget a TPOT SLO instead of the default 1.3x slowdown (--mux-step-slo-ms is appended)
+    "multiplexed-slo": ["--pd-multiplex", "--pd-multiplex-tpot-slo-ms"],
     "pair": ["--prefill-workers", "1", "--decode-workers", "1", "--gpus", "0,0"],
 }
 WORKLOADS = ((512, 128), (2048, 256))
@@ -106,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--goodput-max-rate", type=float, default=64.0)
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=20.0)
+    p.add_argument("--mux-step-slo-ms", type=float, default=15.0,
+                   help="multiplexed-slo: the decode step budget the split keeps (below --slo-tpot-ms: host and "
+                        "handoff time come on top)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--gpu-memory-gb", type=float, default=40.0, help="state-cache budget of every worker")
     p.add_argument("--seed", type=int, default=0)
@@ -121,7 +128,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     server_args = argv[argv.index("--") + 1:] if "--" in argv else []
     parser = build_parser()
     args = parser.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
-    for name in ("point_s", "budget_s", "slo_ttft_ms", "slo_tpot_ms", "gpu_memory_gb", "goodput_max_rate"):
+    for name in ("point_s", "budget_s", "slo_ttft_ms", "slo_tpot_ms", "mux_step_slo_ms", "gpu_memory_gb",
+                 "goodput_max_rate"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
     if args.min_prompts < 1 or args.goodput_steps < 0 or args.max_num_seqs < 1:
@@ -188,7 +196,8 @@ class ModeRun:
     def __init__(self, mode: str, args: argparse.Namespace, server_args: list[str], model_dir: Path, share_s: float):
         self.mode, self.args, self.share_s = mode, args, share_s
         self.deadline = math.inf  # set once the server is ready: its start-up is not part of the budget
-        self.flags = [*MODES[mode], "--max-num-seqs", str(args.max_num_seqs), "--gpu-memory-gb",
+        slo = [f"{args.mux_step_slo_ms:g}"] if mode == "multiplexed-slo" else []
+        self.flags = [*MODES[mode], *slo, "--max-num-seqs", str(args.max_num_seqs), "--gpu-memory-gb",
                       str(args.gpu_memory_gb), *server_args]
         self.model_dir = model_dir
         self.points: dict[str, Any] = {}
@@ -220,7 +229,7 @@ class ModeRun:
         entry = {"input_len": point.input_len, "output_len": point.output_len,
                  "rate": "inf" if math.isinf(point.rate) else point.rate, "num_prompts": point.num_prompts,
                  "metrics": metrics}
-        if self.mode == "multiplexed":  # the split in effect after the point and the changes so far
+        if self.mode.startswith("multiplexed"):  # the split in effect after the point and the changes so far
             entry["pd_multiplex"] = split_metrics("\n".join(asyncio.run(metrics_texts(urls))))
         self.points[point.key] = entry
         m = metrics

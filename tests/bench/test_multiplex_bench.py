@@ -92,7 +92,11 @@ def test_result_table_and_acceptance_checks() -> None:
                                                                     "split_changes": 2.0, "handoffs": 64.0}}},
                         "goodput": {"goodput_rps": 8.0}, "skipped": []},
     }
+    modes["multiplexed-slo"] = {"points": {"2048/256@4": point(metrics((70, 120), (9.5, 18), (9, 19), 960))},
+                                "goodput": {"goodput_rps": 6.0}, "skipped": []}
     checks = multiplex.acceptance_checks(modes)
+    assert checks["multiplexed-slo: goodput vs co-located"]["value"] == pytest.approx(1.5)
+    assert checks["multiplexed-slo: ITL p99 / p50 at 2048/256@4"]["met"] is False  # 19 / 9
     assert checks["ITL p99 / p50 at 2048/256@4"]["value"] == pytest.approx(12 / 9)
     assert checks["ITL p99 / p50 at 2048/256@4"]["met"] is True
     assert checks["TTFT p50 vs co-located at 512/128@8"]["met"] is False  # 40 / 32 = 1.25
@@ -140,3 +144,5 @@ def test_points_past_the_mode_share_are_skipped_and_listed(tmp_path: Path) -> No
     long = multiplex.Point(2048, 256, 4.0, 80)  # 20 s of arrivals + as long to drain: past the 30 s share
     assert not run.fits(long)
     assert run.measure(long) is None and run.skipped == ["2048/256@4"] and run.points == {}
+    slo = multiplex.ModeRun("multiplexed-slo", args, extra, tmp_path, share_s=30.0)
+    assert slo.flags[:3] == ["--pd-multiplex", "--pd-multiplex-tpot-slo-ms", "15"]

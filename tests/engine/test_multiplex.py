@@ -181,4 +181,10 @@ def test_config_refuses_tensor_parallel_and_bad_menus() -> None:
     with pytest.raises(ValueError, match="pd_multiplex_prefill_sms"):
         EngineConfig(pd_multiplex=True, pd_multiplex_prefill_sms="32,lots")
     assert EngineConfig(pd_multiplex_prefill_sms="32,64").multiplex_menu(132) == (32, 64)
-    assert EngineConfig().multiplex_menu(128) == (32, 48, 64, 80, 96)
+    assert EngineConfig().multiplex_menu(128) == (16, 32, 48, 64, 80, 96, 112)
+    assert EngineConfig().multiplex_menu(132)[-1] == 115  # rounded up to 120 of 132: decode keeps 12
+    assert max(EngineConfig().multiplex_menu(58)) == 42  # all but two 8-SM groups, before rounding up
+    for bad in ({"pd_multiplex_decode_slowdown": 0.8}, {"pd_multiplex_tpot_slo_ms": -5.0}):
+        with pytest.raises(ValueError, match="pd_multiplex_"):
+            EngineConfig(**bad)  # type: ignore[arg-type]
+    assert EngineConfig(pd_multiplex_tpot_slo_ms=20.0).split_policy.tpot_slo_ms == 20.0
