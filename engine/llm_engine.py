@@ -32,6 +32,7 @@ from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.request import Request
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
 from hybridserve.engine.spec_decode import SpecDecoder
+from hybridserve.engine.split_profile import profile_splits
 from hybridserve.engine.state_connector import StateConnector
 from hybridserve.engine.step_output import StepOutput
 from hybridserve.engine.step_timing import NO_STEP, StepClock
@@ -81,6 +82,8 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self.async_steps: AsyncStepper | None = async_stepper(self) if config.async_scheduling else None
         self.warmup_report: WarmupReport | None = warm_up(self) if config.warmup_enabled else None
+        if self.multiplexer is not None and config.warmup_enabled:  # every split's lanes timed before serving
+            profile_splits(self, self.multiplexer)
 
     # ---- start-up steps -------------------------------------------------------------------------
     def _load_model(self) -> HybridLM:

@@ -164,6 +164,7 @@ class Multiplexer:
         self.controller = controller
         self.update = update
         self.split = controller.current  # changes only while no prefill forward is in flight
+        self.pinned: SmSplit | None = None  # a split held by `pin` (the start-up profile), not the controller's
         self.prefill_delay = 0  # tests: iterations a (fake) lane's completed prefill stays unseen
         self.iteration = 0
         self.in_flight: PrefillInFlight | None = None
@@ -300,12 +301,27 @@ class Multiplexer:
         aborted = set(flight.aborted)
         return flight.tokens, [o for o in outputs if o.request_id not in aborted]
 
+    def decoding_rows(self) -> int:
+        return sum(1 for r in self.scheduler.running if r.is_decoding)
+
+    def pin(self, split: SmSplit | None, then: SmSplit | None = None) -> None:
+        """Hold `split` until unpinned (the start-up profile runs in each split); None: the controller chooses again,
+        from `then` (default: the split in effect). Only while no prefill forward is in flight."""
+        if self.in_flight is not None:
+            raise RuntimeError("the split cannot change while a prefill forward is in flight")
+        self.pinned = split
+        self.split = split if split is not None else (then or self.split)
+        self.controller.restart_from(self.split)
+        self._use_graphs()
+
     def _choose_split(self) -> None:
         """The split for the next prefill forward and the decode steps beside it, from the load now."""
+        if self.pinned is not None:
+            return
         running = self.scheduler.running
-        decoding = sum(1 for r in running if r.is_decoding)
         waiting = sum(r.num_pending_tokens for r in self.scheduler.waiting)
         waiting += sum(r.num_pending_tokens for r in running if not r.is_decoding)
+        decoding = self.decoding_rows()
         split = self.controller.choose(waiting, decoding)
         if split != self.split:
             logger.info("pd_multiplex: SM split %s -> %s (%d prompt tokens waiting, %d decoding)", self.split, split,

@@ -176,12 +176,16 @@ class SplitController:
             alpha = 1.0  # a first sample is the estimate
         fit.add(float(work), float(ms), alpha)
 
+    def measured(self, lane: str) -> tuple[int, ...]:
+        """The SM counts `lane` has times for (live steps or a profile), ascending."""
+        return tuple(sorted(s for (name, s) in self._fits if name == lane))
+
     def predict_ms(self, lane: str, sms: int, work: int) -> float:
         """The model's time for `lane` to run `work` units on `sms` SMs (0 for no work)."""
         if work <= 0:
             return 0.0
         p = self.policy
-        measured = [s for (name, s) in self._fits if name == lane]
+        measured = self.measured(lane)
         if not measured:
             if lane == "prefill":
                 base = p.prior_prefill_ms_per_token * work
@@ -252,6 +256,14 @@ class SplitController:
         if self._streak >= self.policy.switch_after:
             self._switch(best)
         return self.current
+
+    def restart_from(self, split: SmSplit) -> None:
+        """Make `split` the current one without counting a change (a pinned split, or the profile's end); the fits
+        learned so far stay."""
+        if split not in self.splits:
+            raise ValueError(f"{split} is not on the menu {self.splits}")
+        self.current = split
+        self._candidate, self._streak = None, 0
 
     def _switch(self, split: SmSplit) -> None:
         self.current, self.changes = split, self.changes + 1

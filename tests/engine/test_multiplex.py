@@ -17,7 +17,8 @@ from hybridserve.common.sampling_params import StructuredOutput
 from hybridserve.engine import multiplex
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.engine.sm_partition import fake_partitioner
+from hybridserve.engine.sm_partition import SmSplit, fake_partitioner
+from hybridserve.engine.split_profile import profile_splits
 from hybridserve.models.default_model import default_model_dir
 from hybridserve.statepool import CacheLayout
 
@@ -188,3 +189,22 @@ def test_config_refuses_tensor_parallel_and_bad_menus() -> None:
         with pytest.raises(ValueError, match="pd_multiplex_"):
             EngineConfig(**bad)  # type: ignore[arg-type]
     assert EngineConfig(pd_multiplex_tpot_slo_ms=20.0).split_policy.tpot_slo_ms == 20.0
+
+
+def test_the_startup_profile_times_every_split_and_leaves_the_engine_clean() -> None:
+    model_dir, _ = nemotron_h("M*-M*")
+    prompts = random_prompts(LENGTHS, vocab=128, seed=14)
+    colocated, engine, mux = engines(model_dir, 1, prefill_chunk_size=16, state_block=16)
+    initial = mux.split
+    steps = profile_splits(engine, mux, rows=4)
+    assert steps > 0 and mux.pinned is None and mux.split == initial == mux.controller.current
+    assert mux.controller.changes == 0  # pinned splits are not the controller's changes
+    splits = mux.controller.splits
+    assert mux.controller.measured("prefill") == tuple(s.prefill_sms for s in splits)
+    assert mux.controller.measured("decode") == tuple(sorted(s.decode_sms for s in splits))
+    check_idle(engine)
+    expected = drive(colocated, staggered(prompts))
+    assert drive(engine, staggered(prompts)) == expected  # serving after the profile: the same tokens
+    check_idle(engine)
+    with pytest.raises(ValueError, match="not on the menu"):
+        mux.controller.restart_from(SmSplit(8, 124))
