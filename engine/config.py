@@ -135,7 +135,8 @@ class EngineConfig:
     # running streams' inter-token tail); prefill gets every SM that budget leaves (engine/sm_split.py)
     pd_multiplex_decode_slowdown: float = 1.3
     # with pd_multiplex: a TPOT service-level objective in ms that replaces the slowdown budget when > 0: decode gets
-    # just the SMs that keep its step within it, prefill the rest (goodput under TTFT and TPOT SLOs)
+    # just the SMs that keep its step within it, prefill the rest (goodput under TTFT and TPOT SLOs; it bounds a
+    # decode step, which with speculative decoding emits more than one token)
     pd_multiplex_tpot_slo_ms: float = 0.0
 
     def __post_init__(self) -> None:
@@ -217,11 +218,11 @@ class EngineConfig:
         if self.profile_dir is not None and (not isinstance(self.profile_dir, str) or not self.profile_dir):
             raise ValueError(f"profile_dir must be a directory path or None, got {self.profile_dir!r}")
         self.multiplex_menu(132)  # the menu's syntax, validated on construction (SM counts against the device later)
-        if not (isinstance(self.pd_multiplex_decode_slowdown, (int, float)) and self.pd_multiplex_decode_slowdown >= 1):
-            raise ValueError("pd_multiplex_decode_slowdown must be >= 1 (a multiple of the fastest decode step), got "
-                             f"{self.pd_multiplex_decode_slowdown!r}")
-        if not (isinstance(self.pd_multiplex_tpot_slo_ms, (int, float)) and self.pd_multiplex_tpot_slo_ms >= 0):
-            raise ValueError(f"pd_multiplex_tpot_slo_ms must be >= 0 (0: no SLO), got {self.pd_multiplex_tpot_slo_ms!r}")
+        for name, least, meaning in (("pd_multiplex_decode_slowdown", 1, "a multiple of the fastest decode step"),
+                                     ("pd_multiplex_tpot_slo_ms", 0, "0: no SLO")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (least <= value < math.inf):
+                raise ValueError(f"{name} must be a finite number >= {least} ({meaning}), got {value!r}")
         if self.pd_multiplex and tp > 1:
             raise ValueError("pd_multiplex runs both lanes on one GPU in one process; it does not combine with "
                              f"tensor_parallel_size={tp}: set tensor_parallel_size=1 or drop pd_multiplex")

@@ -309,9 +309,9 @@ class Multiplexer:
         from `then` (default: the split in effect). Only while no prefill forward is in flight."""
         if self.in_flight is not None:
             raise RuntimeError("the split cannot change while a prefill forward is in flight")
-        self.pinned = split
-        self.split = split if split is not None else (then or self.split)
-        self.controller.restart_from(self.split)
+        target = split if split is not None else (then or self.split)
+        self.controller.restart_from(target)  # ValueError for a split off the menu, before anything changed
+        self.pinned, self.split = split, target
         self._use_graphs()
 
     def _choose_split(self) -> None:

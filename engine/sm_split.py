@@ -15,13 +15,15 @@ Choice. For each split of the menu, with W prefill tokens waiting and B decode r
     prefill_ms = T_prefill(split.prefill_sms, W)            time to prefill what waits
     budget     = tpot_slo_ms, or decode_slowdown x the fastest decode_ms of the menu
     cost = prefill_ms * (1 + over_budget_weight * max(0, decode_ms / budget - 1))    (W and B both > 0)
-    cost = decode_ms (W = 0: decode takes nearly the whole GPU), cost = prefill_ms (B = 0)
+    cost = decode_ms (W = 0: decode takes the smallest prefill lane), cost = prefill_ms (B = 0)
 i.e. the fastest prefill among the splits whose decode step stays within its budget. The default budget keeps the
 running streams' inter-token tail (a step beside a prefill against one without) within decode_slowdown; a TPOT
 service-level objective instead gives decode just the SMs that keep its step within the SLO and prefill the rest
 (goodput). Hysteresis: the best split replaces the current one after winning by `switch_margin` (relative cost)
 in `switch_after` consecutive decisions, or at once when it costs at most `switch_now_ratio` of the current one
-(a prompt arriving while decode holds nearly every SM must not prefill on the few left for three decisions).
+(a prompt arriving while decode holds nearly every SM must not prefill on the few left for three decisions) or when
+nothing waits (the prefill lane is idle: its SMs go to decode at no cost). The budget bounds a decode step's time;
+with speculative decoding a step emits more than one token, so a TPOT SLO there bounds more than TPOT.
 """
 
 from __future__ import annotations
@@ -150,6 +152,7 @@ class SplitController:
         self.changes = 0  # times the split changed
         self.decisions = 0
         self._fits: dict[tuple[str, int], _LineFit] = {}
+        self._measured: dict[str, tuple[int, ...]] = {}  # lane -> the SM counts in _fits, ascending
         self._candidate: SmSplit | None = None
         self._streak = 0
         self.seed(policy.profile)
@@ -173,12 +176,13 @@ class SplitController:
         fit = self._fits.get((lane, sms))
         if fit is None:
             fit = self._fits[(lane, sms)] = _LineFit()
+            self._measured[lane] = tuple(sorted((*self._measured.get(lane, ()), sms)))
             alpha = 1.0  # a first sample is the estimate
         fit.add(float(work), float(ms), alpha)
 
     def measured(self, lane: str) -> tuple[int, ...]:
         """The SM counts `lane` has times for (live steps or a profile), ascending."""
-        return tuple(sorted(s for (name, s) in self._fits if name == lane))
+        return self._measured.get(lane, ())
 
     def predict_ms(self, lane: str, sms: int, work: int) -> float:
         """The model's time for `lane` to run `work` units on `sms` SMs (0 for no work)."""
@@ -224,12 +228,14 @@ class SplitController:
             return prefill_ms
         budget = budget_ms if budget_ms is not None else self.decode_budget_ms(decode_rows)
         over = max(0.0, decode_ms / budget - 1.0) if budget > 0 else 0.0
-        return prefill_ms * (1.0 + self.policy.over_budget_weight * over)
+        # a fitted line may reach 0 ms for a small backlog: a floor keeps the budget's penalty from vanishing
+        return max(prefill_ms, 1e-3) * (1.0 + self.policy.over_budget_weight * over)
 
-    def best(self, prefill_tokens_waiting: int, decode_rows: int) -> SmSplit:
+    def best(self, prefill_tokens_waiting: int, decode_rows: int, budget_ms: float | None = None) -> SmSplit:
         """The split of least cost for this load, without hysteresis (ties: the current one, then fewer prefill SMs)."""
-        budget = self.decode_budget_ms(decode_rows) if decode_rows > 0 and prefill_tokens_waiting > 0 else None
-        return min(self.splits, key=lambda s: (self.cost(s, prefill_tokens_waiting, decode_rows, budget),
+        if budget_ms is None and decode_rows > 0 and prefill_tokens_waiting > 0:
+            budget_ms = self.decode_budget_ms(decode_rows)
+        return min(self.splits, key=lambda s: (self.cost(s, prefill_tokens_waiting, decode_rows, budget_ms),
                                                s != self.current, s.prefill_sms))
 
     def choose(self, prefill_tokens_waiting: int, decode_rows: int) -> SmSplit:
@@ -238,14 +244,15 @@ class SplitController:
         if prefill_tokens_waiting < 0 or decode_rows < 0:
             raise ValueError(f"load must be >= 0, got {prefill_tokens_waiting} tokens, {decode_rows} rows")
         self.decisions += 1
-        best = self.best(prefill_tokens_waiting, decode_rows)
+        budget = self.decode_budget_ms(decode_rows) if decode_rows > 0 and prefill_tokens_waiting > 0 else None
+        best = self.best(prefill_tokens_waiting, decode_rows, budget)
         if best == self.current:
             self._candidate, self._streak = None, 0
             return self.current
-        budget = self.decode_budget_ms(decode_rows) if decode_rows > 0 and prefill_tokens_waiting > 0 else None
         now = self.cost(self.current, prefill_tokens_waiting, decode_rows, budget)
         new = self.cost(best, prefill_tokens_waiting, decode_rows, budget)
-        if new <= self.policy.switch_now_ratio * now:
+        # nothing waits: the prefill lane is idle, so giving decode its SMs costs nothing and is done at once
+        if prefill_tokens_waiting == 0 or new <= self.policy.switch_now_ratio * now:
             self._switch(best)
             return self.current
         if not new < (1.0 - self.policy.switch_margin) * now:

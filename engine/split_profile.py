@@ -5,8 +5,9 @@ Without it the split controller (engine/sm_split.py) knows only the splits the l
 others from priors; a split it predicts wrongly slow is never tried, so its estimate is never corrected. With it
 every (lane, SM count) has measured times: prefill at two chunk sizes (a short prompt and a long one, so its line in
 the tokens has a slope) and decode at the profile's rows, alone and beside the long prompt's prefill. The requests
-are ordinary ones, so their pages and slots come and go through the pool; afterwards the engine is as it was, and
-the split is the controller's initial one again.
+are ordinary ones, so their pages and slots come and go through the pool; afterwards the engine is as it was (no
+cached prefixes, counters or cache events; the engine's seed stream untouched) and the split the one in effect
+before. It runs after the warm-up, only where the warm-up does (by default on CUDA).
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ from typing import Protocol
 
 import torch
 
-from hybridserve.common.outputs import RequestOutput
 from hybridserve.common.sampling_params import SamplingParams
-from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.multiplex import Multiplexer
-from hybridserve.statepool.pool import StatePool
+from hybridserve.engine.warmup import WarmupEngine
 
 logger = logging.getLogger(__name__)
 
@@ -30,50 +29,54 @@ SHORT_PROMPT = 8  # tokens of each decoding row's prompt
 DECODE_TOKENS = 4  # tokens each decoding row generates: its decode steps run alone, then beside the long prompt
 
 
-class ProfiledEngine(Protocol):
-    """The parts of `LLMEngine` the profile drives."""
+class ProfiledEngine(WarmupEngine, Protocol):
+    """The parts of `LLMEngine` the profile drives: the warm-up's, and the running limit."""
 
-    @property
-    def config(self) -> EngineConfig: ...
-    @property
-    def pool(self) -> StatePool: ...
-    @property
-    def max_model_len(self) -> int: ...
     @property
     def max_running(self) -> int: ...
-
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str: ...
-
-    def has_unfinished(self) -> bool: ...
-
-    def step(self) -> list[RequestOutput]: ...
-
-    def reset_prefix_cache(self) -> None: ...
 
 
 def profile_splits(engine: ProfiledEngine, multiplexer: Multiplexer, rows: int = 8) -> int:
     """Run the profile (module docstring) in every split of `multiplexer`'s menu; returns the steps it took. `rows`
-    decoding requests per split (at most the engine's running limit less the long prompt)."""
+    decoding requests per split, fewer where the running limit is lower. A split whose requests the pool cannot
+    take is skipped (logged), as the warm-up skips such prompts: serving refuses them too."""
     start = time.perf_counter()
-    long_prompt = max(1, min(engine.config.prefill_chunk_tokens, engine.max_model_len - 1))
+    vocab = engine.model_config.vocab_size
+    eos = set(engine.model_config.eos_token_ids)
+    room = engine.max_model_len - DECODE_TOKENS - engine.lookahead - 1  # as the warm-up's longest prompt
+    short = max(1, min(SHORT_PROMPT, room))
+    long_prompt = max(1, min(engine.config.prefill_chunk_tokens, room))
     rows = max(1, min(rows, engine.max_running - 1))
-    initial = multiplexer.controller.current
+    back_to = multiplexer.split
     steps = 0
-    params = SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True, temperature=0.0)
+
+    def prompt(length: int, salt: int) -> list[int]:
+        ids = [(7919 * j + salt) % vocab for j in range(length)]
+        return [t if t not in eos else (t + 1) % vocab for t in ids]
+
+    def params(max_tokens: int) -> SamplingParams:  # seeded: the engine's own seed stream stays untouched
+        return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, seed=0)
+
     try:
         for index, split in enumerate(multiplexer.controller.splits):
             multiplexer.pin(split)
-            for row in range(rows):
-                prompt = [(7 * row + index + j) % 97 + 1 for j in range(SHORT_PROMPT)]
-                engine.add_request(prompt, params, request_id=f"split-profile-{index}-{row}")
-            steps += _step_until(engine, lambda: multiplexer.decoding_rows() >= rows)
-            prompt = [(3 * j + index) % 89 + 1 for j in range(long_prompt)]
-            engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0),
-                               request_id=f"split-profile-{index}-long")
+            try:
+                for row in range(rows):
+                    engine.add_request(prompt(short, 31 * index + row), params(DECODE_TOKENS),
+                                       request_id=f"split-profile-{index}-{row}")
+                steps += _step_until(engine, lambda: multiplexer.decoding_rows() >= rows)
+                engine.add_request(prompt(long_prompt, 31 * index + rows), params(1),
+                                   request_id=f"split-profile-{index}-long")
+            except ValueError as exc:  # the pool cannot hold these prompts: no profile for this split
+                logger.warning("pd_multiplex: split %s not profiled: %s", split, exc)
             steps += _step_until(engine, lambda: not engine.has_unfinished())
     finally:
-        multiplexer.pin(None, initial)
+        if multiplexer.in_flight is None:  # else an error stopped a forward midway: it propagates as it is
+            multiplexer.pin(None, back_to)
     engine.reset_prefix_cache()
+    engine.pool.reset_counters()
+    engine.drain_cache_events()
+    multiplexer.handoffs = multiplexer.overlapped_steps = 0
     if engine.config.torch_device.type == "cuda":
         torch.cuda.synchronize()
     logger.info("pd_multiplex: profiled %d splits (%d decoding rows, a %d-token prompt each) in %d steps, %.1f s",

@@ -18,7 +18,8 @@ The run fits a device budget: each point sends --point-s seconds of arrivals (at
 points run most important first (the ones the acceptance checks name), and a point that would end past its mode's
 share of --budget-s (counted from the server's /ready) is skipped and listed. Wall time is about --budget-s plus
 a start-up per mode (the first one compiles the Triton kernels: 1-2 min on a cold cache). Writes
-OUT/multiplex.json and OUT/table.md and prints the table and the acceptance checks (multiplexed against co-located).
+OUT/multiplex.json and OUT/table.md and prints the table and the acceptance checks (each multiplexed mode against
+co-located). The default --modes runs all four, so each gets a quarter of --budget-s.
 """
 
 from __future__ import annotations

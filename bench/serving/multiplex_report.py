@@ -66,19 +66,18 @@ def table(result: dict[str, Any]) -> str:
 def acceptance_checks(modes: dict[str, Any]) -> dict[str, Any]:
     """The multiplexing goals this run can compute, each multiplexed mode against co-located (None where a point is
     missing); a check of the "multiplexed-slo" mode has its name prefixed with it."""
-    col = modes.get("colocated", {}).get("points", {})
     out: dict[str, Any] = {}
     for mux in MULTIPLEXED:
         if mux in modes:
             prefix = "" if mux == "multiplexed" else f"{mux}: "
-            out.update({prefix + name: c for name, c in _checks(modes[mux], modes.get("colocated", {}), col).items()})
+            out.update({prefix + name: c for name, c in _checks(modes[mux], modes.get("colocated", {})).items()})
     if not out:  # no multiplexed mode ran: the checks, with no values
-        out = _checks({}, modes.get("colocated", {}), col)
+        out = _checks({}, modes.get("colocated", {}))
     return out
 
 
-def _checks(mux_mode: dict[str, Any], col_mode: dict[str, Any], col: dict[str, Any]) -> dict[str, Any]:
-    mux = mux_mode.get("points", {})
+def _checks(mux_mode: dict[str, Any], col_mode: dict[str, Any]) -> dict[str, Any]:
+    mux, col = mux_mode.get("points", {}), col_mode.get("points", {})
 
     def metric(points: dict[str, Any], key: str, name: str, q: str | None) -> float | None:
         point = points.get(key)

@@ -195,10 +195,13 @@ def test_the_startup_profile_times_every_split_and_leaves_the_engine_clean() -> 
     model_dir, _ = nemotron_h("M*-M*")
     prompts = random_prompts(LENGTHS, vocab=128, seed=14)
     colocated, engine, mux = engines(model_dir, 1, prefill_chunk_size=16, state_block=16)
-    initial = mux.split
+    initial, seeds = mux.split, engine._seeds.getstate()
     steps = profile_splits(engine, mux, rows=4)
     assert steps > 0 and mux.pinned is None and mux.split == initial == mux.controller.current
     assert mux.controller.changes == 0  # pinned splits are not the controller's changes
+    # nothing of the profile is left: cached prefixes, counters, cache events, the seed stream, the handoff metrics
+    assert engine.pool.num_hits == 0 and not engine.drain_cache_events() and engine._seeds.getstate() == seeds
+    assert mux.handoffs == 0 and mux.overlapped_steps == 0
     splits = mux.controller.splits
     assert mux.controller.measured("prefill") == tuple(s.prefill_sms for s in splits)
     assert mux.controller.measured("decode") == tuple(sorted(s.decode_sms for s in splits))
@@ -206,5 +209,16 @@ def test_the_startup_profile_times_every_split_and_leaves_the_engine_clean() -> 
     expected = drive(colocated, staggered(prompts))
     assert drive(engine, staggered(prompts)) == expected  # serving after the profile: the same tokens
     check_idle(engine)
+    current = mux.split
     with pytest.raises(ValueError, match="not on the menu"):
-        mux.controller.restart_from(SmSplit(8, 124))
+        mux.pin(SmSplit(8, 124))
+    assert mux.pinned is None and mux.split == current
+
+
+def test_the_profile_skips_what_the_pool_cannot_hold() -> None:
+    """A tiny max_model_len: the prompts are clamped to it; the profile finishes and the engine serves."""
+    model_dir, _ = nemotron_h("M*-M*")
+    _, engine, mux = engines(model_dir, 0, prefill_chunk_size=16, max_model_len=12, max_num_seqs=2)
+    assert profile_splits(engine, mux) > 0
+    assert mux.controller.measured("prefill") and mux.controller.measured("decode")
+    check_idle(engine)

@@ -134,7 +134,7 @@ def test_big_grammars_do_not_stall_other_streams(chaos: Cluster) -> None:
     compiles: list[tuple[int, int]] = []  # (thread, engine steps while this compile was held open)
 
     def held_compile(spec: StructuredOutput) -> Any:
-        compiles.append((threading.get_ident(), watch.wait_for_steps(STEPS_DURING_COMPILE, limit_s=3.0)))
+        compiles.append((threading.get_ident(), watch.wait_for_steps(STEPS_DURING_COMPILE, limit_s=4.0)))
         return compile_fn(spec)
 
     pool._compile_fn = held_compile
@@ -143,6 +143,14 @@ def test_big_grammars_do_not_stall_other_streams(chaos: Cluster) -> None:
         streams = Streams(chaos, 8)
         streams.started()
         refused = pool.num_refused
+        # within the limits, sent first so that its compile is held while the streams run: compiled on a pool
+        # thread while the engine steps; its answer once compiled, or a 400 at the deadline when the busy CPU did
+        # not get to it in time
+        answers: list[httpx.Response] = []
+        sender = threading.Thread(target=lambda: answers.append(post(chaos, {
+            "model": MODEL_NAME, "prompt": "{", "max_tokens": 4, "temperature": 0,
+            "guided_json": objects_schema(95, 20)})))
+        sender.start()
         for objects in (600, 2000):  # the attack's schemas: refused by their size, never compiled
             answer = post(chaos, {"model": MODEL_NAME, "prompt": "{", "max_tokens": 8, "response_format": {
                 "type": "json_schema", "json_schema": {"name": "big", "schema": objects_schema(objects, 20)}}})
@@ -150,20 +158,18 @@ def test_big_grammars_do_not_stall_other_streams(chaos: Cluster) -> None:
         bomb = post(chaos, {"model": MODEL_NAME, "prompt": "x", "max_tokens": 4,
                             "guided_regex": "((a{100}){100}){100}"})
         assert bomb.status_code == 400 and "states" in bomb.json()["error"]["message"]
-        assert pool.num_refused == refused + 3 and compiles == []
-        # within the limits: compiled on a pool thread while the streams go on (the engine steps while the compile
-        # is held open); its answer once compiled, or a 400 at the deadline when the busy CPU did not get to it
-        within = post(chaos, {"model": MODEL_NAME, "prompt": "{", "max_tokens": 4, "temperature": 0,
-                              "guided_json": objects_schema(95, 20)})
+        sender.join(60)
+        (within,) = answers
         message = within.json()["error"]["message"] if within.status_code != 200 else ""
         assert within.status_code == 200 or "did not compile within 5 s" in message, within.text
         check_streams(streams, expected)
     finally:
         pool._compile_fn = compile_fn
+    assert pool.num_refused == refused + 3  # the refused three never reached the compiler: one compile ran
     assert len(compiles) == 1
     thread, steps = compiles[0]
     assert thread != watch.thread, "the grammar compiled on the engine loop's thread"
-    assert steps == STEPS_DURING_COMPILE, "the engine loop did not step while a grammar compiled"
+    assert steps >= STEPS_DURING_COMPILE, "the engine loop did not step while a grammar compiled"
 
 
 def slow_connection(cluster: Cluster, trickle: bool) -> threading.Thread:
@@ -194,7 +200,7 @@ def slow_connection(cluster: Cluster, trickle: bool) -> threading.Thread:
     return thread
 
 
-def test_sixteen_streams_stay_exact_and_smooth_under_attack(chaos: Cluster) -> None:
+def test_sixteen_streams_stay_exact_under_attack(chaos: Cluster) -> None:
     assert chaos.router is not None
     expected = quiet_run(chaos, 16)
     streams = Streams(chaos, 16)
