@@ -1,6 +1,7 @@
 """PD multiplexing on CUDA with green-context lanes: the multiplexed engine's greedy tokens (fp32) equal the
 co-located engine's while requests arrive, with CUDA graphs captured in the lanes, the prefix cache and MTP; the
-prefill forward is held in flight over decode steps so the lanes really run side by side; pools pass their check."""
+prefill forward is held in flight over decode steps so the lanes really run side by side; pools pass their check.
+The start-up profile times every split's lanes first."""
 
 from __future__ import annotations
 
@@ -39,6 +40,11 @@ def test_cuda_multiplexed_greedy_equals_colocated(case: str) -> None:
     mux = engine.multiplexer
     if mux is None:
         pytest.skip("no SM partitions on this machine (see the engine's WARNING)")
+    # the start-up profile (after the warm-up) timed both lanes of every split, and left nothing behind
+    splits = mux.controller.splits
+    assert mux.controller.measured("prefill") == tuple(sorted(s.prefill_sms for s in splits))
+    assert mux.controller.measured("decode") == tuple(sorted(s.decode_sms for s in splits))
+    assert mux.handoffs == 0 and not engine.has_unfinished()
     mux.prefill_delay = 2
     assert drive(engine, arrivals) == expected
     assert mux.handoffs >= len(arrivals) and mux.overlapped_steps > 0
