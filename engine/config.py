@@ -138,6 +138,10 @@ class EngineConfig:
     # just the SMs that keep its step within it, prefill the rest (goodput under TTFT and TPOT SLOs; it bounds a
     # decode step, which with speculative decoding emits more than one token)
     pd_multiplex_tpot_slo_ms: float = 0.0
+    # with pd_multiplex: while the prompts waiting take longer than this (ms) to prefill even in the largest prefill
+    # lane, the decode budget is lifted and prefill takes the most SMs (a queue past any TTFT objective: drain it
+    # for throughput); 0: never lifted
+    pd_multiplex_backlog_ms: float = 1000.0
 
     def __post_init__(self) -> None:
         self.grammar_limits  # noqa: B018 - validated on construction
@@ -219,7 +223,8 @@ class EngineConfig:
             raise ValueError(f"profile_dir must be a directory path or None, got {self.profile_dir!r}")
         self.multiplex_menu(132)  # the menu's syntax, validated on construction (SM counts against the device later)
         for name, least, meaning in (("pd_multiplex_decode_slowdown", 1, "a multiple of the fastest decode step"),
-                                     ("pd_multiplex_tpot_slo_ms", 0, "0: no SLO")):
+                                     ("pd_multiplex_tpot_slo_ms", 0, "0: no SLO"),
+                                     ("pd_multiplex_backlog_ms", 0, "0: the decode budget is never lifted")):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (least <= value < math.inf):
                 raise ValueError(f"{name} must be a finite number >= {least} ({meaning}), got {value!r}")
@@ -276,9 +281,9 @@ class EngineConfig:
 
     @property
     def split_policy(self) -> SplitPolicy:
-        """The pd_multiplex split controller's policy (its decode budget from the two pd_multiplex_* fields)."""
+        """The pd_multiplex split controller's policy (its decode budget from the pd_multiplex_* fields)."""
         return SplitPolicy(decode_slowdown=self.pd_multiplex_decode_slowdown,
-                           tpot_slo_ms=self.pd_multiplex_tpot_slo_ms)
+                           tpot_slo_ms=self.pd_multiplex_tpot_slo_ms, backlog_ms=self.pd_multiplex_backlog_ms)
 
     @property
     def warmup_enabled(self) -> bool:

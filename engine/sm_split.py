@@ -13,7 +13,8 @@ measured counts around it (more SMs are never slower); a lane with no samples at
 Choice. For each split of the menu, with W prefill tokens waiting and B decode rows:
     decode_ms  = T_decode(split.decode_sms, B)              one decode step
     prefill_ms = T_prefill(split.prefill_sms, W)            time to prefill what waits
-    budget     = tpot_slo_ms, or decode_slowdown x the fastest decode_ms of the menu
+    budget     = tpot_slo_ms, or decode_slowdown x the fastest decode_ms of the menu; none while the backlog takes
+                 longer than backlog_ms to prefill in the largest prefill lane (a deep queue: drain it)
     cost = prefill_ms * (1 + over_budget_weight * max(0, decode_ms / budget - 1))    (W and B both > 0)
     cost = decode_ms (W = 0: decode takes the smallest prefill lane), cost = prefill_ms (B = 0)
 i.e. the fastest prefill among the splits whose decode step stays within its budget. The default budget keeps the
@@ -64,6 +65,10 @@ class SplitPolicy:
     # the decode step's budget while prompts wait: this many times the menu's fastest decode step ...
     decode_slowdown: float = 1.3
     tpot_slo_ms: float = 0.0  # ... or, when > 0, this many milliseconds (a TPOT service-level objective)
+    # while what waits takes longer than this to prefill even in the largest prefill lane, the budget is lifted and
+    # prefill takes the most SMs: a queue that deep is past any TTFT objective, and draining it is what throughput
+    # needs (0: never lifted)
+    backlog_ms: float = 1000.0
     over_budget_weight: float = 20.0  # a split 10 % over the decode budget costs 3x its prefill time
     # how a step's time grows with its work while only one work size was seen (1: proportional)
     prefill_work_exponent: float = 1.0
@@ -96,7 +101,7 @@ class SplitPolicy:
         if not self.decode_slowdown >= 1.0:
             raise ValueError(f"decode_slowdown must be >= 1 (a multiple of the fastest decode step), got "
                              f"{self.decode_slowdown}")
-        for name in ("tpot_slo_ms", "over_budget_weight", "prefill_work_exponent", "decode_work_exponent",
+        for name in ("tpot_slo_ms", "backlog_ms", "over_budget_weight", "prefill_work_exponent", "decode_work_exponent",
                      "prefill_sm_exponent", "decode_sm_exponent"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -210,9 +215,12 @@ class SplitController:
     def _measured_ms(self, lane: str, sms: int, work: int) -> float:
         return self._fits[(lane, sms)].predict(float(work), self.policy.work_exponent(lane))
 
-    def decode_budget_ms(self, decode_rows: int) -> float:
-        """The decode step's budget while prompts wait (module docstring)."""
+    def decode_budget_ms(self, decode_rows: int, prefill_tokens_waiting: int = 0) -> float:
+        """The decode step's budget while prompts wait (module docstring); unbounded while the backlog is deep."""
         p = self.policy
+        if p.backlog_ms > 0 and prefill_tokens_waiting > 0 and p.backlog_ms < min(
+                self.predict_ms("prefill", s.prefill_sms, prefill_tokens_waiting) for s in self.splits):
+            return math.inf
         if p.tpot_slo_ms > 0:
             return p.tpot_slo_ms
         return p.decode_slowdown * min(self.predict_ms("decode", s.decode_sms, decode_rows) for s in self.splits)
@@ -226,15 +234,15 @@ class SplitController:
         prefill_ms = self.predict_ms("prefill", split.prefill_sms, prefill_tokens_waiting)
         if decode_rows <= 0:
             return prefill_ms
-        budget = budget_ms if budget_ms is not None else self.decode_budget_ms(decode_rows)
-        over = max(0.0, decode_ms / budget - 1.0) if budget > 0 else 0.0
+        budget = budget_ms if budget_ms is not None else self.decode_budget_ms(decode_rows, prefill_tokens_waiting)
+        over = max(0.0, decode_ms / budget - 1.0) if 0 < budget < math.inf else 0.0
         # a fitted line may reach 0 ms for a small backlog: a floor keeps the budget's penalty from vanishing
         return max(prefill_ms, 1e-3) * (1.0 + self.policy.over_budget_weight * over)
 
     def best(self, prefill_tokens_waiting: int, decode_rows: int, budget_ms: float | None = None) -> SmSplit:
         """The split of least cost for this load, without hysteresis (ties: the current one, then fewer prefill SMs)."""
         if budget_ms is None and decode_rows > 0 and prefill_tokens_waiting > 0:
-            budget_ms = self.decode_budget_ms(decode_rows)
+            budget_ms = self.decode_budget_ms(decode_rows, prefill_tokens_waiting)
         return min(self.splits, key=lambda s: (self.cost(s, prefill_tokens_waiting, decode_rows, budget_ms),
                                                s != self.current, s.prefill_sms))
 
@@ -244,7 +252,8 @@ class SplitController:
         if prefill_tokens_waiting < 0 or decode_rows < 0:
             raise ValueError(f"load must be >= 0, got {prefill_tokens_waiting} tokens, {decode_rows} rows")
         self.decisions += 1
-        budget = self.decode_budget_ms(decode_rows) if decode_rows > 0 and prefill_tokens_waiting > 0 else None
+        budget = (self.decode_budget_ms(decode_rows, prefill_tokens_waiting)
+                  if decode_rows > 0 and prefill_tokens_waiting > 0 else None)
         best = self.best(prefill_tokens_waiting, decode_rows, budget)
         if best == self.current:
             self._candidate, self._streak = None, 0

@@ -28,7 +28,7 @@ ENGINE = EngineConfig(
     mamba_ssm_cache_dtype="bfloat16", kv_cache_dtype="fp8", moe_fp8_activations=False, grammar_compile_timeout_s=3.0,
     grammar_max_spec_bytes=4096, grammar_max_properties=64, grammar_max_regex_states=500, kernel_mode="reference",
     tensor_parallel_hang_timeout_s=12.5, pd_multiplex_prefill_sms="32,64", pd_multiplex_decode_slowdown=1.5,
-    pd_multiplex_tpot_slo_ms=25.0,
+    pd_multiplex_tpot_slo_ms=25.0, pd_multiplex_backlog_ms=500.0,
     # a window no test run reaches: the trace is never written
     profile_dir="hybridserve-profile-never-written", profile_steps="1000000:1:stack",
 )

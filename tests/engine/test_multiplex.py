@@ -185,10 +185,12 @@ def test_config_refuses_tensor_parallel_and_bad_menus() -> None:
     assert EngineConfig().multiplex_menu(128) == (16, 32, 48, 64, 80, 96, 112)
     assert EngineConfig().multiplex_menu(132)[-1] == 115  # rounded up to 120 of 132: decode keeps 12
     assert max(EngineConfig().multiplex_menu(58)) == 42  # all but two 8-SM groups, before rounding up
-    for bad in ({"pd_multiplex_decode_slowdown": 0.8}, {"pd_multiplex_tpot_slo_ms": -5.0}):
+    for bad in ({"pd_multiplex_decode_slowdown": 0.8}, {"pd_multiplex_tpot_slo_ms": -5.0},
+                {"pd_multiplex_backlog_ms": float("inf")}, {"pd_multiplex_decode_slowdown": True}):
         with pytest.raises(ValueError, match="pd_multiplex_"):
             EngineConfig(**bad)  # type: ignore[arg-type]
-    assert EngineConfig(pd_multiplex_tpot_slo_ms=20.0).split_policy.tpot_slo_ms == 20.0
+    policy = EngineConfig(pd_multiplex_tpot_slo_ms=20.0, pd_multiplex_backlog_ms=0.0).split_policy
+    assert policy.tpot_slo_ms == 20.0 and policy.backlog_ms == 0.0
 
 
 def test_the_startup_profile_times_every_split_and_leaves_the_engine_clean() -> None:

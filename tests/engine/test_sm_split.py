@@ -35,7 +35,7 @@ def run(controller: SplitController, load: tuple[int, int], steps: int) -> list[
 
 def test_policy_is_validated() -> None:
     for bad in ({"switch_margin": 1.0}, {"switch_after": 0}, {"ema_alpha": 0.0}, {"decode_slowdown": 0.9},
-                {"tpot_slo_ms": -1.0}, {"switch_now_ratio": 0.0},
+                {"tpot_slo_ms": -1.0}, {"switch_now_ratio": 0.0}, {"backlog_ms": float("nan")},
                 {"decode_sm_exponent": -1}, {"initial_prefill_fraction": 2.0}, {"profile": ("x",)}):
         with pytest.raises(ValueError):
             SplitPolicy(**bad)  # type: ignore[arg-type]
@@ -56,9 +56,11 @@ def test_prefill_backlog_takes_every_sm_the_decode_budget_leaves() -> None:
     c = SplitController(SplitPolicy(switch_after=2), SPLITS)
     run(c, (0, 32), 10)
     assert c.current == SmSplit(16, 116)
-    run(c, (40_000, 32), 30)
+    run(c, (20_000, 32), 30)  # ~0.7 s of prefill in the largest lane: below the 1 s backlog that lifts the budget
     # this GPU's decode saturates at 64 SMs: 52 SMs cost 1.23x its fastest step (within 1.3x), 36 SMs 1.78x
     assert c.current == SmSplit(80, 52)
+    run(c, (60_000, 32), 10)  # ~2.1 s even in the largest lane: a deep queue, drained on the most SMs
+    assert c.current == SPLITS[-1]
     # the queue gone, decode gets back the SMs it is fast with
     run(c, (0, 32), 10)
     assert c.current.decode_sms >= 64
