@@ -6,9 +6,9 @@ Model. Each lane's step time at an SM count is a line in its work (prefill: toke
 gets (an EMA of x, y, x^2, xy: old steps fade). While one SM count has seen a single work size the line is
 `ms * (work / seen) ** work_exponent` (prefill scales with its tokens, decode barely with its rows); an SM count with
 no samples borrows the nearest measured one, scaled by `(measured_sms / sms) ** sm_exponent` (prefill is
-compute-bound: ~1; decode is memory-bound and saturates bandwidth with fewer SMs: below 1) and kept between the
-measured counts around it (more SMs are never slower); a lane with no samples at all starts from the policy's priors
-(or a start-up profile).
+compute-bound: ~1; decode is memory-bound and saturates bandwidth with fewer SMs: below 1); between two measured
+counts the time is interpolated in log-log (continuous, never rising with SMs where the measured times do not); a
+lane with no samples at all starts from the policy's priors (or a start-up profile).
 
 Choice. For each split of the menu, with W prefill tokens waiting and B decode rows:
     decode_ms  = T_decode(split.decode_sms, B)              one decode step
@@ -201,16 +201,17 @@ class SplitController:
             else:
                 base = p.prior_decode_step_ms * (work / p.prior_decode_rows) ** p.decode_work_exponent
             return base * (self.total_sms / sms) ** p.sm_exponent(lane)
-        near = min(measured, key=lambda s: (abs(math.log(s / sms)), -s))
-        scaled = self._measured_ms(lane, near, work) * (near / sms) ** p.sm_exponent(lane)
-        # more SMs never make a step slower: between the measured counts around `sms`, not past either
-        above = [s for s in measured if s >= sms]
         below = [s for s in measured if s <= sms]
-        if above:
-            scaled = max(scaled, self._measured_ms(lane, min(above), work))
-        if below:
-            scaled = min(scaled, self._measured_ms(lane, max(below), work))
-        return scaled
+        above = [s for s in measured if s >= sms]
+        if below and above:  # between two measured counts (or on one): log-log interpolation, exact at both ends
+            lo, hi = below[-1], above[0]
+            t_lo, t_hi = self._measured_ms(lane, lo, work), self._measured_ms(lane, hi, work)
+            if lo == hi or t_lo <= 0 or t_hi <= 0:
+                return t_lo if sms - lo <= hi - sms else t_hi
+            w = math.log(sms / lo) / math.log(hi / lo)
+            return t_lo ** (1.0 - w) * t_hi ** w
+        near = above[0] if above else below[-1]  # outside the measured counts: the nearest, scaled
+        return self._measured_ms(lane, near, work) * (near / sms) ** p.sm_exponent(lane)
 
     def _measured_ms(self, lane: str, sms: int, work: int) -> float:
         return self._fits[(lane, sms)].predict(float(work), self.policy.work_exponent(lane))

@@ -4,6 +4,8 @@ times, gives prefill every SM the decode budget leaves, switches at once when a 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridserve.engine.sm_partition import SmSplit, fake_partitioner
 from hybridserve.engine.sm_split import ProfilePoint, SplitController, SplitPolicy
@@ -167,3 +169,30 @@ def test_on_the_h200_times_prefill_gets_what_the_decode_tail_allows() -> None:
                                    (SplitPolicy(profile=profile, switch_after=1), 0, SmSplit(120, 12))):
         c = SplitController(policy, splits)
         assert c.choose(8192, rows) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(decode=st.lists(st.floats(0.1, 50.0), min_size=7, max_size=7),
+       prefill=st.lists(st.floats(0.1, 500.0), min_size=7, max_size=7),
+       loads=st.lists(st.tuples(st.integers(0, 50_000), st.integers(0, 512)), min_size=1, max_size=30),
+       slo=st.sampled_from([0.0, 5.0, 40.0]))
+def test_invariants_under_random_times_and_loads(decode: list[float], prefill: list[float],
+                                                 loads: list[tuple[int, int]], slo: float) -> None:
+    """Whatever the measured times (monotone in the SMs, as a GPU's are) and the loads: predictions never rise with
+    more SMs, every choice is on the menu, and with nothing waiting decode runs in its fastest split."""
+    c = SplitController(SplitPolicy(tpot_slo_ms=slo), SPLITS)
+    decode_ms = sorted(decode, reverse=True)  # ascending decode SMs: falling times
+    prefill_ms = sorted(prefill, reverse=True)  # ascending prefill SMs: falling times
+    for split, ms in zip(sorted(SPLITS, key=lambda s: s.decode_sms), decode_ms):
+        c.record("decode", split, 32, ms)
+    for split, ms in zip(SPLITS, prefill_ms):
+        c.record("prefill", split, 2048, ms)
+    for lane in ("prefill", "decode"):
+        times = [c.predict_ms(lane, sms, 1000) for sms in range(8, 133, 4)]
+        assert all(a >= b - 1e-9 for a, b in zip(times, times[1:])), lane
+    for waiting, rows in loads:
+        split = c.choose(waiting, rows)
+        assert split in SPLITS
+        if waiting == 0 and rows > 0:
+            fastest = min(c.predict_ms("decode", s.decode_sms, rows) for s in SPLITS)
+            assert c.predict_ms("decode", split.decode_sms, rows) == pytest.approx(fastest)
