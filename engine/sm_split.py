@@ -22,9 +22,10 @@ running streams' inter-token tail (a step beside a prefill against one without) 
 service-level objective instead gives decode just the SMs that keep its step within the SLO and prefill the rest
 (goodput). Hysteresis: the best split replaces the current one after winning by `switch_margin` (relative cost)
 in `switch_after` consecutive decisions, or at once when it costs at most `switch_now_ratio` of the current one
-(a prompt arriving while decode holds nearly every SM must not prefill on the few left for three decisions) or when
-nothing waits (the prefill lane is idle: its SMs go to decode at no cost). The budget bounds a decode step's time;
-with speculative decoding a step emits more than one token, so a TPOT SLO there bounds more than TPOT.
+(a prompt arriving while decode holds nearly every SM must not prefill on the few left for three decisions) or, when
+nothing waits, by `idle_switch_margin` (the prefill lane is idle: its SMs go to decode at no cost). The budget
+bounds a decode step's time; with speculative decoding a step emits more than one token, so a TPOT SLO there bounds
+more than TPOT.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class SplitPolicy:
     # ... in this many consecutive decisions before it replaces the current one
     switch_after: int = 3
     switch_now_ratio: float = 0.5  # a split costing at most this share of the current one's replaces it at once
+    idle_switch_margin: float = 0.05  # with nothing waiting, a decode split this much faster replaces it at once
     ema_alpha: float = 0.2  # weight of the newest sample in a lane's fit
     # the decode step's budget while prompts wait: this many times the menu's fastest decode step ...
     decode_slowdown: float = 1.3
@@ -93,6 +95,8 @@ class SplitPolicy:
             raise ValueError(f"switch_after must be >= 1, got {self.switch_after}")
         if not 0.0 < self.ema_alpha <= 1.0:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
+        if not 0.0 <= self.idle_switch_margin < 1.0:
+            raise ValueError(f"idle_switch_margin must be in [0, 1), got {self.idle_switch_margin}")
         if not 0.0 < self.switch_now_ratio <= 1.0:
             raise ValueError(f"switch_now_ratio must be in (0, 1], got {self.switch_now_ratio}")
         for name in ("prior_prefill_ms_per_token", "prior_decode_step_ms"):
@@ -261,8 +265,10 @@ class SplitController:
             return self.current
         now = self.cost(self.current, prefill_tokens_waiting, decode_rows, budget)
         new = self.cost(best, prefill_tokens_waiting, decode_rows, budget)
-        # nothing waits: the prefill lane is idle, so giving decode its SMs costs nothing and is done at once
-        if prefill_tokens_waiting == 0 or new <= self.policy.switch_now_ratio * now:
+        # nothing waits: the prefill lane is idle, so giving decode its SMs costs nothing and is done at once (past a
+        # small margin, so that near-equal decode splits do not alternate with the noise of their measured times)
+        idle = prefill_tokens_waiting == 0 and new < (1.0 - self.policy.idle_switch_margin) * now
+        if idle or new <= self.policy.switch_now_ratio * now:
             self._switch(best)
             return self.current
         if not new < (1.0 - self.policy.switch_margin) * now:

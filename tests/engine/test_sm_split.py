@@ -38,6 +38,7 @@ def run(controller: SplitController, load: tuple[int, int], steps: int) -> list[
 def test_policy_is_validated() -> None:
     for bad in ({"switch_margin": 1.0}, {"switch_after": 0}, {"ema_alpha": 0.0}, {"decode_slowdown": 0.9},
                 {"tpot_slo_ms": -1.0}, {"switch_now_ratio": 0.0}, {"backlog_ms": float("nan")},
+                {"idle_switch_margin": 1.0},
                 {"decode_sm_exponent": -1}, {"initial_prefill_fraction": 2.0}, {"profile": ("x",)}):
         with pytest.raises(ValueError):
             SplitPolicy(**bad)  # type: ignore[arg-type]
@@ -52,6 +53,11 @@ def test_decode_only_load_moves_to_the_smallest_prefill_lane_at_once() -> None:
     c = SplitController(SplitPolicy(switch_after=3), SPLITS)
     assert c.current == SmSplit(64, 68)
     assert run(c, (0, 64), 3) == [SmSplit(16, 116)] * 3 and c.changes == 1
+    # a decode split only a little faster (the noise of two near-equal splits) does not move it at once
+    near = SplitController(SplitPolicy(switch_after=3), SPLITS)
+    near.record("decode", SmSplit(64, 68), 64, 10.0)
+    near.record("decode", SmSplit(16, 116), 64, 9.8)
+    assert near.choose(0, 64) == SmSplit(64, 68) and near.changes == 0
 
 
 def test_prefill_backlog_takes_every_sm_the_decode_budget_leaves() -> None:
@@ -179,7 +185,7 @@ def test_on_the_h200_times_prefill_gets_what_the_decode_tail_allows() -> None:
 def test_invariants_under_random_times_and_loads(decode: list[float], prefill: list[float],
                                                  loads: list[tuple[int, int]], slo: float) -> None:
     """Whatever the measured times (monotone in the SMs, as a GPU's are) and the loads: predictions never rise with
-    more SMs, every choice is on the menu, and with nothing waiting decode runs in its fastest split."""
+    more SMs, every choice is on the menu, and with nothing waiting decode runs in (nearly) its fastest split."""
     c = SplitController(SplitPolicy(tpot_slo_ms=slo), SPLITS)
     decode_ms = sorted(decode, reverse=True)  # ascending decode SMs: falling times
     prefill_ms = sorted(prefill, reverse=True)  # ascending prefill SMs: falling times
@@ -195,4 +201,5 @@ def test_invariants_under_random_times_and_loads(decode: list[float], prefill: l
         assert split in SPLITS
         if waiting == 0 and rows > 0:
             fastest = min(c.predict_ms("decode", s.decode_sms, rows) for s in SPLITS)
-            assert c.predict_ms("decode", split.decode_sms, rows) == pytest.approx(fastest)
+            # within the idle margin of it (a split only that much faster waits for a streak)
+            assert c.predict_ms("decode", split.decode_sms, rows) <= fastest / (1 - c.policy.idle_switch_margin) + 1e-9
