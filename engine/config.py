@@ -136,11 +136,12 @@ class EngineConfig:
     pd_multiplex_decode_slowdown: float = 1.3
     # with pd_multiplex: a TPOT service-level objective in ms that replaces the slowdown budget when > 0: decode gets
     # just the SMs that keep its step within it, prefill the rest (goodput under TTFT and TPOT SLOs; it bounds a
-    # decode step, which with speculative decoding emits more than one token)
+    # decode step, which with speculative decoding emits more than one token; lifted, as the slowdown is, while the
+    # backlog below is exceeded)
     pd_multiplex_tpot_slo_ms: float = 0.0
     # with pd_multiplex: while the prompts waiting take longer than this (ms) to prefill even in the largest prefill
-    # lane, the decode budget is lifted and prefill takes the most SMs (a queue past any TTFT objective: drain it
-    # for throughput); 0: never lifted
+    # lane, the decode budget is lifted and prefill takes the most SMs (a queue past a TTFT objective of this size:
+    # drain it for throughput); 0: never lifted
     pd_multiplex_backlog_ms: float = 1000.0
 
     def __post_init__(self) -> None:

@@ -324,7 +324,8 @@ class Multiplexer:
         decoding = self.decoding_rows()
         split = self.controller.choose(waiting, decoding)
         if split != self.split:
-            logger.info("pd_multiplex: SM split %s -> %s (%d prompt tokens waiting, %d decoding)", self.split, split,
+            # DEBUG: the split follows the phases (a prompt arriving, the queue emptying), a change or two per request
+            logger.debug("pd_multiplex: SM split %s -> %s (%d prompt tokens waiting, %d decoding)", self.split, split,
                         waiting, decoding)
             self.split = split
             self._use_graphs()

@@ -4,11 +4,11 @@ hysteresis so that the split follows the load without flapping.
 Model. Each lane's step time at an SM count is a line in its work (prefill: tokens in the step; decode: rows),
 `ms = fixed + per_unit * work`, fitted by least squares over exponentially weighted sums of the samples `record`
 gets (an EMA of x, y, x^2, xy: old steps fade). While one SM count has seen a single work size the line is
-`ms * (work / seen) ** work_exponent` (prefill scales with its tokens, decode barely with its rows); an SM count with
-no samples borrows the nearest measured one, scaled by `(measured_sms / sms) ** sm_exponent` (prefill is
-compute-bound: ~1; decode is memory-bound and saturates bandwidth with fewer SMs: below 1); between two measured
-counts the time is interpolated in log-log (continuous, never rising with SMs where the measured times do not); a
-lane with no samples at all starts from the policy's priors (or a start-up profile).
+`ms * (work / seen) ** work_exponent` (prefill scales with its tokens, decode barely with its rows). An SM count with
+no samples between two measured ones is interpolated in log-log (never rising with SMs where the measured times do
+not); one outside them borrows the nearest measured one, scaled by `(measured_sms / sms) ** sm_exponent` (prefill is
+compute-bound: ~1; decode is memory-bound and saturates bandwidth with fewer SMs: below 1); a lane with no samples
+at all starts from the policy's priors (or a start-up profile).
 
 Choice. For each split of the menu, with W prefill tokens waiting and B decode rows:
     decode_ms  = T_decode(split.decode_sms, B)              one decode step
@@ -16,7 +16,7 @@ Choice. For each split of the menu, with W prefill tokens waiting and B decode r
     budget     = tpot_slo_ms, or decode_slowdown x the fastest decode_ms of the menu; none while the backlog takes
                  longer than backlog_ms to prefill in the largest prefill lane (a deep queue: drain it)
     cost = prefill_ms * (1 + over_budget_weight * max(0, decode_ms / budget - 1))    (W and B both > 0)
-    cost = decode_ms (W = 0: decode takes the smallest prefill lane), cost = prefill_ms (B = 0)
+    cost = decode_ms (W = 0: decode takes its fastest split), cost = prefill_ms (B = 0: prefill takes the largest)
 i.e. the fastest prefill among the splits whose decode step stays within its budget. The default budget keeps the
 running streams' inter-token tail (a step beside a prefill against one without) within decode_slowdown; a TPOT
 service-level objective instead gives decode just the SMs that keep its step within the SLO and prefill the rest
@@ -67,9 +67,9 @@ class SplitPolicy:
     # the decode step's budget while prompts wait: this many times the menu's fastest decode step ...
     decode_slowdown: float = 1.3
     tpot_slo_ms: float = 0.0  # ... or, when > 0, this many milliseconds (a TPOT service-level objective)
-    # while what waits takes longer than this to prefill even in the largest prefill lane, the budget is lifted and
-    # prefill takes the most SMs: a queue that deep is past any TTFT objective, and draining it is what throughput
-    # needs (0: never lifted)
+    # while what waits takes longer than this to prefill even in the largest prefill lane, the budget (slowdown or
+    # TPOT SLO) is lifted and prefill takes the most SMs: a queue that deep is past a TTFT objective of this size,
+    # and draining it is what throughput needs (0: never lifted)
     backlog_ms: float = 1000.0
     over_budget_weight: float = 20.0  # a split 10 % over the decode budget costs 3x its prefill time
     # how a step's time grows with its work while only one work size was seen (1: proportional)
@@ -284,9 +284,18 @@ class SplitController:
         """Make `split` the current one without counting a change (a pinned split, or the profile's end); the fits
         learned so far stay."""
         if split not in self.splits:
-            raise ValueError(f"{split} is not on the menu {self.splits}")
+            raise ValueError(f"{split} is not on the menu: pin one of {self.splits}")
         self.current = split
         self._candidate, self._streak = None, 0
+
+    def forget(self) -> None:
+        """Drop every measured time and the change counts (before a start-up profile: the warm-up's steps include
+        kernel compiles, seconds each, that would make the splits it ran in look slow)."""
+        self._fits.clear()
+        self._measured.clear()
+        self.changes = self.decisions = 0
+        self._candidate, self._streak = None, 0
+        self.seed(self.policy.profile)
 
     def _switch(self, split: SmSplit) -> None:
         self.current, self.changes = split, self.changes + 1

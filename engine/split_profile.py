@@ -3,8 +3,9 @@ multiplexed step, so each lane's step is timed on each of its SM counts before t
 
 Without it the split controller (engine/sm_split.py) knows only the splits the load has visited and extrapolates the
 others from priors; a split it predicts wrongly slow is never tried, so its estimate is never corrected. With it
-every (lane, SM count) has measured times: prefill at two chunk sizes (a short prompt and a long one, so its line in
-the tokens has a slope) and decode at the profile's rows, alone and beside the long prompt's prefill. The requests
+every (lane, SM count) has measured times: prefill at two chunk sizes (the short prompts together and a long one, so
+its line in the tokens has a slope) and decode at the profile's rows, two steps alone and then beside the long
+prompt's prefill. The warm-up's times are dropped first: its steps compiled kernels. The requests
 are ordinary ones, so their pages and slots come and go through the pool; afterwards the engine is as it was (no
 cached prefixes, counters or cache events; the engine's seed stream untouched) and the split the one in effect
 before. It runs after the warm-up, only where the warm-up does (by default on CUDA).
@@ -26,7 +27,8 @@ from hybridserve.engine.warmup import WarmupEngine
 logger = logging.getLogger(__name__)
 
 SHORT_PROMPT = 8  # tokens of each decoding row's prompt
-DECODE_TOKENS = 4  # tokens each decoding row generates: its decode steps run alone, then beside the long prompt
+DECODE_TOKENS = 6  # tokens each decoding row generates: two decode steps alone, then beside the long prompt
+ALONE_STEPS = 2
 
 
 class ProfiledEngine(WarmupEngine, Protocol):
@@ -57,19 +59,17 @@ def profile_splits(engine: ProfiledEngine, multiplexer: Multiplexer, rows: int =
     def params(max_tokens: int) -> SamplingParams:  # seeded: the engine's own seed stream stays untouched
         return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, seed=0)
 
+    multiplexer.controller.forget()  # the warm-up's steps compiled kernels: their times are not the lanes'
     try:
         for index, split in enumerate(multiplexer.controller.splits):
             multiplexer.pin(split)
-            try:
-                for row in range(rows):
-                    engine.add_request(prompt(short, 31 * index + row), params(DECODE_TOKENS),
-                                       request_id=f"split-profile-{index}-{row}")
+            if _add(engine, split, [(prompt(short, 31 * index + row), params(DECODE_TOKENS),
+                                     f"split-profile-{index}-{row}") for row in range(rows)]):
                 steps += _step_until(engine, lambda: multiplexer.decoding_rows() >= rows)
-                engine.add_request(prompt(long_prompt, 31 * index + rows), params(1),
-                                   request_id=f"split-profile-{index}-long")
-            except ValueError as exc:  # the pool cannot hold these prompts: no profile for this split
-                logger.warning("pd_multiplex: split %s not profiled: %s", split, exc)
-            steps += _step_until(engine, lambda: not engine.has_unfinished())
+                steps += _step_until(engine, lambda: False, limit=ALONE_STEPS)  # decode with no prefill beside it
+                _add(engine, split, [(prompt(long_prompt, 31 * index + rows), params(1),
+                                      f"split-profile-{index}-long")])
+            steps += _step_until(engine, lambda: not engine.has_unfinished())  # what was added runs out
     finally:
         if multiplexer.in_flight is None:  # else an error stopped a forward midway: it propagates as it is
             multiplexer.pin(None, back_to)
@@ -84,10 +84,22 @@ def profile_splits(engine: ProfiledEngine, multiplexer: Multiplexer, rows: int =
     return steps
 
 
-def _step_until(engine: ProfiledEngine, done: Callable[[], bool]) -> int:
-    """Step `engine` until `done()` holds or nothing is left to run; the steps taken."""
+def _add(engine: ProfiledEngine, split: object, requests: list[tuple[list[int], SamplingParams, str]]) -> bool:
+    """Add the profile's requests; False (logged) when the pool cannot hold them, as the warm-up skips such prompts:
+    serving refuses them too."""
+    try:
+        for prompt, params, request_id in requests:
+            engine.add_request(prompt, params, request_id=request_id)
+    except ValueError as exc:
+        logger.warning("pd_multiplex: split %s not fully profiled: %s", split, exc)
+        return False
+    return True
+
+
+def _step_until(engine: ProfiledEngine, done: Callable[[], bool], limit: int | None = None) -> int:
+    """Step `engine` until `done()` holds, `limit` steps ran, or nothing is left to run; the steps taken."""
     steps = 0
-    while not done() and engine.has_unfinished():
+    while not done() and engine.has_unfinished() and (limit is None or steps < limit):
         engine.step()
         steps += 1
     return steps

@@ -217,10 +217,31 @@ def test_the_startup_profile_times_every_split_and_leaves_the_engine_clean() -> 
     assert mux.pinned is None and mux.split == current
 
 
-def test_the_profile_skips_what_the_pool_cannot_hold() -> None:
+def test_the_profile_fits_its_prompts_to_the_engine() -> None:
     """A tiny max_model_len: the prompts are clamped to it; the profile finishes and the engine serves."""
     model_dir, _ = nemotron_h("M*-M*")
     _, engine, mux = engines(model_dir, 0, prefill_chunk_size=16, max_model_len=12, max_num_seqs=2)
     assert profile_splits(engine, mux) > 0
     assert mux.controller.measured("prefill") and mux.controller.measured("decode")
+    check_idle(engine)
+
+
+def test_the_profile_skips_what_the_pool_cannot_hold(caplog: pytest.LogCaptureFixture) -> None:
+    """A request the pool refuses (a ValueError, as serving would answer): that split is not profiled, with a
+    WARNING, and the rest of the profile runs."""
+    model_dir, _ = nemotron_h("M*-M*")
+    _, engine, mux = engines(model_dir, 0, prefill_chunk_size=16)
+    add, calls = engine.add_request, []
+
+    def refusing_add(prompt, params, request_id=None):  # type: ignore[no-untyped-def]
+        calls.append(request_id)
+        if request_id == "split-profile-1-0":
+            raise ValueError("the pool cannot hold this prompt")
+        return add(prompt, params, request_id=request_id)
+
+    engine.add_request = refusing_add  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="hybridserve.engine.split_profile"):
+        assert profile_splits(engine, mux, rows=2) > 0
+    assert any("not fully profiled" in r.getMessage() for r in caplog.records)
+    assert "split-profile-1-long" not in calls and "split-profile-2-long" in calls
     check_idle(engine)

@@ -201,5 +201,19 @@ def test_invariants_under_random_times_and_loads(decode: list[float], prefill: l
         assert split in SPLITS
         if waiting == 0 and rows > 0:
             fastest = min(c.predict_ms("decode", s.decode_sms, rows) for s in SPLITS)
-            # within the idle margin of it (a split only that much faster waits for a streak)
+            # within the idle margin of it (a split only that much faster does not replace the current one)
             assert c.predict_ms("decode", split.decode_sms, rows) <= fastest / (1 - c.policy.idle_switch_margin) + 1e-9
+
+
+def test_the_split_follows_arrivals_and_an_emptied_queue_and_forget_starts_over() -> None:
+    """On the H200's times a prompt arriving takes 72 prefill SMs and the queue emptying gives decode 116 again, at
+    once each time: the phases change, not a near-tie (each switch is free: every split's graphs are captured)."""
+    profile = tuple(ProfilePoint("decode", k, 64, ms) for k, ms in H200_DECODE_MS.items()) + tuple(
+        ProfilePoint("prefill", k, 8192, ms) for k, ms in H200_PREFILL_MS.items())
+    c = SplitController(SplitPolicy(profile=profile), fake_partitioner(132, (16, 33, 49, 66, 82, 99, 115)).splits)
+    chosen = [c.choose(*((2048, 64) if i % 2 else (0, 64))) for i in range(6)]
+    assert chosen == [SmSplit(16, 116), SmSplit(72, 60)] * 3 and c.changes == 6
+    c.record("decode", SmSplit(16, 116), 64, 500.0)  # a warm-up step that compiled kernels
+    c.forget()
+    assert c.changes == 0 and c.decisions == 0
+    assert c.predict_ms("decode", 116, 64) == pytest.approx(H200_DECODE_MS[116])  # back to the policy's profile

@@ -159,6 +159,7 @@ def test_big_grammars_do_not_stall_other_streams(chaos: Cluster) -> None:
                             "guided_regex": "((a{100}){100}){100}"})
         assert bomb.status_code == 400 and "states" in bomb.json()["error"]["message"]
         sender.join(60)
+        assert answers, "the compilable request raised in its thread (see the thread's exception above)"
         (within,) = answers
         message = within.json()["error"]["message"] if within.status_code != 200 else ""
         assert within.status_code == 200 or "did not compile within 5 s" in message, within.text
