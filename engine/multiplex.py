@@ -163,7 +163,6 @@ class Multiplexer:
         self.partitioner = partitioner
         self.controller = controller
         self.update = update
-        self.split = controller.current  # changes only while no prefill forward is in flight
         self.pinned: SmSplit | None = None  # a split held by `pin` (the start-up profile), not the controller's
         self.prefill_delay = 0  # tests: iterations a (fake) lane's completed prefill stays unseen
         self.iteration = 0
@@ -174,6 +173,11 @@ class Multiplexer:
         self._admitted: Fence | None = None  # prefill's admission copies, for the decode lane to wait on
         self._prefill_tail: Fence | None = None  # the end of prefill's last update
         self._decode_tail: Fence | None = None  # the end of decode's last update
+
+    @property
+    def split(self) -> SmSplit:
+        """The split in effect: the controller's (changed only while no prefill forward is in flight)."""
+        return self.controller.current
 
     def lanes(self) -> tuple[Lane, Lane]:
         """(prefill lane, decode lane) of the split in effect."""
@@ -309,9 +313,8 @@ class Multiplexer:
         from `then` (default: the split in effect). Only while no prefill forward is in flight."""
         if self.in_flight is not None:
             raise RuntimeError("the split cannot change while a prefill forward is in flight")
-        target = split if split is not None else (then or self.split)
-        self.controller.restart_from(target)  # ValueError for a split off the menu, before anything changed
-        self.pinned, self.split = split, target
+        self.controller.restart_from(split or then or self.split)  # ValueError off the menu, before any change
+        self.pinned = split
         self._use_graphs()
 
     def _choose_split(self) -> None:
@@ -321,13 +324,12 @@ class Multiplexer:
         running = self.scheduler.running
         waiting = sum(r.num_pending_tokens for r in self.scheduler.waiting)
         waiting += sum(r.num_pending_tokens for r in running if not r.is_decoding)
-        decoding = self.decoding_rows()
+        decoding, before = self.decoding_rows(), self.split
         split = self.controller.choose(waiting, decoding)
-        if split != self.split:
+        if split != before:
             # DEBUG: the split follows the phases (a prompt arriving, the queue emptying), a change or two per request
-            logger.debug("pd_multiplex: SM split %s -> %s (%d prompt tokens waiting, %d decoding)", self.split, split,
-                        waiting, decoding)
-            self.split = split
+            logger.debug("pd_multiplex: SM split %s -> %s (%d prompt tokens waiting, %d decoding)", before, split,
+                         waiting, decoding)
             self._use_graphs()
 
     # ---- CUDA graphs ------------------------------------------------------------------------------

@@ -230,6 +230,12 @@ class SplitController:
             return p.tpot_slo_ms
         return p.decode_slowdown * min(self.predict_ms("decode", s.decode_sms, decode_rows) for s in self.splits)
 
+    def _budget(self, prefill_tokens_waiting: int, decode_rows: int) -> float | None:
+        """The decode budget of a load where it applies (prompts waiting beside decode rows), else None."""
+        if decode_rows > 0 and prefill_tokens_waiting > 0:
+            return self.decode_budget_ms(decode_rows, prefill_tokens_waiting)
+        return None
+
     def cost(self, split: SmSplit, prefill_tokens_waiting: int, decode_rows: int,
              budget_ms: float | None = None) -> float:
         """The objective `choose` minimizes (module docstring); `budget_ms`: the decode budget, when known."""
@@ -246,8 +252,8 @@ class SplitController:
 
     def best(self, prefill_tokens_waiting: int, decode_rows: int, budget_ms: float | None = None) -> SmSplit:
         """The split of least cost for this load, without hysteresis (ties: the current one, then fewer prefill SMs)."""
-        if budget_ms is None and decode_rows > 0 and prefill_tokens_waiting > 0:
-            budget_ms = self.decode_budget_ms(decode_rows, prefill_tokens_waiting)
+        if budget_ms is None:
+            budget_ms = self._budget(prefill_tokens_waiting, decode_rows)
         return min(self.splits, key=lambda s: (self.cost(s, prefill_tokens_waiting, decode_rows, budget_ms),
                                                s != self.current, s.prefill_sms))
 
@@ -257,8 +263,7 @@ class SplitController:
         if prefill_tokens_waiting < 0 or decode_rows < 0:
             raise ValueError(f"load must be >= 0, got {prefill_tokens_waiting} tokens, {decode_rows} rows")
         self.decisions += 1
-        budget = (self.decode_budget_ms(decode_rows, prefill_tokens_waiting)
-                  if decode_rows > 0 and prefill_tokens_waiting > 0 else None)
+        budget = self._budget(prefill_tokens_waiting, decode_rows)
         best = self.best(prefill_tokens_waiting, decode_rows, budget)
         if best == self.current:
             self._candidate, self._streak = None, 0

@@ -22,6 +22,7 @@ import torch
 
 from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.engine.multiplex import Multiplexer
+from hybridserve.engine.sm_partition import SmSplit
 from hybridserve.engine.warmup import WarmupEngine
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def profile_splits(engine: ProfiledEngine, multiplexer: Multiplexer, rows: int =
     return steps
 
 
-def _add(engine: ProfiledEngine, split: object, requests: list[tuple[list[int], SamplingParams, str]]) -> bool:
+def _add(engine: ProfiledEngine, split: SmSplit, requests: list[tuple[list[int], SamplingParams, str]]) -> bool:
     """Add the profile's requests; False (logged) when the pool cannot hold them, as the warm-up skips such prompts:
     serving refuses them too."""
     try:

@@ -10,9 +10,9 @@ model's layers run; the graph's own launch is spread over them), the time is per
   shared expert, the router) / copy bandwidth.
   prefill 4096 tokens (--prefill-tokens): the expert GEMMs' TFLOP/s beside torch.mm of the same shapes in this
   run (the up and down projections of every (token, expert) pair as one dense [pairs, D] x [D, I] and [pairs, I] x
-  [I, D]) and beside
-  the square 8192^3 bf16 peak; the autotuner's chosen tiles are recorded. fp8 experts get rows too: weight-only
-  (bf16 activations) and W8A8 (`fp8_activations`: both GEMMs fp8 x fp8, the row quantizations included).
+  [I, D]) and beside the square 8192^3 bf16 peak; the autotuner's chosen tiles are recorded. fp8 experts get rows
+  too: weight-only (bf16 activations) and W8A8 (`fp8_activations`: both GEMMs fp8 x fp8, the row quantizations
+  included).
 Whole model, decode batch 1 with 512 tokens of context, captured as one CUDA graph (default dispatch and with the
 small path off): floor = the weights the step reads (every dense weight, the active experts of every MoE layer,
 lm_head; not the embedding table) plus the Mamba state read + written, over copy bandwidth (the KV cache read,
