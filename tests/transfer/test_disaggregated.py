@@ -147,8 +147,15 @@ def test_sender_dying_mid_stream_frees_the_reservation(nemotron_cluster) -> None
     tokens = stub.StreamTokens(worker_pb2.StreamTokensRequest(request_id=request_id, ticket=ticket), timeout=30)
     messages = _state_messages(cluster, prompt, request_id, ticket)
 
+    decode = cluster.decode[0]
+
     def dying_sender():
         yield from messages[:3]
+        # dies mid-stream, after the worker has read the manifest: a cancel that beats the manifest names no
+        # ticket, and that reservation is the router's to abort (or its ttl's to reap)
+        deadline = time.monotonic() + 30
+        while decode.take(ticket).assembly is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         raise ConnectionError("prefill worker died")
 
     with pytest.raises(grpc.RpcError):
