@@ -269,8 +269,9 @@ class EngineConfig:
     def multiplex_menu(self, total_sms: int) -> tuple[int, ...]:
         """pd_multiplex_prefill_sms as SM counts for a device of `total_sms` SMs (auto: 1/8 .. 7/8 of them)."""
         text = self.pd_multiplex_prefill_sms
-        if text == "auto":  # at most all but two 8-SM groups, so rounding up to the driver's groups leaves decode one
-            return tuple(sorted({max(1, min(total_sms * k // 8, total_sms - 16)) for k in range(1, 8)}))
+        if text == "auto":  # whole 8-SM groups (the driver's), leaving decode at least two of them
+            most = (total_sms - 16) // 8 * 8
+            return tuple(sorted({max(1, min(total_sms * k // 8, most)) for k in range(1, 8)}))
         try:
             menu = tuple(int(part) for part in str(text).split(","))
         except ValueError:

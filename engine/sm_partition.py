@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["LANES", "Lane", "PartitionUnavailable", "SmPartitioner", "SmSplit", "active_lane", "fake_partitioner",
-           "open_partitioner", "plan_splits"]
+           "MIN_LANE_GROUPS", "open_partitioner", "plan_splits"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,11 +131,18 @@ class Lane:
         return f"Lane({self.name!r}, sm_count={self.sm_count})"
 
 
+# the fewest groups a lane may have: a decode lane of one group plus the remainder (12 of the H200's 132 SMs) made
+# cuBLAS fail its bf16 GEMMs at 40+ rows (CUBLAS_STATUS_EXECUTION_FAILED; bench/results/h200/multiplex/)
+MIN_LANE_GROUPS = 2
+
+
 def plan_splits(total_sms: int, granularity: int, prefill_sms_menu: Iterable[int]) -> tuple[SmSplit, ...]:
-    """The splits a menu of prefill SM counts gives: each count rounded up to the driver's granularity, the decode
-    lane taking the rest (at least one group); duplicates after rounding dropped, ordered by prefill SMs."""
-    if total_sms < 2 * granularity:
-        raise ValueError(f"{total_sms} SMs cannot hold two partitions of {granularity} SMs")
+    """The splits a menu of prefill SM counts gives: each count rounded up to the driver's granularity (and to at
+    least MIN_LANE_GROUPS groups), the decode lane taking the rest (at least MIN_LANE_GROUPS groups); duplicates
+    after rounding dropped, ordered by prefill SMs."""
+    least = MIN_LANE_GROUPS * granularity
+    if total_sms < 2 * least:
+        raise ValueError(f"{total_sms} SMs cannot hold two partitions of {least} SMs")
     menu = tuple(prefill_sms_menu)
     if not menu:
         raise ValueError("the prefill SM menu is empty: name at least one prefill SM count")
@@ -143,11 +150,11 @@ def plan_splits(total_sms: int, granularity: int, prefill_sms_menu: Iterable[int
     for want in menu:
         if not isinstance(want, int) or isinstance(want, bool) or want <= 0:
             raise ValueError(f"prefill SM counts must be positive ints, got {want!r}")
-        prefill = -(-want // granularity) * granularity
-        if total_sms - prefill < granularity:
-            most = (total_sms - granularity) // granularity * granularity
+        prefill = max(-(-want // granularity) * granularity, least)
+        if total_sms - prefill < least:
+            most = (total_sms - least) // granularity * granularity
             raise ValueError(f"{want} prefill SMs (rounded up to {prefill}, a multiple of {granularity}) leave fewer "
-                             f"than {granularity} of the device's {total_sms} SMs for decode; use at most {most}")
+                             f"than {least} of the device's {total_sms} SMs for decode; use at most {most}")
         splits[prefill] = SmSplit(prefill, total_sms - prefill)
     return tuple(splits[p] for p in sorted(splits))
 

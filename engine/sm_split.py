@@ -220,6 +220,11 @@ class SplitController:
     def _measured_ms(self, lane: str, sms: int, work: int) -> float:
         return self._fits[(lane, sms)].predict(float(work), self.policy.work_exponent(lane))
 
+    def describe(self, decode_rows: int, prefill_tokens: int) -> str:
+        """Each split's predicted decode step of `decode_rows` and prefill of `prefill_tokens`, for the log."""
+        return ", ".join(f"{s} {self.predict_ms('decode', s.decode_sms, decode_rows):.2f} / "
+                         f"{self.predict_ms('prefill', s.prefill_sms, prefill_tokens):.1f} ms" for s in self.splits)
+
     def decode_budget_ms(self, decode_rows: int, prefill_tokens_waiting: int = 0) -> float:
         """The decode step's budget while prompts wait (module docstring); unbounded while the backlog is deep."""
         p = self.policy

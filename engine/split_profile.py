@@ -82,6 +82,8 @@ def profile_splits(engine: ProfiledEngine, multiplexer: Multiplexer, rows: int =
         torch.cuda.synchronize()
     logger.info("pd_multiplex: profiled %d splits (%d decoding rows, a %d-token prompt each) in %d steps, %.1f s",
                 len(multiplexer.controller.splits), rows, long_prompt, steps, time.perf_counter() - start)
+    logger.info("pd_multiplex: split: decode step of %d rows / prefill of %d tokens: %s", rows, long_prompt,
+                multiplexer.controller.describe(rows, long_prompt))
     return steps
 
 

@@ -183,8 +183,8 @@ def test_config_refuses_tensor_parallel_and_bad_menus() -> None:
         EngineConfig(pd_multiplex=True, pd_multiplex_prefill_sms="32,lots")
     assert EngineConfig(pd_multiplex_prefill_sms="32,64").multiplex_menu(132) == (32, 64)
     assert EngineConfig().multiplex_menu(128) == (16, 32, 48, 64, 80, 96, 112)
-    assert EngineConfig().multiplex_menu(132)[-1] == 115  # rounded up to 120 of 132: decode keeps 12
-    assert max(EngineConfig().multiplex_menu(58)) == 42  # all but two 8-SM groups, before rounding up
+    assert EngineConfig().multiplex_menu(132)[-1] == 112  # decode keeps 20 of 132 (12 failed cuBLAS GEMMs)
+    assert max(EngineConfig().multiplex_menu(58)) == 40  # whole groups, all but two of them
     for bad in ({"pd_multiplex_decode_slowdown": 0.8}, {"pd_multiplex_tpot_slo_ms": -5.0},
                 {"pd_multiplex_backlog_ms": float("inf")}, {"pd_multiplex_decode_slowdown": True}):
         with pytest.raises(ValueError, match="pd_multiplex_"):

@@ -19,12 +19,12 @@ from hybridserve.engine.sm_partition import (
 
 
 def test_menu_rounds_to_the_granularity_and_gives_decode_the_rest() -> None:
-    splits = plan_splits(132, 8, (20, 16, 64, 17, 120))
-    assert splits == (SmSplit(16, 116), SmSplit(24, 108), SmSplit(64, 68), SmSplit(120, 12))
+    splits = plan_splits(132, 8, (20, 16, 64, 17, 112, 4))
+    assert splits == (SmSplit(16, 116), SmSplit(24, 108), SmSplit(64, 68), SmSplit(112, 20))
     assert all(s.prefill_sms % 8 == 0 and s.prefill_sms + s.decode_sms == 132 for s in splits)
 
 
-@pytest.mark.parametrize("menu", [(), (0,), (-8,), (128,), (132,), (True,)])
+@pytest.mark.parametrize("menu", [(), (0,), (-8,), (120,), (128,), (132,), (True,)])
 def test_bad_menus_are_refused_with_what_to_change(menu: tuple[int, ...]) -> None:
     with pytest.raises(ValueError, match="menu|positive|decode"):
         plan_splits(132, 8, menu)

@@ -166,15 +166,17 @@ H200_PREFILL_MS = {124: 2.379, 116: 2.541, 100: 2.933, 68: 4.126, 64: 4.215, 36:
 
 def test_on_the_h200_times_prefill_gets_what_the_decode_tail_allows() -> None:
     """Seeded with the measured table, the default budget (decode within 1.3x of its fastest split) gives prefill 72
-    of 132 SMs; a looser TPOT budget gives it 104, and nothing decoding gives it 120."""
-    splits = fake_partitioner(132, (16, 33, 49, 66, 82, 99, 115)).splits
+    of 132 SMs; a looser TPOT budget gives it 104, and nothing decoding gives it 112."""
+    splits = fake_partitioner(132, (16, 33, 49, 66, 82, 99, 112)).splits
     profile = tuple(ProfilePoint("decode", k, 64, ms) for k, ms in H200_DECODE_MS.items()) + tuple(
         ProfilePoint("prefill", k, 8192, ms) for k, ms in H200_PREFILL_MS.items())
     for policy, rows, expected in ((SplitPolicy(profile=profile, switch_after=1), 64, SmSplit(72, 60)),
-                                   (SplitPolicy(profile=profile, switch_after=1, tpot_slo_ms=1.2), 64, SmSplit(104, 28)),
-                                   (SplitPolicy(profile=profile, switch_after=1), 0, SmSplit(120, 12))):
+                                   (SplitPolicy(profile=profile, switch_after=1, tpot_slo_ms=0.9), 64, SmSplit(104, 28)),
+                                   (SplitPolicy(profile=profile, switch_after=1), 0, SmSplit(112, 20))):
         c = SplitController(policy, splits)
         assert c.choose(8192, rows) == expected
+    described = SplitController(SplitPolicy(profile=profile), splits).describe(64, 8192)
+    assert described.startswith("16P/116D 0.36 / 15.4 ms, ") and described.endswith("112P/20D 0.95 / 2.6 ms")
 
 
 @settings(max_examples=60, deadline=None)
@@ -210,7 +212,7 @@ def test_the_split_follows_arrivals_and_an_emptied_queue_and_forget_starts_over(
     once each time: the phases change, not a near-tie (each switch is free: every split's graphs are captured)."""
     profile = tuple(ProfilePoint("decode", k, 64, ms) for k, ms in H200_DECODE_MS.items()) + tuple(
         ProfilePoint("prefill", k, 8192, ms) for k, ms in H200_PREFILL_MS.items())
-    c = SplitController(SplitPolicy(profile=profile), fake_partitioner(132, (16, 33, 49, 66, 82, 99, 115)).splits)
+    c = SplitController(SplitPolicy(profile=profile), fake_partitioner(132, (16, 33, 49, 66, 82, 99, 112)).splits)
     chosen = [c.choose(*((2048, 64) if i % 2 else (0, 64))) for i in range(6)]
     assert chosen == [SmSplit(16, 116), SmSplit(72, 60)] * 3 and c.changes == 6
     c.record("decode", SmSplit(16, 116), 64, 500.0)  # a warm-up step that compiled kernels
