@@ -198,7 +198,10 @@ def test_the_startup_profile_times_every_split_and_leaves_the_engine_clean() -> 
     prompts = random_prompts(LENGTHS, vocab=128, seed=14)
     colocated, engine, mux = engines(model_dir, 1, prefill_chunk_size=16, state_block=16)
     initial, seeds = mux.split, engine._seeds.getstate()
+    forget, forgotten = mux.controller.forget, []
+    mux.controller.forget = lambda: (forgotten.append(len(mux.controller.measured("prefill"))), forget())[1]  # type: ignore[method-assign]
     steps = profile_splits(engine, mux, rows=4)
+    assert forgotten == [0, 1]  # the warm-up's times, then the first split's first (compiling) pass
     assert steps > 0 and mux.pinned is None and mux.split == initial == mux.controller.current
     assert mux.controller.changes == 0  # pinned splits are not the controller's changes
     # nothing of the profile is left: cached prefixes, counters, cache events, the seed stream, the handoff metrics
@@ -235,7 +238,7 @@ def test_the_profile_skips_what_the_pool_cannot_hold(caplog: pytest.LogCaptureFi
 
     def refusing_add(prompt, params, request_id=None):  # type: ignore[no-untyped-def]
         calls.append(request_id)
-        if request_id == "split-profile-1-0":
+        if request_id == "split-profile-2-0":  # the second split's (0 and 1: the first split's two passes)
             raise ValueError("the pool cannot hold this prompt")
         return add(prompt, params, request_id=request_id)
 
@@ -243,5 +246,5 @@ def test_the_profile_skips_what_the_pool_cannot_hold(caplog: pytest.LogCaptureFi
     with caplog.at_level(logging.WARNING, logger="hybridserve.engine.split_profile"):
         assert profile_splits(engine, mux, rows=2) > 0
     assert any("not fully profiled" in r.getMessage() for r in caplog.records)
-    assert "split-profile-1-long" not in calls and "split-profile-2-long" in calls
+    assert "split-profile-2-long" not in calls and "split-profile-3-long" in calls
     check_idle(engine)
