@@ -128,8 +128,8 @@ class EngineConfig:
     # (engine/multiplex.py); where green contexts are unavailable the engine says so and runs co-located
     pd_multiplex: bool = False
     # with pd_multiplex: the prefill SM counts the split may choose from, comma-separated (each rounded up to the
-    # driver's granularity, decode taking the rest); auto: 1/8 .. 7/8 of the device's SMs (each split's CUDA graphs
-    # are captured at start-up, so a longer menu costs start-up time)
+    # driver's granularity, decode taking the rest; each lane at least two groups); auto: 1/8 .. 7/8 of the
+    # device's SMs (each split's CUDA graphs are captured at start-up, so a longer menu costs start-up time)
     pd_multiplex_prefill_sms: str = "auto"
     # with pd_multiplex, while prompts wait: the decode step may take this many times its fastest split's time (the
     # running streams' inter-token tail); prefill gets every SM that budget leaves (engine/sm_split.py)
