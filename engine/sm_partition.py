@@ -131,8 +131,8 @@ class Lane:
         return f"Lane({self.name!r}, sm_count={self.sm_count})"
 
 
-# the fewest groups a lane may have: a decode lane of one group plus the remainder (12 of the H200's 132 SMs) made
-# cuBLAS fail its bf16 GEMMs at 40+ rows (CUBLAS_STATUS_EXECUTION_FAILED; bench/results/h200/multiplex/)
+# the fewest groups a lane may have: with a decode lane of one group plus the remainder (12 of the H200's 132 SMs)
+# served steps failed in cuBLAS's bf16 GEMMs (CUBLAS_STATUS_EXECUTION_FAILED; bench/results/h200/multiplex/)
 MIN_LANE_GROUPS = 2
 
 
