@@ -34,7 +34,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -169,6 +169,8 @@ class Multiplexer:
         self.in_flight: PrefillInFlight | None = None
         self.handoffs = 0  # requests whose prompt finished in the prefill lane and passed to the decode lane
         self.overlapped_steps = 0  # decode steps launched while a prefill forward was in flight
+        self.prefill_tokens_by_sms: dict[int, int] = {}  # prompt tokens prefilled, by the prefill lane's SMs
+        self.decode_rows_by_sms: dict[int, int] = {}  # decode rows stepped, by the decode lane's SMs
         self.graphs: dict[SmSplit, LaneGraphs] = {}  # per split, captured in its lanes (CUDA: `capture_graphs`)
         self._admitted: Fence | None = None  # prefill's admission copies, for the decode lane to wait on
         self._prefill_tail: Fence | None = None  # the end of prefill's last update
@@ -274,6 +276,8 @@ class Multiplexer:
             gpu_ms = decode.done.ms_since(decode.start)  # the forward's own time, not the prefill's host work
             self.controller.record("decode", self.split, len(work.decodes),
                                    gpu_ms if gpu_ms is not None else decode.launch_s * 1e3)
+            sms = self.split.decode_sms
+            self.decode_rows_by_sms[sms] = self.decode_rows_by_sms.get(sms, 0) + len(work.decodes)
             outputs = self.update(work, output)
             self._decode_tail = Fence.after(lane)
         return outputs
@@ -299,6 +303,8 @@ class Multiplexer:
         gpu_ms = flight.done.ms_since(flight.start)
         self.controller.record("prefill", flight.split, flight.tokens,
                                gpu_ms if gpu_ms is not None else (time.perf_counter() - flight.started) * 1e3)
+        sms = flight.split.prefill_sms
+        self.prefill_tokens_by_sms[sms] = self.prefill_tokens_by_sms.get(sms, 0) + flight.tokens
         self.handoffs += sum(1 for c in flight.work.prefills if c.request.is_decoding and not c.request.finished)
         for request_id in flight.aborted:
             self.engine.abort(request_id)
@@ -356,11 +362,18 @@ class Multiplexer:
             flight.aborted.append(request_id)
         return True
 
-    def stats(self) -> dict[str, int]:
-        """The split in effect and how often it changed, for a worker's metrics."""
+    def stats(self) -> dict[str, Any]:
+        """The split in effect, how often it changed, and each lane's work by its SM count, for a worker's metrics."""
         return {"prefill_sms": self.split.prefill_sms, "decode_sms": self.split.decode_sms,
                 "split_changes": self.controller.changes, "handoffs": self.handoffs,
-                "overlapped_steps": self.overlapped_steps}
+                "overlapped_steps": self.overlapped_steps, "prefill_tokens_by_sms": dict(self.prefill_tokens_by_sms),
+                "decode_rows_by_sms": dict(self.decode_rows_by_sms)}
+
+    def reset_counters(self) -> None:
+        """Zero the counters `stats` reports (the start-up profile's work is not the load's)."""
+        self.handoffs = self.overlapped_steps = 0
+        self.prefill_tokens_by_sms.clear()
+        self.decode_rows_by_sms.clear()
 
 
 def attach(engine: MultiplexedEngine, partitioner: SmPartitioner, policy: SplitPolicy | None = None) -> Multiplexer:

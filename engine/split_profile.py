@@ -83,7 +83,7 @@ def profile_splits(engine: ProfiledEngine, multiplexer: Multiplexer, rows: int =
     engine.reset_prefix_cache()
     engine.pool.reset_counters()
     engine.drain_cache_events()
-    multiplexer.handoffs = multiplexer.overlapped_steps = 0
+    multiplexer.reset_counters()
     if engine.config.torch_device.type == "cuda":
         torch.cuda.synchronize()
     logger.info("pd_multiplex: profiled %d splits (%d decoding rows, a %d-token prompt each) in %d steps, %.1f s",

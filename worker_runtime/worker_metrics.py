@@ -147,8 +147,9 @@ def _spec_families(spec: SpecMetrics, role: str) -> Iterator[GaugeMetricFamily |
     yield family
 
 
-def _multiplex_families(stats: dict[str, int], role: str) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-    """pd_multiplex: the SM split in effect and its changes (engine/multiplex.py); 0 on a co-located worker."""
+def _multiplex_families(stats: dict[str, Any], role: str) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """pd_multiplex: the SM split in effect, its changes, and each lane's work by the SMs it ran on
+    (engine/multiplex.py); 0 (no samples by SMs) on a co-located worker."""
     gauges: list[tuple[str, str, float]] = [
         ("hybridserve_worker_pd_multiplex_prefill_sms", "SMs of the prefill lane in the split in effect",
          stats.get("prefill_sms", 0)),
@@ -165,6 +166,15 @@ def _multiplex_families(stats: dict[str, int], role: str) -> Iterator[GaugeMetri
          "Decode steps that ran while a prefill forward was in flight", stats.get("overlapped_steps", 0)),
     ]
     yield from _role_families(CounterMetricFamily, counters, role)
+    for name, doc, key, label in (
+            ("hybridserve_worker_pd_multiplex_prefill_tokens", "Prompt tokens prefilled, by the prefill lane's SMs",
+             "prefill_tokens_by_sms", "prefill_sms"),
+            ("hybridserve_worker_pd_multiplex_decode_rows", "Decode rows stepped, by the decode lane's SMs",
+             "decode_rows_by_sms", "decode_sms")):
+        family = CounterMetricFamily(name, doc, labels=["role", label])
+        for sms, count in sorted(stats.get(key, {}).items()):
+            family.add_metric([role, str(sms)], float(count))
+        yield family
 
 
 class _GcPauseCounters(Collector):

@@ -42,7 +42,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
-from multiplex_report import acceptance_checks, meets_slo, pair_text, split_metrics, table  # noqa: E402
+from multiplex_report import acceptance_checks, lane_work, meets_slo, pair_text, split_metrics, table  # noqa: E402
 from serve_client import ClientConfig, metrics_texts, metrics_urls, run_with_metrics, server_info  # noqa: E402
 from serve_metrics import summarize  # noqa: E402
 from serve_workloads import WorkloadConfig, arrival_offsets, build_workload  # noqa: E402
@@ -225,13 +225,17 @@ class ModeRun:
         ccfg = ClientConfig(base_url=self.base_url, model=self.model, ignore_eos=True,
                             timeout_s=self.args.request_timeout)
         urls = asyncio.run(metrics_urls(self.base_url, []))
+        multiplexed = self.mode.startswith("multiplexed")
+        before = split_metrics("\n".join(asyncio.run(metrics_texts(urls)))) if multiplexed else {}
         records, duration, delta = asyncio.run(run_with_metrics(ccfg, sessions, offsets, urls))
         metrics = summarize(records, duration, delta)
         entry = {"input_len": point.input_len, "output_len": point.output_len,
                  "rate": "inf" if math.isinf(point.rate) else point.rate, "num_prompts": point.num_prompts,
                  "metrics": metrics}
-        if self.mode.startswith("multiplexed"):  # the split in effect after the point and the changes so far
-            entry["pd_multiplex"] = split_metrics("\n".join(asyncio.run(metrics_texts(urls))))
+        if multiplexed:  # the split in effect after the point, the changes so far, where the point's work ran
+            after = split_metrics("\n".join(asyncio.run(metrics_texts(urls))))
+            entry["pd_multiplex"] = {k: v for k, v in after.items() if ":" not in k}
+            entry["lane_work"] = lane_work(before, after)
         self.points[point.key] = entry
         m = metrics
         logger.info("%s %s: TTFT p50/p99 %s, TPOT %s, ITL %s, %.0f tok/s, %d failed", self.mode, point.key,

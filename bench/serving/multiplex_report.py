@@ -10,7 +10,8 @@ from serve_metrics import parse_counters
 
 # the multiplexed worker's split metrics (worker_runtime/worker_metrics.py), read after every point
 SPLIT_METRICS = tuple(f"hybridserve_worker_pd_multiplex_{name}{suffix}" for name in (
-    "prefill_sms", "decode_sms", "split_changes", "handoffs", "overlapped_decode_steps") for suffix in ("", "_total"))
+    "prefill_sms", "decode_sms", "split_changes", "handoffs", "overlapped_decode_steps", "prefill_tokens", "decode_rows")
+    for suffix in ("", "_total"))
 MULTIPLEXED = ("multiplexed", "multiplexed-slo")  # the benchmark's modes that run `--pd-multiplex`
 
 
@@ -49,11 +50,14 @@ def table(result: dict[str, Any]) -> str:
         splits = {k: p["pd_multiplex"] for k, p in result["modes"].get(mux, {}).get("points", {}).items()
                   if p.get("pd_multiplex")}
         if splits:
-            lines += ["", f"| point ({mux}) | split after it | split changes so far | handoffs so far |",
-                      "|---|---|---|---|"]
+            lines += ["", f"| point ({mux}) | split after it | split changes so far | handoffs so far | "
+                      "prompt tokens by prefill SMs | decode rows by decode SMs |", "|---|---|---|---|---|---|"]
+            points = result["modes"][mux]["points"]
             for key, m in splits.items():
                 split = f"{m.get('prefill_sms', 0):.0f}P/{m.get('decode_sms', 0):.0f}D"
-                lines.append(f"| {key} | {split} | {m.get('split_changes', 0):.0f} | {m.get('handoffs', 0):.0f} |")
+                work = points[key].get("lane_work", {})
+                lines.append(f"| {key} | {split} | {m.get('split_changes', 0):.0f} | {m.get('handoffs', 0):.0f} | "
+                             f"{lane_work_text(work, 'prefill_tokens', 'P')} | {lane_work_text(work, 'decode_rows', 'D')} |")
     checks = result.get("checks") or {}
     if checks:
         lines += ["", "| check (against co-located) | value | goal | met |", "|---|---|---|---|"]
@@ -110,6 +114,22 @@ def _checks(mux_mode: dict[str, Any], col_mode: dict[str, Any]) -> dict[str, Any
 
 
 def split_metrics(text: str) -> dict[str, float]:
-    """The multiplexed worker's split metrics in a Prometheus text (names without their common prefix)."""
+    """The multiplexed worker's split metrics in a Prometheus text (names without their common prefix); a lane's
+    work by its SM count under `prefill_tokens:<SMs>` and `decode_rows:<SMs>`."""
     prefix = "hybridserve_worker_pd_multiplex_"
-    return {k.removeprefix(prefix).removesuffix("_total"): v for k, v in parse_counters(text, SPLIT_METRICS).items()}
+    out = {}
+    for key, value in parse_counters(text, SPLIT_METRICS).items():
+        name, sep, sms = key.partition(":")
+        out[name.removeprefix(prefix).removesuffix("_total") + sep + sms] = value
+    return out
+
+
+def lane_work(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """A point's prefill tokens and decode rows by lane SM count: the by-SMs split metrics after it less before."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if ":" in k and v - before.get(k, 0.0) > 0}
+
+
+def lane_work_text(work: dict[str, float], kind: str, lane: str) -> str:
+    """e.g. "56P 30,720; 112P 2,048" (kind "prefill_tokens", lane "P"): where the point's work ran."""
+    parts = sorted((int(k.partition(":")[2]), v) for k, v in work.items() if k.startswith(kind + ":"))
+    return "; ".join(f"{sms}{lane} {v:,.0f}" for sms, v in parts) or "-"

@@ -31,7 +31,7 @@ DECODE_ONLY_SECONDS = "hybridserve_worker_engine_decode_only_step_seconds_total"
 DECODE_ONLY_ROWS = "hybridserve_worker_engine_decode_only_rows_total"
 DECODE_ONLY_PHASES = "hybridserve_worker_engine_decode_only_phase_seconds_total"  # kept per phase: NAME:phase
 GC_PAUSE_SECONDS = "hybridserve_worker_gc_pause_seconds_total"  # kept per generation: NAME:generation
-KEPT_LABELS = ("phase", "generation")  # samples with one of these labels are summed per its value
+KEPT_LABELS = ("phase", "generation", "prefill_sms", "decode_sms")  # samples with one of these: summed per its value
 SCRAPED = (SPEC_ACCEPTED, SPEC_STEPS, PREFIX_HIT_TOKENS, PREFIX_QUERIES, PREFIX_HITS, ENGINE_STEPS,
            ENGINE_STEP_SECONDS, ENGINE_GAP_SECONDS, ENGINE_OUTPUTS, GRAPH_STEPS, EAGER_DECODES, ENGINE_GAPS,
            DECODE_ONLY_STEPS, DECODE_ONLY_SECONDS, DECODE_ONLY_ROWS, DECODE_ONLY_PHASES, GC_PAUSE_SECONDS)
@@ -189,7 +189,7 @@ def parse_counters(text: str, names: Iterable[str] = SCRAPED) -> dict[str, float
     """Sum over label sets of each named sample in a Prometheus text exposition (absent names are left out).
 
     A counter family `x` exposes its sample as `x_total`; either spelling in `names` matches it. A sample with a
-    `phase` or `generation` label is summed under `name:value` instead."""
+    KEPT_LABELS label (`phase`, `generation`, a lane's SM count) is summed under `name:value` instead."""
     from prometheus_client.parser import text_string_to_metric_families
 
     wanted = set(names)

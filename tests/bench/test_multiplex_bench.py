@@ -89,7 +89,10 @@ def test_result_table_and_acceptance_checks() -> None:
                                    "512/128@8": point(metrics((40, 90), (7.0, 8), (7, 9), 1000)),
                                    "512/128@all": {**point(metrics((400, 800), (10, 12), (10, 20), 3300)),
                                                    "pd_multiplex": {"prefill_sms": 64.0, "decode_sms": 68.0,
-                                                                    "split_changes": 2.0, "handoffs": 64.0}}},
+                                                                    "split_changes": 2.0, "handoffs": 64.0},
+                                                   "lane_work": {"prefill_tokens:112": 2048.0,
+                                                                 "prefill_tokens:56": 30720.0,
+                                                                 "decode_rows:76": 8128.0}}},
                         "goodput": {"goodput_rps": 8.0}, "skipped": []},
     }
     modes["multiplexed-slo"] = {"points": {"2048/256@4": point(metrics((70, 120), (9.5, 18), (9, 19), 960))},
@@ -107,7 +110,7 @@ def test_result_table_and_acceptance_checks() -> None:
     assert "| 2048/256@4 | multiplexed | 40 | 80.0 / 150.0 | 9.0 / 10.0 | 9.0 / 12.0 | 950 | 0 |" in text
     assert "| colocated | 4 | 2048/256@all |" in text and "| multiplexed | 8 | - |" in text
     assert "| goodput vs co-located | 2.00 | >= 1.5 | yes |" in text
-    assert "| 512/128@all | 64P/68D | 2 | 64 |" in text
+    assert "| 512/128@all | 64P/68D | 2 | 64 | 56P 30,720; 112P 2,048 | 76D 8,128 |" in text
 
 
 def test_split_metrics_are_read_from_the_workers_exposition() -> None:
@@ -116,10 +119,19 @@ def test_split_metrics_are_read_from_the_workers_exposition() -> None:
         'hybridserve_worker_pd_multiplex_prefill_sms{role="decode"} 64.0',
         "# TYPE hybridserve_worker_pd_multiplex_split_changes counter",
         'hybridserve_worker_pd_multiplex_split_changes_total{role="decode"} 3.0',
+        "# TYPE hybridserve_worker_pd_multiplex_prefill_tokens counter",
+        'hybridserve_worker_pd_multiplex_prefill_tokens_total{role="decode",prefill_sms="56"} 4096.0',
+        'hybridserve_worker_pd_multiplex_prefill_tokens_total{role="decode",prefill_sms="112"} 1024.0',
+        "# TYPE hybridserve_worker_pd_multiplex_decode_rows counter",
+        'hybridserve_worker_pd_multiplex_decode_rows_total{role="decode",decode_sms="76"} 900.0',
         "# TYPE hybridserve_worker_engine_steps counter",
         "hybridserve_worker_engine_steps_total 10.0", ""])
-    assert multiplex.split_metrics(text) == {"prefill_sms": 64.0, "split_changes": 3.0}
+    before = multiplex.split_metrics(text)
+    assert before == {"prefill_sms": 64.0, "split_changes": 3.0, "prefill_tokens:56": 4096.0,
+                      "prefill_tokens:112": 1024.0, "decode_rows:76": 900.0}
     assert multiplex.split_metrics("") == {}
+    after = {**before, "split_changes": 5.0, "prefill_tokens:56": 6144.0, "decode_rows:20": 64.0}
+    assert multiplex.lane_work(before, after) == {"prefill_tokens:56": 2048.0, "decode_rows:20": 64.0}
 
 
 def test_refuses_to_run_without_a_gpu(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],

@@ -68,6 +68,8 @@ def test_multiplexed_worker_answers_with_colocated_tokens() -> None:
         text = httpx.get(f"http://127.0.0.1:{worker.metrics.port}/metrics", timeout=10).text
         assert f'hybridserve_worker_pd_multiplex_handoffs_total{{role="decode"}} {float(len(prompts))}' in text
         assert 'hybridserve_worker_pd_multiplex_decode_sms{role="decode"}' in text
+        assert 'hybridserve_worker_pd_multiplex_prefill_tokens_total{prefill_sms="' in text  # by the lane's SMs
+        assert 'hybridserve_worker_pd_multiplex_decode_rows_total{decode_sms="' in text
         # the router's HTTP door on top of it
         body = {"model": "tiny-hybrid", "prompt": "hello there", "max_tokens": 5, "temperature": 0}
         answer = httpx.post(cluster.base_url + "/v1/completions", json=body, timeout=60)

@@ -60,6 +60,13 @@ def test_greedy_tokens_equal_colocated_while_requests_arrive(delay: int) -> None
     assert drive(engine, staggered(prompts)) == expected
     assert not shared
     assert mux.handoffs == len(prompts)  # every prompt passed from the prefill lane to the decode lane
+    # each lane's work by the SMs it ran on: every prompt token and every generated token but the last is one row
+    # of one lane (no prefix cache; a prompt's one last token left after its chunks is a decode row)
+    stats = mux.stats()
+    rows = sum(stats["prefill_tokens_by_sms"].values()) + sum(stats["decode_rows_by_sms"].values())
+    assert rows == sum(LENGTHS) + sum(len(tokens) - 1 for tokens in expected.values())
+    assert set(stats["prefill_tokens_by_sms"]) <= {s.prefill_sms for s in mux.controller.splits}
+    assert set(stats["decode_rows_by_sms"]) <= {s.decode_sms for s in mux.controller.splits}
     if delay:
         assert mux.overlapped_steps > 0  # decode steps ran while a prefill forward was in flight
     check_idle(engine)
