@@ -1,0 +1,57 @@
+"""A fence on a lane's stream: the point up to which the work queued on that lane is ordered (a CUDA event), so one
+lane's work can wait for the other's without the host waiting (engine/multiplex.py). On a fake lane (CPU) a fence
+is always complete."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridserve.engine.sm_partition import Lane
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The work queued on a lane so far: a CUDA event on a real lane; on a fake lane (CPU) always complete."""
+
+    event: torch.cuda.Event | None
+
+    @classmethod
+    def after(cls, lane: Lane, timing: bool = False) -> Fence:
+        if lane.stream is None:
+            return cls(None)
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(lane.stream)
+        return cls(event)
+
+    def done(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    @classmethod
+    def loop_stream(cls, lane: Lane) -> Fence:
+        """The work the loop thread queued outside the lanes so far (between-step calls: a committed state, scoring)
+        on the current stream: a lane's next launch waits for it."""
+        if lane.stream is None:
+            return cls(None)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(lane.stream.device))
+        return cls(event)
+
+    def hold(self, lane: Lane) -> None:
+        """Work queued on `lane` from now on starts after this fence (no host wait)."""
+        if self.event is not None and lane.stream is not None:
+            lane.stream.wait_event(self.event)
+
+    def ms_since(self, start: Fence) -> float | None:
+        """GPU milliseconds from `start` to this fence (both timing fences, both complete); None on a fake lane."""
+        if self.event is None or start.event is None:
+            return None
+        # the host has the step's results by now, but an event recorded on a green-context stream can still read
+        # as pending here (seen on an H200): wait for both (no cost once complete), else time it on the host
+        start.event.synchronize()
+        self.event.synchronize()
+        try:
+            return float(start.event.elapsed_time(self.event))
+        except RuntimeError:
+            return None
