@@ -11,6 +11,7 @@ import torch
 
 from hybridserve.common.model_config import KV_CACHE_DTYPES, SSM_CACHE_DTYPES, ModelConfig
 from hybridserve.engine.grammar_limits import GrammarLimits
+from hybridserve.engine.sm_partition import DEFAULT_SM_GRANULARITY, MIN_LANE_GROUPS
 from hybridserve.engine.sm_split import SplitPolicy
 from hybridserve.engine.spec_config import SpeculativeConfig
 from hybridserve.kernels.ops import KERNEL_MODES, Kernels
@@ -129,7 +130,8 @@ class EngineConfig:
     pd_multiplex: bool = False
     # with pd_multiplex: the prefill SM counts the split may choose from, comma-separated (each rounded up to the
     # driver's granularity, decode taking the rest; each lane at least two groups); auto: 1/8 .. 7/8 of the
-    # device's SMs (each split's CUDA graphs are captured at start-up, so a longer menu costs start-up time)
+    # device's SMs, at most all but two groups (each split's CUDA graphs are captured at start-up, so a longer menu
+    # costs start-up time)
     pd_multiplex_prefill_sms: str = "auto"
     # with pd_multiplex, while prompts wait: the decode step may take this many times its fastest split's time (the
     # running streams' inter-token tail); prefill gets every SM that budget leaves (engine/sm_split.py)
@@ -267,10 +269,12 @@ class EngineConfig:
         return CUDA_PREFILL_CHUNK if self.torch_device.type == "cuda" else CPU_PREFILL_CHUNK
 
     def multiplex_menu(self, total_sms: int) -> tuple[int, ...]:
-        """pd_multiplex_prefill_sms as SM counts for a device of `total_sms` SMs (auto: 1/8 .. 7/8 of them)."""
+        """pd_multiplex_prefill_sms as SM counts for a device of `total_sms` SMs (auto: 1/8 .. 7/8 of them, the
+        largest capped to leave decode MIN_LANE_GROUPS of the driver's groups)."""
         text = self.pd_multiplex_prefill_sms
-        if text == "auto":  # whole 8-SM groups (the driver's), leaving decode at least two of them
-            most = (total_sms - 16) // 8 * 8
+        if text == "auto":  # plan_splits rounds each count up to whole groups; the cap is whole groups already
+            group = DEFAULT_SM_GRANULARITY
+            most = (total_sms - MIN_LANE_GROUPS * group) // group * group
             return tuple(sorted({max(1, min(total_sms * k // 8, most)) for k in range(1, 8)}))
         try:
             menu = tuple(int(part) for part in str(text).split(","))

@@ -19,6 +19,7 @@ class Fence:
 
     @classmethod
     def after(cls, lane: Lane, timing: bool = False) -> Fence:
+        """The work queued on `lane` so far (`timing`: an event that can time GPU work, for `ms_since`)."""
         if lane.stream is None:
             return cls(None)
         event = torch.cuda.Event(enable_timing=timing)
@@ -26,6 +27,7 @@ class Fence:
         return cls(event)
 
     def done(self) -> bool:
+        """Whether the GPU has run everything before this fence (never waits)."""
         return self.event is None or bool(self.event.query())
 
     @classmethod

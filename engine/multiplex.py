@@ -124,8 +124,9 @@ class Multiplexer:
         self.in_flight: PrefillInFlight | None = None
         self.handoffs = 0  # requests whose prompt finished in the prefill lane and passed to the decode lane
         self.overlapped_steps = 0  # decode steps launched while a prefill forward was in flight
-        self.prefill_tokens_by_sms: dict[int, int] = {}  # prompt tokens prefilled, by the prefill lane's SMs
-        self.decode_rows_by_sms: dict[int, int] = {}  # decode rows stepped, by the decode lane's SMs
+        # rows each lane ran, by its SM count (every split's count from the start: each series exists at 0)
+        self.prefill_tokens_by_sms = {s.prefill_sms: 0 for s in partitioner.splits}  # prefill-lane prompt tokens
+        self.decode_rows_by_sms = {s.decode_sms: 0 for s in partitioner.splits}  # decode-lane rows
         self.graphs: dict[SmSplit, LaneGraphs] = {}  # per split, captured in its lanes (CUDA: `capture_graphs`)
         self._admitted: Fence | None = None  # prefill's admission copies, for the decode lane to wait on
         self._prefill_tail: Fence | None = None  # the end of prefill's last update
@@ -327,8 +328,8 @@ class Multiplexer:
     def reset_counters(self) -> None:
         """Zero the counters `stats` reports (the start-up profile's work is not the load's)."""
         self.handoffs = self.overlapped_steps = 0
-        self.prefill_tokens_by_sms.clear()
-        self.decode_rows_by_sms.clear()
+        for counts in (self.prefill_tokens_by_sms, self.decode_rows_by_sms):
+            counts.update(dict.fromkeys(counts, 0))
 
 
 def attach(engine: MultiplexedEngine, partitioner: SmPartitioner, policy: SplitPolicy | None = None) -> Multiplexer:

@@ -136,11 +136,14 @@ class Lane:
 MIN_LANE_GROUPS = 2
 
 
-def plan_splits(total_sms: int, granularity: int, prefill_sms_menu: Iterable[int]) -> tuple[SmSplit, ...]:
+def plan_splits(total_sms: int, granularity: int, prefill_sms_menu: Iterable[int],
+                min_lane_groups: int = MIN_LANE_GROUPS) -> tuple[SmSplit, ...]:
     """The splits a menu of prefill SM counts gives: each count rounded up to the driver's granularity (and to at
-    least MIN_LANE_GROUPS groups), the decode lane taking the rest (at least MIN_LANE_GROUPS groups); duplicates
-    after rounding dropped, ordered by prefill SMs."""
-    least = MIN_LANE_GROUPS * granularity
+    least `min_lane_groups` groups), the decode lane taking the rest (at least as many groups); duplicates after
+    rounding dropped, ordered by prefill SMs. Serving keeps MIN_LANE_GROUPS; a measurement may go lower."""
+    if min_lane_groups < 1:
+        raise ValueError(f"min_lane_groups must be >= 1, got {min_lane_groups}")
+    least = min_lane_groups * granularity
     if total_sms < 2 * least:
         raise ValueError(f"{total_sms} SMs cannot hold two partitions of {least} SMs")
     menu = tuple(prefill_sms_menu)
@@ -197,15 +200,17 @@ def fake_partitioner(total_sms: int, prefill_sms_menu: tuple[int, ...],
     return SmPartitioner(total_sms, granularity, lanes, fake=True)
 
 
-def open_partitioner(device: torch.device, prefill_sms_menu: tuple[int, ...]) -> SmPartitioner:
+def open_partitioner(device: torch.device, prefill_sms_menu: tuple[int, ...],
+                     min_lane_groups: int = MIN_LANE_GROUPS) -> SmPartitioner:
     """Green-context lanes for every split of the menu on one CUDA device (contexts made now, kept for the
-    process's life); raises PartitionUnavailable with the reason where that cannot be done."""
+    process's life); raises PartitionUnavailable with the reason where the device cannot be split, and ValueError
+    (what to change) for a menu entry this device cannot give."""
     driver = GreenContextDriver.open(device)
     total, granularity = driver.total_sms, driver.granularity
-    try:
-        splits = plan_splits(total, granularity, prefill_sms_menu)
-    except ValueError as err:
-        raise PartitionUnavailable(str(err)) from err
+    least = max(1, min_lane_groups) * granularity
+    if total < 2 * least:
+        raise PartitionUnavailable(f"{total} SMs cannot hold two partitions of {least} SMs")
+    splits = plan_splits(total, granularity, prefill_sms_menu, min_lane_groups)
     lanes: dict[SmSplit, tuple[Lane, Lane]] = {}
     for split in splits:
         (prefill_sms, prefill_stream), (decode_sms, decode_stream) = driver.split(split.prefill_sms)

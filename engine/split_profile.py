@@ -6,10 +6,9 @@ others from priors; a split it predicts wrongly slow is never tried, so its esti
 every (lane, SM count) has measured times: prefill at two chunk sizes (the short prompts together and a long one, so
 its line in the tokens has a slope) and decode at the profile's rows, two steps alone and then beside the long
 prompt's prefill. The warm-up's times are dropped first, and the first split's first pass: their steps compiled
-kernels. The requests
-are ordinary ones, so their pages and slots come and go through the pool; afterwards the engine is as it was (no
-cached prefixes, counters or cache events; the engine's seed stream untouched) and the split the one in effect
-before. It runs after the warm-up, only where the warm-up does (by default on CUDA).
+kernels. The requests are ordinary ones, so their pages and slots come and go through the pool; afterwards the
+engine is as it was (no cached prefixes, counters or cache events; the engine's seed stream untouched) and the
+split the one in effect before. It runs after the warm-up, only where the warm-up does (by default on CUDA).
 """
 
 from __future__ import annotations
@@ -65,7 +64,7 @@ def profile_splits(engine: ProfiledEngine, multiplexer: Multiplexer, rows: int =
     multiplexer.controller.forget()  # the warm-up's steps compiled kernels: their times are not the lanes'
     try:
         # the first split runs twice, its first pass forgotten: it compiles what the warm-up did not (measured: a
-        # 1,024-token prefill timed at 1,939 ms on 16 SMs, 88 ms on 40)
+        # 1,024-token prefill timed at 1,939 ms on 16 SMs, 199 ms there once warm)
         for index, split in enumerate((splits[0], *splits)):
             if index == 1:
                 multiplexer.controller.forget()

@@ -175,7 +175,7 @@ def _moe_gemm_kernel(
         if DOT_UPCAST:  # the interpreter's bf16 / fp8 dot is wrong; fp32 operands give the same exact products
             a, w = a.to(tl.float32), w.to(tl.float32)
         # fp8 x fp8 on sm_90: Triton lets the tensor cores accumulate all of K in their reduced precision; folding
-        # each K step into fp32 cut the error from ~1e-3 to 1.6e-4 (W8A8 itself: 2.6e-2) for +32 % prefill GEMM
+        # each K step into fp32 cut the error from ~1e-3 to 1.6e-4 (W8A8 itself: 2.6e-2) for +32-35 % prefill GEMM
         # time (bench/results/h200/kernels/fp8_accumulation/), so the fast default stays
         acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if A_FP8:  # each row's activation scale, then (HAS_SCALE) each column's weight scale

@@ -34,7 +34,7 @@ class _EngineGauges(Collector):
         self._role = role
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        def sample() -> tuple[dict[str, float], SpecMetrics | None, dict[str, int] | None]:
+        def sample() -> tuple[dict[str, float], SpecMetrics | None, dict[str, Any] | None]:
             engine = self._loop.engine
             pool, stats, graphs = engine.pool, engine.stats(), engine.graph_stats()
             pages, slots = pool.pages, pool.slots
@@ -167,12 +167,13 @@ def _multiplex_families(stats: dict[str, Any], role: str) -> Iterator[GaugeMetri
     ]
     yield from _role_families(CounterMetricFamily, counters, role)
     for name, doc, key, label in (
-            ("hybridserve_worker_pd_multiplex_prefill_tokens", "Prompt tokens prefilled, by the prefill lane's SMs",
+            ("hybridserve_worker_pd_multiplex_prefill_tokens",
+             "Prompt tokens the prefill lane ran, by its SMs (a prompt's one last token may run as a decode row)",
              "prefill_tokens_by_sms", "prefill_sms"),
-            ("hybridserve_worker_pd_multiplex_decode_rows", "Decode rows stepped, by the decode lane's SMs",
+            ("hybridserve_worker_pd_multiplex_decode_rows", "Rows the decode lane ran, by its SMs",
              "decode_rows_by_sms", "decode_sms")):
         family = CounterMetricFamily(name, doc, labels=["role", label])
-        for sms, count in sorted(stats.get(key, {}).items()):
+        for sms, count in sorted(stats.get(key, {}).items()) or [(0, 0)]:  # co-located: one series at 0 SMs
             family.add_metric([role, str(sms)], float(count))
         yield family
 

@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sm_probe import SmProbe  # noqa: E402
 
 # prefill SMs wanted (on an H200, 132 SMs in groups of 8, decode lanes get 124, 116, 100, 68, 36, 12); counts the
-# device's granularity cannot give beside a decode lane are dropped
+# device's granularity cannot give beside a decode lane are dropped. Lanes of one group are measured here, below
+# the two groups a serving lane keeps (engine/sm_partition.py MIN_LANE_GROUPS)
 MENU = (8, 16, 32, 64, 96, 120)
 NANO = {"hidden": 4480, "ffn": 15680, "heads": 128, "head_dim": 80, "groups": 8, "state": 128, "chunk": 128}
 
@@ -331,7 +332,7 @@ def main() -> None:
     driver = GreenContextDriver.open(torch.device("cuda", 0))
     g, total = driver.granularity, driver.total_sms
     menu = tuple(k for k in MENU if -(-k // g) * g <= total - g)
-    part = open_partitioner(torch.device("cuda", 0), menu)
+    part = open_partitioner(torch.device("cuda", 0), menu, min_lane_groups=1)
     result.update(total_sms=part.total_sms, granularity=part.granularity, splits=[str(s) for s in part.splits],
                   open_s=round(time.perf_counter() - t0, 3))
     print(part.describe(), flush=True)

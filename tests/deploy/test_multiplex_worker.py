@@ -11,6 +11,7 @@ import threading
 import httpx
 import pytest
 from checkpoints import random_prompts
+from prometheus_client.parser import text_string_to_metric_families
 from router_cluster import ENGINE, Cluster, tiny_model_dir
 
 from hybridserve.common.sampling_params import SamplingParams
@@ -68,8 +69,14 @@ def test_multiplexed_worker_answers_with_colocated_tokens() -> None:
         text = httpx.get(f"http://127.0.0.1:{worker.metrics.port}/metrics", timeout=10).text
         assert f'hybridserve_worker_pd_multiplex_handoffs_total{{role="decode"}} {float(len(prompts))}' in text
         assert 'hybridserve_worker_pd_multiplex_decode_sms{role="decode"}' in text
-        assert 'hybridserve_worker_pd_multiplex_prefill_tokens_total{prefill_sms="' in text  # by the lane's SMs
-        assert 'hybridserve_worker_pd_multiplex_decode_rows_total{decode_sms="' in text
+        # each lane's rows by its SMs: one series per split of the menu, adding up to the multiplexer's counts
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        prefill = {s.labels["prefill_sms"]: s.value for s in samples if "prefill_sms" in s.labels}
+        decode = {s.labels["decode_sms"]: s.value for s in samples if "decode_sms" in s.labels}
+        assert set(prefill) == {"32", "64", "96"} and set(decode) == {"36", "68", "100"}
+        stats = worker.loop.call(mux.stats)
+        assert sum(prefill.values()) == sum(stats["prefill_tokens_by_sms"].values()) > 0
+        assert sum(decode.values()) == sum(stats["decode_rows_by_sms"].values()) > 0
         # the router's HTTP door on top of it
         body = {"model": "tiny-hybrid", "prompt": "hello there", "max_tokens": 5, "temperature": 0}
         answer = httpx.post(cluster.base_url + "/v1/completions", json=body, timeout=60)

@@ -22,6 +22,10 @@ def test_menu_rounds_to_the_granularity_and_gives_decode_the_rest() -> None:
     splits = plan_splits(132, 8, (20, 16, 64, 17, 112, 4))
     assert splits == (SmSplit(16, 116), SmSplit(24, 108), SmSplit(64, 68), SmSplit(112, 20))
     assert all(s.prefill_sms % 8 == 0 and s.prefill_sms + s.decode_sms == 132 for s in splits)
+    # a measurement may ask for one-group lanes, which serving refuses
+    assert plan_splits(132, 8, (4, 120), min_lane_groups=1) == (SmSplit(8, 124), SmSplit(120, 12))
+    with pytest.raises(ValueError, match="min_lane_groups"):
+        plan_splits(132, 8, (16,), min_lane_groups=0)
 
 
 @pytest.mark.parametrize("menu", [(), (0,), (-8,), (120,), (128,), (132,), (True,)])
@@ -82,3 +86,25 @@ def test_open_partitioner_refuses_without_cuda_in_one_line() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(PartitionUnavailable, match="not available"):
             open_partitioner(torch.device("cuda"), (32,))
+
+
+def test_open_partitioner_refuses_a_menu_the_device_cannot_give(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A menu entry past what leaves decode two groups is the user's to change (ValueError at start-up); a device
+    too small to split at all makes the mode unavailable (the engine runs co-located)."""
+    from hybridserve.engine import sm_partition
+
+    class Driver:
+        granularity = 8
+
+        def __init__(self, total_sms: int) -> None:
+            self.total_sms = total_sms
+
+        def split(self, prefill_sms: int):  # noqa: ANN201 - never reached: the menu is refused first
+            raise AssertionError("split before the menu was checked")
+
+    monkeypatch.setattr(sm_partition.GreenContextDriver, "open", staticmethod(lambda device: Driver(132)))
+    with pytest.raises(ValueError, match="use at most 112"):
+        open_partitioner(torch.device("cuda"), (32, 120))
+    monkeypatch.setattr(sm_partition.GreenContextDriver, "open", staticmethod(lambda device: Driver(24)))
+    with pytest.raises(PartitionUnavailable, match="24 SMs cannot hold two partitions of 16"):
+        open_partitioner(torch.device("cuda"), (8,))

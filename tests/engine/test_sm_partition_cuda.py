@@ -35,3 +35,30 @@ def test_lanes_use_their_own_sms_and_share_tensors() -> None:
             b = a * 2
         decode.synchronize()
         assert torch.equal(b, torch.arange(1 << 20, device="cuda", dtype=torch.float32) * 2)
+
+
+def test_the_smallest_decode_lane_of_the_auto_menu_runs_cublas_decode_gemms() -> None:
+    """A decode lane of one group plus the remainder (12 of an H200's 132 SMs) failed cuBLAS's bf16 GEMMs in served
+    steps; lanes keep two groups since. The smallest decode lane the automatic menu gives runs Nano-9B-v2's decode
+    projections (bf16, 8 to 128 rows) and agrees with the whole GPU."""
+    from hybridserve.engine.config import EngineConfig
+    from hybridserve.engine.sm_partition import PartitionUnavailable, open_partitioner
+
+    total = torch.cuda.get_device_properties(0).multi_processor_count
+    try:
+        part = open_partitioner(torch.device("cuda", 0), EngineConfig().multiplex_menu(total))
+    except PartitionUnavailable as err:
+        pytest.skip(f"no green contexts here: {err}")
+    split = min(part.splits, key=lambda s: s.decode_sms)
+    _, decode = part.lanes(split)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for k, n in ((4480, 15680), (15680, 4480), (4480, 22656), (4480, 131072)):  # 9B: MLP up, down, in_proj, lm_head
+        w = torch.randn(k, n, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        for rows in (8, 40, 64, 128):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+            want = x @ w
+            torch.cuda.synchronize()  # x and w were made on the default stream
+            with decode:
+                got = x @ w
+            decode.synchronize()
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)

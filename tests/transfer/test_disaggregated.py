@@ -148,18 +148,22 @@ def test_sender_dying_mid_stream_frees_the_reservation(nemotron_cluster) -> None
     messages = _state_messages(cluster, prompt, request_id, ticket)
 
     decode = cluster.decode[0]
+    opened = threading.Event()
 
     def dying_sender():
         yield from messages[:3]
         # dies mid-stream, after the worker has read the manifest: a cancel that beats the manifest names no
         # ticket, and that reservation is the router's to abort (or its ttl's to reap)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 10
         while decode.take(ticket).assembly is None and time.monotonic() < deadline:
             time.sleep(0.01)
+        if decode.take(ticket).assembly is not None:
+            opened.set()
         raise ConnectionError("prefill worker died")
 
     with pytest.raises(grpc.RpcError):
         stub.PushState(dying_sender(), timeout=30)
+    assert opened.is_set(), "the worker never opened the state: the sender died before its manifest was read"
     assert list(tokens)[-1].finish_reason == "error"
     assert cluster.idle()
     cluster.check_pools()
