@@ -8,7 +8,9 @@ each call:
 2. when no prefill forward is in flight, the split may change (engine/sm_split.py; then the next decode step runs
    in the new split's lanes), and a prefill-only batch is scheduled and launched on the prefill lane, without
    waiting for it;
-3. the host waits for the decode step's tokens and applies them (outputs, stops, cache commit, drafts);
+3. the host waits for the decode step's tokens and applies them (outputs, stops, cache commit, drafts); while it
+   waits, a prefill forward that completes is taken (step 4) and the next one launched in the same split, so the
+   prefill lane does not idle until the decode step ends (unless the split would change: the next call decides);
 4. the prefill forward's completion is polled (waited for when nothing decodes); once done, its first tokens are
    sampled and applied. A request whose prompt is done is now decoding: the decode lane takes it at its next step
    with the same pages and Mamba slot (ownership passes, no bytes move); the prefill lane never schedules it again.
@@ -22,7 +24,8 @@ What the two forwards in flight do not share:
 - requests: each is in one lane (engine/lane_scheduler.py); one in flight is never preempted, and its abort waits
   for the forward to complete before its pages and slot are freed.
 The lanes are ordered by events where one reads what the other wrote: decode's update waits for prefill's admission
-copies (cached checkpoint -> slot: its commit may evict that checkpoint and reuse the slot), decode's next forward
+copies (cached checkpoint -> slot: its commit may evict that checkpoint and reuse the slot) and for the tail of a
+prefill update taken while the decode step ran (the checkpoints it filed, the pages it freed), decode's next forward
 for the tail of prefill's update (sampling, drafter catch-up, freed pages); prefill's admission waits for the tail
 of the decode update (checkpoints it may copy from, pages it freed). The decode forward in flight while prefill
 schedules reads only its own rows' pages and slots, which admission never hands out.
@@ -57,6 +60,7 @@ logger = logging.getLogger(__name__)
 # (kernels/skinny_linear_triton.py), which two launches in flight must not share: a prefill forward that small runs
 # between two decode steps instead of beside one (larger ones take cuBLAS, or a prefill graph's 64+ token buckets).
 SPLIT_K_ROWS = 16
+PREFILL_POLL_S = 2e-4  # how often the host looks at both lanes while a decode step and a prefill forward run
 
 
 class MultiplexedEngine(Protocol):
@@ -124,6 +128,7 @@ class Multiplexer:
         self.in_flight: PrefillInFlight | None = None
         self.handoffs = 0  # requests whose prompt finished in the prefill lane and passed to the decode lane
         self.overlapped_steps = 0  # decode steps launched while a prefill forward was in flight
+        self.prefills_beside_decode = 0  # prefill forwards launched while a decode step ran (step 3)
         # rows each lane ran, by its SM count (every split's count from the start: each series exists at 0)
         self.prefill_tokens_by_sms = {s.prefill_sms: 0 for s in partitioner.splits}  # prefill-lane prompt tokens
         self.decode_rows_by_sms = {s.decode_sms: 0 for s in partitioner.splits}  # decode-lane rows
@@ -131,6 +136,7 @@ class Multiplexer:
         self._admitted: Fence | None = None  # prefill's admission copies, for the decode lane to wait on
         self._prefill_tail: Fence | None = None  # the end of prefill's last update
         self._decode_tail: Fence | None = None  # the end of decode's last update
+        self._beside_tail: Fence | None = None  # the end of a prefill update taken while a decode step ran
 
     @property
     def split(self) -> SmSplit:
@@ -162,10 +168,13 @@ class Multiplexer:
         self.scheduler.prepare_waiting()
         clock.overlap_ended()
         outputs: list[RequestOutput] = []
+        beside = 0
         if decode is not None and launched is not None:
-            outputs = self._finish_decode(decode_lane, decode, launched)
+            beside, outputs = self._prefill_beside(prefill_lane, decode_lane, launched)
+            outputs += self._finish_decode(decode_lane, decode, launched)
         clock.execute_done()
         prefill_tokens, prefill_outputs = self._poll_prefill(wait=decode is None)
+        prefill_tokens += beside
         outputs += prefill_outputs
         if not launched_prefill and decode is None and not prefill_tokens and self.in_flight is None:
             self.scheduler.unblock()  # every running request waits for pages the others hold
@@ -206,6 +215,28 @@ class Multiplexer:
                                          self.iteration + self.prefill_delay)
         return True
 
+    def _prefill_beside(self, lane: Lane, decode_lane: Lane, decode: DecodeInFlight) -> tuple[int, list[RequestOutput]]:
+        """Until the decode step completes: each prefill forward that completes is taken and the next launched in the
+        same split (not when the controller would now pick another: the next call changes it). -> (prefill tokens
+        taken, requests updated). A host poll every PREFILL_POLL_S; on a fake lane the decode step is complete."""
+        tokens = 0
+        outputs: list[RequestOutput] = []
+        while self.in_flight is not None and not decode.done.done():
+            if not self.in_flight.done.done():
+                time.sleep(PREFILL_POLL_S)
+                continue
+            done_tokens, done_outputs = self._poll_prefill(wait=False)
+            if not done_tokens:  # held back (a test's fake delay)
+                break
+            tokens, outputs = tokens + done_tokens, outputs + done_outputs
+            self._beside_tail = self._prefill_tail
+            if self.pinned is None and self.controller.best(*self._load()) != self.split:
+                break
+            if not self._launch_prefill(lane, decode_lane):
+                break
+            self.prefills_beside_decode += 1
+        return tokens, outputs
+
     def _schedule_decode(self, lane: Lane) -> SchedulerOutput | None:
         with lane:
             work = self.scheduler.schedule_decode_lane()
@@ -229,6 +260,9 @@ class Multiplexer:
             if self._admitted is not None:  # the commit may evict a checkpoint the prefill's admission copies from
                 self._admitted.hold(lane)
                 self._admitted = None
+            if self._beside_tail is not None:  # a prefill update taken while this step ran came first
+                self._beside_tail.hold(lane)
+                self._beside_tail = None
             gpu_ms = decode.done.ms_since(decode.start)  # the forward's own time, not the prefill's host work
             self.controller.record("decode", self.split, len(work.decodes),
                                    gpu_ms if gpu_ms is not None else decode.launch_s * 1e3)
@@ -267,6 +301,12 @@ class Multiplexer:
         aborted = set(flight.aborted)
         return flight.tokens, [o for o in outputs if o.request_id not in aborted]
 
+    def _load(self) -> tuple[int, int]:
+        """(prompt tokens waiting for the prefill lane, rows decoding): what the split controller weighs."""
+        waiting = sum(r.num_pending_tokens for r in self.scheduler.waiting)
+        waiting += sum(r.num_pending_tokens for r in self.scheduler.running if not r.is_decoding)
+        return waiting, self.decoding_rows()
+
     def decoding_rows(self) -> int:
         return sum(1 for r in self.scheduler.running if r.is_decoding)
 
@@ -283,10 +323,7 @@ class Multiplexer:
         """The split for the next prefill forward and the decode steps beside it, from the load now."""
         if self.pinned is not None:
             return
-        running = self.scheduler.running
-        waiting = sum(r.num_pending_tokens for r in self.scheduler.waiting)
-        waiting += sum(r.num_pending_tokens for r in running if not r.is_decoding)
-        decoding, before = self.decoding_rows(), self.split
+        (waiting, decoding), before = self._load(), self.split
         split = self.controller.choose(waiting, decoding)
         if split != before:
             # DEBUG: the split follows the phases (a prompt arriving, the queue emptying), a change or two per request
@@ -322,12 +359,13 @@ class Multiplexer:
         """The split in effect, how often it changed, and each lane's work by its SM count, for a worker's metrics."""
         return {"prefill_sms": self.split.prefill_sms, "decode_sms": self.split.decode_sms,
                 "split_changes": self.controller.changes, "handoffs": self.handoffs,
-                "overlapped_steps": self.overlapped_steps, "prefill_tokens_by_sms": dict(self.prefill_tokens_by_sms),
+                "overlapped_steps": self.overlapped_steps, "prefills_beside_decode": self.prefills_beside_decode,
+                "prefill_tokens_by_sms": dict(self.prefill_tokens_by_sms),
                 "decode_rows_by_sms": dict(self.decode_rows_by_sms)}
 
     def reset_counters(self) -> None:
         """Zero the counters `stats` reports (the start-up profile's work is not the load's)."""
-        self.handoffs = self.overlapped_steps = 0
+        self.handoffs = self.overlapped_steps = self.prefills_beside_decode = 0
         for counts in (self.prefill_tokens_by_sms, self.decode_rows_by_sms):
             counts.update(dict.fromkeys(counts, 0))
 

@@ -164,6 +164,9 @@ def _multiplex_families(stats: dict[str, Any], role: str) -> Iterator[GaugeMetri
          stats.get("handoffs", 0)),
         ("hybridserve_worker_pd_multiplex_overlapped_decode_steps",
          "Decode steps that ran while a prefill forward was in flight", stats.get("overlapped_steps", 0)),
+        ("hybridserve_worker_pd_multiplex_prefills_beside_decode",
+         "Prefill forwards launched while a decode step ran (the one before taken as it completed)",
+         stats.get("prefills_beside_decode", 0)),
     ]
     yield from _role_families(CounterMetricFamily, counters, role)
     for name, doc, key, label in (

@@ -4,6 +4,7 @@ the co-located engine's, and the pool passes its check after every test."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -16,6 +17,7 @@ from hybridserve.common.model_config import ModelConfig
 from hybridserve.common.sampling_params import StructuredOutput
 from hybridserve.engine import multiplex
 from hybridserve.engine.config import EngineConfig
+from hybridserve.engine.lane_fence import Fence
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.sm_partition import SmSplit, fake_partitioner
 from hybridserve.engine.split_profile import profile_splits
@@ -71,6 +73,40 @@ def test_greedy_tokens_equal_colocated_while_requests_arrive(delay: int) -> None
         assert mux.overlapped_steps > 0  # decode steps ran while a prefill forward was in flight
     check_idle(engine)
     check_idle(colocated)
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingFence(Fence):
+    """A fake lane's fence that reads as running for its first `polls` queries (a decode step still on the GPU)."""
+
+    polls: list[int] = dataclasses.field(default_factory=lambda: [3])
+
+    def done(self) -> bool:
+        self.polls[0] -= 1
+        return self.polls[0] < 0
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_prefill_completing_beside_a_decode_step_is_taken_and_the_next_launched(pinned: bool) -> None:
+    """While the decode step runs, each prefill forward that completes is taken and the next one launched at once
+    (pinned, or with the controller content with the split); the tokens stay the co-located engine's."""
+    model_dir, _ = nemotron_h("M*-M*")
+    prompts = random_prompts(LENGTHS, vocab=128, seed=15)
+    colocated, engine, mux = engines(model_dir, 0, prefill_chunk_size=16, enable_prefix_caching=False)
+    expected = drive(colocated, staggered(prompts, every=1))
+    if pinned:
+        mux.pin(mux.controller.splits[1])
+    launch_decode = mux._launch_decode
+
+    def slow_decode(lane, work):  # type: ignore[no-untyped-def]
+        launched = launch_decode(lane, work)
+        return dataclasses.replace(launched, done=PendingFence(None))
+
+    mux._launch_decode = slow_decode  # type: ignore[method-assign]
+    assert drive(engine, staggered(prompts, every=1)) == expected
+    assert mux.handoffs == len(prompts)
+    assert mux.prefills_beside_decode > 0 and mux.stats()["prefills_beside_decode"] == mux.prefills_beside_decode
+    check_idle(engine)
 
 
 def test_prefix_cache_hits_while_multiplexed() -> None:
