@@ -36,23 +36,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from hybridserve.common.outputs import RequestOutput
 from hybridserve.engine.config import EngineConfig
-from hybridserve.engine.lane_fence import Fence
+from hybridserve.engine.lane_flight import DecodeInFlight, Fence, PrefillInFlight
 from hybridserve.engine.lane_graphs import LaneGraphs, capture_lane_graphs
 from hybridserve.engine.lane_scheduler import LaneScheduler
-from hybridserve.engine.model_runner import LaunchedStep, ModelRunner
+from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
 from hybridserve.engine.sm_partition import Lane, PartitionUnavailable, SmPartitioner, SmSplit, open_partitioner
 from hybridserve.engine.sm_split import SplitController, SplitPolicy
 from hybridserve.engine.step_output import StepOutput
 from hybridserve.engine.step_timing import StepClock, StepTiming
-from hybridserve.statepool.pool import PlannedCheckpoint, StatePool
+from hybridserve.statepool.pool import StatePool
 
 logger = logging.getLogger(__name__)
 
@@ -76,36 +75,6 @@ class MultiplexedEngine(Protocol):
     def abort(self, request_id: str) -> bool: ...
 
     def _update(self, work: SchedulerOutput, output: StepOutput) -> list[RequestOutput]: ...
-
-
-@dataclass
-class PrefillInFlight:
-    """The prefill lane's forward between its launch and its completion."""
-
-    work: SchedulerOutput
-    launched: LaunchedStep
-    plan: list[PlannedCheckpoint]  # its checkpoints, out of the pool until its commit
-    split: SmSplit
-    lane: Lane
-    start: Fence
-    done: Fence
-    started: float  # perf_counter at launch
-    ready_at: int  # the first iteration whose poll may take it (tests hold a fake lane's completion back)
-    aborted: list[str] = field(default_factory=list)  # aborted while in flight: finished once it completed
-
-    @property
-    def tokens(self) -> int:
-        return sum(c.num_tokens for c in self.work.prefills)
-
-
-@dataclass(frozen=True)
-class DecodeInFlight:
-    """The decode lane's step between its launch and its tokens."""
-
-    launched: LaunchedStep
-    start: Fence
-    done: Fence
-    launch_s: float  # host seconds of the launch (on a fake lane: the whole forward)
 
 
 class Multiplexer:
@@ -137,6 +106,8 @@ class Multiplexer:
         self._prefill_tail: Fence | None = None  # the end of prefill's last update
         self._decode_tail: Fence | None = None  # the end of decode's last update
         self._beside_tail: Fence | None = None  # the end of a prefill update taken while a decode step ran
+        self._graphs_stale = False  # the split changed while a decode step ran: switch graphs after it
+        self._prefill_launch_ms = 0.0  # host time of the last prefill launch
 
     @property
     def split(self) -> SmSplit:
@@ -170,8 +141,15 @@ class Multiplexer:
         outputs: list[RequestOutput] = []
         beside = 0
         if decode is not None and launched is not None:
-            beside, outputs = self._prefill_beside(prefill_lane, decode_lane, launched)
+            try:
+                beside, outputs = self._prefill_beside(prefill_lane, decode_lane, launched)
+            except BaseException:  # the abort that follows frees this step's rows: admission waits for the step
+                self._decode_tail = Fence.after(decode_lane)
+                raise
             outputs += self._finish_decode(decode_lane, decode, launched)
+            if self._graphs_stale:  # the split changed while this step ran: its graphs from the next step on
+                self._graphs_stale = False
+                self._use_graphs()
         clock.execute_done()
         prefill_tokens, prefill_outputs = self._poll_prefill(wait=decode is None)
         prefill_tokens += beside
@@ -183,6 +161,7 @@ class Multiplexer:
 
     def _launch_prefill(self, lane: Lane, decode_lane: Lane) -> bool:
         """Schedule a prefill-only batch and launch it on the prefill lane; False: no prompt could be scheduled."""
+        scheduled = time.perf_counter()
         outside = Fence.loop_stream(lane)
         with lane:
             outside.hold(lane)
@@ -211,26 +190,37 @@ class Multiplexer:
         if tiny:
             self._prefill_tail = done
         self.scheduler.hold(request for request, _ in prefills)
+        self._prefill_launch_ms = (time.perf_counter() - scheduled) * 1e3
         self.in_flight = PrefillInFlight(work, launched, plan, self.split, lane, start, done, started,
                                          self.iteration + self.prefill_delay)
         return True
 
     def _prefill_beside(self, lane: Lane, decode_lane: Lane, decode: DecodeInFlight) -> tuple[int, list[RequestOutput]]:
-        """Until the decode step completes: each prefill forward that completes is taken and the next launched in the
-        same split (not when the controller would now pick another: the next call changes it). -> (prefill tokens
-        taken, requests updated). A host poll every PREFILL_POLL_S; on a fake lane the decode step is complete."""
+        """Until the decode step completes: each prefill forward that completes is taken and, where the controller
+        keeps the split (its change waits for this step's end) and the step's predicted time left covers a prefill
+        launch, the next one launched. -> (prefill tokens taken, requests updated). On a real lane the host polls
+        every PREFILL_POLL_S, for at most twice the step's predicted time; on a fake lane the step is complete."""
         tokens = 0
         outputs: list[RequestOutput] = []
+        real = decode.done.event is not None
+        rows = len(decode.launched.work.decodes)
+        predicted_s = self.controller.predict_ms("decode", decode.split.decode_sms, rows) / 1e3
         while self.in_flight is not None and not decode.done.done():
+            elapsed_s = time.perf_counter() - decode.launched_at
+            if real and elapsed_s > 2 * predicted_s + 5e-3:  # an event reading pending past its time: really wait
+                break
             if not self.in_flight.done.done():
                 time.sleep(PREFILL_POLL_S)
                 continue
             done_tokens, done_outputs = self._poll_prefill(wait=False)
-            if not done_tokens:  # held back (a test's fake delay)
+            if self.in_flight is not None:  # held back (a test's fake delay)
                 break
             tokens, outputs = tokens + done_tokens, outputs + done_outputs
             self._beside_tail = self._prefill_tail
-            if self.pinned is None and self.controller.best(*self._load()) != self.split:
+            if self._choose_split(use_graphs=False):
+                self._graphs_stale = True
+                break
+            if real and (predicted_s - elapsed_s) * 1e3 < self._prefill_launch_ms:  # it would delay this step's tokens
                 break
             if not self._launch_prefill(lane, decode_lane):
                 break
@@ -252,7 +242,8 @@ class Multiplexer:
             self.overlapped_steps += self.in_flight is not None
             start, started = Fence.after(lane, timing=True), time.perf_counter()
             launched = self.runner.launch(work)
-            return DecodeInFlight(launched, start, Fence.after(lane, timing=True), time.perf_counter() - started)
+            return DecodeInFlight(launched, start, Fence.after(lane, timing=True), time.perf_counter() - started,
+                                  self.split, started)
 
     def _finish_decode(self, lane: Lane, work: SchedulerOutput, decode: DecodeInFlight) -> list[RequestOutput]:
         with lane:
@@ -264,9 +255,9 @@ class Multiplexer:
                 self._beside_tail.hold(lane)
                 self._beside_tail = None
             gpu_ms = decode.done.ms_since(decode.start)  # the forward's own time, not the prefill's host work
-            self.controller.record("decode", self.split, len(work.decodes),
+            self.controller.record("decode", decode.split, len(work.decodes),
                                    gpu_ms if gpu_ms is not None else decode.launch_s * 1e3)
-            sms = self.split.decode_sms
+            sms = decode.split.decode_sms
             self.decode_rows_by_sms[sms] = self.decode_rows_by_sms.get(sms, 0) + len(work.decodes)
             outputs = self.update(work, output)
             self._decode_tail = Fence.after(lane)
@@ -319,17 +310,21 @@ class Multiplexer:
         self.pinned = split
         self._use_graphs()
 
-    def _choose_split(self) -> None:
-        """The split for the next prefill forward and the decode steps beside it, from the load now."""
+    def _choose_split(self, use_graphs: bool = True) -> bool:
+        """The split for the next prefill forward and the decode steps beside it, from the load now; True if it
+        changed (`use_graphs`: the runner takes its graphs now; else the caller does, once no step uses the old)."""
         if self.pinned is not None:
-            return
+            return False
         (waiting, decoding), before = self._load(), self.split
         split = self.controller.choose(waiting, decoding)
-        if split != before:
-            # DEBUG: the split follows the phases (a prompt arriving, the queue emptying), a change or two per request
-            logger.debug("pd_multiplex: SM split %s -> %s (%d prompt tokens waiting, %d decoding)", before, split,
-                         waiting, decoding)
+        if split == before:
+            return False
+        # DEBUG: the split follows the phases (a prompt arriving, the queue emptying), a change or two per request
+        logger.debug("pd_multiplex: SM split %s -> %s (%d prompt tokens waiting, %d decoding)", before, split,
+                     waiting, decoding)
+        if use_graphs:
             self._use_graphs()
+        return True
 
     # ---- CUDA graphs ------------------------------------------------------------------------------
     def capture_graphs(self, max_batch: int, max_pages: int, prefill_tokens: int, prefill: bool) -> None:

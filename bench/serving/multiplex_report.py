@@ -10,7 +10,8 @@ from serve_metrics import parse_counters
 
 # the multiplexed worker's split metrics (worker_runtime/worker_metrics.py), read after every point
 SPLIT_METRICS = tuple(f"hybridserve_worker_pd_multiplex_{name}{suffix}" for name in (
-    "prefill_sms", "decode_sms", "split_changes", "handoffs", "overlapped_decode_steps", "prefill_tokens", "decode_rows")
+    "prefill_sms", "decode_sms", "split_changes", "handoffs", "overlapped_decode_steps", "prefills_beside_decode",
+    "prefill_tokens", "decode_rows")
     for suffix in ("", "_total"))
 MULTIPLEXED = ("multiplexed", "multiplexed-slo")  # the benchmark's modes that run `--pd-multiplex`
 

@@ -17,7 +17,7 @@ from hybridserve.common.model_config import ModelConfig
 from hybridserve.common.sampling_params import StructuredOutput
 from hybridserve.engine import multiplex
 from hybridserve.engine.config import EngineConfig
-from hybridserve.engine.lane_fence import Fence
+from hybridserve.engine.lane_flight import Fence
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.sm_partition import SmSplit, fake_partitioner
 from hybridserve.engine.split_profile import profile_splits
@@ -86,26 +86,39 @@ class PendingFence(Fence):
         return self.polls[0] < 0
 
 
-@pytest.mark.parametrize("pinned", [False, True])
-def test_a_prefill_completing_beside_a_decode_step_is_taken_and_the_next_launched(pinned: bool) -> None:
-    """While the decode step runs, each prefill forward that completes is taken and the next one launched at once
-    (pinned, or with the controller content with the split); the tokens stay the co-located engine's."""
-    model_dir, _ = nemotron_h("M*-M*")
+@pytest.mark.parametrize("case", ["pinned", "controller", "prefix cache", "mtp"])
+def test_a_prefill_completing_beside_a_decode_step_is_taken_and_the_next_launched(case: str) -> None:
+    """While the decode step runs (a fence that reads as running for a few polls), each prefill forward that
+    completes (its own fence pending for a poll first) is taken and the next one launched at once; the tokens stay
+    the co-located engine's, with the prefix cache hit and with MTP drafts verified."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2} if case == "mtp" else None
+    model_dir = nemotron_h_mtp()[0] if case == "mtp" else nemotron_h("M*-M*")[0]
+    shared = random_prompts([40], vocab=128, seed=16)[0]
     prompts = random_prompts(LENGTHS, vocab=128, seed=15)
-    colocated, engine, mux = engines(model_dir, 0, prefill_chunk_size=16, enable_prefix_caching=False)
+    if case == "prefix cache":
+        prompts = [shared + p for p in prompts[:4]] + prompts[4:]
+    colocated, engine, mux = engines(model_dir, 0, prefill_chunk_size=16, state_block=16, speculative_config=spec,
+                                     enable_prefix_caching=case == "prefix cache")
     expected = drive(colocated, staggered(prompts, every=1))
-    if pinned:
+    if case == "pinned":
         mux.pin(mux.controller.splits[1])
-    launch_decode = mux._launch_decode
+    launch_decode, launch_prefill = mux._launch_decode, mux._launch_prefill
 
     def slow_decode(lane, work):  # type: ignore[no-untyped-def]
-        launched = launch_decode(lane, work)
-        return dataclasses.replace(launched, done=PendingFence(None))
+        return dataclasses.replace(launch_decode(lane, work), done=PendingFence(None))
 
-    mux._launch_decode = slow_decode  # type: ignore[method-assign]
+    def slow_prefill(lane, decode_lane):  # type: ignore[no-untyped-def]
+        launched = launch_prefill(lane, decode_lane)
+        if launched and mux.in_flight is not None:
+            mux.in_flight = dataclasses.replace(mux.in_flight, done=PendingFence(None, [1]))
+        return launched
+
+    mux._launch_decode, mux._launch_prefill = slow_decode, slow_prefill  # type: ignore[method-assign]
     assert drive(engine, staggered(prompts, every=1)) == expected
     assert mux.handoffs == len(prompts)
     assert mux.prefills_beside_decode > 0 and mux.stats()["prefills_beside_decode"] == mux.prefills_beside_decode
+    if case == "prefix cache":
+        assert engine.pool.num_hits > 0
     check_idle(engine)
 
 

@@ -1,14 +1,17 @@
-"""A fence on a lane's stream: the point up to which the work queued on that lane is ordered (a CUDA event), so one
-lane's work can wait for the other's without the host waiting (engine/multiplex.py). On a fake lane (CPU) a fence
-is always complete."""
+"""A lane's work in flight (engine/multiplex.py): a fence on a lane's stream, the point up to which the work queued
+there is ordered (a CUDA event), so one lane's work can wait for the other's without the host waiting (on a fake
+lane, CPU, a fence is always complete); and the record of each lane's forward between its launch and its results."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from hybridserve.engine.sm_partition import Lane
+from hybridserve.engine.model_runner import LaunchedStep
+from hybridserve.engine.scheduler import SchedulerOutput
+from hybridserve.engine.sm_partition import Lane, SmSplit
+from hybridserve.statepool.pool import PlannedCheckpoint
 
 
 @dataclass(frozen=True)
@@ -57,3 +60,35 @@ class Fence:
             return float(start.event.elapsed_time(self.event))
         except RuntimeError:
             return None
+
+
+@dataclass
+class PrefillInFlight:
+    """The prefill lane's forward between its launch and its completion."""
+
+    work: SchedulerOutput
+    launched: LaunchedStep
+    plan: list[PlannedCheckpoint]  # its checkpoints, out of the pool until its commit
+    split: SmSplit
+    lane: Lane
+    start: Fence
+    done: Fence
+    started: float  # perf_counter at launch
+    ready_at: int  # the first iteration whose poll may take it (tests hold a fake lane's completion back)
+    aborted: list[str] = field(default_factory=list)  # aborted while in flight: finished once it completed
+
+    @property
+    def tokens(self) -> int:
+        return sum(c.num_tokens for c in self.work.prefills)
+
+
+@dataclass(frozen=True)
+class DecodeInFlight:
+    """The decode lane's step between its launch and its tokens."""
+
+    launched: LaunchedStep
+    start: Fence
+    done: Fence
+    launch_s: float  # host seconds of the launch (on a fake lane: the whole forward)
+    split: SmSplit  # the split whose decode lane runs it
+    launched_at: float  # perf_counter when its launch began
