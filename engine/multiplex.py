@@ -10,7 +10,8 @@ each call:
    waiting for it;
 3. the host waits for the decode step's tokens and applies them (outputs, stops, cache commit, drafts); while it
    waits, a prefill forward that completes is taken (step 4) and the next one launched in the same split, so the
-   prefill lane does not idle until the decode step ends (unless the split would change: the next call decides);
+   prefill lane does not idle until the decode step ends (unless the controller changes the split then, whose
+   graphs follow once the step is done, or too little of the step is left to cover a launch);
 4. the prefill forward's completion is polled (waited for when nothing decodes); once done, its first tokens are
    sampled and applied. A request whose prompt is done is now decoding: the decode lane takes it at its next step
    with the same pages and Mamba slot (ownership passes, no bytes move); the prefill lane never schedules it again.
