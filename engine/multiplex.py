@@ -203,6 +203,8 @@ class Multiplexer:
         every PREFILL_POLL_S, for at most twice the step's predicted time; on a fake lane the step is complete."""
         tokens = 0
         outputs: list[RequestOutput] = []
+        if self.in_flight is None:  # nothing beside this step: no prediction to make
+            return tokens, outputs
         real = decode.done.event is not None
         rows = len(decode.launched.work.decodes)
         predicted_s = self.controller.predict_ms("decode", decode.split.decode_sms, rows) / 1e3
@@ -258,8 +260,7 @@ class Multiplexer:
             gpu_ms = decode.done.ms_since(decode.start)  # the forward's own time, not the prefill's host work
             self.controller.record("decode", decode.split, len(work.decodes),
                                    gpu_ms if gpu_ms is not None else decode.launch_s * 1e3)
-            sms = decode.split.decode_sms
-            self.decode_rows_by_sms[sms] = self.decode_rows_by_sms.get(sms, 0) + len(work.decodes)
+            self.decode_rows_by_sms[decode.split.decode_sms] += len(work.decodes)  # every split's count is a key
             outputs = self.update(work, output)
             self._decode_tail = Fence.after(lane)
         return outputs
@@ -285,8 +286,7 @@ class Multiplexer:
         gpu_ms = flight.done.ms_since(flight.start)
         self.controller.record("prefill", flight.split, flight.tokens,
                                gpu_ms if gpu_ms is not None else (time.perf_counter() - flight.started) * 1e3)
-        sms = flight.split.prefill_sms
-        self.prefill_tokens_by_sms[sms] = self.prefill_tokens_by_sms.get(sms, 0) + flight.tokens
+        self.prefill_tokens_by_sms[flight.split.prefill_sms] += flight.tokens
         self.handoffs += sum(1 for c in flight.work.prefills if c.request.is_decoding and not c.request.finished)
         for request_id in flight.aborted:
             self.engine.abort(request_id)

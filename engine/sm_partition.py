@@ -140,12 +140,13 @@ def plan_splits(total_sms: int, granularity: int, prefill_sms_menu: Iterable[int
                 min_lane_groups: int = MIN_LANE_GROUPS) -> tuple[SmSplit, ...]:
     """The splits a menu of prefill SM counts gives: each count rounded up to the driver's granularity (and to at
     least `min_lane_groups` groups), the decode lane taking the rest (at least as many groups); duplicates after
-    rounding dropped, ordered by prefill SMs. Serving keeps MIN_LANE_GROUPS; a measurement may go lower."""
+    rounding dropped, ordered by prefill SMs. Serving keeps MIN_LANE_GROUPS; a measurement may go lower.
+    PartitionUnavailable where the device is too small for two such lanes; ValueError for a menu it cannot give."""
     if min_lane_groups < 1:
         raise ValueError(f"min_lane_groups must be >= 1, got {min_lane_groups}")
     least = min_lane_groups * granularity
     if total_sms < 2 * least:
-        raise ValueError(f"{total_sms} SMs cannot hold two partitions of {least} SMs")
+        raise PartitionUnavailable(f"{total_sms} SMs cannot hold two partitions of {least} SMs")
     menu = tuple(prefill_sms_menu)
     if not menu:
         raise ValueError("the prefill SM menu is empty: name at least one prefill SM count")
@@ -207,9 +208,6 @@ def open_partitioner(device: torch.device, prefill_sms_menu: tuple[int, ...],
     (what to change) for a menu entry this device cannot give."""
     driver = GreenContextDriver.open(device)
     total, granularity = driver.total_sms, driver.granularity
-    least = max(1, min_lane_groups) * granularity
-    if total < 2 * least:
-        raise PartitionUnavailable(f"{total} SMs cannot hold two partitions of {least} SMs")
     splits = plan_splits(total, granularity, prefill_sms_menu, min_lane_groups)
     lanes: dict[SmSplit, tuple[Lane, Lane]] = {}
     for split in splits:

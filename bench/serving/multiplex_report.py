@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from serve_metrics import parse_counters
+from serve_metrics import counters_delta, parse_counters
 
 # the multiplexed worker's split metrics (worker_runtime/worker_metrics.py), read after every point
 SPLIT_METRICS = tuple(f"hybridserve_worker_pd_multiplex_{name}{suffix}" for name in (
@@ -127,7 +127,7 @@ def split_metrics(text: str) -> dict[str, float]:
 
 def lane_work(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """A point's prefill tokens and decode rows by lane SM count: the by-SMs split metrics after it less before."""
-    return {k: v - before.get(k, 0.0) for k, v in after.items() if ":" in k and v - before.get(k, 0.0) > 0}
+    return {k: v for k, v in counters_delta(before, after).items() if ":" in k and v > 0}
 
 
 def lane_work_text(work: dict[str, float], kind: str, lane: str) -> str:
