@@ -141,9 +141,13 @@ class EngineConfig:
     # decode step, which with speculative decoding emits more than one token; lifted, as the slowdown is, while the
     # backlog below is exceeded)
     pd_multiplex_tpot_slo_ms: float = 0.0
-    # with pd_multiplex: while the prompts waiting take longer than this (ms) to prefill even in the largest prefill
-    # lane, the decode budget is lifted and prefill takes the most SMs (a queue past a TTFT objective of this size:
-    # drain it for throughput); 0: never lifted
+    # with pd_multiplex: steps run co-located on the whole GPU while one phase has no work and while a deep backlog
+    # drains (pd_multiplex_backlog_ms); off: every step runs in the split's lanes
+    pd_multiplex_whole_gpu: bool = True
+    # with pd_multiplex: once the prompts waiting take longer than this (ms) to prefill even in the largest prefill
+    # lane (a queue past a TTFT objective of this size: drain it for throughput), steps run on the whole GPU until
+    # nothing waits (without pd_multiplex_whole_gpu: the decode budget is lifted and prefill takes the most SMs);
+    # 0: never
     pd_multiplex_backlog_ms: float = 1000.0
 
     def __post_init__(self) -> None:
@@ -197,7 +201,7 @@ class EngineConfig:
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be a bool, got {self.enable_expert_parallel!r}")
         for name in ("cuda_graphs", "split_mixed_steps", "prefill_cuda_graphs", "async_scheduling", "pd_multiplex",
-                     "moe_fp8_activations"):
+                     "pd_multiplex_whole_gpu", "moe_fp8_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         standby = self.standby_state_slots
@@ -227,7 +231,7 @@ class EngineConfig:
         self.multiplex_menu(132)  # the menu's syntax, validated on construction (SM counts against the device later)
         for name, least, meaning in (("pd_multiplex_decode_slowdown", 1, "a multiple of the fastest decode step"),
                                      ("pd_multiplex_tpot_slo_ms", 0, "0: no SLO"),
-                                     ("pd_multiplex_backlog_ms", 0, "0: the decode budget is never lifted")):
+                                     ("pd_multiplex_backlog_ms", 0, "0: never drained")):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (least <= value < math.inf):
                 raise ValueError(f"{name} must be a finite number >= {least} ({meaning}), got {value!r}")
@@ -289,7 +293,8 @@ class EngineConfig:
     def split_policy(self) -> SplitPolicy:
         """The pd_multiplex split controller's policy (its decode budget from the pd_multiplex_* fields)."""
         return SplitPolicy(decode_slowdown=self.pd_multiplex_decode_slowdown,
-                           tpot_slo_ms=self.pd_multiplex_tpot_slo_ms, backlog_ms=self.pd_multiplex_backlog_ms)
+                           tpot_slo_ms=self.pd_multiplex_tpot_slo_ms, backlog_ms=self.pd_multiplex_backlog_ms,
+                           whole_gpu=self.pd_multiplex_whole_gpu)
 
     @property
     def warmup_enabled(self) -> bool:

@@ -48,6 +48,11 @@ class Fence:
         if self.event is not None and lane.stream is not None:
             lane.stream.wait_event(self.event)
 
+    def hold_loop(self, device: torch.device) -> None:
+        """Work the loop thread queues on its current stream from now on starts after this fence (no host wait)."""
+        if self.event is not None:
+            torch.cuda.current_stream(device).wait_event(self.event)
+
     def ms_since(self, start: Fence) -> float | None:
         """GPU milliseconds from `start` to this fence (both timing fences, both complete); None on a fake lane."""
         if self.event is None or start.event is None:

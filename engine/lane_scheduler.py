@@ -32,6 +32,15 @@ class LaneScheduler(Scheduler):
         """A decode-only batch: every decoding request (a request in flight in the prefill lane is not decoding)."""
         return SchedulerOutput(decodes=self.schedule_decodes(), prefills=[])
 
+    def load(self) -> tuple[int, int]:
+        """(prompt tokens waiting for the prefill lane, rows decoding): what the SM split controller weighs."""
+        waiting = sum(r.num_pending_tokens for r in self.waiting)
+        waiting += sum(r.num_pending_tokens for r in self.running if not r.is_decoding)
+        return waiting, self.decoding_rows()
+
+    def decoding_rows(self) -> int:
+        return sum(1 for r in self.running if r.is_decoding)
+
     def hold(self, requests: Iterable[Request]) -> None:
         """These requests' prefill forward is in flight: never preempted until `release_held`."""
         self.in_flight = {id(r): r for r in requests}

@@ -1,7 +1,9 @@
 """PD multiplexing: one engine runs a prefill forward and a decode forward at once, each launching on its own SM
 partition (a lane of engine/sm_partition.py), with one copy of the weights and one state pool.
 
-A step variant of the engine core (`LLMEngine.step` is schedule -> execute -> update), on the engine's one thread;
+A step variant of the engine core (`LLMEngine.step` is schedule -> execute -> update), on the engine's one thread.
+While one phase has no work, or a deep backlog drains, the controller (engine/sm_split.py) has a call run the
+co-located step on the whole GPU instead (after the lanes' queued work; the lanes' next work after it). Otherwise
 each call:
 1. the decode-only batch of the decoding requests is scheduled and launched on the decode lane (first, so that the
    prefill's host work below overlaps the decode step on the GPU);
@@ -43,6 +45,7 @@ import torch
 
 from hybridserve.common.outputs import RequestOutput
 from hybridserve.engine.config import EngineConfig
+from hybridserve.engine.lane_counters import LaneCounters
 from hybridserve.engine.lane_flight import DecodeInFlight, Fence, PrefillInFlight
 from hybridserve.engine.lane_graphs import LaneGraphs, capture_lane_graphs
 from hybridserve.engine.lane_scheduler import LaneScheduler
@@ -75,6 +78,8 @@ class MultiplexedEngine(Protocol):
 
     def abort(self, request_id: str) -> bool: ...
 
+    def colocated_step(self, on_launched: Callable[[], None] | None = None) -> list[RequestOutput]: ...
+
     def _update(self, work: SchedulerOutput, output: StepOutput) -> list[RequestOutput]: ...
 
 
@@ -82,27 +87,22 @@ class Multiplexer:
     """The multiplexed step of one engine (module docstring); `LLMEngine.step` hands over to `step`."""
 
     def __init__(self, engine: MultiplexedEngine, scheduler: LaneScheduler, partitioner: SmPartitioner,
-                 controller: SplitController,
-                 update: Callable[[SchedulerOutput, StepOutput], list[RequestOutput]]) -> None:
-        """`update`: the engine's update phase (tokens applied, finished requests retired, outputs made)."""
+                 controller: SplitController) -> None:
         self.engine = engine
         self.scheduler = scheduler
         self.runner = engine.runner
         self.pool = engine.pool
         self.partitioner = partitioner
         self.controller = controller
-        self.update = update
+        self.update = engine._update  # tokens applied, finished requests retired, outputs made
         self.pinned: SmSplit | None = None  # a split held by `pin` (the start-up profile), not the controller's
         self.prefill_delay = 0  # tests: iterations a (fake) lane's completed prefill stays unseen
         self.iteration = 0
         self.in_flight: PrefillInFlight | None = None
-        self.handoffs = 0  # requests whose prompt finished in the prefill lane and passed to the decode lane
-        self.overlapped_steps = 0  # decode steps launched while a prefill forward was in flight
-        self.prefills_beside_decode = 0  # prefill forwards launched while a decode step ran (step 3)
-        # rows each lane ran, by its SM count (every split's count from the start: each series exists at 0)
-        self.prefill_tokens_by_sms = {s.prefill_sms: 0 for s in partitioner.splits}  # prefill-lane prompt tokens
-        self.decode_rows_by_sms = {s.decode_sms: 0 for s in partitioner.splits}  # decode-lane rows
+        self.counters = LaneCounters.for_menu(partitioner.splits, partitioner.total_sms)
+        self.whole = False  # the last step ran co-located on the whole GPU
         self.graphs: dict[SmSplit, LaneGraphs] = {}  # per split, captured in its lanes (CUDA: `capture_graphs`)
+        self.whole_graphs: LaneGraphs | None = None  # the co-located graphs, for whole-GPU steps
         self._admitted: Fence | None = None  # prefill's admission copies, for the decode lane to wait on
         self._prefill_tail: Fence | None = None  # the end of prefill's last update
         self._decode_tail: Fence | None = None  # the end of decode's last update
@@ -124,6 +124,11 @@ class Multiplexer:
         """One iteration (module docstring); returns the requests updated by the decode step and, once it completed,
         by the prefill forward. `on_launched` runs once this iteration's forwards are queued."""
         self.iteration += 1
+        if self.in_flight is None and self.pinned is None and self.controller.whole_gpu(*self.scheduler.load()):
+            return self._whole_step(on_launched)
+        if self.whole:  # back in the lanes: their graphs
+            self.whole = False
+            self._use_graphs()
         clock = StepClock()
         if self.in_flight is None:
             self._choose_split()
@@ -158,6 +163,24 @@ class Multiplexer:
         if not launched_prefill and decode is None and not prefill_tokens and self.in_flight is None:
             self.scheduler.unblock()  # every running request waits for pages the others hold
         self.engine.last_step = clock.timing(len(decode.decodes) if decode is not None else 0, prefill_tokens)
+        return outputs
+
+    def _whole_step(self, on_launched: Callable[[], None] | None) -> list[RequestOutput]:
+        """The engine's co-located step on the whole GPU (its graphs, the loop's stream), after the lanes' queued
+        work; the lanes' next launches wait for it (`Fence.loop_stream`)."""
+        if not self.whole:
+            self.whole = True
+            self._use_graphs()
+        for fence in (self._admitted, self._prefill_tail, self._decode_tail, self._beside_tail):
+            if fence is not None:
+                fence.hold_loop(self.runner.device)
+        self._admitted = self._prefill_tail = self._decode_tail = self._beside_tail = None
+        outputs = self.engine.colocated_step(on_launched)
+        step, counters, total = self.engine.last_step, self.counters, self.partitioner.total_sms
+        if step.decode_rows or step.prefill_tokens:
+            counters.whole_gpu_steps += 1
+            counters.prefill_tokens_by_sms[total] += step.prefill_tokens
+            counters.decode_rows_by_sms[total] += step.decode_rows
         return outputs
 
     def _launch_prefill(self, lane: Lane, decode_lane: Lane) -> bool:
@@ -227,7 +250,7 @@ class Multiplexer:
                 break
             if not self._launch_prefill(lane, decode_lane):
                 break
-            self.prefills_beside_decode += 1
+            self.counters.prefills_beside_decode += 1
         return tokens, outputs
 
     def _schedule_decode(self, lane: Lane) -> SchedulerOutput | None:
@@ -242,7 +265,7 @@ class Multiplexer:
             if self._prefill_tail is not None:
                 self._prefill_tail.hold(lane)
                 self._prefill_tail = None
-            self.overlapped_steps += self.in_flight is not None
+            self.counters.overlapped_steps += self.in_flight is not None
             start, started = Fence.after(lane, timing=True), time.perf_counter()
             launched = self.runner.launch(work)
             return DecodeInFlight(launched, start, Fence.after(lane, timing=True), time.perf_counter() - started,
@@ -260,7 +283,7 @@ class Multiplexer:
             gpu_ms = decode.done.ms_since(decode.start)  # the forward's own time, not the prefill's host work
             self.controller.record("decode", decode.split, len(work.decodes),
                                    gpu_ms if gpu_ms is not None else decode.launch_s * 1e3)
-            self.decode_rows_by_sms[decode.split.decode_sms] += len(work.decodes)  # every split's count is a key
+            self.counters.decode_rows_by_sms[decode.split.decode_sms] += len(work.decodes)
             outputs = self.update(work, output)
             self._decode_tail = Fence.after(lane)
         return outputs
@@ -286,21 +309,12 @@ class Multiplexer:
         gpu_ms = flight.done.ms_since(flight.start)
         self.controller.record("prefill", flight.split, flight.tokens,
                                gpu_ms if gpu_ms is not None else (time.perf_counter() - flight.started) * 1e3)
-        self.prefill_tokens_by_sms[flight.split.prefill_sms] += flight.tokens
-        self.handoffs += sum(1 for c in flight.work.prefills if c.request.is_decoding and not c.request.finished)
+        self.counters.prefill_tokens_by_sms[flight.split.prefill_sms] += flight.tokens
+        self.counters.handoffs += sum(1 for c in flight.work.prefills if c.request.is_decoding and not c.request.finished)
         for request_id in flight.aborted:
             self.engine.abort(request_id)
         aborted = set(flight.aborted)
         return flight.tokens, [o for o in outputs if o.request_id not in aborted]
-
-    def _load(self) -> tuple[int, int]:
-        """(prompt tokens waiting for the prefill lane, rows decoding): what the split controller weighs."""
-        waiting = sum(r.num_pending_tokens for r in self.scheduler.waiting)
-        waiting += sum(r.num_pending_tokens for r in self.scheduler.running if not r.is_decoding)
-        return waiting, self.decoding_rows()
-
-    def decoding_rows(self) -> int:
-        return sum(1 for r in self.scheduler.running if r.is_decoding)
 
     def pin(self, split: SmSplit | None, then: SmSplit | None = None) -> None:
         """Hold `split` until unpinned (the start-up profile runs in each split); None: the controller chooses again,
@@ -316,7 +330,7 @@ class Multiplexer:
         changed (`use_graphs`: the runner takes its graphs now; else the caller does, once no step uses the old)."""
         if self.pinned is not None:
             return False
-        (waiting, decoding), before = self._load(), self.split
+        (waiting, decoding), before = self.scheduler.load(), self.split
         split = self.controller.choose(waiting, decoding)
         if split == before:
             return False
@@ -329,14 +343,17 @@ class Multiplexer:
 
     # ---- CUDA graphs ------------------------------------------------------------------------------
     def capture_graphs(self, max_batch: int, max_pages: int, prefill_tokens: int, prefill: bool) -> None:
-        """Decode (and, with `prefill`, prefill) graphs captured in the lanes of every split (engine/lane_graphs.py),
-        instead of the co-located engine's."""
+        """Decode (and, with `prefill`, prefill) graphs captured in the lanes of every split (engine/lane_graphs.py)
+        and, where steps may run on the whole GPU, the co-located engine's."""
+        if self.controller.policy.whole_gpu:
+            self.runner.capture_graphs(max_batch, max_pages, prefill_tokens, prefill)
+            self.whole_graphs = LaneGraphs(self.runner.decode_graphs, self.runner.prefill_graphs)
         self.graphs = capture_lane_graphs(self.runner, self.partitioner, max_batch, max_pages, prefill_tokens, prefill)
         self._use_graphs()
 
     def _use_graphs(self) -> None:
-        """The runner replays the graphs captured for the split in effect."""
-        graphs = self.graphs.get(self.split)
+        """The runner replays the graphs captured for the split in effect (or for the whole GPU)."""
+        graphs = self.whole_graphs if self.whole else self.graphs.get(self.split)
         if graphs is not None:
             self.runner.decode_graphs, self.runner.prefill_graphs = graphs.decode, graphs.prefill
 
@@ -352,18 +369,9 @@ class Multiplexer:
         return True
 
     def stats(self) -> dict[str, Any]:
-        """The split in effect, how often it changed, and each lane's work by its SM count, for a worker's metrics."""
+        """The split in effect, how often it changed, and what the steps ran (LaneCounters), for a worker's metrics."""
         return {"prefill_sms": self.split.prefill_sms, "decode_sms": self.split.decode_sms,
-                "split_changes": self.controller.changes, "handoffs": self.handoffs,
-                "overlapped_steps": self.overlapped_steps, "prefills_beside_decode": self.prefills_beside_decode,
-                "prefill_tokens_by_sms": dict(self.prefill_tokens_by_sms),
-                "decode_rows_by_sms": dict(self.decode_rows_by_sms)}
-
-    def reset_counters(self) -> None:
-        """Zero the counters `stats` reports (the start-up profile's work is not the load's)."""
-        self.handoffs = self.overlapped_steps = self.prefills_beside_decode = 0
-        for counts in (self.prefill_tokens_by_sms, self.decode_rows_by_sms):
-            counts.update(dict.fromkeys(counts, 0))
+                "split_changes": self.controller.changes, **self.counters.as_stats()}
 
 
 def attach(engine: MultiplexedEngine, partitioner: SmPartitioner, policy: SplitPolicy | None = None) -> Multiplexer:
@@ -373,7 +381,7 @@ def attach(engine: MultiplexedEngine, partitioner: SmPartitioner, policy: SplitP
     if not isinstance(scheduler, LaneScheduler):
         raise ValueError("the engine was not built for pd_multiplex (its scheduler has no lanes): set pd_multiplex")
     controller = SplitController(policy or SplitPolicy(), partitioner.splits)
-    multiplexer = Multiplexer(engine, scheduler, partitioner, controller, engine._update)
+    multiplexer = Multiplexer(engine, scheduler, partitioner, controller)
     engine.multiplexer = multiplexer
     return multiplexer
 

@@ -26,6 +26,14 @@ in `switch_after` consecutive decisions, or at once when it costs at most `switc
 nothing waits, by `idle_switch_margin` (the prefill lane is idle: its SMs go to decode at no cost). The budget
 bounds a decode step's time; with speculative decoding a step emits more than one token, so a TPOT SLO there bounds
 more than TPOT.
+
+The whole GPU. A split pays for isolation: a prefill lane of k SMs runs up to 132/k times slower, and a decode step
+in its lane reads every weight the prefill beside it reads too. So (policy.whole_gpu) lanes run only while both
+phases have work and the queue is short; otherwise a step is the co-located engine's, one mixed batch on the whole
+GPU: while one phase has no work, and from the moment what waits takes longer than backlog_ms to prefill in the
+largest lane until nothing waits (`draining`). A burst then drains at the whole GPU's prefill speed, as co-located:
+the time to its last first token bounds its throughput, and the running streams' inter-token tail, which the lanes
+would protect, is then worth less than a queue already past its TTFT objective.
 """
 
 from __future__ import annotations
@@ -67,9 +75,13 @@ class SplitPolicy:
     # the decode step's budget while prompts wait: this many times the menu's fastest decode step ...
     decode_slowdown: float = 1.3
     tpot_slo_ms: float = 0.0  # ... or, when > 0, this many milliseconds (a TPOT service-level objective)
-    # while what waits takes longer than this to prefill even in the largest prefill lane, the budget (slowdown or
-    # TPOT SLO) is lifted and prefill takes the most SMs: a queue that deep is past a TTFT objective of this size,
-    # and draining it is what throughput needs (0: never lifted)
+    # steps run co-located on the whole GPU (one mixed batch, no lanes) while one phase has no work (nothing to
+    # isolate; a lane would leave SMs idle) and while a deep backlog drains (below)
+    whole_gpu: bool = True
+    # once what waits takes longer than this to prefill even in the largest prefill lane, the queue is past a TTFT
+    # objective of this size and draining it is what throughput needs: with whole_gpu, steps run on the whole GPU
+    # until the queue is empty (as a co-located engine drains a burst); without, the decode budget is lifted and
+    # prefill takes the most SMs (0: neither)
     backlog_ms: float = 1000.0
     over_budget_weight: float = 20.0  # a split 10 % over the decode budget costs 3x its prefill time
     # how a step's time grows with its work while only one work size was seen (1: proportional)
@@ -109,6 +121,8 @@ class SplitPolicy:
                      "prefill_sm_exponent", "decode_sm_exponent"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not isinstance(self.whole_gpu, bool):
+            raise ValueError(f"whole_gpu must be a bool, got {self.whole_gpu!r}")
         if self.prior_decode_rows < 1:
             raise ValueError(f"prior_decode_rows must be >= 1, got {self.prior_decode_rows}")
         if not 0.0 <= self.initial_prefill_fraction <= 1.0:
@@ -160,6 +174,7 @@ class SplitController:
         self.current: SmSplit = min(self.splits, key=lambda s: (abs(s.prefill_sms - target), s.prefill_sms))
         self.changes = 0  # times the split changed
         self.decisions = 0
+        self.draining = False  # a backlog past backlog_ms is being drained on the whole GPU (policy.whole_gpu)
         self._fits: dict[tuple[str, int], _LineFit] = {}
         self._measured: dict[str, tuple[int, ...]] = {}  # lane -> the SM counts in _fits, ascending
         self._candidate: SmSplit | None = None
@@ -225,11 +240,27 @@ class SplitController:
         return ", ".join(f"{s} {self.predict_ms('decode', s.decode_sms, decode_rows):.2f} / "
                          f"{self.predict_ms('prefill', s.prefill_sms, prefill_tokens):.1f} ms" for s in self.splits)
 
+    def backlog_deep(self, prefill_tokens_waiting: int) -> bool:
+        """Whether what waits takes longer than backlog_ms to prefill even in the menu's largest prefill lane."""
+        backlog_ms = self.policy.backlog_ms
+        return backlog_ms > 0 and prefill_tokens_waiting > 0 and backlog_ms < min(
+            self.predict_ms("prefill", s.prefill_sms, prefill_tokens_waiting) for s in self.splits)
+
+    def whole_gpu(self, prefill_tokens_waiting: int, decode_rows: int) -> bool:
+        """Whether the next step runs co-located on the whole GPU (policy.whole_gpu): while one phase has no work,
+        and from a backlog deeper than backlog_ms until nothing waits (a burst drained at the whole GPU's speed)."""
+        if not self.policy.whole_gpu:
+            return False
+        if prefill_tokens_waiting <= 0:
+            self.draining = False
+            return True
+        self.draining = self.draining or self.backlog_deep(prefill_tokens_waiting)
+        return self.draining or decode_rows <= 0
+
     def decode_budget_ms(self, decode_rows: int, prefill_tokens_waiting: int = 0) -> float:
         """The decode step's budget while prompts wait (module docstring); unbounded while the backlog is deep."""
         p = self.policy
-        if p.backlog_ms > 0 and prefill_tokens_waiting > 0 and p.backlog_ms < min(
-                self.predict_ms("prefill", s.prefill_sms, prefill_tokens_waiting) for s in self.splits):
+        if self.backlog_deep(prefill_tokens_waiting):
             return math.inf
         if p.tpot_slo_ms > 0:
             return p.tpot_slo_ms
@@ -304,6 +335,7 @@ class SplitController:
         self._fits.clear()
         self._measured.clear()
         self.changes = self.decisions = 0
+        self.draining = False
         self._candidate, self._streak = None, 0
         self.seed(self.policy.profile)
 

@@ -71,7 +71,7 @@ def profile_splits(engine: ProfiledEngine, multiplexer: Multiplexer, rows: int =
             multiplexer.pin(split)
             if _add(engine, split, [(prompt(short, 31 * index + row), params(DECODE_TOKENS),
                                      f"split-profile-{index}-{row}") for row in range(rows)]):
-                steps += _step_until(engine, lambda: multiplexer.decoding_rows() >= rows)
+                steps += _step_until(engine, lambda: multiplexer.scheduler.decoding_rows() >= rows)
                 steps += _step_until(engine, lambda: False, limit=ALONE_STEPS)  # decode with no prefill beside it
                 _add(engine, split, [(prompt(long_prompt, 31 * index + rows), params(1),
                                       f"split-profile-{index}-long")])
@@ -82,7 +82,7 @@ def profile_splits(engine: ProfiledEngine, multiplexer: Multiplexer, rows: int =
     engine.reset_prefix_cache()
     engine.pool.reset_counters()
     engine.drain_cache_events()
-    multiplexer.reset_counters()
+    multiplexer.counters.reset()
     if engine.config.torch_device.type == "cuda":
         torch.cuda.synchronize()
     logger.info("pd_multiplex: profiled %d splits (%d decoding rows, a %d-token prompt each) in %d steps, %.1f s",

@@ -167,13 +167,17 @@ def _multiplex_families(stats: dict[str, Any], role: str) -> Iterator[GaugeMetri
         ("hybridserve_worker_pd_multiplex_prefills_beside_decode",
          "Prefill forwards launched while a decode step ran (the one before taken as it completed)",
          stats.get("prefills_beside_decode", 0)),
+        ("hybridserve_worker_pd_multiplex_whole_gpu_steps",
+         "Steps run co-located on the whole GPU (one phase idle, or a deep backlog draining)",
+         stats.get("whole_gpu_steps", 0)),
     ]
     yield from _role_families(CounterMetricFamily, counters, role)
     for name, doc, key, label in (
             ("hybridserve_worker_pd_multiplex_prefill_tokens",
-             "Prompt tokens the prefill lane ran, by its SMs (a prompt's one last token may run as a decode row)",
-             "prefill_tokens_by_sms", "prefill_sms"),
-            ("hybridserve_worker_pd_multiplex_decode_rows", "Rows the decode lane ran, by its SMs",
+             "Prompt tokens the prefill lane ran, by its SMs (whole-GPU steps: all of the device's; a prompt's one "
+             "last token may run as a decode row)", "prefill_tokens_by_sms", "prefill_sms"),
+            ("hybridserve_worker_pd_multiplex_decode_rows",
+             "Rows the decode lane ran, by its SMs (whole-GPU steps: all of the device's)",
              "decode_rows_by_sms", "decode_sms")):
         family = CounterMetricFamily(name, doc, labels=["role", label])
         for sms, count in sorted(stats.get(key, {}).items()) or [(0, 0)]:  # co-located: one series at 0 SMs

@@ -10,8 +10,9 @@ config's shapes) and runs, through the OpenAI streaming client of bench/serving/
     python bench/serving/multiplex.py --modes colocated,multiplexed --budget-s 200 --point-s 5 --out /tmp/mx
 
 Modes: colocated (`--prefill-workers 0 --decode-workers 1`), multiplexed (the same plus `--pd-multiplex`),
-multiplexed-slo (`--pd-multiplex --pd-multiplex-tpot-slo-ms`: the split keeps the decode step within a TPOT budget
-rather than within 1.3x of its fastest), pair (`--prefill-workers 1 --decode-workers 1 --gpus 0,0`: two
+multiplexed-lanes (`--pd-multiplex --no-pd-multiplex-whole-gpu`: every step in the split's lanes, never a whole-GPU
+step), multiplexed-slo (`--pd-multiplex --pd-multiplex-tpot-slo-ms`: the split keeps the decode step within a TPOT
+budget rather than within 1.3x of its fastest), pair (`--prefill-workers 1 --decode-workers 1 --gpus 0,0`: two
 processes on one GPU). Every worker gets `--gpu-memory-gb` (default 40) and `--max-num-seqs` (default 64);
 everything after `--` goes to every server.
 The run fits a device budget: each point sends --point-s seconds of arrivals (at least --min-prompts), the
@@ -19,7 +20,7 @@ points run most important first (the ones the acceptance checks name), and a poi
 share of --budget-s (counted from the server's /ready) is skipped and listed. Wall time is about --budget-s plus
 a start-up per mode (the first one compiles the Triton kernels: 1-2 min on a cold cache). Writes
 OUT/multiplex.json and OUT/table.md and prints the table and the acceptance checks (each multiplexed mode against
-co-located). The default --modes runs all four, so each gets a quarter of --budget-s.
+co-located). The default --modes runs all five, so each gets a fifth of --budget-s.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ logger = logging.getLogger("multiplex")
 MODES = {  # serve flags per mode, after throughput.Server's own (--prefill-workers 0 --decode-workers 1)
     "colocated": [],
     "multiplexed": ["--pd-multiplex"],
+    "multiplexed-lanes": ["--pd-multiplex", "--no-pd-multiplex-whole-gpu"],  # the lanes alone, no whole-GPU steps
     # the split's decode budget a TPOT SLO instead of the default 1.3x slowdown (--mux-step-slo-ms is appended)
     "multiplexed-slo": ["--pd-multiplex", "--pd-multiplex-tpot-slo-ms"],
     "pair": ["--prefill-workers", "1", "--decode-workers", "1", "--gpus", "0,0"],

@@ -11,9 +11,9 @@ from serve_metrics import counters_delta, parse_counters
 # the multiplexed worker's split metrics (worker_runtime/worker_metrics.py), read after every point
 SPLIT_METRICS = tuple(f"hybridserve_worker_pd_multiplex_{name}{suffix}" for name in (
     "prefill_sms", "decode_sms", "split_changes", "handoffs", "overlapped_decode_steps", "prefills_beside_decode",
-    "prefill_tokens", "decode_rows")
+    "whole_gpu_steps", "prefill_tokens", "decode_rows")
     for suffix in ("", "_total"))
-MULTIPLEXED = ("multiplexed", "multiplexed-slo")  # the benchmark's modes that run `--pd-multiplex`
+MULTIPLEXED = ("multiplexed", "multiplexed-lanes", "multiplexed-slo")  # the benchmark's modes that run `--pd-multiplex`
 
 
 def meets_slo(metrics: dict[str, Any], slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
@@ -52,12 +52,14 @@ def table(result: dict[str, Any]) -> str:
                   if p.get("pd_multiplex")}
         if splits:
             lines += ["", f"| point ({mux}) | split after it | split changes so far | handoffs so far | "
-                      "prompt tokens by prefill SMs | decode rows by decode SMs |", "|---|---|---|---|---|---|"]
+                      "whole-GPU steps so far | prompt tokens by prefill SMs | decode rows by decode SMs |",
+                      "|---|---|---|---|---|---|---|"]
             points = result["modes"][mux]["points"]
             for key, m in splits.items():
                 split = f"{m.get('prefill_sms', 0):.0f}P/{m.get('decode_sms', 0):.0f}D"
                 work = points[key].get("lane_work", {})
                 lines.append(f"| {key} | {split} | {m.get('split_changes', 0):.0f} | {m.get('handoffs', 0):.0f} | "
+                             f"{m.get('whole_gpu_steps', 0):.0f} | "
                              f"{lane_work_text(work, 'prefill_tokens', 'P')} | {lane_work_text(work, 'decode_rows', 'D')} |")
     checks = result.get("checks") or {}
     if checks:
@@ -70,7 +72,7 @@ def table(result: dict[str, Any]) -> str:
 
 def acceptance_checks(modes: dict[str, Any]) -> dict[str, Any]:
     """The multiplexing goals this run can compute, each multiplexed mode against co-located (None where a point is
-    missing); a check of the "multiplexed-slo" mode has its name prefixed with it."""
+    missing); a check of another multiplexed mode than "multiplexed" has its name prefixed with the mode's."""
     out: dict[str, Any] = {}
     for mux in MULTIPLEXED:
         if mux in modes:

@@ -89,7 +89,8 @@ def test_result_table_and_acceptance_checks() -> None:
                                    "512/128@8": point(metrics((40, 90), (7.0, 8), (7, 9), 1000)),
                                    "512/128@all": {**point(metrics((400, 800), (10, 12), (10, 20), 3300)),
                                                    "pd_multiplex": {"prefill_sms": 64.0, "decode_sms": 68.0,
-                                                                    "split_changes": 2.0, "handoffs": 64.0},
+                                                                    "split_changes": 2.0, "handoffs": 64.0,
+                                                                    "whole_gpu_steps": 5.0},
                                                    "lane_work": {"prefill_tokens:112": 2048.0,
                                                                  "prefill_tokens:56": 30720.0,
                                                                  "decode_rows:76": 8128.0}}},
@@ -110,7 +111,7 @@ def test_result_table_and_acceptance_checks() -> None:
     assert "| 2048/256@4 | multiplexed | 40 | 80.0 / 150.0 | 9.0 / 10.0 | 9.0 / 12.0 | 950 | 0 |" in text
     assert "| colocated | 4 | 2048/256@all |" in text and "| multiplexed | 8 | - |" in text
     assert "| goodput vs co-located | 2.00 | >= 1.5 | yes |" in text
-    assert "| 512/128@all | 64P/68D | 2 | 64 | 56P 30,720; 112P 2,048 | 76D 8,128 |" in text
+    assert "| 512/128@all | 64P/68D | 2 | 64 | 5 | 56P 30,720; 112P 2,048 | 76D 8,128 |" in text
 
 
 def test_split_metrics_are_read_from_the_workers_exposition() -> None:

@@ -64,17 +64,20 @@ def test_multiplexed_worker_answers_with_colocated_tokens() -> None:
         mux = worker.loop.call(attach)
         assert _answers(cluster, prompts) == expected
         assert cluster.idle()
-        assert mux.handoffs == len(prompts)
+        stats = worker.loop.call(mux.stats)
+        assert 0 < stats["handoffs"] <= len(prompts) and stats["whole_gpu_steps"] > 0  # the first prompt: alone
         cluster.check_pools()
         text = httpx.get(f"http://127.0.0.1:{worker.metrics.port}/metrics", timeout=10).text
-        assert f'hybridserve_worker_pd_multiplex_handoffs_total{{role="decode"}} {float(len(prompts))}' in text
+        assert f'hybridserve_worker_pd_multiplex_handoffs_total{{role="decode"}} {float(stats["handoffs"])}' in text
+        assert (f'hybridserve_worker_pd_multiplex_whole_gpu_steps_total{{role="decode"}} '
+                f'{float(stats["whole_gpu_steps"])}') in text
         assert 'hybridserve_worker_pd_multiplex_decode_sms{role="decode"}' in text
-        # each lane's rows by its SMs: one series per split of the menu, adding up to the multiplexer's counts
+        # each lane's rows by its SMs: one series per split of the menu and the whole device (whole-GPU steps),
+        # adding up to the multiplexer's counts
         samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
         prefill = {s.labels["prefill_sms"]: s.value for s in samples if "prefill_sms" in s.labels}
         decode = {s.labels["decode_sms"]: s.value for s in samples if "decode_sms" in s.labels}
-        assert set(prefill) == {"32", "64", "96"} and set(decode) == {"36", "68", "100"}
-        stats = worker.loop.call(mux.stats)
+        assert set(prefill) == {"32", "64", "96", "132"} and set(decode) == {"36", "68", "100", "132"}
         assert sum(prefill.values()) == sum(stats["prefill_tokens_by_sms"].values()) > 0
         assert sum(decode.values()) == sum(stats["decode_rows_by_sms"].values()) > 0
         # the router's HTTP door on top of it

@@ -23,8 +23,10 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("whole_gpu", [False, True], ids=["lanes", "whole-gpu"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_cuda_multiplexed_greedy_equals_colocated(case: str) -> None:
+def test_cuda_multiplexed_greedy_equals_colocated(case: str, whole_gpu: bool) -> None:
+    """`whole_gpu`: steps with one phase idle run co-located on the whole GPU (its own graphs) between lane steps."""
     factory, extra = CASES[case]
     model_dir = factory()
     kwargs = dict(device="cuda", dtype="float32", prefill_chunk_size=64, state_block=32, max_num_seqs=16,
@@ -36,7 +38,8 @@ def test_cuda_multiplexed_greedy_equals_colocated(case: str) -> None:
     arrivals += [(80 + 40 * i, shared + tail, PARAMS) for i, tail in enumerate(random_prompts([5, 33], vocab=128, seed=33))]
     colocated = LLMEngine(model_dir, EngineConfig(**kwargs))  # type: ignore[arg-type]
     expected = drive(colocated, arrivals)
-    engine = LLMEngine(model_dir, EngineConfig(pd_multiplex=True, **kwargs))  # type: ignore[arg-type]
+    engine = LLMEngine(model_dir, EngineConfig(pd_multiplex=True, pd_multiplex_whole_gpu=whole_gpu,
+                                               **kwargs))  # type: ignore[arg-type]
     mux = engine.multiplexer
     if mux is None:
         pytest.skip("no SM partitions on this machine (see the engine's WARNING)")
@@ -44,10 +47,14 @@ def test_cuda_multiplexed_greedy_equals_colocated(case: str) -> None:
     splits = mux.controller.splits
     assert mux.controller.measured("prefill") == tuple(sorted(s.prefill_sms for s in splits))
     assert mux.controller.measured("decode") == tuple(sorted(s.decode_sms for s in splits))
-    assert mux.handoffs == 0 and not engine.has_unfinished()
+    assert mux.counters.handoffs == 0 and not engine.has_unfinished()
     mux.prefill_delay = 2
     assert drive(engine, arrivals) == expected
-    assert mux.handoffs >= len(arrivals) and mux.overlapped_steps > 0
+    assert mux.counters.overlapped_steps > 0
+    if whole_gpu:  # the first prompt prefills alone, the last requests decode alone: on the whole GPU
+        assert mux.counters.whole_gpu_steps > 0 and mux.counters.handoffs > 0
+    else:
+        assert mux.counters.handoffs >= len(arrivals) and mux.counters.whole_gpu_steps == 0
     assert engine.graph_stats()["graph_decode_steps"] > 0  # decode graphs captured in the decode lane replayed
     assert engine.pool.num_hits > 0
     torch.cuda.synchronize()

@@ -20,6 +20,7 @@ from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.lane_flight import Fence
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.sm_partition import SmSplit, fake_partitioner
+from hybridserve.engine.sm_split import SplitPolicy
 from hybridserve.engine.split_profile import profile_splits
 from hybridserve.models.default_model import default_model_dir
 from hybridserve.statepool import CacheLayout
@@ -27,12 +28,15 @@ from hybridserve.statepool import CacheLayout
 LENGTHS = [3, 17, 40, 9, 33, 5, 64, 21]  # across chunk boundaries of 16
 
 
-def engines(model_dir, delay: int, **kwargs) -> tuple[LLMEngine, LLMEngine, multiplex.Multiplexer]:
-    """(co-located engine, multiplexed engine over a fake partition, its multiplexer)."""
+def engines(model_dir, delay: int, whole_gpu: bool = False, backlog_ms: float = 1000.0,
+            **kwargs) -> tuple[LLMEngine, LLMEngine, multiplex.Multiplexer]:
+    """(co-located engine, multiplexed engine over a fake partition, its multiplexer); `whole_gpu`: steps may run
+    co-located on the whole GPU (off: every step in the lanes, which most tests exercise)."""
     colocated = LLMEngine(model_dir, EngineConfig(**kwargs))
     engine = LLMEngine(model_dir, EngineConfig(pd_multiplex=True, async_scheduling=True, **kwargs))
     assert engine.async_steps is None  # the multiplexed step overlaps its own lanes instead
-    mux = multiplex.attach(engine, fake_partitioner(132, (32, 64, 96)))
+    policy = SplitPolicy(whole_gpu=whole_gpu, backlog_ms=backlog_ms)
+    mux = multiplex.attach(engine, fake_partitioner(132, (32, 64, 96)), policy)
     mux.prefill_delay = delay
     return colocated, engine, mux
 
@@ -44,13 +48,14 @@ def check_idle(engine: LLMEngine) -> None:
     assert not getattr(engine.scheduler, "in_flight", {})
 
 
-@pytest.mark.parametrize("delay", [0, 3])
-def test_greedy_tokens_equal_colocated_while_requests_arrive(delay: int) -> None:
+@pytest.mark.parametrize(("delay", "whole_gpu"), [(0, False), (3, False), (0, True), (3, True)])
+def test_greedy_tokens_equal_colocated_while_requests_arrive(delay: int, whole_gpu: bool) -> None:
     model_dir, _ = nemotron_h("M*-M*")
     prompts = random_prompts(LENGTHS, vocab=128, seed=11)
-    colocated, engine, mux = engines(model_dir, delay, prefill_chunk_size=16, enable_prefix_caching=False)
+    colocated, engine, mux = engines(model_dir, delay, whole_gpu, prefill_chunk_size=16, enable_prefix_caching=False)
     expected = drive(colocated, staggered(prompts))
     launch, shared = engine.runner.launch, []
+    execute, whole_steps = engine.runner.execute, []
 
     def checked_launch(work, checkpoint_slots=None):  # a request is never in both lanes' forwards at once
         assert not (work.decodes and work.prefills), "a lane's batch mixes decodes and prefill chunks"
@@ -58,19 +63,66 @@ def test_greedy_tokens_equal_colocated_while_requests_arrive(delay: int) -> None
             shared.extend({id(c.request) for c in mux.in_flight.work.prefills} & {id(r) for r in work.decodes})
         return launch(work, checkpoint_slots)
 
-    engine.runner.launch = checked_launch
+    def checked_execute(work, *args, **kwargs):  # a whole-GPU step: only with nothing in flight in a lane
+        assert mux.whole and mux.in_flight is None
+        whole_steps.append(work)
+        return execute(work, *args, **kwargs)
+
+    engine.runner.launch, engine.runner.execute = checked_launch, checked_execute
     assert drive(engine, staggered(prompts)) == expected
     assert not shared
-    assert mux.handoffs == len(prompts)  # every prompt passed from the prefill lane to the decode lane
-    # each lane's work by the SMs it ran on: every prompt token and every generated token but the last is one row
-    # of one lane (no prefix cache; a prompt's one last token left after its chunks is a decode row)
+    # each lane's work by the SMs it ran on (a whole-GPU step's under all 132): every prompt token and every
+    # generated token but the last is one row of one step (no prefix cache; a prompt's one last token left after
+    # its chunks is a decode row)
     stats = mux.stats()
     rows = sum(stats["prefill_tokens_by_sms"].values()) + sum(stats["decode_rows_by_sms"].values())
     assert rows == sum(LENGTHS) + sum(len(tokens) - 1 for tokens in expected.values())
-    assert set(stats["prefill_tokens_by_sms"]) <= {s.prefill_sms for s in mux.controller.splits}
-    assert set(stats["decode_rows_by_sms"]) <= {s.decode_sms for s in mux.controller.splits}
+    lane_tokens = sum(v for k, v in stats["prefill_tokens_by_sms"].items() if k != 132)
+    if whole_gpu:  # the first prompt prefills alone, the last ones decode alone: on the whole GPU; the rest in lanes
+        assert stats["whole_gpu_steps"] == len(whole_steps) > 0 and stats["prefill_tokens_by_sms"][132] > 0
+        assert stats["decode_rows_by_sms"][132] > 0 and lane_tokens > 0
+        assert 0 < mux.counters.handoffs < len(prompts)
+    else:  # every prompt passed from the prefill lane to the decode lane
+        assert mux.counters.handoffs == len(prompts) and not whole_steps
+        assert lane_tokens == sum(stats["prefill_tokens_by_sms"].values())
     if delay:
-        assert mux.overlapped_steps > 0  # decode steps ran while a prefill forward was in flight
+        assert mux.counters.overlapped_steps > 0  # decode steps ran while a prefill forward was in flight
+    check_idle(engine)
+    check_idle(colocated)
+
+
+@pytest.mark.parametrize("case", ["burst", "mtp and prefix cache"])
+def test_a_deep_backlog_drains_on_the_whole_gpu_then_lanes_resume(case: str) -> None:
+    """A burst whose prefill takes longer than backlog_ms: whole-GPU steps until nothing waits (the decodes that
+    start meanwhile too), then lanes for the prompts arriving later; the tokens stay the co-located engine's."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2} if case != "burst" else None
+    model_dir = nemotron_h_mtp()[0] if spec else nemotron_h("M*-M*")[0]
+    shared = random_prompts([32], vocab=128, seed=19)[0]
+    prompts = random_prompts(LENGTHS, vocab=128, seed=18)
+    if spec:
+        prompts = [shared + p for p in prompts]
+    burst, later = prompts[:5], prompts[5:]
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)  # still decoding when the later ones come
+    arrivals = [(0, p, long) for p in burst] + [(15 + 2 * i, p, GREEDY) for i, p in enumerate(later)]
+    # backlog_ms between one prompt's predicted prefill (a lane: ~0.035 ms/token x 132/96) and the burst's
+    colocated, engine, mux = engines(model_dir, 1, True, backlog_ms=4.0, prefill_chunk_size=16, state_block=16,
+                                     speculative_config=spec, enable_prefix_caching=bool(spec))
+    expected = drive(colocated, arrivals)
+    draining = []
+    whole_gpu = mux.controller.whole_gpu
+
+    def watched(waiting: int, decoding: int) -> bool:
+        draining.append(mux.controller.draining)
+        return whole_gpu(waiting, decoding)
+
+    mux.controller.whole_gpu = watched  # type: ignore[method-assign]
+    assert drive(engine, arrivals) == expected
+    stats = mux.stats()
+    assert mux.controller.draining is False and any(draining)
+    assert stats["prefill_tokens_by_sms"][132] >= sum(len(p) for p in burst) - (32 * 4 if spec else 0)
+    assert mux.counters.handoffs > 0  # the later prompts, one at a time beside decodes: in the lanes
+    if spec:
+        assert engine.pool.num_hits > 0 and engine.spec is not None
     check_idle(engine)
     check_idle(colocated)
 
@@ -115,8 +167,9 @@ def test_a_prefill_completing_beside_a_decode_step_is_taken_and_the_next_launche
 
     mux._launch_decode, mux._launch_prefill = slow_decode, slow_prefill  # type: ignore[method-assign]
     assert drive(engine, staggered(prompts, every=1)) == expected
-    assert mux.handoffs == len(prompts)
-    assert mux.prefills_beside_decode > 0 and mux.stats()["prefills_beside_decode"] == mux.prefills_beside_decode
+    assert mux.counters.handoffs == len(prompts)
+    beside = mux.counters.prefills_beside_decode
+    assert beside > 0 and mux.stats()["prefills_beside_decode"] == beside
     if case == "prefix cache":
         assert engine.pool.num_hits > 0
     check_idle(engine)
@@ -148,7 +201,7 @@ def test_mtp_speculative_decoding_while_multiplexed(rollback: str) -> None:
     engine.spec.set_drafter(lambda r: expected[r.request_id][len(r.output_token_ids) :])
     assert drive(engine, staggered(prompts, params, every=3)) == expected
     assert engine.spec.metrics.num_accepted_tokens > 0
-    assert mux.overlapped_steps > 0
+    assert mux.counters.overlapped_steps > 0
     check_idle(engine)
 
 
@@ -262,7 +315,7 @@ def test_the_startup_profile_times_every_split_and_leaves_the_engine_clean() -> 
     assert mux.controller.changes == 0  # pinned splits are not the controller's changes
     # nothing of the profile is left: cached prefixes, counters, cache events, the seed stream, the handoff metrics
     assert engine.pool.num_hits == 0 and not engine.drain_cache_events() and engine._seeds.getstate() == seeds
-    assert mux.handoffs == 0 and mux.overlapped_steps == 0
+    assert mux.counters.handoffs == 0 and mux.counters.overlapped_steps == 0
     splits = mux.controller.splits
     assert mux.controller.measured("prefill") == tuple(s.prefill_sms for s in splits)
     assert mux.controller.measured("decode") == tuple(sorted(s.decode_sms for s in splits))

@@ -219,3 +219,24 @@ def test_the_split_follows_arrivals_and_an_emptied_queue_and_forget_starts_over(
     c.forget()
     assert c.changes == 0 and c.decisions == 0
     assert c.predict_ms("decode", 116, 64) == pytest.approx(H200_DECODE_MS[116])  # back to the policy's profile
+
+
+def test_whole_gpu_while_one_phase_idles_and_while_a_deep_backlog_drains() -> None:
+    """The whole GPU while a phase has no work; a backlog past backlog_ms drains on it until nothing waits, whatever
+    it shrinks to meanwhile; a short queue beside decode rows runs in the lanes; never with whole_gpu off."""
+    controller = SplitController(SplitPolicy(backlog_ms=500.0), SPLITS)
+    run(controller, (8192, 32), 6)  # measured: ~0.03 ms/token in the 112-SM lane, so 500 ms is ~16K tokens
+    assert controller.whole_gpu(0, 32) and controller.whole_gpu(4096, 0) and controller.whole_gpu(0, 0)
+    assert not controller.whole_gpu(4096, 32) and not controller.draining  # a short queue: the lanes
+    assert controller.whole_gpu(65536, 32) and controller.draining  # deep: drained on the whole GPU ...
+    assert controller.whole_gpu(2048, 32) and controller.draining  # ... until nothing waits
+    assert controller.whole_gpu(0, 32) and not controller.draining
+    assert not controller.whole_gpu(2048, 32)
+    assert controller.whole_gpu(65536, 32)
+    controller.forget()
+    assert not controller.draining
+    off = SplitController(SplitPolicy(whole_gpu=False, backlog_ms=500.0), SPLITS)
+    assert not any(off.whole_gpu(w, b) for w, b in ((0, 32), (4096, 0), (65536, 32), (0, 0)))
+    assert not off.draining
+    with pytest.raises(ValueError, match="whole_gpu"):
+        SplitPolicy(whole_gpu=1)  # type: ignore[arg-type]
