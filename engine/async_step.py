@@ -11,8 +11,9 @@ that stops on EOS or a stop string wastes its row of step N+1, whose token is dr
 of step N (cached blocks, decode checkpoints) is queued right after step N's forward, before step N+1 touches the
 state, and covers only tokens that were inputs, never a placeholder.
 
-Scope: plain decoding and prefill chunks. Steps fall back to the synchronous `LLMEngine.step` (after the step in
-flight is applied) while any request wants logprobs, prompt logprobs, a grammar, logits processors (penalties,
+Scope: plain decoding and prefill chunks, in co-located steps (a multiplexed engine's whole-GPU steps too; its lane
+steps run after the step in flight is applied, `flush`). Steps fall back to the synchronous `LLMEngine.step` (after
+the step in flight is applied) while any request wants logprobs, prompt logprobs, a grammar, logits processors (penalties,
 min_tokens, logit_bias) or keeps its state for export, and always with speculative decoding or tensor parallelism
 (`fallback_reason`, logged at start-up).
 """
@@ -73,8 +74,6 @@ PLACEHOLDER = -1  # an in-flight token's place in output_token_ids (never read a
 
 def fallback_reason(engine: LLMEngine) -> str | None:
     """Why this engine never steps asynchronously (None: it does, request by request)."""
-    if engine.config.pd_multiplex:
-        return "the multiplexed prefill/decode step overlaps its own lanes"
     if engine.spec is not None:
         return "speculative decoding verifies drafts against the host's tokens"
     if engine.tp is not None:
@@ -161,6 +160,10 @@ class AsyncStepper:
         self.num_async_steps += 1
         engine.last_step = clock.timing(launched.num_decode, _prefill_tokens(launched))
         return outputs
+
+    def flush(self) -> list[RequestOutput]:
+        """Apply the step in flight, if any, launching none (a multiplexed engine's lanes take over after it)."""
+        return [] if self.inflight is None else self._resolve_only(self.inflight, StepClock())
 
     def _resolve_only(self, step: InFlight, clock: StepClock) -> list[RequestOutput]:
         """Apply the step in flight without launching another (the next steps run synchronously, or none is left)."""

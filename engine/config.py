@@ -144,11 +144,11 @@ class EngineConfig:
     # with pd_multiplex: steps run co-located on the whole GPU while one phase has no work and while a deep backlog
     # drains (pd_multiplex_backlog_ms); off: every step runs in the split's lanes
     pd_multiplex_whole_gpu: bool = True
-    # with pd_multiplex: once the prompts waiting take longer than this (ms) to prefill even in the largest prefill
-    # lane (a queue past a TTFT objective of this size: drain it for throughput), steps run on the whole GPU until
-    # nothing waits (without pd_multiplex_whole_gpu: the decode budget is lifted and prefill takes the most SMs);
-    # 0: never
-    pd_multiplex_backlog_ms: float = 1000.0
+    # with pd_multiplex: once the prompts waiting take longer than this (ms) to prefill in the split the decode budget
+    # gives them (a queue past a TTFT objective of this size: drain it for throughput), steps run on the whole GPU
+    # until nothing waits (without pd_multiplex_whole_gpu: the decode budget is lifted and prefill takes the most
+    # SMs); 0: never
+    pd_multiplex_backlog_ms: float = 500.0
 
     def __post_init__(self) -> None:
         self.grammar_limits  # noqa: B018 - validated on construction

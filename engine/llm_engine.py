@@ -318,16 +318,16 @@ class LLMEngine:
         step's outputs to their streams there); not called when the step queues no forward."""
         if self.multiplexer is not None:
             return self.multiplexer.step(on_launched)
-        self.last_step = NO_STEP
-        if self.async_steps is not None and (ahead := self.async_steps.step(on_launched)) is not None:
-            return ahead  # engine/async_step.py; None: this step runs synchronously
         return self.colocated_step(on_launched)
 
     def colocated_step(self, on_launched: Callable[[], None] | None = None) -> list[RequestOutput]:
-        """One synchronous co-located step on the whole GPU: a mixed batch of decode rows and prefill chunks in one
-        forward (also a multiplexed engine's step while its lanes would leave SMs idle: engine/sm_split.py)."""
-        clock = StepClock()
+        """One co-located step on the whole GPU, a mixed batch of decode rows and prefill chunks in one forward: a
+        step ahead of its tokens where async scheduling applies, else synchronous (also a multiplexed engine's step
+        while its lanes would leave SMs idle: engine/sm_split.py)."""
         self.last_step = NO_STEP
+        if self.async_steps is not None and (ahead := self.async_steps.step(on_launched)) is not None:
+            return ahead  # engine/async_step.py; None: this step runs synchronously
+        clock = StepClock()
         work = self.scheduler.schedule()
         if work.is_empty:
             return []

@@ -44,6 +44,7 @@ from typing import Any, Protocol
 import torch
 
 from hybridserve.common.outputs import RequestOutput
+from hybridserve.engine.async_step import AsyncStepper
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.lane_counters import LaneCounters
 from hybridserve.engine.lane_flight import DecodeInFlight, Fence, PrefillInFlight
@@ -75,6 +76,7 @@ class MultiplexedEngine(Protocol):
     pool: StatePool
     multiplexer: Multiplexer | None
     last_step: StepTiming
+    async_steps: AsyncStepper | None
 
     def abort(self, request_id: str) -> bool: ...
 
@@ -126,9 +128,7 @@ class Multiplexer:
         self.iteration += 1
         if self.in_flight is None and self.pinned is None and self.controller.whole_gpu(*self.scheduler.load()):
             return self._whole_step(on_launched)
-        if self.whole:  # back in the lanes: their graphs
-            self.whole = False
-            self._use_graphs()
+        outputs = self._leave_whole() if self.whole else []
         clock = StepClock()
         if self.in_flight is None:
             self._choose_split()
@@ -144,15 +144,14 @@ class Multiplexer:
         self.pool.evict_ahead()  # safe beside a prefill in flight: its checkpoints are not filed yet
         self.scheduler.prepare_waiting()
         clock.overlap_ended()
-        outputs: list[RequestOutput] = []
         beside = 0
         if decode is not None and launched is not None:
             try:
-                beside, outputs = self._prefill_beside(prefill_lane, decode_lane, launched)
+                beside, beside_outputs = self._prefill_beside(prefill_lane, decode_lane, launched)
             except BaseException:  # the abort that follows frees this step's rows: admission waits for the step
                 self._decode_tail = Fence.after(decode_lane)
                 raise
-            outputs += self._finish_decode(decode_lane, decode, launched)
+            outputs += beside_outputs + self._finish_decode(decode_lane, decode, launched)
             if self._graphs_stale:  # the split changed while this step ran: its graphs from the next step on
                 self._graphs_stale = False
                 self._use_graphs()
@@ -175,12 +174,24 @@ class Multiplexer:
             if fence is not None:
                 fence.hold_loop(self.runner.device)
         self._admitted = self._prefill_tail = self._decode_tail = self._beside_tail = None
+        steps = self.engine.async_steps
+        launched_before = steps.num_async_steps if steps is not None and steps.busy else None
         outputs = self.engine.colocated_step(on_launched)
+        if steps is not None and launched_before == steps.num_async_steps:  # it only applied the step in flight,
+            return outputs  # whose work was counted at its launch
         step, counters, total = self.engine.last_step, self.counters, self.partitioner.total_sms
         if step.decode_rows or step.prefill_tokens:
             counters.whole_gpu_steps += 1
             counters.prefill_tokens_by_sms[total] += step.prefill_tokens
             counters.decode_rows_by_sms[total] += step.decode_rows
+        return outputs
+
+    def _leave_whole(self) -> list[RequestOutput]:
+        """Back in the lanes: a whole-GPU step still in flight (async scheduling) is applied, the lanes' graphs are
+        taken; the outputs of that step."""
+        self.whole = False
+        outputs = self.engine.async_steps.flush() if self.engine.async_steps is not None else []
+        self._use_graphs()
         return outputs
 
     def _launch_prefill(self, lane: Lane, decode_lane: Lane) -> bool:
@@ -319,8 +330,8 @@ class Multiplexer:
     def pin(self, split: SmSplit | None, then: SmSplit | None = None) -> None:
         """Hold `split` until unpinned (the start-up profile runs in each split); None: the controller chooses again,
         from `then` (default: the split in effect). Only while no prefill forward is in flight."""
-        if self.in_flight is not None:
-            raise RuntimeError("the split cannot change while a prefill forward is in flight")
+        if self.in_flight is not None or self.engine.async_steps is not None and self.engine.async_steps.busy:
+            raise RuntimeError("the split cannot change while a forward is in flight")
         self.controller.restart_from(split or then or self.split)  # ValueError off the menu, before any change
         self.pinned = split
         self._use_graphs()

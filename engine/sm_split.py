@@ -14,7 +14,7 @@ Choice. For each split of the menu, with W prefill tokens waiting and B decode r
     decode_ms  = T_decode(split.decode_sms, B)              one decode step
     prefill_ms = T_prefill(split.prefill_sms, W)            time to prefill what waits
     budget     = tpot_slo_ms, or decode_slowdown x the fastest decode_ms of the menu; none while the backlog takes
-                 longer than backlog_ms to prefill in the largest prefill lane (a deep queue: drain it)
+                 longer than backlog_ms to prefill in the split that budget gives it (a deep queue: drain it)
     cost = prefill_ms * (1 + over_budget_weight * max(0, decode_ms / budget - 1))    (W and B both > 0)
     cost = decode_ms (W = 0: decode takes its fastest split), cost = prefill_ms (B = 0: prefill takes the largest)
 i.e. the fastest prefill among the splits whose decode step stays within its budget. The default budget keeps the
@@ -31,9 +31,9 @@ The whole GPU. A split pays for isolation: a prefill lane of k SMs runs up to 13
 in its lane reads every weight the prefill beside it reads too. So (policy.whole_gpu) lanes run only while both
 phases have work and the queue is short; otherwise a step is the co-located engine's, one mixed batch on the whole
 GPU: while one phase has no work, and from the moment what waits takes longer than backlog_ms to prefill in the
-largest lane until nothing waits (`draining`). A burst then drains at the whole GPU's prefill speed, as co-located:
-the time to its last first token bounds its throughput, and the running streams' inter-token tail, which the lanes
-would protect, is then worth less than a queue already past its TTFT objective.
+split the decode budget gives it until nothing waits (`draining`). A burst then drains at the whole GPU's prefill
+speed, as co-located: the time to its last first token bounds its throughput, and the running streams' inter-token
+tail, which the lanes would protect, is then worth less than a queue already past its TTFT objective.
 """
 
 from __future__ import annotations
@@ -78,11 +78,11 @@ class SplitPolicy:
     # steps run co-located on the whole GPU (one mixed batch, no lanes) while one phase has no work (nothing to
     # isolate; a lane would leave SMs idle) and while a deep backlog drains (below)
     whole_gpu: bool = True
-    # once what waits takes longer than this to prefill even in the largest prefill lane, the queue is past a TTFT
-    # objective of this size and draining it is what throughput needs: with whole_gpu, steps run on the whole GPU
-    # until the queue is empty (as a co-located engine drains a burst); without, the decode budget is lifted and
-    # prefill takes the most SMs (0: neither)
-    backlog_ms: float = 1000.0
+    # once what waits takes longer than this to prefill in the split the decode budget gives it, the queue's last
+    # prompt would wait past a TTFT objective of this size and draining it is what throughput needs: with whole_gpu,
+    # steps run on the whole GPU until the queue is empty (as a co-located engine drains a burst); without, the
+    # decode budget is lifted and prefill takes the most SMs (0: neither)
+    backlog_ms: float = 500.0
     over_budget_weight: float = 20.0  # a split 10 % over the decode budget costs 3x its prefill time
     # how a step's time grows with its work while only one work size was seen (1: proportional)
     prefill_work_exponent: float = 1.0
@@ -177,6 +177,8 @@ class SplitController:
         self.draining = False  # a backlog past backlog_ms is being drained on the whole GPU (policy.whole_gpu)
         self._fits: dict[tuple[str, int], _LineFit] = {}
         self._measured: dict[str, tuple[int, ...]] = {}  # lane -> the SM counts in _fits, ascending
+        # predict_ms's answers since the last sample (a step's decisions ask the same ones several times)
+        self._predicted: dict[tuple[str, int, int], float] = {}
         self._candidate: SmSplit | None = None
         self._streak = 0
         self.seed(policy.profile)
@@ -197,6 +199,7 @@ class SplitController:
         self._add(lane, split.sms(lane), work, ms, self.policy.ema_alpha)
 
     def _add(self, lane: str, sms: int, work: int, ms: float, alpha: float) -> None:
+        self._predicted.clear()
         fit = self._fits.get((lane, sms))
         if fit is None:
             fit = self._fits[(lane, sms)] = _LineFit()
@@ -212,6 +215,13 @@ class SplitController:
         """The model's time for `lane` to run `work` units on `sms` SMs (0 for no work)."""
         if work <= 0:
             return 0.0
+        key = (lane, sms, work)
+        ms = self._predicted.get(key)
+        if ms is None:
+            ms = self._predicted[key] = self._predict_ms(lane, sms, work)
+        return ms
+
+    def _predict_ms(self, lane: str, sms: int, work: int) -> float:
         p = self.policy
         measured = self.measured(lane)
         if not measured:
@@ -240,11 +250,15 @@ class SplitController:
         return ", ".join(f"{s} {self.predict_ms('decode', s.decode_sms, decode_rows):.2f} / "
                          f"{self.predict_ms('prefill', s.prefill_sms, prefill_tokens):.1f} ms" for s in self.splits)
 
-    def backlog_deep(self, prefill_tokens_waiting: int) -> bool:
-        """Whether what waits takes longer than backlog_ms to prefill even in the menu's largest prefill lane."""
+    def backlog_deep(self, prefill_tokens_waiting: int, decode_rows: int) -> bool:
+        """Whether what waits takes longer than backlog_ms to prefill in the split the decode budget gives it (with
+        nothing decoding: the largest prefill lane), i.e. the queue's last prompt would wait past backlog_ms."""
         backlog_ms = self.policy.backlog_ms
-        return backlog_ms > 0 and prefill_tokens_waiting > 0 and backlog_ms < min(
-            self.predict_ms("prefill", s.prefill_sms, prefill_tokens_waiting) for s in self.splits)
+        if backlog_ms <= 0 or prefill_tokens_waiting <= 0:
+            return False
+        budget = self._objective_budget_ms(decode_rows) if decode_rows > 0 else None
+        split = self.best(prefill_tokens_waiting, decode_rows, budget)
+        return self.predict_ms("prefill", split.prefill_sms, prefill_tokens_waiting) > backlog_ms
 
     def whole_gpu(self, prefill_tokens_waiting: int, decode_rows: int) -> bool:
         """Whether the next step runs co-located on the whole GPU (policy.whole_gpu): while one phase has no work,
@@ -254,14 +268,18 @@ class SplitController:
         if prefill_tokens_waiting <= 0:
             self.draining = False
             return True
-        self.draining = self.draining or self.backlog_deep(prefill_tokens_waiting)
+        self.draining = self.draining or self.backlog_deep(prefill_tokens_waiting, decode_rows)
         return self.draining or decode_rows <= 0
 
     def decode_budget_ms(self, decode_rows: int, prefill_tokens_waiting: int = 0) -> float:
         """The decode step's budget while prompts wait (module docstring); unbounded while the backlog is deep."""
-        p = self.policy
-        if self.backlog_deep(prefill_tokens_waiting):
+        if self.backlog_deep(prefill_tokens_waiting, decode_rows):
             return math.inf
+        return self._objective_budget_ms(decode_rows)
+
+    def _objective_budget_ms(self, decode_rows: int) -> float:
+        """The budget of the policy's objective: the TPOT SLO, else decode_slowdown x the fastest decode step."""
+        p = self.policy
         if p.tpot_slo_ms > 0:
             return p.tpot_slo_ms
         return p.decode_slowdown * min(self.predict_ms("decode", s.decode_sms, decode_rows) for s in self.splits)
@@ -334,6 +352,7 @@ class SplitController:
         kernel compiles, seconds each, that would make the splits it ran in look slow)."""
         self._fits.clear()
         self._measured.clear()
+        self._predicted.clear()
         self.changes = self.decisions = 0
         self.draining = False
         self._candidate, self._streak = None, 0

@@ -34,7 +34,6 @@ def engines(model_dir, delay: int, whole_gpu: bool = False, backlog_ms: float = 
     co-located on the whole GPU (off: every step in the lanes, which most tests exercise)."""
     colocated = LLMEngine(model_dir, EngineConfig(**kwargs))
     engine = LLMEngine(model_dir, EngineConfig(pd_multiplex=True, async_scheduling=True, **kwargs))
-    assert engine.async_steps is None  # the multiplexed step overlaps its own lanes instead
     policy = SplitPolicy(whole_gpu=whole_gpu, backlog_ms=backlog_ms)
     mux = multiplex.attach(engine, fake_partitioner(132, (32, 64, 96)), policy)
     mux.prefill_delay = delay
@@ -55,7 +54,7 @@ def test_greedy_tokens_equal_colocated_while_requests_arrive(delay: int, whole_g
     colocated, engine, mux = engines(model_dir, delay, whole_gpu, prefill_chunk_size=16, enable_prefix_caching=False)
     expected = drive(colocated, staggered(prompts))
     launch, shared = engine.runner.launch, []
-    execute, whole_steps = engine.runner.execute, []
+    colocated_step, whole_calls = engine.colocated_step, []
 
     def checked_launch(work, checkpoint_slots=None):  # a request is never in both lanes' forwards at once
         assert not (work.decodes and work.prefills), "a lane's batch mixes decodes and prefill chunks"
@@ -63,12 +62,12 @@ def test_greedy_tokens_equal_colocated_while_requests_arrive(delay: int, whole_g
             shared.extend({id(c.request) for c in mux.in_flight.work.prefills} & {id(r) for r in work.decodes})
         return launch(work, checkpoint_slots)
 
-    def checked_execute(work, *args, **kwargs):  # a whole-GPU step: only with nothing in flight in a lane
+    def checked_step(on_launched=None):  # a whole-GPU step: only with nothing in flight in a lane
         assert mux.whole and mux.in_flight is None
-        whole_steps.append(work)
-        return execute(work, *args, **kwargs)
+        whole_calls.append(mux.iteration)
+        return colocated_step(on_launched)
 
-    engine.runner.launch, engine.runner.execute = checked_launch, checked_execute
+    engine.runner.launch, engine.colocated_step = checked_launch, checked_step
     assert drive(engine, staggered(prompts)) == expected
     assert not shared
     # each lane's work by the SMs it ran on (a whole-GPU step's under all 132): every prompt token and every
@@ -79,11 +78,12 @@ def test_greedy_tokens_equal_colocated_while_requests_arrive(delay: int, whole_g
     assert rows == sum(LENGTHS) + sum(len(tokens) - 1 for tokens in expected.values())
     lane_tokens = sum(v for k, v in stats["prefill_tokens_by_sms"].items() if k != 132)
     if whole_gpu:  # the first prompt prefills alone, the last ones decode alone: on the whole GPU; the rest in lanes
-        assert stats["whole_gpu_steps"] == len(whole_steps) > 0 and stats["prefill_tokens_by_sms"][132] > 0
+        assert 0 < stats["whole_gpu_steps"] <= len(whole_calls) and stats["prefill_tokens_by_sms"][132] > 0
+        assert engine.async_steps is not None and engine.async_steps.num_async_steps > 0  # a step ahead of its tokens
         assert stats["decode_rows_by_sms"][132] > 0 and lane_tokens > 0
         assert 0 < mux.counters.handoffs < len(prompts)
     else:  # every prompt passed from the prefill lane to the decode lane
-        assert mux.counters.handoffs == len(prompts) and not whole_steps
+        assert mux.counters.handoffs == len(prompts) and not whole_calls
         assert lane_tokens == sum(stats["prefill_tokens_by_sms"].values())
     if delay:
         assert mux.counters.overlapped_steps > 0  # decode steps ran while a prefill forward was in flight
