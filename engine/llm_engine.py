@@ -23,7 +23,7 @@ from hybridserve.common.outputs import RequestOutput
 from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.common.text_stream import TextStream
 from hybridserve.common.tokenizer import load_tokenizer
-from hybridserve.engine import handoff, multiplex, tp_launch, tp_worker
+from hybridserve.engine import handoff, multiplex_setup, tp_launch, tp_worker
 from hybridserve.engine.async_step import AsyncStepper, async_stepper
 from hybridserve.engine.cache_plan import plan_engine_cache
 from hybridserve.engine.config import DTYPES, EngineConfig
@@ -66,7 +66,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.cache, config.page_size, config.torch_device, self.state_block,
                                   spec, self.tp, config.split_mixed_steps)
         # pd_multiplex: the prefill and decode lanes' step (None: co-located steps, also where no SM partitions exist)
-        self.multiplexer = multiplex.open_multiplexer(self)
+        self.multiplexer = multiplex_setup.open_multiplexer(self)
         self._capture_graphs()
         self.connector = StateConnector(self)
         # structured outputs' compile pool: callers prepare a request's grammar on their thread, off the loop

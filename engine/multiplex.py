@@ -13,7 +13,7 @@ each call:
 3. the host waits for the decode step's tokens and applies them (outputs, stops, cache commit, drafts); while it
    waits, a prefill forward that completes is taken (step 4) and the next one launched in the same split, so the
    prefill lane does not idle until the decode step ends (unless the controller changes the split then, whose
-   graphs follow once the step is done, or too little of the step is left to cover a launch);
+   graphs follow once the step is done, or turns to the whole GPU, or too little of the step is left for a launch);
 4. the prefill forward's completion is polled (waited for when nothing decodes); once done, its first tokens are
    sampled and applied. A request whose prompt is done is now decoding: the decode lane takes it at its next step
    with the same pages and Mamba slot (ownership passes, no bytes move); the prefill lane never schedules it again.
@@ -41,8 +41,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import torch
-
 from hybridserve.common.outputs import RequestOutput
 from hybridserve.engine.async_step import AsyncStepper
 from hybridserve.engine.config import EngineConfig
@@ -52,8 +50,8 @@ from hybridserve.engine.lane_graphs import LaneGraphs, capture_lane_graphs
 from hybridserve.engine.lane_scheduler import LaneScheduler
 from hybridserve.engine.model_runner import ModelRunner
 from hybridserve.engine.scheduler import Scheduler, SchedulerOutput
-from hybridserve.engine.sm_partition import Lane, PartitionUnavailable, SmPartitioner, SmSplit, open_partitioner
-from hybridserve.engine.sm_split import SplitController, SplitPolicy
+from hybridserve.engine.sm_partition import Lane, SmPartitioner, SmSplit
+from hybridserve.engine.sm_split import SplitController
 from hybridserve.engine.step_output import StepOutput
 from hybridserve.engine.step_timing import StepClock, StepTiming
 from hybridserve.statepool.pool import StatePool
@@ -232,8 +230,8 @@ class Multiplexer:
 
     def _prefill_beside(self, lane: Lane, decode_lane: Lane, decode: DecodeInFlight) -> tuple[int, list[RequestOutput]]:
         """Until the decode step completes: each prefill forward that completes is taken and, where the controller
-        keeps the split (its change waits for this step's end) and the step's predicted time left covers a prefill
-        launch, the next one launched. -> (prefill tokens taken, requests updated). On a real lane the host polls
+        keeps the lanes and the split (a change waits for this step's end) and the step's predicted time left covers
+        a prefill launch, the next one launched. -> (prefill tokens taken, requests updated). On a real lane the host polls
         every PREFILL_POLL_S, for at most twice the step's predicted time; on a fake lane the step is complete."""
         tokens = 0
         outputs: list[RequestOutput] = []
@@ -254,6 +252,8 @@ class Multiplexer:
                 break
             tokens, outputs = tokens + done_tokens, outputs + done_outputs
             self._beside_tail = self._prefill_tail
+            if self.pinned is None and self.controller.whole_gpu(*self.scheduler.load()):
+                break  # a backlog to drain (or nothing left to prefill): the next step runs on the whole GPU
             if self._choose_split(use_graphs=False):
                 self._graphs_stale = True
                 break
@@ -383,33 +383,3 @@ class Multiplexer:
         """The split in effect, how often it changed, and what the steps ran (LaneCounters), for a worker's metrics."""
         return {"prefill_sms": self.split.prefill_sms, "decode_sms": self.split.decode_sms,
                 "split_changes": self.controller.changes, **self.counters.as_stats()}
-
-
-def attach(engine: MultiplexedEngine, partitioner: SmPartitioner, policy: SplitPolicy | None = None) -> Multiplexer:
-    """The multiplexer of `engine` (built with pd_multiplex: a LaneScheduler) over `partitioner`'s lanes (a fake
-    partitioner in CPU tests); its step replaces the co-located one from now on."""
-    scheduler = engine.scheduler
-    if not isinstance(scheduler, LaneScheduler):
-        raise ValueError("the engine was not built for pd_multiplex (its scheduler has no lanes): set pd_multiplex")
-    controller = SplitController(policy or SplitPolicy(), partitioner.splits)
-    multiplexer = Multiplexer(engine, scheduler, partitioner, controller)
-    engine.multiplexer = multiplexer
-    return multiplexer
-
-
-def open_multiplexer(engine: MultiplexedEngine) -> Multiplexer | None:
-    """With pd_multiplex, the multiplexer over green-context lanes of the engine's GPU; None without pd_multiplex or
-    where SM partitions cannot be made (one WARNING: the engine runs co-located)."""
-    config = engine.config
-    if not config.pd_multiplex:
-        return None
-    device = config.torch_device
-    total = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
-    try:
-        partitioner = open_partitioner(device, config.multiplex_menu(total) if total else (1,))
-    except PartitionUnavailable as exc:
-        logger.warning("pd_multiplex: no SM partitions here (%s); prefill and decode run co-located, in the same "
-                       "steps", exc)
-        return None
-    logger.info("pd_multiplex: prefill and decode lanes over %s", partitioner.describe())
-    return attach(engine, partitioner, config.split_policy)

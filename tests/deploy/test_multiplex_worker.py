@@ -16,7 +16,7 @@ from router_cluster import ENGINE, Cluster, tiny_model_dir
 
 from hybridserve.common.sampling_params import SamplingParams
 from hybridserve.deploy.options import ServeOptions, WorkerOptions
-from hybridserve.engine import multiplex
+from hybridserve.engine import multiplex, multiplex_setup
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.sm_partition import fake_partitioner
 from hybridserve.router.config import RouterOptions
@@ -57,7 +57,7 @@ def test_multiplexed_worker_answers_with_colocated_tokens() -> None:
         assert _answers(cluster, prompts[:2]) == expected[:2]
 
         def attach() -> multiplex.Multiplexer:
-            mux = multiplex.attach(worker.engine, fake_partitioner(132, (32, 64, 96)))
+            mux = multiplex_setup.attach(worker.engine, fake_partitioner(132, (32, 64, 96)))
             mux.prefill_delay = 2
             return mux
 

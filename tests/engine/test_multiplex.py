@@ -15,7 +15,7 @@ from multiplex_case import GREEDY, drive, staggered
 from hybridserve import LLM, SamplingParams
 from hybridserve.common.model_config import ModelConfig
 from hybridserve.common.sampling_params import StructuredOutput
-from hybridserve.engine import multiplex
+from hybridserve.engine import multiplex, multiplex_setup
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.lane_flight import Fence
 from hybridserve.engine.llm_engine import LLMEngine
@@ -35,7 +35,7 @@ def engines(model_dir, delay: int, whole_gpu: bool = False, backlog_ms: float = 
     colocated = LLMEngine(model_dir, EngineConfig(**kwargs))
     engine = LLMEngine(model_dir, EngineConfig(pd_multiplex=True, async_scheduling=True, **kwargs))
     policy = SplitPolicy(whole_gpu=whole_gpu, backlog_ms=backlog_ms)
-    mux = multiplex.attach(engine, fake_partitioner(132, (32, 64, 96)), policy)
+    mux = multiplex_setup.attach(engine, fake_partitioner(132, (32, 64, 96)), policy)
     mux.prefill_delay = delay
     return colocated, engine, mux
 
@@ -138,6 +138,23 @@ class PendingFence(Fence):
         return self.polls[0] < 0
 
 
+def slow_lanes(mux: multiplex.Multiplexer, prefill_polls: int = 1) -> None:
+    """Each decode step reads as running for three polls and each prefill forward for `prefill_polls`: prefills
+    complete beside decode steps, as on a GPU (with more polls than a decode step, beside a later one)."""
+    launch_decode, launch_prefill = mux._launch_decode, mux._launch_prefill
+
+    def slow_decode(lane, work):  # type: ignore[no-untyped-def]
+        return dataclasses.replace(launch_decode(lane, work), done=PendingFence(None))
+
+    def slow_prefill(lane, decode_lane):  # type: ignore[no-untyped-def]
+        launched = launch_prefill(lane, decode_lane)
+        if launched and mux.in_flight is not None:
+            mux.in_flight = dataclasses.replace(mux.in_flight, done=PendingFence(None, [prefill_polls]))
+        return launched
+
+    mux._launch_decode, mux._launch_prefill = slow_decode, slow_prefill  # type: ignore[method-assign]
+
+
 @pytest.mark.parametrize("case", ["pinned", "controller", "prefix cache", "mtp"])
 def test_a_prefill_completing_beside_a_decode_step_is_taken_and_the_next_launched(case: str) -> None:
     """While the decode step runs (a fence that reads as running for a few polls), each prefill forward that
@@ -154,24 +171,41 @@ def test_a_prefill_completing_beside_a_decode_step_is_taken_and_the_next_launche
     expected = drive(colocated, staggered(prompts, every=1))
     if case == "pinned":
         mux.pin(mux.controller.splits[1])
-    launch_decode, launch_prefill = mux._launch_decode, mux._launch_prefill
-
-    def slow_decode(lane, work):  # type: ignore[no-untyped-def]
-        return dataclasses.replace(launch_decode(lane, work), done=PendingFence(None))
-
-    def slow_prefill(lane, decode_lane):  # type: ignore[no-untyped-def]
-        launched = launch_prefill(lane, decode_lane)
-        if launched and mux.in_flight is not None:
-            mux.in_flight = dataclasses.replace(mux.in_flight, done=PendingFence(None, [1]))
-        return launched
-
-    mux._launch_decode, mux._launch_prefill = slow_decode, slow_prefill  # type: ignore[method-assign]
+    slow_lanes(mux)
     assert drive(engine, staggered(prompts, every=1)) == expected
     assert mux.counters.handoffs == len(prompts)
     beside = mux.counters.prefills_beside_decode
     assert beside > 0 and mux.stats()["prefills_beside_decode"] == beside
     if case == "prefix cache":
         assert engine.pool.num_hits > 0
+    check_idle(engine)
+
+
+def test_a_backlog_arriving_while_prefills_run_beside_decode_starts_a_drain() -> None:
+    """A prefill relaunched beside a decode step keeps the lane's prefill in flight when the next step starts, where
+    the drain is otherwise decided; a burst arriving then must still drain on the whole GPU: no prefill is launched
+    in a lane while the backlog is deep. The backlog rule is pinned to a token count so the test does not depend on
+    the CPU's step times."""
+    model_dir, _ = nemotron_h("M*-M*")
+    prompts = random_prompts([40, 120, 64, 64, 64, 64, 64, 64], vocab=128, seed=21)
+    long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    arrivals = [(0, prompts[0], long), (3, prompts[1], long)] + [(5, p, GREEDY) for p in prompts[2:]]
+    colocated, engine, mux = engines(model_dir, 0, True, prefill_chunk_size=16, state_block=16)
+    expected = drive(colocated, arrivals)
+    mux.controller.backlog_deep = lambda waiting, decoding: waiting > 200  # type: ignore[method-assign]
+    launch_prefill, waiting_at_launch = mux._launch_prefill, []
+
+    def watched(lane, decode_lane):  # type: ignore[no-untyped-def]
+        waiting_at_launch.append(engine.scheduler.load()[0])
+        return launch_prefill(lane, decode_lane)
+
+    mux._launch_prefill = watched  # type: ignore[method-assign]
+    slow_lanes(mux, prefill_polls=2)  # a relaunched prefill is still in flight when the next step starts
+    assert drive(engine, arrivals) == expected
+    stats = mux.stats()
+    assert stats["prefills_beside_decode"] > 0  # the second prompt's chunks: relaunched beside decode steps
+    assert waiting_at_launch and max(waiting_at_launch) <= 200  # never a lane prefill with the backlog deep
+    assert stats["prefill_tokens_by_sms"][132] >= 6 * 64 - 200  # the burst drained on the whole GPU
     check_idle(engine)
 
 
