@@ -12,10 +12,10 @@ of step N (cached blocks, decode checkpoints) is queued right after step N's for
 state, and covers only tokens that were inputs, never a placeholder.
 
 Scope: plain decoding and prefill chunks, in co-located steps (a multiplexed engine's whole-GPU steps too; its lane
-steps run after the step in flight is applied, `flush`). Steps fall back to the synchronous `LLMEngine.step` (after
-the step in flight is applied) while any request wants logprobs, prompt logprobs, a grammar, logits processors (penalties,
-min_tokens, logit_bias) or keeps its state for export, and always with speculative decoding or tensor parallelism
-(`fallback_reason`, logged at start-up).
+steps run after the step in flight is applied, `flush`). Steps fall back to `LLMEngine.colocated_step`'s synchronous
+path (after the step in flight is applied) while any request wants logprobs, prompt logprobs, a grammar, logits
+processors (penalties, min_tokens, logit_bias) or keeps its state for export, and always with speculative decoding,
+tensor parallelism or a multiplexed engine without whole-GPU steps (`fallback_reason`, logged at start-up).
 """
 
 from __future__ import annotations
@@ -74,6 +74,8 @@ PLACEHOLDER = -1  # an in-flight token's place in output_token_ids (never read a
 
 def fallback_reason(engine: LLMEngine) -> str | None:
     """Why this engine never steps asynchronously (None: it does, request by request)."""
+    if engine.config.pd_multiplex and not engine.config.pd_multiplex_whole_gpu:
+        return "every multiplexed step runs in the SM partitions' lanes, which overlap each other instead"
     if engine.spec is not None:
         return "speculative decoding verifies drafts against the host's tokens"
     if engine.tp is not None:

@@ -33,9 +33,11 @@ class LaneScheduler(Scheduler):
         return SchedulerOutput(decodes=self.schedule_decodes(), prefills=[])
 
     def load(self) -> tuple[int, int]:
-        """(prompt tokens waiting for the prefill lane, rows decoding): what the SM split controller weighs."""
-        waiting = sum(r.num_pending_tokens for r in self.waiting)
-        waiting += sum(r.num_pending_tokens for r in self.running if not r.is_decoding)
+        """(prompt tokens the prefill lane can take, rows decoding): what the SM split controller weighs. Waiting
+        prompts count only while the batch has a seat for them (a full batch admits none, whatever the SMs)."""
+        waiting = sum(r.num_pending_tokens for r in self.running if not r.is_decoding)
+        if len(self.running) < self.max_num_seqs:
+            waiting += sum(r.num_pending_tokens for r in self.waiting)
         return waiting, self.decoding_rows()
 
     def decoding_rows(self) -> int:

@@ -3,8 +3,9 @@ partition (a lane of engine/sm_partition.py), with one copy of the weights and o
 
 A step variant of the engine core (`LLMEngine.step` is schedule -> execute -> update), on the engine's one thread.
 While one phase has no work, or a deep backlog drains, the controller (engine/sm_split.py) has a call run the
-co-located step on the whole GPU instead (after the lanes' queued work; the lanes' next work after it). Otherwise
-each call:
+co-located step on the whole GPU instead (after the lanes' queued work; the lanes' next work after it); it is asked
+when a call starts with no prefill forward in flight and no split pinned, and when a prefill forward is taken
+beside a decode step (step 3). Otherwise each call:
 1. the decode-only batch of the decoding requests is scheduled and launched on the decode lane (first, so that the
    prefill's host work below overlaps the decode step on the GPU);
 2. when no prefill forward is in flight, the split may change (engine/sm_split.py; then the next decode step runs
@@ -187,10 +188,11 @@ class Multiplexer:
     def _leave_whole(self) -> list[RequestOutput]:
         """Back in the lanes: a whole-GPU step still in flight (async scheduling) is applied, the lanes' graphs are
         taken; the outputs of that step."""
-        self.whole = False
-        outputs = self.engine.async_steps.flush() if self.engine.async_steps is not None else []
-        self._use_graphs()
-        return outputs
+        try:
+            return self.engine.async_steps.flush() if self.engine.async_steps is not None else []
+        finally:
+            self.whole = False
+            self._use_graphs()
 
     def _launch_prefill(self, lane: Lane, decode_lane: Lane) -> bool:
         """Schedule a prefill-only batch and launch it on the prefill lane; False: no prompt could be scheduled."""
@@ -198,12 +200,12 @@ class Multiplexer:
         outside = Fence.loop_stream(lane)
         with lane:
             outside.hold(lane)
-            if self._decode_tail is not None:
+            if self._decode_tail is not None:  # kept until a launch: a whole-GPU step may need to wait for it too
                 self._decode_tail.hold(lane)
-                self._decode_tail = None
             work = self.scheduler.schedule_prefill_lane()
             if work.is_empty:
                 return False
+            self._decode_tail = None
             self._admitted = Fence.after(lane)
             prefills = [(c.request, c.num_tokens) for c in work.prefills]
             checkpoint_slots = self.pool.plan_checkpoints(prefills)

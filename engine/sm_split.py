@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 
 from hybridserve.engine.sm_partition import LANES, SmSplit
 
+PREDICTION_CACHE = 4096  # predict_ms answers kept between samples, at most
+
 
 @dataclass(frozen=True)
 class ProfilePoint:
@@ -218,6 +220,8 @@ class SplitController:
         key = (lane, sms, work)
         ms = self._predicted.get(key)
         if ms is None:
+            if len(self._predicted) >= PREDICTION_CACHE:  # no sample for long (whole-GPU steps record none)
+                self._predicted.clear()
             ms = self._predicted[key] = self._predict_ms(lane, sms, work)
         return ms
 

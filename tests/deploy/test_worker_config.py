@@ -28,14 +28,15 @@ ENGINE = EngineConfig(
     mamba_ssm_cache_dtype="bfloat16", kv_cache_dtype="fp8", moe_fp8_activations=False, grammar_compile_timeout_s=3.0,
     grammar_max_spec_bytes=4096, grammar_max_properties=64, grammar_max_regex_states=500, kernel_mode="reference",
     tensor_parallel_hang_timeout_s=12.5, pd_multiplex_prefill_sms="32,64", pd_multiplex_decode_slowdown=1.5,
-    pd_multiplex_tpot_slo_ms=25.0, pd_multiplex_backlog_ms=500.0,
+    pd_multiplex_tpot_slo_ms=25.0, pd_multiplex_backlog_ms=750.0,
+    pd_multiplex_whole_gpu=False,
     # a window no test run reaches: the trace is never written
     profile_dir="hybridserve-profile-never-written", profile_steps="1000000:1:stack",
 )
 # ... and tensor parallelism: its flag and JSON round trip are checked here; a worker process at TP=2 starts follower
 # processes, which tests/engine/test_tensor_parallel.py covers, so the worker-process test below runs ENGINE at TP=1
 ENGINE_ALL = dataclasses.replace(ENGINE, tensor_parallel_size=2, enable_expert_parallel=True)
-# pd_multiplex is its own step, refused beside async scheduling and tensor parallelism: round-tripped on its own
+# pd_multiplex is its own step, refused beside tensor parallelism: round-tripped on its own
 ENGINE_MULTIPLEX = dataclasses.replace(ENGINE, pd_multiplex=True, async_scheduling=False)
 TRANSFER = TransferConfig(planes=("grpc",), staging_mb=16, grpc_streams=3, grpc_chunk_bytes=65536, arena_wait_s=5.0)
 

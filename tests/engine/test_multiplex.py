@@ -18,6 +18,7 @@ from hybridserve.common.sampling_params import StructuredOutput
 from hybridserve.engine import multiplex, multiplex_setup
 from hybridserve.engine.config import EngineConfig
 from hybridserve.engine.lane_flight import Fence
+from hybridserve.engine.lane_graphs import LaneGraphs
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.sm_partition import SmSplit, fake_partitioner
 from hybridserve.engine.sm_split import SplitPolicy
@@ -89,6 +90,47 @@ def test_greedy_tokens_equal_colocated_while_requests_arrive(delay: int, whole_g
         assert mux.counters.overlapped_steps > 0  # decode steps ran while a prefill forward was in flight
     check_idle(engine)
     check_idle(colocated)
+
+
+class GraphsProbe:
+    """Stands in for a set of CUDA graphs (decode and prefill): records which set the runner asked, and whether the
+    step was a whole-GPU one in which split, then declines, so the step runs eagerly."""
+
+    def __init__(self, name: str, mux: multiplex.Multiplexer, asked: list[tuple[str, bool, str]]) -> None:
+        self.name, self.mux, self.asked = name, mux, asked
+
+    def bucket_for(self, batch):  # type: ignore[no-untyped-def]  # DecodeGraphs'
+        self.asked.append((self.name, self.mux.whole, str(self.mux.split)))
+
+    def run(self, input_ids, batch):  # type: ignore[no-untyped-def]  # PrefillGraphs'
+        self.asked.append((self.name, self.mux.whole, str(self.mux.split)))
+
+
+def test_each_step_asks_the_graphs_of_where_it_runs() -> None:
+    """Whole-GPU steps ask the co-located graphs, lane steps their split's; a split cannot be pinned while a
+    whole-GPU step is in flight (async)."""
+    model_dir, _ = nemotron_h("M*-M*")
+    prompts = random_prompts(LENGTHS, vocab=128, seed=11)
+    colocated, engine, mux = engines(model_dir, 2, True, prefill_chunk_size=16, enable_prefix_caching=False)
+    expected = drive(colocated, staggered(prompts))
+    asked: list[tuple[str, bool, str]] = []
+    for split in mux.controller.splits:
+        probe = GraphsProbe(str(split), mux, asked)
+        mux.graphs[split] = LaneGraphs(probe, probe)  # type: ignore[arg-type]
+    whole = GraphsProbe("whole", mux, asked)
+    mux.whole_graphs = LaneGraphs(whole, whole)  # type: ignore[arg-type]
+    mux._use_graphs()
+    assert drive(engine, staggered(prompts)) == expected
+    assert {name for name, _, _ in asked} > {"whole"}  # both kinds of step ran
+    assert all(in_whole == (name == "whole") and (in_whole or name == split) for name, in_whole, split in asked)
+    engine.add_request(prompts[0], GREEDY)
+    engine.step()  # nothing decodes: a whole-GPU step, a step ahead of its tokens
+    assert engine.async_steps is not None and engine.async_steps.busy
+    with pytest.raises(RuntimeError, match="in flight"):
+        mux.pin(mux.controller.splits[0])
+    while engine.has_unfinished():
+        engine.step()
+    check_idle(engine)
 
 
 @pytest.mark.parametrize("case", ["burst", "mtp and prefix cache"])
@@ -206,6 +248,24 @@ def test_a_backlog_arriving_while_prefills_run_beside_decode_starts_a_drain() ->
     assert stats["prefills_beside_decode"] > 0  # the second prompt's chunks: relaunched beside decode steps
     assert waiting_at_launch and max(waiting_at_launch) <= 200  # never a lane prefill with the backlog deep
     assert stats["prefill_tokens_by_sms"][132] >= 6 * 64 - 200  # the burst drained on the whole GPU
+    check_idle(engine)
+
+
+def test_the_load_counts_only_prompts_the_batch_can_seat() -> None:
+    """A prompt waiting for a seat in a full batch is no prefill work for the split: decode keeps the whole GPU."""
+    model_dir, _ = nemotron_h("M*-M*")
+    prompts = random_prompts([9, 12, 30], vocab=128, seed=23)
+    long = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    _, engine, mux = engines(model_dir, 0, True, prefill_chunk_size=16, max_num_seqs=2)
+    for prompt in prompts[:2]:
+        engine.add_request(prompt, long)
+    while mux.scheduler.decoding_rows() < 2:
+        engine.step()
+    assert mux.scheduler.load() == (0, 2)
+    engine.add_request(prompts[2], long)
+    assert mux.scheduler.load() == (0, 2) and mux.controller.whole_gpu(0, 2)
+    while engine.has_unfinished():
+        engine.step()
     check_idle(engine)
 
 
