@@ -331,7 +331,8 @@ class Multiplexer:
 
     def pin(self, split: SmSplit | None, then: SmSplit | None = None) -> None:
         """Hold `split` until unpinned (the start-up profile runs in each split); None: the controller chooses again,
-        from `then` (default: the split in effect). Only while no prefill forward is in flight."""
+        from `then` (default: the split in effect). Only while no forward is in flight (a lane's prefill, or a
+        whole-GPU step ahead of its tokens)."""
         if self.in_flight is not None or self.engine.async_steps is not None and self.engine.async_steps.busy:
             raise RuntimeError("the split cannot change while a forward is in flight")
         self.controller.restart_from(split or then or self.split)  # ValueError off the menu, before any change
