@@ -30,6 +30,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -283,6 +284,22 @@ def git_commit() -> str | None:
         return None
 
 
+def source_tree(repo: Path = HERE.parent.parent) -> str | None:
+    """The git tree id of the files this run read: a scratch index over the working tree (untracked files git does
+    not ignore included), so a copied tree whose HEAD is older still names its content; `git rev-parse C^{tree}`
+    gives the same id for the commit C holding these files. None outside a git checkout."""
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {**os.environ, "GIT_INDEX_FILE": str(Path(scratch) / "index")}
+        try:
+            for command in (["git", "add", "-A"], ["git", "write-tree"]):
+                done = subprocess.run(command, cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+                if done.returncode != 0:
+                    return None
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return done.stdout.strip() or None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, server_args = parse_args(argv)
@@ -296,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     config_json = json.loads(args.config.read_text())
-    result: dict[str, Any] = {"config": args.config.name, "commit": git_commit(), "argv": argv,
+    # "commit": the checkout's HEAD; "tree": what ran (they differ where the working tree was copied onto a checkout)
+    result: dict[str, Any] = {"config": args.config.name, "commit": git_commit(), "tree": source_tree(), "argv": argv,
                               "copy_GBps": measure_copy_gbps(), "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
                               "modes": {}}
     with tempfile.TemporaryDirectory() as model_dir:

@@ -4,6 +4,8 @@ acceptance checks; and its refusal to run without a GPU."""
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -159,3 +161,31 @@ def test_points_past_the_mode_share_are_skipped_and_listed(tmp_path: Path) -> No
     assert run.measure(long) is None and run.skipped == ["2048/256@4"] and run.points == {}
     slo = multiplex.ModeRun("multiplexed-slo", args, extra, tmp_path, share_s=30.0)
     assert slo.flags[:3] == ["--pd-multiplex", "--pd-multiplex-tpot-slo-ms", "15"]
+
+
+def test_the_result_names_the_tree_that_ran(tmp_path: Path) -> None:
+    """A working tree copied onto an older checkout: HEAD names the old commit, the tree id names what ran (the id
+    of the commit that holds those files); outside a git checkout, None."""
+    def git(*command: str) -> str:
+        env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+               "GIT_COMMITTER_EMAIL": "t@t", "PATH": os.environ.get("PATH", "")}
+        return subprocess.run(["git", *command], cwd=tmp_path, env=env, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    assert multiplex.source_tree(tmp_path) is None
+    git("init", "-q")
+    (tmp_path / ".gitignore").write_text("out/\n")
+    (tmp_path / "engine.py").write_text("STEP = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "old")
+    old_tree = git("rev-parse", "HEAD^{tree}")
+    (tmp_path / "engine.py").write_text("STEP = 2\n")  # the copied tree: a changed file, a new one, an ignored one
+    (tmp_path / "lanes.py").write_text("LANES = 2\n")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "result.json").write_text("{}")
+    ran = multiplex.source_tree(tmp_path)
+    assert ran is not None and ran != old_tree
+    assert git("status", "--porcelain") != ""  # the real index was not touched: the changes are still unstaged
+    git("add", "-A")
+    git("commit", "-qm", "new")
+    assert git("rev-parse", "HEAD^{tree}") == ran
