@@ -35,10 +35,15 @@ class LaneScheduler(Scheduler):
     def load(self) -> tuple[int, int]:
         """(prompt tokens the prefill lane can take, rows decoding): what the SM split controller weighs. Waiting
         prompts count only while the batch has a seat for them (a full batch admits none, whatever the SMs)."""
-        waiting = sum(r.num_pending_tokens for r in self.running if not r.is_decoding)
+        waiting = decoding = 0
+        for request in self.running:
+            if request.is_decoding:
+                decoding += 1
+            else:
+                waiting += request.num_pending_tokens
         if len(self.running) < self.max_num_seqs:
             waiting += sum(r.num_pending_tokens for r in self.waiting)
-        return waiting, self.decoding_rows()
+        return waiting, decoding
 
     def decoding_rows(self) -> int:
         return sum(1 for r in self.running if r.is_decoding)

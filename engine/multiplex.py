@@ -125,12 +125,17 @@ class Multiplexer:
         """One iteration (module docstring); returns the requests updated by the decode step and, once it completed,
         by the prefill forward. `on_launched` runs once this iteration's forwards are queued."""
         self.iteration += 1
-        if self.in_flight is None and self.pinned is None and self.controller.whole_gpu(*self.scheduler.load()):
+        load = self.scheduler.load() if self.in_flight is None else None
+        if load is not None and self._whole_next(load):
             return self._whole_step(on_launched)
-        outputs = self._leave_whole() if self.whole else []
+        outputs: list[RequestOutput] = []
+        if self.whole:
+            outputs = self._leave_whole()
+            if load is not None:  # the step it applied may have retired requests
+                load = self.scheduler.load()
         clock = StepClock()
-        if self.in_flight is None:
-            self._choose_split()
+        if load is not None:
+            self._choose_split(load)
         prefill_lane, decode_lane = self.lanes()
         decode = self._schedule_decode(decode_lane)
         clock.schedule_done()
@@ -254,9 +259,10 @@ class Multiplexer:
                 break
             tokens, outputs = tokens + done_tokens, outputs + done_outputs
             self._beside_tail = self._prefill_tail
-            if self.pinned is None and self.controller.whole_gpu(*self.scheduler.load()):
+            load = self.scheduler.load()
+            if self._whole_next(load):
                 break  # a backlog to drain (or nothing left to prefill): the next step runs on the whole GPU
-            if self._choose_split(use_graphs=False):
+            if self._choose_split(load, use_graphs=False):
                 self._graphs_stale = True
                 break
             if real and (predicted_s - elapsed_s) * 1e3 < self._prefill_launch_ms:  # it would delay this step's tokens
@@ -339,12 +345,17 @@ class Multiplexer:
         self.pinned = split
         self._use_graphs()
 
-    def _choose_split(self, use_graphs: bool = True) -> bool:
-        """The split for the next prefill forward and the decode steps beside it, from the load now; True if it
-        changed (`use_graphs`: the runner takes its graphs now; else the caller does, once no step uses the old)."""
+    def _whole_next(self, load: tuple[int, int]) -> bool:
+        """Whether the next step runs on the whole GPU, for `load` (LaneScheduler.load); never while pinned."""
+        return self.pinned is None and self.controller.whole_gpu(*load)
+
+    def _choose_split(self, load: tuple[int, int], use_graphs: bool = True) -> bool:
+        """The split for the next prefill forward and the decode steps beside it, for `load` (LaneScheduler.load);
+        True if it changed (`use_graphs`: the runner takes its graphs now; else the caller does, once no step uses
+        the old)."""
         if self.pinned is not None:
             return False
-        (waiting, decoding), before = self.scheduler.load(), self.split
+        (waiting, decoding), before = load, self.split
         split = self.controller.choose(waiting, decoding)
         if split == before:
             return False
